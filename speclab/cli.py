@@ -1,0 +1,161 @@
+"""`speclab` command line: generate | zoo | train (bench, app, sweep come with their issues)."""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from speclab.errors import SpeclabError
+
+DEFAULT_DB = "traces/speclab.duckdb"
+
+
+def _read_prompts(path: str) -> list[dict]:
+    """Prompts from a file: JSON Lines (field prompt / turns / question / text / problem) or one prompt per line."""
+    p = Path(path)
+    if not p.exists():
+        raise SpeclabError(f"no prompts file at {p.resolve()}")
+    rows = []
+    for i, line in enumerate(p.read_text(encoding="utf-8").splitlines()):
+        if not line.strip():
+            continue
+        if p.suffix == ".jsonl":
+            r = json.loads(line)
+            text = next((r[k] for k in ("prompt", "turns", "question", "text", "problem") if k in r), None)
+            text = text[0] if isinstance(text, list) else text
+            rows.append({"prompt": text, "prompt_id": str(r.get("id", r.get("question_id", i))), "category": r.get("category")})
+        else:
+            rows.append({"prompt": line, "prompt_id": str(i), "category": None})
+    return rows
+
+
+def cmd_generate(a: argparse.Namespace) -> int:
+    from speclab import zoo
+    from speclab.generate import generate
+    from speclab.methods import get_method
+    from speclab.target import Target
+    from speclab.trace import TraceStore
+
+    method = get_method(a.method)
+    if a.prompt is None and a.prompts is None:
+        raise SpeclabError("give --prompt TEXT or --prompts FILE")
+    prompts = [{"prompt": a.prompt, "prompt_id": None, "category": None}] if a.prompt is not None else _read_prompts(a.prompts)
+    if a.max_new_tokens < 1:
+        raise SpeclabError(f"--max-new-tokens must be at least 1 (got {a.max_new_tokens})")
+    store = None
+    if a.db != "none":
+        Path(a.db).parent.mkdir(parents=True, exist_ok=True)
+        store = TraceStore(a.db)  # before loading models: a locked or foreign file fails fast
+    log = sys.stderr
+    print(f"loading target {a.model or zoo.default_target()} ...", file=log, flush=True)
+    target = Target.load(a.model or zoo.default_target(), device=a.device, dtype=a.dtype)
+    draft = None
+    if method.needs_draft_model:
+        print(f"loading draft {a.draft or zoo.default_draft()} ...", file=log, flush=True)
+        draft = Target.load(a.draft or zoo.default_draft(), device=a.device, dtype=a.dtype)
+    params = {"k": a.k, "tree_topk": a.tree_topk}
+    try:
+        for p in prompts:
+            stream = _Streamer(target.tokenizer) if a.stream else None
+            res = generate(target, p["prompt"], a.method, draft=draft, max_new_tokens=a.max_new_tokens,
+                           temperature=a.temperature, top_k=a.top_k, top_p=a.top_p, seed=a.seed, deferred=a.deferred,
+                           trace=store, on_round=stream, prompt_id=p["prompt_id"], category=p["category"], **params)
+            if stream is None:
+                print(res.text, flush=True)
+            else:
+                stream.finish()
+            s = res.summary()
+            if a.json:
+                print(json.dumps(s), flush=True)
+            else:
+                print(f"[{s['method']}] {s['tokens']} tokens in {s['elapsed_s']:.2f} s ({s['tokens_per_s']:.1f} tok/s), "
+                      f"{s['rounds']} rounds, tau {s['tau']:.2f}, {s['target_calls']} target calls"
+                      + (f", run {s['run_id']} in {a.db}" if store else ""), file=log, flush=True)
+    finally:
+        if store is not None:
+            store.close()
+    return 0
+
+
+class _Streamer:
+    """Prints the text as rounds commit tokens (decoding the whole output keeps multi-byte characters whole)."""
+
+    def __init__(self, tokenizer):
+        self.tok, self.ids, self.printed = tokenizer, [], ""
+
+    def __call__(self, ev) -> None:
+        self.ids.extend(ev.committed.tolist())
+        text = self.tok.decode(self.ids, skip_special_tokens=True)
+        if not text.endswith("\ufffd"):
+            sys.stdout.write(text[len(self.printed):])
+            sys.stdout.flush()
+            self.printed = text
+
+    def finish(self) -> None:
+        text = self.tok.decode(self.ids, skip_special_tokens=True)
+        sys.stdout.write(text[len(self.printed):] + "\n")
+        sys.stdout.flush()
+
+
+def cmd_zoo(a: argparse.Namespace) -> int:
+    from speclab.train.zoo_build import ZooBuildConfig, build_zoo, evaluate_zoo
+
+    if a.zoo_cmd == "build":
+        build_zoo(ZooBuildConfig(shared_data=a.shared_data, target_minutes=a.target_minutes,
+                                 draft_minutes=a.draft_minutes, seed=a.seed))
+    elif a.zoo_cmd == "eval":
+        print(evaluate_zoo(eval_tokens=a.eval_tokens))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="speclab", description="speculative decoding laboratory")
+    sub = ap.add_subparsers(dest="cmd", required=True)
+
+    g = sub.add_parser("generate", help="decode prompts with a method; trace to DuckDB")
+    g.add_argument("--model", help="target model directory or cached hub name (default: the zoo target)")
+    g.add_argument("--draft", help="draft model for sps (default: the zoo draft)")
+    g.add_argument("--prompt", help="prompt text")
+    g.add_argument("--prompts", help="file of prompts (.jsonl with prompt/turns/question/text, or one per line)")
+    g.add_argument("--method", default="ar", help="ar | sps | pld | ... (see speclab.methods)")
+    g.add_argument("--k", type=int, default=None, help="draft length / depth (method default if omitted)")
+    g.add_argument("--tree-topk", type=int, default=None, help="sps: children per level (1 = chain)")
+    g.add_argument("--deferred", action=argparse.BooleanOptionalAction, default=True,
+                   help="the bonus token leads the next verification batch (default on)")
+    g.add_argument("--max-new-tokens", type=int, default=128)
+    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--seed", type=int, default=None)
+    g.add_argument("--db", default=DEFAULT_DB, help=f"DuckDB trace file (default {DEFAULT_DB}; 'none' to skip)")
+    g.add_argument("--json", action="store_true", help="print one JSON summary line per prompt")
+    g.add_argument("--stream", action=argparse.BooleanOptionalAction, default=True, help="print text as it is decoded")
+    g.add_argument("--device", default=None)
+    g.add_argument("--dtype", default=None, help="fp32 | bf16 | fp16 (default fp32 on CPU, bf16 on CUDA)")
+    g.set_defaults(fn=cmd_generate)
+
+    z = sub.add_parser("zoo", help="build or evaluate the zoo models in data/zoo")
+    zs = z.add_subparsers(dest="zoo_cmd", required=True)
+    zb = zs.add_parser("build", help="re-create corpus, tokenizer, target and draft (long: hours on CPU)")
+    zb.add_argument("--shared-data", default="../shared/data")
+    zb.add_argument("--target-minutes", type=float, default=100.0)
+    zb.add_argument("--draft-minutes", type=float, default=25.0)
+    zb.add_argument("--seed", type=int, default=0)
+    ze = zs.add_parser("eval", help="per-domain validation loss and bits per byte of the zoo models")
+    ze.add_argument("--eval-tokens", type=int, default=65536)
+    z.set_defaults(fn=cmd_zoo)
+
+    a = ap.parse_args(argv)
+    try:
+        return a.fn(a)
+    except SpeclabError as e:
+        print(f"speclab: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("speclab: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

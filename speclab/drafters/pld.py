@@ -1,0 +1,41 @@
+"""Prompt lookup decoding: match the last n tokens earlier in prompt + output and propose what followed."""
+from __future__ import annotations
+
+import torch
+
+from speclab.sampling import Sampling
+from speclab.tree import DraftTree
+
+
+class PromptLookup:
+    name = "pld"
+
+    def __init__(self, k: int = 8, max_ngram: int = 3, min_ngram: int = 1):
+        if k < 1 or min_ngram < 1 or max_ngram < min_ngram:
+            raise ValueError(f"pld needs k >= 1 and 1 <= min_ngram <= max_ngram (got k={k}, ngram {min_ngram}..{max_ngram})")
+        self.k, self.max_ngram, self.min_ngram = k, max_ngram, min_ngram
+        self.ids = torch.zeros(0, dtype=torch.long)
+
+    def reset(self, prompt_ids: torch.Tensor) -> None:
+        self.ids = prompt_ids.detach().cpu().long().clone()
+
+    def catch_up(self, backlog: torch.Tensor) -> None:
+        if backlog.numel():
+            self.ids = torch.cat([self.ids, backlog.detach().cpu().long()])
+
+    def propose(self, max_depth: int, sampling: Sampling, generator=None) -> DraftTree:
+        k = min(self.k, max_depth)
+        ids = self.ids
+        for n in range(self.max_ngram, self.min_ngram - 1, -1):
+            if k <= 0 or ids.numel() <= n:
+                break
+            windows = ids[:-1].unfold(0, n, 1)  # every earlier n-gram that has at least one token after it
+            hits = (windows == ids[-n:]).all(1).nonzero().flatten()
+            if hits.numel():
+                start = int(hits[-1]) + n  # the most recent occurrence
+                cont = ids[start : start + k]
+                return DraftTree.chain(cont.clone(), torch.full((cont.numel(),), float("nan")))
+        return DraftTree.empty()
+
+    def commit(self, tree: DraftTree, accepted: torch.Tensor) -> None:
+        pass

@@ -1,0 +1,56 @@
+"""The registry of decoding methods: what the CLI, the app and the benchmarks list and build.
+
+A method names a drafter factory and its parameters; AR is the method without a drafter. New drafters
+register here and appear everywhere without other changes.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+from speclab.errors import InvalidInput
+
+
+@dataclass
+class Method:
+    name: str
+    description: str
+    build: Callable | None  # (target, draft_model, **params) -> Drafter; None for AR
+    params: dict = field(default_factory=dict)  # parameter -> default
+    needs_draft_model: bool = False
+
+
+def _sps(target, draft, k=4, tree_topk=1):
+    from speclab.drafters.sps import StandaloneDraft
+    if draft is None:
+        raise InvalidInput("method 'sps' needs a draft model (--draft PATH, or the zoo's default draft)")
+    if draft.vocab_size != target.vocab_size:
+        raise InvalidInput(f"draft vocabulary ({draft.vocab_size}) differs from the target's ({target.vocab_size}): "
+                           "sps needs a draft model with the target's tokenizer")
+    return StandaloneDraft(draft, k=k, tree_topk=tree_topk)
+
+
+def _pld(target, draft, k=8, max_ngram=3, min_ngram=1):
+    from speclab.drafters.pld import PromptLookup
+    return PromptLookup(k=k, max_ngram=max_ngram, min_ngram=min_ngram)
+
+
+METHODS: dict[str, Method] = {
+    "ar": Method("ar", "autoregressive baseline: one target call per token", None),
+    "sps": Method("sps", "standalone draft model (SpS): chain of k, or a top-k tree", _sps,
+                  {"k": 4, "tree_topk": 1}, needs_draft_model=True),
+    "pld": Method("pld", "prompt lookup: n-gram match in prompt + output, no model", _pld,
+                  {"k": 8, "max_ngram": 3, "min_ngram": 1}),
+}
+
+
+def get_method(name: str) -> Method:
+    if name not in METHODS:
+        raise InvalidInput(f"unknown method '{name}'; registered: {', '.join(METHODS)}")
+    return METHODS[name]
+
+
+def method_params(name: str, given: dict) -> dict:
+    """The method's parameters: defaults overridden by the given ones that it knows (others ignored)."""
+    m = get_method(name)
+    return {k: type(v)(given[k]) if given.get(k) is not None else v for k, v in m.params.items()}

@@ -1,0 +1,75 @@
+"""Speculative-decoding metrics, each defined once, in SQL over the trace (Spec-Bench definitions).
+
+- tau (acceptance length): tokens committed per target verification round, bonus token included.
+- acceptance rate: accepted draft tokens / drafted tokens (over rounds that drafted).
+- per-position acceptance: P(the node at depth d on the accepted path exists | the tree reached depth d).
+- tokens/s: new tokens / wall time of the decode; speedup is a ratio of tokens/s measured in the same run.
+- draft-time share: draft phase time / time of all phases.
+- target calls per token: target forwards (prefill included) / new tokens.
+
+The same SQL is installed as views (`run_metrics`, `position_acceptance`) in every trace file, so the app's
+SQL box and notebooks see exactly these definitions.
+"""
+from __future__ import annotations
+
+# per run: the sums every pooled metric is made of, then the ratios
+RUN_SUMS_SQL = """
+SELECT r.run_id, r.method, r.category, r.prompt_id, r.status, r.bench_id, r.new_tokens, r.target_calls, r.elapsed_s,
+       count(x.round) AS verifications, sum(x.committed) AS committed, sum(x.n_accepted) AS accepted,
+       sum(x.n_drafted) AS drafted, sum(x.t_draft_ms) AS draft_ms,
+       sum(x.t_route_ms + x.t_catchup_ms + x.t_draft_ms + x.t_verify_ms + x.t_commit_ms) AS phases_ms
+FROM runs r LEFT JOIN rounds x USING (run_id)
+GROUP BY ALL
+"""
+
+RATIOS = """
+       sum(new_tokens) / nullif(sum(elapsed_s), 0)   AS tokens_per_s,
+       sum(committed) / nullif(sum(verifications), 0) AS tau,
+       sum(accepted) / nullif(sum(drafted), 0)        AS acceptance_rate,
+       sum(draft_ms) / nullif(sum(phases_ms), 0)      AS draft_time_share,
+       sum(target_calls) / nullif(sum(new_tokens), 0) AS target_calls_per_token"""
+
+RUN_METRICS_SQL = f"""
+SELECT run_id, any_value(method) AS method, any_value(category) AS category, any_value(prompt_id) AS prompt_id,
+       any_value(status) AS status, any_value(bench_id) AS bench_id, sum(new_tokens) AS new_tokens,
+       sum(verifications) AS rounds, sum(target_calls) AS target_calls, sum(elapsed_s) AS elapsed_s, {RATIOS}
+FROM ({RUN_SUMS_SQL}) GROUP BY run_id
+"""
+
+POSITION_ACCEPTANCE_SQL = """
+SELECT n.run_id, n.depth,
+       count(DISTINCT n.round)                                     AS rounds_reaching,
+       count(DISTINCT CASE WHEN n.accepted THEN n.round END)       AS rounds_accepted,
+       count(DISTINCT CASE WHEN n.accepted THEN n.round END) / count(DISTINCT n.round) AS acceptance
+FROM draft_nodes n
+GROUP BY n.run_id, n.depth
+"""
+
+VIEWS = {"run_metrics": RUN_METRICS_SQL, "position_acceptance": POSITION_ACCEPTANCE_SQL}
+
+
+def _in(run_ids) -> tuple[str, list]:
+    if run_ids is None:
+        return "", []
+    run_ids = [int(r) for r in run_ids]
+    return f"WHERE run_id IN ({', '.join('?' * len(run_ids))})", run_ids
+
+
+def run_metrics(store, run_ids=None):
+    where, params = _in(run_ids)
+    return store.query(f"SELECT * FROM ({RUN_METRICS_SQL}) {where} ORDER BY run_id", params)
+
+
+def position_acceptance(store, run_ids=None):
+    where, params = _in(run_ids)
+    return store.query(f"SELECT * FROM ({POSITION_ACCEPTANCE_SQL}) {where} ORDER BY run_id, depth", params)
+
+
+def summarize(store, run_ids=None, by: str = "method"):
+    """Metrics pooled over runs per `by` column (sums first, then ratios: a long run weighs more)."""
+    if by not in ("method", "category", "prompt_id", "bench_id"):
+        raise ValueError(f"cannot group by {by!r}")
+    where, params = _in(run_ids)
+    return store.query(f"""
+        SELECT {by}, count(*) AS runs, sum(new_tokens) AS tokens, {RATIOS}
+        FROM ({RUN_SUMS_SQL}) {where} GROUP BY {by} ORDER BY {by}""", params)

@@ -1,0 +1,224 @@
+"""Train a zoo language model (Qwen3 architecture) from scratch on CPU, or distil one from a teacher.
+
+nanoGPT-style: one config dataclass, packed random windows of the tokenized corpus, AdamW with
+warm-up + cosine decay, bf16 autocast, periodic per-domain validation, checkpoints that survive an
+interrupted run (the newest checkpoint is always a loadable HF directory).
+With `teacher` set, the loss is KL(teacher || student) on the teacher's next-token distributions
+(the student learns the target's distribution, not just the corpus).
+"""
+from __future__ import annotations
+
+import json
+import math
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from speclab.progress import Progress
+from speclab.train.corpus import DOMAINS, EOS_TEXT, read_split
+
+
+@dataclass
+class ModelShape:
+    hidden_size: int = 512
+    num_hidden_layers: int = 6
+    num_attention_heads: int = 8
+    num_key_value_heads: int = 4
+    head_dim: int = 64
+    intermediate_size: int = 1536
+    max_position_embeddings: int = 1024
+
+
+@dataclass
+class TrainConfig:
+    corpus_dir: str
+    tokenizer_dir: str
+    out_dir: str
+    shape: ModelShape = field(default_factory=ModelShape)
+    teacher: str | None = None  # HF dir of the model to distil from
+    seq_len: int = 512
+    batch_size: int = 8
+    lr: float = 2e-3
+    min_lr: float = 1e-4
+    warmup_steps: int = 100
+    weight_decay: float = 0.1
+    max_minutes: float = 60.0  # wall-clock budget: the LR schedule runs on elapsed time, so a busy machine
+    # costs tokens, never the deadline
+    init_from: str | None = None  # HF dir to start from (resume a cut-off run; optimizer moments restart)
+    eval_every_s: float = 600.0
+    eval_tokens: int = 16384  # per domain
+    seed: int = 0
+    threads: int = 2
+    compile: bool = True  # torch.compile pays ~1.2x here for runs longer than a few minutes
+    domain_weights: dict = field(default_factory=lambda: {"code": 0.3, "stories": 0.15, "literature": 0.3, "math": 0.25})
+
+
+def tokenize_corpus(corpus_dir: Path, tokenizer, cache_dir: Path) -> dict[str, dict[str, np.ndarray]]:
+    """Token ids per domain and split, documents joined by EOS; cached as .npy next to the corpus."""
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    eos = tokenizer.convert_tokens_to_ids(EOS_TEXT)
+    out: dict[str, dict[str, np.ndarray]] = {}
+    for d in DOMAINS:
+        out[d] = {}
+        for split in ("train", "val"):
+            f = cache_dir / f"{d}.{split}.npy"
+            if not f.exists():
+                ids: list[int] = []
+                for doc in read_split(corpus_dir, d, split):
+                    ids.extend(tokenizer(doc)["input_ids"])
+                    ids.append(eos)
+                np.save(f, np.asarray(ids, dtype=np.uint16))
+            out[d][split] = np.load(f)
+    return out
+
+
+def build_model(shape: ModelShape, tokenizer):
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    config = Qwen3Config(vocab_size=len(tokenizer), tie_word_embeddings=True, rope_theta=10000.0,
+                         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+                         bos_token_id=None, attn_implementation="sdpa", **asdict(shape))
+    return Qwen3ForCausalLM(config)
+
+
+def _batch(data: dict, weights: dict, cfg: TrainConfig, rng: np.random.Generator) -> torch.Tensor:
+    doms = list(weights)
+    p = np.array([weights[d] for d in doms], dtype=float)
+    picks = rng.choice(len(doms), size=cfg.batch_size, p=p / p.sum())
+    rows = []
+    for i in picks:
+        arr = data[doms[i]]["train"]
+        s = rng.integers(0, len(arr) - cfg.seq_len - 1)
+        rows.append(arr[s : s + cfg.seq_len + 1].astype(np.int64))
+    return torch.from_numpy(np.stack(rows))
+
+
+@torch.no_grad()
+def evaluate(model, data: dict, seq_len: int, eval_tokens: int, tokenizer=None) -> dict[str, dict[str, float]]:
+    """Mean next-token loss (nats) per domain on the validation split, and bits per byte where a tokenizer is given."""
+    model.eval()
+    res = {}
+    for d in DOMAINS:
+        arr = data[d]["val"][: eval_tokens + 1].astype(np.int64)
+        n = (len(arr) - 1) // seq_len
+        x = torch.from_numpy(arr[: n * seq_len]).view(n, seq_len)
+        y = torch.from_numpy(arr[1 : n * seq_len + 1]).view(n, seq_len)
+        tot, cnt = 0.0, 0
+        for i in range(0, n, 8):
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                logits = model(input_ids=x[i : i + 8]).logits
+            tot += F.cross_entropy(logits.float().flatten(0, 1), y[i : i + 8].flatten(), reduction="sum").item()
+            cnt += y[i : i + 8].numel()
+        r = {"loss": tot / cnt}
+        if tokenizer is not None:
+            nbytes = len(tokenizer.decode(arr[1 : n * seq_len + 1].tolist()).encode("utf-8"))
+            r["bits_per_byte"] = tot / math.log(2) / nbytes
+        res[d] = r
+    model.train()
+    return res
+
+
+def lr_at(step: int, frac: float, cfg: TrainConfig) -> float:
+    """Linear warm-up over steps, then cosine decay over the fraction of the time budget used."""
+    if step < cfg.warmup_steps:
+        return cfg.lr * (step + 1) / cfg.warmup_steps
+    t = min(1.0, max(0.0, frac))
+    return cfg.min_lr + 0.5 * (cfg.lr - cfg.min_lr) * (1 + math.cos(math.pi * t))
+
+
+def save_hf(model, tokenizer, out_dir: Path, dtype=torch.bfloat16) -> None:
+    """Save as a HF directory (safetensors in `dtype`); written to a temp dir then renamed, so a kill never leaves half a model."""
+    from transformers import GenerationConfig
+
+    out_dir = Path(out_dir)
+    tmp = out_dir.with_name(out_dir.name + ".tmp")
+    import copy
+    model_copy = copy.deepcopy(model).to(dtype)
+    model_copy.generation_config = GenerationConfig(eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+                                                    do_sample=False, max_new_tokens=128)
+    model_copy.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    if out_dir.exists():
+        import shutil
+        shutil.rmtree(out_dir)
+    tmp.rename(out_dir)
+
+
+def train_lm(cfg: TrainConfig) -> dict:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    torch.manual_seed(cfg.seed)
+    torch.set_num_threads(cfg.threads)
+    rng = np.random.default_rng(cfg.seed)
+    tok = AutoTokenizer.from_pretrained(cfg.tokenizer_dir)
+    data = tokenize_corpus(Path(cfg.corpus_dir), tok, Path(cfg.corpus_dir) / ".tokens")
+    if cfg.init_from:
+        model = AutoModelForCausalLM.from_pretrained(cfg.init_from, dtype=torch.float32)
+    else:
+        model = build_model(cfg.shape, tok)
+    teacher = None
+    if cfg.teacher:
+        teacher = AutoModelForCausalLM.from_pretrained(cfg.teacher, dtype=torch.bfloat16).eval()
+    n_params = sum(p.numel() for p in model.parameters())
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    no_decay = [p for p in model.parameters() if p.dim() < 2]
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": cfg.weight_decay},
+                             {"params": no_decay, "weight_decay": 0.0}], lr=cfg.lr, betas=(0.9, 0.95), fused=False)
+    out = Path(cfg.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    log_f = open(out / "train_log.jsonl", "a")
+    tokens_per_step = cfg.batch_size * cfg.seq_len
+    budget_s = cfg.max_minutes * 60
+    print(f"params {n_params/1e6:.2f} M, budget {cfg.max_minutes:.0f} min", flush=True)
+    step_fn = torch.compile(model) if cfg.compile else model
+    prog = Progress(int(budget_s), "train (seconds)")
+    t0 = time.time()
+    last_eval = t0
+    step = 0
+    model.train()
+    while True:
+        elapsed = time.time() - t0
+        last = elapsed >= budget_s
+        if last:
+            break
+        lr = lr_at(step, elapsed / budget_s, cfg)
+        for g in opt.param_groups:
+            g["lr"] = lr
+        xy = _batch(data, cfg.domain_weights, cfg, rng)
+        x, y = xy[:, :-1], xy[:, 1:]
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            logits = step_fn(input_ids=x).logits
+            if teacher is not None:
+                with torch.no_grad():
+                    t_logp = F.log_softmax(teacher(input_ids=x).logits.float(), -1)
+                loss = F.kl_div(F.log_softmax(logits.float(), -1).flatten(0, 1), t_logp.flatten(0, 1),
+                                log_target=True, reduction="batchmean")
+            else:
+                loss = F.cross_entropy(logits.float().flatten(0, 1), y.flatten())
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        step += 1
+        prog.update(min(int(time.time() - t0), int(budget_s)), step=step, loss=f"{loss.item():.3f}", lr=f"{lr:.2e}",
+                    tok_s=f"{step * tokens_per_step / (time.time() - t0):.0f}")
+        rec = {"step": step, "tokens": step * tokens_per_step, "loss": loss.item(), "lr": lr, "time_s": time.time() - t0}
+        if time.time() - last_eval > cfg.eval_every_s:
+            rec["val"] = evaluate(model, data, cfg.seq_len, cfg.eval_tokens, tok)
+            print(f"\nstep {step} val " + " ".join(f"{d}={v['loss']:.3f}" for d, v in rec["val"].items()), flush=True)
+            save_hf(model, tok, out / "model")
+            last_eval = time.time()
+        log_f.write(json.dumps(rec) + "\n")
+        log_f.flush()
+    rec = {"step": step, "tokens": step * tokens_per_step, "time_s": time.time() - t0,
+           "val": evaluate(model, data, cfg.seq_len, cfg.eval_tokens, tok)}
+    log_f.write(json.dumps(rec) + "\n")
+    save_hf(model, tok, out / "model")
+    summary = {"params": n_params, "steps": step, "tokens": step * tokens_per_step, "minutes": (time.time() - t0) / 60,
+               "val": rec.get("val"), "config": asdict(cfg)}
+    (out / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
+    return summary

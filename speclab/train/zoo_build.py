@@ -1,0 +1,87 @@
+"""Re-create the zoo from ../shared/data: corpus -> tokenizer -> target -> distilled draft -> evaluation.
+
+`speclab zoo build` runs the whole recipe (hours on a 2-core CPU; never in CI). `speclab zoo eval`
+measures the per-domain validation loss and bits per byte of the zoo models, the table of the model card.
+"""
+from __future__ import annotations
+
+import json
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from speclab.train.corpus import CorpusConfig, build_corpus
+from speclab.train.lm import ModelShape, TrainConfig, evaluate, tokenize_corpus, train_lm
+from speclab.train.tokenizer import train_tokenizer
+from speclab.zoo import REPO_ROOT, zoo_dir
+
+TARGET_SHAPE = ModelShape(hidden_size=512, num_hidden_layers=6, num_attention_heads=8, num_key_value_heads=4,
+                          head_dim=64, intermediate_size=1536, max_position_embeddings=1024)
+DRAFT_SHAPE = ModelShape(hidden_size=192, num_hidden_layers=2, num_attention_heads=6, num_key_value_heads=2,
+                         head_dim=32, intermediate_size=512, max_position_embeddings=1024)
+
+
+@dataclass
+class ZooBuildConfig:
+    shared_data: str = "../shared/data"
+    target_minutes: float = 100.0
+    draft_minutes: float = 25.0
+    seed: int = 0
+    work_dir: str = "build/zoo"
+
+
+def build_zoo(cfg: ZooBuildConfig) -> None:
+    corpus = REPO_ROOT / "data" / "corpus"
+    zoo = zoo_dir()
+    work = Path(cfg.work_dir)
+    print(f"[1/4] corpus -> {corpus}", flush=True)
+    print(json.dumps(build_corpus(corpus, CorpusConfig(shared_data=Path(cfg.shared_data), seed=cfg.seed)), indent=1))
+    print(f"[2/4] tokenizer -> {zoo / 'tokenizer'}", flush=True)
+    shutil.rmtree(corpus / ".tokens", ignore_errors=True)
+    train_tokenizer(corpus, zoo / "tokenizer")
+    print(f"[3/4] target ({cfg.target_minutes:.0f} min)", flush=True)
+    train_lm(TrainConfig(corpus_dir=str(corpus), tokenizer_dir=str(zoo / "tokenizer"), out_dir=str(work / "target"),
+                         shape=TARGET_SHAPE, lr=1.5e-3, max_minutes=cfg.target_minutes, seed=cfg.seed))
+    _install(work / "target", zoo / "target")
+    print(f"[4/4] draft distilled from the target ({cfg.draft_minutes:.0f} min)", flush=True)
+    train_lm(TrainConfig(corpus_dir=str(corpus), tokenizer_dir=str(zoo / "tokenizer"), out_dir=str(work / "draft"),
+                         shape=DRAFT_SHAPE, teacher=str(zoo / "target"), lr=3e-3, seq_len=256, batch_size=16,
+                         max_minutes=cfg.draft_minutes, seed=cfg.seed + 1))
+    _install(work / "draft", zoo / "draft")
+    print(evaluate_zoo())
+
+
+def _install(run_dir: Path, dest: Path) -> None:
+    if dest.exists():
+        shutil.rmtree(dest)
+    shutil.copytree(run_dir / "model", dest)
+    for f in ("train_log.jsonl", "summary.json"):
+        if (run_dir / f).exists():
+            shutil.copy(run_dir / f, dest / f)
+
+
+def evaluate_zoo(eval_tokens: int = 65536) -> str:
+    """Markdown table: per-domain validation loss (nats/token) and bits per byte of target and draft."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    zoo = zoo_dir()
+    tok = AutoTokenizer.from_pretrained(zoo / "tokenizer")
+    corpus = REPO_ROOT / "data" / "corpus"
+    data = tokenize_corpus(corpus, tok, corpus / ".tokens")
+    res = {}
+    for name in ("target", "draft"):
+        model = AutoModelForCausalLM.from_pretrained(zoo / name, dtype=torch.float32)
+        res[name] = evaluate(model, data, 512, eval_tokens, tok)
+        res[name]["params"] = sum(p.numel() for p in model.parameters())
+    lines = ["| domain | target loss | draft loss | gap (nats) | target bits/byte | draft bits/byte |", "|---|---|---|---|---|---|"]
+    for d in res["target"]:
+        if d == "params":
+            continue
+        t, dr = res["target"][d], res["draft"][d]
+        lines.append(f"| {d} | {t['loss']:.3f} | {dr['loss']:.3f} | {dr['loss'] - t['loss']:.3f} | "
+                     f"{t['bits_per_byte']:.3f} | {dr['bits_per_byte']:.3f} |")
+    lines.append(f"\nparams: target {res['target']['params'] / 1e6:.2f} M, draft {res['draft']['params'] / 1e6:.2f} M; "
+                 f"{eval_tokens} validation tokens per domain (or all there are)")
+    return "\n".join(lines)

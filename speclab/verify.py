@@ -1,0 +1,82 @@
+"""Lossless verification of a draft tree against the target's distributions.
+
+`target_logits` has one row per tree position: row 0 is the distribution after the root (the last
+committed token), row i + 1 the distribution after node i. Greedy: the deepest node whose every token on
+the path equals the target's argmax at its parent, plus the target's bonus token. Sampling: speculative
+sampling (Leviathan et al.; Chen et al.) generalised to several candidates per node by recursive rejection
+over siblings (SpecInfer; EAGLE), which keeps the target distribution exactly.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from speclab.sampling import Sampling, logits_to_probs, sample
+from speclab.tree import DraftTree
+
+
+@dataclass
+class Verdict:
+    accepted: torch.Tensor  # [a] node indices of the accepted path, root side first
+    bonus: int  # the target's token after the accepted path (correction or bonus)
+
+
+def verify(tree: DraftTree, target_logits: torch.Tensor, sampling: Sampling,
+           generator: torch.Generator | None = None) -> Verdict:
+    if sampling.greedy:
+        return verify_greedy(tree, target_logits)
+    return verify_sampling(tree, logits_to_probs(target_logits, sampling), generator)
+
+
+def verify_greedy(tree: DraftTree, target_logits: torch.Tensor) -> Verdict:
+    target_argmax = target_logits.argmax(-1)  # [n + 1]
+    if len(tree) == 0:
+        return Verdict(tree.tokens, int(target_argmax[0]))
+    match = tree.tokens == target_argmax[tree.parents + 1]
+    alive = ~(tree.ancestors & ~match[None, :]).any(1)  # every node on the path matches
+    score = torch.where(alive, tree.depth, torch.zeros_like(tree.depth))
+    best = int(score.argmax())  # first deepest alive node (ties: proposal order)
+    if not bool(alive[best]):
+        return Verdict(tree.tokens[:0], int(target_argmax[0]))
+    accepted = tree.ancestors[best].nonzero().flatten()  # topological order = root side first
+    return Verdict(accepted, int(target_argmax[best + 1]))
+
+
+def verify_sampling(tree: DraftTree, target_probs: torch.Tensor, generator: torch.Generator | None) -> Verdict:
+    """Recursive rejection sampling. Sampled drafts (tree.draft_dists given): accept x with min(1, p(x)/q(x)),
+    else p <- norm(max(p - q, 0)) and try the next sibling (all siblings drawn i.i.d. from q).
+    Deterministic drafts: accept x with p(x), else p <- p with x removed, renormalised."""
+    parents = tree.parents.tolist()
+    tokens = tree.tokens.tolist()
+    children: dict[int, list[int]] = {}
+    for i, par in enumerate(parents):
+        children.setdefault(par, []).append(i)
+    u = torch.rand(len(tree) + 1, generator=generator).tolist()  # one uniform per candidate is enough
+    accepted: list[int] = []
+    node, draws = -1, 0
+    p = target_probs[0]
+    while True:
+        kids = children.get(node, [])
+        q = tree.draft_dists[node + 1].to(p.device) if tree.sampled and kids else None
+        nxt = None
+        for c in kids:
+            x = tokens[c]
+            px = float(p[x])
+            ratio = min(1.0, px / max(float(q[x]), 1e-30)) if q is not None else px
+            r, draws = u[draws], draws + 1  # a fresh uniform per candidate test (at most one test per node)
+            if r < ratio:
+                nxt = c
+                break
+            if q is not None:
+                resid = (p - q).clamp_(min=0)
+                p = resid / resid.sum() if float(resid.sum()) > 0 else p
+            else:
+                p = p.clone()
+                p[x] = 0
+                p = p / p.sum()
+        if nxt is None:
+            return Verdict(torch.tensor(accepted, dtype=torch.long), int(sample(p, generator)))
+        accepted.append(nxt)
+        node = nxt
+        p = target_probs[node + 1]

@@ -1,0 +1,33 @@
+"""The embedded default models in data/zoo/: a small target LM and its draft, trained here (see data/zoo/README.md)."""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from speclab.errors import ModelNotFound
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
+
+def zoo_dir() -> Path:
+    return Path(os.environ.get("SPECLAB_ZOO", REPO_ROOT / "data" / "zoo"))
+
+
+def _model(name: str) -> Path:
+    p = zoo_dir() / name
+    if not (p / "config.json").exists():
+        raise ModelNotFound(f"the zoo model '{name}' is missing at {p}; re-create the zoo with `speclab zoo build`, "
+                            "or name a model with --model / --draft")
+    return p
+
+
+def default_target() -> Path:
+    return _model("target")
+
+
+def default_draft() -> Path:
+    return _model("draft")
+
+
+def tokenizer_dir() -> Path:
+    return zoo_dir() / "tokenizer"

@@ -1,0 +1,136 @@
+"""Trace store: round trip, per-round consistency, crash safety, foreign and locked files."""
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from conftest import PROMPTS
+from speclab.errors import TraceError
+from speclab.generate import generate
+from speclab.trace import TraceStore
+
+
+@pytest.fixture
+def store(tmp_path):
+    s = TraceStore(tmp_path / "t.duckdb")
+    yield s
+    s.close()
+
+
+def test_round_trip_every_token_with_its_position(qwen3, store):
+    res = generate(qwen3, PROMPTS[0], "ar", max_new_tokens=20, trace=store)
+    runs = store.runs()
+    assert runs.status.tolist() == ["done"] and runs.new_tokens[0] == 20 and runs.schema_version[0] == 1
+    toks = store.tokens(res.run_id)
+    assert toks.token_id.tolist() == res.token_ids and toks.pos.tolist() == list(range(20))
+    assert (toks.source == "target").all() and toks.target_prob.between(0, 1).all() and (toks.entropy >= 0).all()
+    assert "".join(toks.text) == qwen3.tokenizer.decode(res.token_ids)
+
+
+@pytest.mark.parametrize("method,params", [("sps", {"k": 3}), ("sps", {"k": 3, "tree_topk": 2}), ("pld", {"k": 4})])
+def test_rounds_agree_with_draft_nodes_and_tokens(qwen3, qwen3_draft, store, method, params):
+    res = generate(qwen3, PROMPTS[3], method, draft=qwen3_draft, max_new_tokens=30, trace=store, **params)
+    rid = res.run_id
+    per_round = store.query("""
+        SELECT r.round, r.n_accepted, r.n_drafted, r.committed,
+               (SELECT count(*) FROM draft_nodes d WHERE d.run_id = r.run_id AND d.round = r.round AND d.accepted) AS acc_nodes,
+               (SELECT count(*) FROM draft_nodes d WHERE d.run_id = r.run_id AND d.round = r.round) AS nodes,
+               (SELECT count(*) FROM tokens t WHERE t.run_id = r.run_id AND t.round = r.round) AS toks
+        FROM rounds r WHERE r.run_id = ? ORDER BY r.round""", [rid])
+    assert (per_round.n_accepted == per_round.acc_nodes).all()
+    assert (per_round.n_drafted == per_round.nodes).all() and (per_round.committed == per_round.toks).all()
+    assert per_round.committed.sum() == len(res.token_ids) == len(store.tokens(rid))
+    toks = store.tokens(rid)
+    assert toks.token_id.tolist() == res.token_ids
+    drafted = toks[toks.source == method]
+    assert (drafted.depth >= 1).all() and len(drafted) == per_round.n_accepted.sum()
+
+
+def test_failed_run_is_marked_and_earlier_runs_survive(qwen3, store):
+    ok = generate(qwen3, PROMPTS[0], "ar", max_new_tokens=10, trace=store)
+
+    def boom(ev):
+        if ev.round == 3:
+            raise RuntimeError("simulated crash")
+    with pytest.raises(RuntimeError):
+        generate(qwen3, PROMPTS[1], "ar", max_new_tokens=10, trace=store, on_round=boom)
+    runs = store.runs()
+    assert runs.status.tolist() == ["done", "failed"] and "simulated crash" in runs.error[1]
+    assert store.tokens(ok.run_id).token_id.tolist() == ok.token_ids
+
+
+def test_killed_process_leaves_earlier_runs_readable(tmp_path, model_dir):
+    """A process killed mid-run: earlier runs are intact, the cut run is marked interrupted on the next open."""
+    db = tmp_path / "k.duckdb"
+    script = f"""
+import os, torch
+from speclab import Target, TraceStore, generate
+t = Target.load({str(model_dir['qwen3'])!r})
+s = TraceStore({str(db)!r})
+generate(t, "hello there", "ar", max_new_tokens=8, trace=s)
+def kill(ev):
+    if ev.round == 70:
+        os._exit(9)  # no cleanup at all, like a SIGKILL
+generate(t, "second run", "ar", max_new_tokens=100, trace=s, on_round=kill)
+"""
+    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 9, r.stderr
+    s = TraceStore(db)
+    runs = s.runs()
+    assert runs.status.tolist() == ["done", "interrupted"]
+    assert len(s.tokens(int(runs.run_id[0]))) == 8
+    assert len(s.tokens(int(runs.run_id[1]))) == 64  # one flush of 64 rounds landed before the kill
+    s.close()
+
+
+def test_foreign_file_is_refused_and_untouched(tmp_path):
+    f = tmp_path / "notes.duckdb"
+    f.write_bytes(b"these are my notes, not a database\n" * 50)
+    before = f.read_bytes()
+    with pytest.raises(TraceError, match="not a DuckDB database"):
+        TraceStore(f)
+    assert f.read_bytes() == before
+
+
+def test_foreign_duckdb_is_refused_and_untouched(tmp_path):
+    import duckdb
+    f = tmp_path / "other.duckdb"
+    c = duckdb.connect(str(f))
+    c.execute("CREATE TABLE sales (x INT)")
+    c.close()
+    before = f.read_bytes()
+    with pytest.raises(TraceError, match="not a speclab trace"):
+        TraceStore(f)
+    assert f.read_bytes() == before
+
+
+def test_locked_file_gives_clear_error(tmp_path):
+    db = tmp_path / "locked.duckdb"
+    TraceStore(db).close()
+    holder = subprocess.Popen([sys.executable, "-c", f"import duckdb, sys, time; c = duckdb.connect({str(db)!r}); "
+                               "print('ready', flush=True); time.sleep(60)"], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "ready"
+        with pytest.raises(TraceError, match="locked by another process"):
+            TraceStore(db)
+    finally:
+        holder.kill()
+        holder.wait()
+
+
+def test_metrics_from_sql_match_the_decode(qwen3, qwen3_draft, store):
+    from speclab.metrics import position_acceptance, run_metrics, summarize
+    res = generate(qwen3, PROMPTS[2], "sps", draft=qwen3_draft, k=3, max_new_tokens=30, trace=store)
+    ar = generate(qwen3, PROMPTS[2], "ar", max_new_tokens=30, trace=store)
+    m = run_metrics(store).set_index("run_id")
+    d = res.decode
+    assert m.loc[res.run_id, "tau"] == pytest.approx(len(res.token_ids) / d.rounds)
+    assert m.loc[res.run_id, "target_calls_per_token"] == pytest.approx(d.target_calls / len(res.token_ids))
+    assert m.loc[ar.run_id, "tau"] == pytest.approx(1.0) and m.loc[ar.run_id, "acceptance_rate"] != m.loc[ar.run_id, "acceptance_rate"]
+    drafted = store.rounds(res.run_id)
+    assert m.loc[res.run_id, "acceptance_rate"] == pytest.approx(drafted.n_accepted.sum() / drafted.n_drafted.sum())
+    pa = position_acceptance(store, [res.run_id])
+    assert pa.depth.tolist() == [1, 2, 3] and (pa.acceptance.diff().dropna() <= 0).all()  # a chain: monotone
+    assert set(summarize(store).method) == {"ar", "sps"}
+    assert len(store.query("SELECT * FROM run_metrics")) == 2  # the same SQL as a view in the file
