@@ -98,6 +98,22 @@ class _Streamer:
         sys.stdout.flush()
 
 
+def cmd_stats(a: argparse.Namespace) -> int:
+    import pandas as pd
+
+    from speclab.metrics import summarize
+    from speclab.trace import TraceStore
+
+    with TraceStore(a.db, read_only=True) as store:
+        ids = None
+        if a.last:
+            ids = store.query("SELECT run_id FROM runs ORDER BY run_id DESC LIMIT ?", [a.last]).run_id.tolist()
+        df = summarize(store, ids, by=a.by)
+    with pd.option_context("display.width", 200, "display.max_columns", 20, "display.float_format", "{:.3f}".format):
+        print(df.to_markdown(index=False, floatfmt=".3f") if a.markdown else df.to_string(index=False))
+    return 0
+
+
 def cmd_zoo(a: argparse.Namespace) -> int:
     from speclab.train.zoo_build import ZooBuildConfig, build_zoo, evaluate_zoo
 
@@ -106,6 +122,24 @@ def cmd_zoo(a: argparse.Namespace) -> int:
                                  draft_minutes=a.draft_minutes, seed=a.seed))
     elif a.zoo_cmd == "eval":
         print(evaluate_zoo(eval_tokens=a.eval_tokens))
+    return 0
+
+
+def cmd_train(a: argparse.Namespace) -> int:
+    from speclab import zoo
+    from speclab.train.lm import TrainConfig, train_lm
+    from speclab.train.zoo_build import DRAFT_SHAPE, TARGET_SHAPE
+
+    corpus = str(zoo.REPO_ROOT / "data" / "corpus")
+    if a.what == "target":
+        cfg = TrainConfig(corpus_dir=corpus, tokenizer_dir=str(zoo.tokenizer_dir()), out_dir=a.out, shape=TARGET_SHAPE,
+                          lr=1.5e-3, max_minutes=a.minutes, seed=a.seed, init_from=a.init_from)
+    else:
+        cfg = TrainConfig(corpus_dir=corpus, tokenizer_dir=str(zoo.tokenizer_dir()), out_dir=a.out, shape=DRAFT_SHAPE,
+                          teacher=a.teacher or str(zoo.default_target()), lr=3e-3, seq_len=256, batch_size=16,
+                          max_minutes=a.minutes, seed=a.seed, init_from=a.init_from)
+    summary = train_lm(cfg)
+    print(json.dumps({k: summary[k] for k in ("params", "steps", "tokens", "minutes", "val")}, indent=1))
     return 0
 
 
@@ -134,6 +168,22 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--device", default=None)
     g.add_argument("--dtype", default=None, help="fp32 | bf16 | fp16 (default fp32 on CPU, bf16 on CUDA)")
     g.set_defaults(fn=cmd_generate)
+
+    s = sub.add_parser("stats", help="metrics (tau, acceptance, tokens/s, ...) pooled per method / category")
+    s.add_argument("--db", default=DEFAULT_DB)
+    s.add_argument("--by", default="method", help="comma-separated: method, category, prompt_id, bench_id")
+    s.add_argument("--last", type=int, default=None, help="only the last N runs")
+    s.add_argument("--markdown", action="store_true")
+    s.set_defaults(fn=cmd_stats)
+
+    t = sub.add_parser("train", help="train the zoo target, or distil the zoo draft from a teacher (long)")
+    t.add_argument("what", choices=["target", "draft"])
+    t.add_argument("--out", required=True, help="run directory (checkpoints in OUT/model, log in OUT/train_log.jsonl)")
+    t.add_argument("--minutes", type=float, required=True, help="wall-clock budget; the LR schedule follows it")
+    t.add_argument("--teacher", help="draft: the model to distil from (default: the zoo target)")
+    t.add_argument("--init-from", help="resume from this HF model directory")
+    t.add_argument("--seed", type=int, default=0)
+    t.set_defaults(fn=cmd_train)
 
     z = sub.add_parser("zoo", help="build or evaluate the zoo models in data/zoo")
     zs = z.add_subparsers(dest="zoo_cmd", required=True)

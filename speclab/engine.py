@@ -15,7 +15,7 @@ import torch
 
 from speclab.drafters.base import Drafter
 from speclab.errors import InvalidInput
-from speclab.sampling import Sampling, entropy
+from speclab.sampling import Sampling
 from speclab.target import Target, keep_cache
 from speclab.tree import DraftTree, tree_attention_mask, tree_position_ids
 from speclab.verify import verify
@@ -29,16 +29,43 @@ class RoundEvent:
     round: int
     drafter: str | None
     tree: DraftTree
-    accepted: torch.Tensor  # node indices
-    committed: torch.Tensor  # token ids committed this round (accepted drafts then the target's token)
-    node_target_probs: torch.Tensor  # [n] target prob (softmax, T=1) of each node's token at its parent
-    row_entropy: torch.Tensor  # [n + 1] target entropy per verification row (row 0 = root)
-    bonus_target_prob: float  # target prob (softmax, T=1) of the target's own token
+    accepted: torch.Tensor  # node indices of the accepted path
+    committed: torch.Tensor  # token ids committed this round (accepted drafts, then the target's token)
+    node_target_probs: torch.Tensor  # [n] target prob of each node's token at its parent (softmax, T=1)
+    root_entropy: float  # target entropy at the root of this round
+    # per committed token (same length as `committed`):
+    depth: torch.Tensor  # draft depth; the target's own token gets n_accepted + 1
+    draft_prob: torch.Tensor  # the drafter's prob of the token (NaN for the target's token or no-prob drafters)
+    target_prob: torch.Tensor  # the target's prob of the token where it was verified / sampled
+    entropy: torch.Tensor  # the target's entropy at that position
     timings_ms: dict[str, float]
     target_calls: int
     backlog: int
     pos0: int  # index (in generated tokens) of the first token committed this round
     decision: dict | None = None
+
+    @property
+    def n_accepted(self) -> int:
+        return min(self.accepted.numel(), self.committed.numel())
+
+
+def round_event(rnd, name, tree, accepted, new, logits, bonus, timings, calls, backlog, pos0, decision) -> RoundEvent:
+    """Per-node and per-token probabilities for the listeners: a few tensor ops per round, no per-token Python."""
+    logp = torch.log_softmax(logits.float(), -1)
+    probs = logp.exp()
+    ent = -(probs * logp).sum(-1)  # [n + 1]
+    rows = tree.parents + 1
+    node_tp = probs[rows, tree.tokens]
+    bonus_row = accepted[-1:] + 1 if accepted.numel() else accepted.new_zeros(1)
+    m = new.numel()
+    nan = torch.full((1,), float("nan"), device=logits.device)
+    return RoundEvent(
+        rnd, name, tree, accepted, new, node_tp, float(ent[0]),
+        depth=torch.cat([tree.depth[accepted], tree.depth.new_full((1,), accepted.numel() + 1)])[:m].cpu(),
+        draft_prob=torch.cat([tree.draft_probs[accepted].float(), nan])[:m].cpu(),
+        target_prob=torch.cat([node_tp[accepted], probs[bonus_row, bonus]])[:m].cpu(),
+        entropy=torch.cat([ent[rows[accepted]], ent[bonus_row]])[:m].cpu(),
+        timings_ms=timings, target_calls=calls, backlog=backlog, pos0=pos0, decision=decision)
 
 
 @dataclass
@@ -169,11 +196,8 @@ def decode(target: Target, prompt_ids: torch.Tensor, drafters: dict[str, Drafter
         for k, v in timings.items():
             totals[k] += v
         if listeners:
-            probs = torch.softmax(logits.float(), -1)
-            bonus_row = int(accepted[-1]) + 1 if accepted.numel() else 0
-            ev = RoundEvent(rnd, name, tree, accepted, new, probs[tree.parents + 1, tree.tokens], entropy(logits),
-                            float(probs[bonus_row, verdict.bonus]), timings, target.calls - calls_before, backlog,
-                            pos0, decision)
+            ev = round_event(rnd, name, tree, accepted, new, logits, verdict.bonus, timings,
+                             target.calls - calls_before, backlog, pos0, decision)
             for fn in listeners:
                 fn(ev)
         rnd += 1

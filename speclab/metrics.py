@@ -6,6 +6,7 @@
 - tokens/s: new tokens / wall time of the decode; speedup is a ratio of tokens/s measured in the same run.
 - draft-time share: draft phase time / time of all phases.
 - target calls per token: target forwards (prefill included) / new tokens.
+- mean entropy: the target's next-token entropy (nats, softmax at T=1) averaged over committed tokens.
 
 The same SQL is installed as views (`run_metrics`, `position_acceptance`) in every trace file, so the app's
 SQL box and notebooks see exactly these definitions.
@@ -17,8 +18,10 @@ RUN_SUMS_SQL = """
 SELECT r.run_id, r.method, r.category, r.prompt_id, r.status, r.bench_id, r.new_tokens, r.target_calls, r.elapsed_s,
        count(x.round) AS verifications, sum(x.committed) AS committed, sum(x.n_accepted) AS accepted,
        sum(x.n_drafted) AS drafted, sum(x.t_draft_ms) AS draft_ms,
-       sum(x.t_route_ms + x.t_catchup_ms + x.t_draft_ms + x.t_verify_ms + x.t_commit_ms) AS phases_ms
+       sum(x.t_route_ms + x.t_catchup_ms + x.t_draft_ms + x.t_verify_ms + x.t_commit_ms) AS phases_ms,
+       any_value(e.entropy_sum) AS entropy_sum, any_value(e.n_tokens) AS n_tokens
 FROM runs r LEFT JOIN rounds x USING (run_id)
+     LEFT JOIN (SELECT run_id, sum(entropy) AS entropy_sum, count(*) AS n_tokens FROM tokens GROUP BY run_id) e USING (run_id)
 GROUP BY ALL
 """
 
@@ -27,7 +30,8 @@ RATIOS = """
        sum(committed) / nullif(sum(verifications), 0) AS tau,
        sum(accepted) / nullif(sum(drafted), 0)        AS acceptance_rate,
        sum(draft_ms) / nullif(sum(phases_ms), 0)      AS draft_time_share,
-       sum(target_calls) / nullif(sum(new_tokens), 0) AS target_calls_per_token"""
+       sum(target_calls) / nullif(sum(new_tokens), 0) AS target_calls_per_token,
+       sum(entropy_sum) / nullif(sum(n_tokens), 0)    AS mean_entropy"""
 
 RUN_METRICS_SQL = f"""
 SELECT run_id, any_value(method) AS method, any_value(category) AS category, any_value(prompt_id) AS prompt_id,
@@ -66,9 +70,11 @@ def position_acceptance(store, run_ids=None):
 
 
 def summarize(store, run_ids=None, by: str = "method"):
-    """Metrics pooled over runs per `by` column (sums first, then ratios: a long run weighs more)."""
-    if by not in ("method", "category", "prompt_id", "bench_id"):
-        raise ValueError(f"cannot group by {by!r}")
+    """Metrics pooled over runs per `by` columns ("method", "method,category", ...): sums first, then ratios."""
+    cols = [c.strip() for c in by.split(",")]
+    if not cols or any(c not in ("method", "category", "prompt_id", "bench_id") for c in cols):
+        raise ValueError(f"cannot group by {by!r} (method, category, prompt_id, bench_id)")
+    by = ", ".join(cols)
     where, params = _in(run_ids)
     return store.query(f"""
         SELECT {by}, count(*) AS runs, sum(new_tokens) AS tokens, {RATIOS}

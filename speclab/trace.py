@@ -13,11 +13,13 @@ from __future__ import annotations
 
 import json
 import threading
-from dataclasses import dataclass, field
+import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
+import torch
 
 from speclab.errors import TraceError
 
@@ -67,8 +69,9 @@ def _connect(path: str, read_only: bool):
 class TraceStore:
     """A speclab trace file. `TraceStore(path)` opens (or creates) it for writing; `read_only=True` to inspect."""
 
-    def __init__(self, path: str | Path, read_only: bool = False):
+    def __init__(self, path: str | Path, read_only: bool = False, flush_rounds: int = 256, flush_s: float = 2.0):
         self.path = str(Path(path).expanduser())
+        self.flush_rounds, self.flush_s = flush_rounds, flush_s  # how often run writers append (crash loses less)
         self.read_only = read_only
         exists = Path(self.path).exists()
         if read_only and not exists:
@@ -142,8 +145,8 @@ class TraceStore:
                 self.con.execute("ROLLBACK")
                 raise
 
-    def writer(self, run_id: int, tokenizer, flush_rounds: int = 64) -> "RunWriter":
-        return RunWriter(self, run_id, tokenizer, flush_rounds)
+    def writer(self, run_id: int, tokenizer) -> "RunWriter":
+        return RunWriter(self, run_id, tokenizer, self.flush_rounds, self.flush_s)
 
     # ---- reading ----
     def query(self, sql: str, params: list | None = None):
@@ -192,78 +195,72 @@ def vocab_text(tokenizer) -> np.ndarray:
 
 @dataclass
 class RunWriter:
-    """Listener for `engine.decode`: buffers each round as arrays and appends Arrow batches."""
+    """Listener for `engine.decode`: keeps each round's tensors and appends them as Arrow batches, one
+    transaction per flush (every `flush_rounds` rounds or `flush_s` seconds, and at the end of the run)."""
     store: TraceStore
     run_id: int
     tokenizer: object
-    flush_rounds: int = 64
-    _buf: dict[str, list] = field(default_factory=dict)
-    _pending: int = 0
+    flush_rounds: int = 256
+    flush_s: float = 2.0
 
     def __post_init__(self):
         self.text = vocab_text(self.tokenizer)
-        self._buf = {t: [] for t in ("rounds", "tokens", "draft_nodes", "router_decisions")}
+        self._events: list = []
+        self._last = time.perf_counter()
 
     def __call__(self, ev) -> None:
-        tree = ev.tree
-        n, a, m = len(tree), ev.accepted.numel(), ev.committed.numel()
-        acc = ev.accepted.cpu().numpy()
-        node_tp = ev.node_target_probs.float().cpu().numpy()
-        ent = ev.row_entropy.float().cpu().numpy()
-        depth = tree.depth.cpu().numpy()
-        parents = tree.parents.cpu().numpy()
-        dprob = tree.draft_probs.float().cpu().numpy()
-        accepted_flag = np.zeros(n, dtype=bool)
-        accepted_flag[acc] = True
-        r = ev.round
-        self._buf["draft_nodes"].append({
-            "round": np.full(n, r, np.int32), "node": np.arange(n, dtype=np.int32), "parent": parents.astype(np.int32),
-            "depth": depth.astype(np.int32), "token_id": tree.tokens.cpu().numpy().astype(np.int32),
-            "draft_prob": dprob.astype(np.float64), "target_prob": node_tp.astype(np.float64), "accepted": accepted_flag})
-        # committed tokens: the accepted drafts then the target's own token (possibly cut by EOS / max tokens)
-        ids = ev.committed.numpy().astype(np.int32)
-        last_row = (acc[-1] + 1) if a else 0
-        n_draft = min(a, m)
-        src = np.array([ev.drafter or "target"] * n_draft + ["target"] * (m - n_draft), dtype=object)
-        tok_depth = np.concatenate([depth[acc][:n_draft], np.full(m - n_draft, a + 1)]).astype(np.int32)
-        d_p = np.concatenate([dprob[acc][:n_draft], np.full(m - n_draft, np.nan)])
-        bonus_tp = float(ev.bonus_target_prob)
-        t_p = np.concatenate([node_tp[acc][:n_draft], np.full(m - n_draft, bonus_tp)])
-        t_ent = np.concatenate([ent[parents[acc] + 1][:n_draft], np.full(m - n_draft, ent[last_row])])
-        self._buf["tokens"].append({
-            "pos": np.arange(ev.pos0, ev.pos0 + m, dtype=np.int32), "round": np.full(m, r, np.int32), "token_id": ids,
-            "text": self.text[ids], "source": src, "depth": tok_depth, "draft_prob": d_p.astype(np.float64),
-            "target_prob": t_p.astype(np.float64), "entropy": t_ent.astype(np.float64)})
-        t = ev.timings_ms
-        self._buf["rounds"].append({
-            "round": np.array([r], np.int32), "drafter": np.array([ev.drafter], dtype=object),
-            "n_drafted": np.array([n], np.int32), "n_accepted": np.array([n_draft], np.int32),
-            "committed": np.array([m], np.int32), "entropy": np.array([ent[0]], np.float64),
-            **{f"t_{k}_ms": np.array([t[k]], np.float64) for k in ("route", "catchup", "draft", "verify", "commit")},
-            "backlog": np.array([ev.backlog], np.int32), "target_calls": np.array([ev.target_calls], np.int32)})
-        if ev.decision:
-            d = ev.decision
-            self._buf["router_decisions"].append({
-                "round": np.array([r], np.int32), "policy": np.array([d.get("policy")], dtype=object),
-                "signal": np.array([d.get("signal", np.nan)], np.float64),
-                "threshold": np.array([d.get("threshold", np.nan)], np.float64),
-                "choice": np.array([ev.drafter], dtype=object)})
-        self._pending += 1
-        if self._pending >= self.flush_rounds:
+        self._events.append(ev)
+        if len(self._events) >= self.flush_rounds or time.perf_counter() - self._last > self.flush_s:
             self.flush()
 
     def flush(self) -> None:
-        tables = {}
-        for name, chunks in self._buf.items():
-            if not chunks:
-                continue
-            cols = {k: np.concatenate([c[k] for c in chunks]) for k in chunks[0]}
-            n = len(next(iter(cols.values())))
-            arrays = {"run_id": pa.array(np.full(n, self.run_id, np.int64))}
-            for k, v in cols.items():
-                arrays[k] = pa.array(v, from_pandas=True)  # NaN -> NULL for probabilities a drafter lacks
-            tables[name] = pa.table(arrays)
-            chunks.clear()
-        self._pending = 0
-        if tables:
-            self.store.append(tables)
+        evs, self._events = self._events, []
+        self._last = time.perf_counter()
+        if evs:
+            self.store.append(self._tables(evs))
+
+    def _tables(self, evs) -> dict[str, pa.Table]:
+        cat = lambda xs: torch.cat(xs).cpu().numpy()  # noqa: E731
+        n = np.array([len(e.tree) for e in evs])
+        m = np.array([e.committed.numel() for e in evs])
+        a = np.array([e.n_accepted for e in evs])
+        rnd = np.array([e.round for e in evs], np.int32)
+        names = np.array([e.drafter or "target" for e in evs], dtype=object)
+        node_off = np.repeat(np.cumsum(n) - n, [e.accepted.numel() for e in evs])
+        accepted = np.zeros(n.sum(), dtype=bool)
+        accepted[cat([e.accepted for e in evs]).astype(np.int64) + node_off] = True
+        nodes = pa.table({
+            "run_id": np.full(n.sum(), self.run_id, np.int64), "round": np.repeat(rnd, n),
+            "node": (np.arange(n.sum()) - np.repeat(np.cumsum(n) - n, n)).astype(np.int32),
+            "parent": cat([e.tree.parents for e in evs]).astype(np.int32),
+            "depth": cat([e.tree.depth for e in evs]).astype(np.int32),
+            "token_id": cat([e.tree.tokens for e in evs]).astype(np.int32),
+            "draft_prob": pa.array(cat([e.tree.draft_probs.float() for e in evs]).astype(np.float64), from_pandas=True),
+            "target_prob": cat([e.node_target_probs for e in evs]).astype(np.float64), "accepted": accepted})
+        ids = cat([e.committed for e in evs]).astype(np.int32)
+        is_draft = np.arange(m.sum()) - np.repeat(np.cumsum(m) - m, m) < np.repeat(a, m)
+        tokens = pa.table({
+            "run_id": np.full(m.sum(), self.run_id, np.int64),
+            "pos": (np.repeat([e.pos0 for e in evs], m) + np.arange(m.sum()) - np.repeat(np.cumsum(m) - m, m)).astype(np.int32),
+            "round": np.repeat(rnd, m), "token_id": ids, "text": self.text[ids],
+            "source": np.where(is_draft, np.repeat(names, m), "target"),
+            "depth": cat([e.depth for e in evs]).astype(np.int32),
+            "draft_prob": pa.array(cat([e.draft_prob for e in evs]).astype(np.float64), from_pandas=True),
+            "target_prob": cat([e.target_prob for e in evs]).astype(np.float64),
+            "entropy": cat([e.entropy for e in evs]).astype(np.float64)})
+        t = {k: np.array([e.timings_ms[k] for e in evs]) for k in ("route", "catchup", "draft", "verify", "commit")}
+        rounds = pa.table({
+            "run_id": np.full(len(evs), self.run_id, np.int64), "round": rnd,
+            "drafter": pa.array([e.drafter for e in evs], pa.string()), "n_drafted": n.astype(np.int32),
+            "n_accepted": a.astype(np.int32), "committed": m.astype(np.int32),
+            "entropy": np.array([e.root_entropy for e in evs]), **{f"t_{k}_ms": v for k, v in t.items()},
+            "backlog": np.array([e.backlog for e in evs], np.int32),
+            "target_calls": np.array([e.target_calls for e in evs], np.int32)})
+        dec = [e for e in evs if e.decision]
+        decisions = pa.table({
+            "run_id": np.full(len(dec), self.run_id, np.int64), "round": np.array([e.round for e in dec], np.int32),
+            "policy": pa.array([e.decision.get("policy") for e in dec], pa.string()),
+            "signal": np.array([e.decision.get("signal", np.nan) for e in dec], np.float64),
+            "threshold": np.array([e.decision.get("threshold", np.nan) for e in dec], np.float64),
+            "choice": pa.array([e.drafter for e in dec], pa.string())})
+        return {"draft_nodes": nodes, "tokens": tokens, "rounds": rounds, "router_decisions": decisions}

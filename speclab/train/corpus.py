@@ -102,3 +102,20 @@ def build_corpus(out_dir: Path, cfg: CorpusConfig) -> dict[str, dict[str, int]]:
 def read_split(corpus_dir: Path, domain: str, split: str) -> list[str]:
     text = (Path(corpus_dir) / f"{domain}.{split}.txt").read_text(encoding="utf-8")
     return [d for d in text.split(EOS_TEXT) if d]
+
+
+def domain_prompts(corpus_dir: Path, per_domain: int = 8, chars: int = 240, seed: int = 0) -> list[dict]:
+    """Evaluation prompts from the validation slices: the opening `chars` characters (cut at a space or line
+    end) of `per_domain` documents per domain. For math, the question and 'Answer:' (the model writes the rest)."""
+    rows = []
+    for d in DOMAINS:
+        docs = [x for x in read_split(corpus_dir, d, "val") if len(x) > chars]
+        random.Random(seed).shuffle(docs)
+        for i, doc in enumerate(docs[:per_domain]):
+            if d == "math":
+                text = doc[: doc.index("Answer:") + len("Answer:")]
+            else:
+                cut = max(doc.rfind(" ", 0, chars), doc.rfind("\n", 0, chars))
+                text = doc[: cut if cut > chars // 2 else chars]
+            rows.append({"id": f"{d}-{i}", "category": d, "prompt": text})
+    return rows

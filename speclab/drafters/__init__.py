@@ -1,0 +1,1 @@
+"""Drafters: one module each behind the protocol in `base.py`; the registry is `speclab.methods`."""
