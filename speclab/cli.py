@@ -114,6 +114,38 @@ def cmd_stats(a: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_bench(a: argparse.Namespace) -> int:
+    from speclab import zoo
+    from speclab.bench import BenchConfig, bench_overall, peer_ratios, run_bench, write_report
+    from speclab.methods import get_method
+    from speclab.target import Target
+    from speclab.trace import TraceStore
+
+    methods = [m.strip() for m in a.methods.split(",") if m.strip()]
+    cfg = BenchConfig(suite=a.suite, methods=methods, limit=a.limit, max_new_tokens=a.max_new_tokens,
+                      tree_topk=a.tree_topk, peers=a.peers, overhead_prompts=a.overhead_prompts)
+    if a.quick:
+        cfg.limit, cfg.max_new_tokens, cfg.overhead_prompts = min(cfg.limit or 2, 2), min(cfg.max_new_tokens, 64), 2
+    for m in methods:
+        get_method(m)
+    Path(a.db).parent.mkdir(parents=True, exist_ok=True)
+    with TraceStore(a.db) as store:
+        print(f"loading target {a.model or zoo.default_target()} ...", file=sys.stderr, flush=True)
+        target = Target.load(a.model or zoo.default_target(), device=a.device, dtype=a.dtype)
+        draft = Target.load(a.draft or zoo.default_draft(), device=a.device, dtype=a.dtype)
+        bench_id = run_bench(cfg, target, draft, store, log=lambda s: print(s, file=sys.stderr))
+        md, html = write_report(store, bench_id, a.report)
+        overall = bench_overall(store, bench_id)
+    import pandas as pd
+    print(overall.to_markdown(index=False, floatfmt=".3f"))
+    peers = peer_ratios(overall)
+    if peers:
+        print()
+        print(pd.DataFrame(peers).to_markdown(index=False, floatfmt=".3f"))
+    print(f"\nbench {bench_id}: report {md} and {html}; rows in {a.db}")
+    return 0
+
+
 def cmd_zoo(a: argparse.Namespace) -> int:
     from speclab.train.zoo_build import ZooBuildConfig, build_zoo, evaluate_zoo
 
@@ -175,6 +207,25 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--last", type=int, default=None, help="only the last N runs")
     s.add_argument("--markdown", action="store_true")
     s.set_defaults(fn=cmd_stats)
+
+    b = sub.add_parser("bench", help="benchmark methods on a prompt suite; markdown + HTML report, rows in DuckDB")
+    b.add_argument("--methods", default="ar,sps,pld", help="comma-separated registered methods (ar is required)")
+    b.add_argument("--suite", default="zoo", help="zoo | code | math | stories | literature | spec_bench | mt_bench | "
+                   "translation | summarization | qa | math_reasoning | rag | demo")
+    b.add_argument("--limit", type=int, default=8, help="prompts per category")
+    b.add_argument("--max-new-tokens", type=int, default=128)
+    b.add_argument("--tree-topk", type=int, default=1)
+    b.add_argument("--peers", action=argparse.BooleanOptionalAction, default=True,
+                   help="also time Hugging Face assisted generation and prompt lookup")
+    b.add_argument("--overhead-prompts", type=int, default=4, help="prompts for the tracing on/off comparison")
+    b.add_argument("--quick", action="store_true", help="2 prompts per category, 64 tokens: a minute or two")
+    b.add_argument("--db", default="traces/bench.duckdb")
+    b.add_argument("--report", default="reports/bench.md")
+    b.add_argument("--model")
+    b.add_argument("--draft")
+    b.add_argument("--device", default=None)
+    b.add_argument("--dtype", default=None)
+    b.set_defaults(fn=cmd_bench)
 
     t = sub.add_parser("train", help="train the zoo target, or distil the zoo draft from a teacher (long)")
     t.add_argument("what", choices=["target", "draft"])

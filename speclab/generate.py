@@ -33,6 +33,12 @@ class GenerationResult:
                 "elapsed_s": round(d.elapsed_s, 4), "tokens_per_s": round(d.tokens_per_s, 2), "stopped": d.stopped}
 
 
+def output_hash(token_ids: list[int]) -> str:
+    """A short fingerprint of a token sequence: equal outputs (e.g. greedy speculative vs AR) have equal hashes."""
+    import hashlib
+    return hashlib.sha1(",".join(map(str, token_ids)).encode()).hexdigest()[:16]
+
+
 def encode_prompt(target: Target, prompt: str) -> torch.Tensor:
     if prompt is None or not str(prompt).strip():
         raise InvalidInput("the prompt is empty")
@@ -81,5 +87,6 @@ def generate(target: Target, prompt: str | torch.Tensor, method: str = "ar", *, 
     if trace is not None:
         writer.flush()
         trace.finish_run(run_id, "done", new_tokens=res.new_ids.numel(), rounds=res.rounds,
-                         target_calls=res.target_calls, elapsed_s=res.elapsed_s, output_text=text)
+                         target_calls=res.target_calls, elapsed_s=res.elapsed_s, output_text=text,
+                         output_hash=output_hash(res.new_ids.tolist()))
     return GenerationResult(text, res.new_ids.tolist(), method, run_id, res)

@@ -15,7 +15,8 @@ from __future__ import annotations
 
 # per run: the sums every pooled metric is made of, then the ratios
 RUN_SUMS_SQL = """
-SELECT r.run_id, r.method, r.category, r.prompt_id, r.status, r.bench_id, r.new_tokens, r.target_calls, r.elapsed_s,
+SELECT r.run_id, r.method, r.category, r.prompt_id, r.status, r.bench_id, r.output_hash, r.new_tokens, r.target_calls,
+       r.elapsed_s,
        count(x.round) AS verifications, sum(x.committed) AS committed, sum(x.n_accepted) AS accepted,
        sum(x.n_drafted) AS drafted, sum(x.t_draft_ms) AS draft_ms,
        sum(x.t_route_ms + x.t_catchup_ms + x.t_draft_ms + x.t_verify_ms + x.t_commit_ms) AS phases_ms,

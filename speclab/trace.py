@@ -33,7 +33,10 @@ CREATE TABLE IF NOT EXISTS runs (
     drafters VARCHAR, router VARCHAR, params_json VARCHAR, prompt_id VARCHAR, category VARCHAR, device VARCHAR,
     dtype VARCHAR, status VARCHAR, schema_version INTEGER, prompt_text VARCHAR, prompt_tokens INTEGER,
     new_tokens INTEGER, rounds INTEGER, target_calls INTEGER, elapsed_s DOUBLE, output_text VARCHAR,
-    error VARCHAR, bench_id VARCHAR);
+    error VARCHAR, bench_id VARCHAR, output_hash VARCHAR, peak_mem_mb DOUBLE);
+CREATE TABLE IF NOT EXISTS benches (
+    bench_id VARCHAR PRIMARY KEY, started_at TIMESTAMP, suite VARCHAR, methods VARCHAR, config_json VARCHAR,
+    device VARCHAR, trace_overhead DOUBLE, peak_rss_mb DOUBLE, status VARCHAR);
 CREATE TABLE IF NOT EXISTS rounds (
     run_id BIGINT, round INTEGER, drafter VARCHAR, n_drafted INTEGER, n_accepted INTEGER, committed INTEGER,
     entropy DOUBLE, t_route_ms DOUBLE, t_catchup_ms DOUBLE, t_draft_ms DOUBLE, t_verify_ms DOUBLE,
@@ -47,7 +50,7 @@ CREATE TABLE IF NOT EXISTS draft_nodes (
 CREATE TABLE IF NOT EXISTS router_decisions (
     run_id BIGINT, round INTEGER, policy VARCHAR, signal DOUBLE, threshold DOUBLE, choice VARCHAR);
 """
-TABLES = ("meta", "runs", "rounds", "tokens", "draft_nodes", "router_decisions")
+TABLES = ("meta", "runs", "rounds", "tokens", "draft_nodes", "router_decisions", "benches")
 
 
 def _connect(path: str, read_only: bool):
@@ -129,6 +132,18 @@ class TraceStore:
         with self._lock:
             self.con.execute(f"UPDATE runs SET status = ?, finished_at = now(){', ' + sets if sets else ''} WHERE run_id = ?",
                              [status, *stats.values(), run_id])
+
+    def execute(self, sql: str, params: list | None = None) -> None:
+        if self.read_only:
+            raise TraceError("trace opened read-only")
+        with self._lock:
+            self.con.execute(sql, params or [])
+
+    def append_row(self, table: str, **values) -> None:
+        """One row (run and bench bookkeeping only; bulk data goes through `append`)."""
+        cols = ", ".join(values)
+        self.execute(f"INSERT INTO {table} ({cols}, started_at) VALUES ({', '.join('?' * len(values))}, now())",
+                     list(values.values()))
 
     def append(self, tables: dict[str, pa.Table]) -> None:
         """Append Arrow tables (column names = table columns) in one transaction."""

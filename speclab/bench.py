@@ -1,0 +1,228 @@
+"""Benchmarks: suites x methods, interleaved, traced, with Hugging Face's own speculative decoding as peers.
+
+For every prompt the methods run in a rotated order (machine drift hits all alike) after a warm-up. Every
+speclab run is a traced run tagged with the bench id; the peers (`hf_assisted`: `generate(assistant_model=
+draft)`, `hf_pld`: `generate(prompt_lookup_num_tokens=k)`) are recorded as runs without rounds. Metrics come
+from `speclab.metrics` (one SQL definition each); greedy output equality with AR is checked per run
+through `runs.output_hash`. Tracing overhead: the same method with tracing off and on, interleaved.
+"""
+from __future__ import annotations
+
+import json
+import resource
+import time
+import uuid
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+from speclab.errors import InvalidInput
+from speclab.generate import encode_prompt, generate, output_hash
+from speclab.methods import get_method
+from speclab.progress import Progress
+from speclab.suites import load_suite
+from speclab.target import Target
+from speclab.trace import TraceStore
+
+PEERS = ("hf_assisted", "hf_pld")
+
+
+@dataclass
+class BenchConfig:
+    suite: str = "zoo"
+    methods: list[str] = field(default_factory=lambda: ["ar", "sps", "pld"])
+    limit: int | None = 8  # prompts per category
+    max_new_tokens: int = 128
+    k: dict = field(default_factory=lambda: {"sps": 4, "pld": 8})
+    tree_topk: int = 1
+    peers: bool = True
+    overhead_prompts: int = 4  # prompts for the tracing on/off comparison (0 = skip)
+    overhead_method: str = "sps"
+    warmup: int = 1
+
+
+def format_prompt(target: Target, row: dict) -> torch.Tensor:
+    """Chat prompts go through the tokenizer's chat template when it has one (real chat models on GPU)."""
+    tok = target.tokenizer
+    if row.get("chat") and getattr(tok, "chat_template", None):
+        ids = tok.apply_chat_template([{"role": "user", "content": row["prompt"]}], add_generation_prompt=True)
+        return torch.tensor(ids, dtype=torch.long)
+    return encode_prompt(target, row["prompt"])
+
+
+@torch.inference_mode()
+def peer_generate(kind: str, target: Target, draft: Target | None, ids: torch.Tensor, max_new_tokens: int, k: int):
+    """Hugging Face's own assisted generation / prompt lookup, greedy, on the same models. Returns (ids, seconds)."""
+    kw = dict(max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=target.eos_ids or None,
+              pad_token_id=target.tokenizer.pad_token_id or (target.eos_ids or [0])[0])
+    if kind == "hf_assisted":
+        draft.model.generation_config.num_assistant_tokens = k
+        draft.model.generation_config.num_assistant_tokens_schedule = "constant"
+        kw.update(assistant_model=draft.model)
+    elif kind == "hf_pld":
+        kw.update(prompt_lookup_num_tokens=k, max_matching_ngram_size=3)
+    inp = ids.view(1, -1).to(target.device)
+    if target.device.type == "cuda":
+        torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    out = target.model.generate(input_ids=inp, attention_mask=torch.ones_like(inp), **kw)
+    if target.device.type == "cuda":
+        torch.cuda.synchronize()
+    return out[0, inp.shape[1]:].cpu(), time.perf_counter() - t0
+
+
+def run_bench(cfg: BenchConfig, target: Target, draft: Target | None, store: TraceStore, log=print) -> str:
+    """Run the benchmark; returns its bench id (rows in `runs` / `benches` of the store)."""
+    for m in cfg.methods:
+        get_method(m)
+    if "ar" not in cfg.methods:
+        raise InvalidInput("a benchmark needs 'ar' among its methods: speedups and equality are measured against it")
+    rows, skipped = [], []
+    for r in load_suite(cfg.suite, cfg.limit):
+        ids = format_prompt(target, r)
+        (rows if ids.numel() + cfg.max_new_tokens <= target.max_context else skipped).append((r, ids))
+    if not rows:
+        raise InvalidInput(f"no prompt of suite '{cfg.suite}' fits the context ({target.max_context} tokens)")
+    peers = [p for p in PEERS if cfg.peers and (p != "hf_assisted" or draft is not None)]
+    bench_id = f"{cfg.suite}-{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:6]}"
+    store.append_row("benches", bench_id=bench_id, suite=cfg.suite, methods=",".join(cfg.methods + peers),
+                     config_json=json.dumps(asdict(cfg)), device=str(target.device), status="running")
+    if skipped:
+        log(f"skipping {len(skipped)} prompt(s) longer than the context ({target.max_context} tokens)")
+
+    def params(m):
+        return {"k": cfg.k.get(m), "tree_topk": cfg.tree_topk}
+
+    def run_method(m, r, ids, trace):
+        return generate(target, ids, m, draft=draft, max_new_tokens=cfg.max_new_tokens, trace=trace,
+                        prompt_id=r["prompt_id"], category=r["category"], bench_id=bench_id, **params(m))
+
+    def run_peer(p, r, ids):
+        out, secs = peer_generate(p, target, draft, ids, cfg.max_new_tokens, cfg.k.get("sps" if p == "hf_assisted" else "pld", 4))
+        rid = store.start_run(method=p, target=target.name, drafters=draft.name if p == "hf_assisted" else None,
+                              params={"k": cfg.k}, prompt_id=r["prompt_id"], category=r["category"],
+                              device=str(target.device), bench_id=bench_id, prompt_tokens=ids.numel())
+        store.finish_run(rid, "done", new_tokens=out.numel(), elapsed_s=secs, output_hash=output_hash(out.tolist()),
+                         output_text=target.tokenizer.decode(out.tolist(), skip_special_tokens=True))
+
+    for r, ids in rows[: cfg.warmup]:  # warm-up: every code path once, untraced and unrecorded
+        for m in cfg.methods:
+            generate(target, ids, m, draft=draft, max_new_tokens=16, **params(m))
+        for p in peers:
+            peer_generate(p, target, draft, ids, 16, 4)
+
+    order = cfg.methods + peers
+    n_ov = min(cfg.overhead_prompts, len(rows)) if cfg.overhead_method in cfg.methods else 0
+    prog = Progress(len(rows) * len(order) + 2 * n_ov, f"bench {cfg.suite}")
+    done = 0
+    for i, (r, ids) in enumerate(rows):
+        for m in order[i % len(order):] + order[: i % len(order)]:
+            if target.device.type == "cuda":
+                torch.cuda.reset_peak_memory_stats()
+            if m in peers:
+                run_peer(m, r, ids)
+            else:
+                res = run_method(m, r, ids, store)
+                if target.device.type == "cuda":
+                    store.finish_run(res.run_id, "done", peak_mem_mb=torch.cuda.max_memory_allocated() / 2**20)
+            done += 1
+            prog.update(done, prompt=r["prompt_id"], method=m)
+    overhead = None
+    if n_ov:  # tracing off vs on, interleaved; the traced runs are tagged so they stay out of the tables
+        t_off = t_on = 0.0
+        for j, (r, ids) in enumerate(rows[:n_ov]):
+            for traced in ((False, True) if j % 2 == 0 else (True, False)):
+                res = generate(target, ids, cfg.overhead_method, draft=draft, max_new_tokens=cfg.max_new_tokens,
+                               trace=store if traced else None, bench_id=f"{bench_id}/overhead",
+                               **params(cfg.overhead_method))
+                if traced:
+                    t_on += res.decode.elapsed_s
+                else:
+                    t_off += res.decode.elapsed_s
+                done += 1
+                prog.update(done, overhead=cfg.overhead_method)
+        overhead = t_on / t_off
+    peak_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    store.execute("UPDATE benches SET trace_overhead = ?, peak_rss_mb = ?, status = 'done' WHERE bench_id = ?",
+                  [overhead, peak_rss, bench_id])
+    return bench_id
+
+
+# ---- results: one query per question, all from the trace ----
+
+def bench_table(store: TraceStore, bench_id: str):
+    """Per category and method: tau, acceptance, tokens/s, speedup vs AR (same run), equality with AR."""
+    from speclab.metrics import RATIOS, RUN_SUMS_SQL
+    return store.query(f"""
+        WITH s AS (SELECT * FROM ({RUN_SUMS_SQL}) WHERE bench_id = ?),
+        per AS (SELECT category, method, count(*) AS prompts, sum(new_tokens) AS tokens, {RATIOS}
+                FROM s GROUP BY ALL),
+        ar AS (SELECT category, tokens_per_s AS ar_tps FROM per WHERE method = 'ar'),
+        eq AS (SELECT s.category, s.method, avg(CASE WHEN s.output_hash = a.output_hash THEN 1.0 ELSE 0.0 END) AS equal_to_ar
+               FROM s JOIN s a ON a.method = 'ar' AND a.prompt_id = s.prompt_id GROUP BY ALL)
+        SELECT per.category, per.method, prompts, tokens, tau, acceptance_rate, tokens_per_s,
+               tokens_per_s / ar.ar_tps AS speedup, draft_time_share, target_calls_per_token, equal_to_ar
+        FROM per JOIN ar USING (category) JOIN eq USING (category, method)
+        ORDER BY category, per.method""", [bench_id])
+
+
+def bench_overall(store: TraceStore, bench_id: str):
+    """The same table pooled over all categories of the bench."""
+    from speclab.metrics import RATIOS, RUN_SUMS_SQL
+    return store.query(f"""
+        WITH s AS (SELECT * FROM ({RUN_SUMS_SQL}) WHERE bench_id = ?),
+        per AS (SELECT method, count(*) AS prompts, sum(new_tokens) AS tokens, {RATIOS} FROM s GROUP BY method),
+        eq AS (SELECT s.method, avg(CASE WHEN s.output_hash = a.output_hash THEN 1.0 ELSE 0.0 END) AS equal_to_ar
+               FROM s JOIN s a ON a.method = 'ar' AND a.prompt_id = s.prompt_id GROUP BY s.method)
+        SELECT per.*, tokens_per_s / (SELECT tokens_per_s FROM per WHERE method = 'ar') AS speedup, equal_to_ar
+        FROM per JOIN eq USING (method) ORDER BY method""", [bench_id])
+
+
+def bench_positions(store: TraceStore, bench_id: str):
+    """Per-position acceptance per method (pooled over the bench's runs)."""
+    return store.query("""
+        SELECT r.method, n.depth, count(DISTINCT (n.run_id, n.round)) AS rounds_reaching,
+               count(DISTINCT CASE WHEN n.accepted THEN (n.run_id, n.round) END) / count(DISTINCT (n.run_id, n.round)) AS acceptance
+        FROM draft_nodes n JOIN runs r USING (run_id) WHERE r.bench_id = ?
+        GROUP BY ALL ORDER BY r.method, n.depth""", [bench_id])
+
+
+def peer_ratios(overall) -> list[dict]:
+    """speclab's tokens/s over Hugging Face's for the matching method (same models, prompts and run)."""
+    tps = dict(zip(overall.method, overall.tokens_per_s))
+    out = []
+    for ours, peer in (("sps", "hf_assisted"), ("pld", "hf_pld")):
+        if ours in tps and peer in tps:
+            out.append({"speclab": ours, "peer": peer, "speclab_tokens_per_s": tps[ours], "peer_tokens_per_s": tps[peer],
+                        "ratio": tps[ours] / tps[peer]})
+    return out
+
+
+def write_report(store: TraceStore, bench_id: str, md_path: str | Path) -> tuple[Path, Path]:
+    """Markdown tables and a self-contained HTML report (plotly) next to it."""
+    import pandas as pd
+
+    from speclab import viz
+    table, overall, pos = bench_table(store, bench_id), bench_overall(store, bench_id), bench_positions(store, bench_id)
+    bench = store.query("SELECT * FROM benches WHERE bench_id = ?", [bench_id]).iloc[0]
+    peers = pd.DataFrame(peer_ratios(overall))
+    fmt = dict(index=False, floatfmt=".3f")
+    md = [f"# speclab bench `{bench_id}`", "",
+          f"suite `{bench.suite}`, methods {bench.methods}, device {bench.device}; config `{bench.config_json}`", "",
+          "## All categories", "", overall.to_markdown(**fmt), ""]
+    if len(peers):
+        md += ["## speclab vs Hugging Face (same target, draft, prompts; greedy)", "", peers.to_markdown(**fmt), ""]
+    if bench.trace_overhead == bench.trace_overhead and bench.trace_overhead is not None:
+        md += [f"Tracing overhead: traced / untraced decode time = **{bench.trace_overhead:.3f}**", ""]
+    md += [f"Peak RSS of the bench process: {bench.peak_rss_mb:.0f} MB", "", "## Per category", "",
+           table.to_markdown(**fmt), "", "## Per-position acceptance", "", pos.to_markdown(**fmt), ""]
+    md_path = Path(md_path)
+    md_path.parent.mkdir(parents=True, exist_ok=True)
+    md_path.write_text("\n".join(md))
+    html_path = md_path.with_suffix(".html")
+    figs = [viz.bench_bars(table, "speedup", "Speedup vs AR (tokens/s ratio, same run)"),
+            viz.bench_bars(table, "tau", "Acceptance length tau (tokens per target verification)"),
+            viz.position_acceptance(pos)]
+    viz.write_html_report(html_path, f"speclab bench {bench_id}", figs, "\n".join(md))
+    return md_path, html_path
