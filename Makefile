@@ -2,7 +2,7 @@
 # Both create/reuse .venv and install what they need (scripts/setup.sh).
 PY := .venv/bin/python
 
-.PHONY: setup run test
+.PHONY: setup run test bench bench-quick
 
 setup:
 	@bash scripts/setup.sh
@@ -12,3 +12,10 @@ run: setup
 
 test: setup
 	$(PY) -m pytest -q
+
+# Benchmarks on the zoo (README "Benchmarks"): report in reports/bench.md + .html, rows in traces/bench.duckdb
+bench: setup
+	$(PY) -m speclab.cli bench --suite zoo --methods ar,sps,pld --limit 8 --max-new-tokens 128
+
+bench-quick: setup
+	$(PY) -m speclab.cli bench --suite zoo --methods ar,sps,pld --quick

@@ -32,57 +32,65 @@ class StandaloneDraft:
         depth = min(self.k, max_depth)
         if depth <= 0:
             return DraftTree.empty()
-        m, dev = self.model, self.model.device
         committed = self.cache.get_seq_length() + self.backlog.numel()
-        logits = m.forward(self.backlog, self.cache).logits[-1:]  # catch-up + the root's distribution
+        logits = self.model.forward(self.backlog, self.cache).logits[-1:]  # catch-up + the root's distribution
         self.backlog = self.backlog[:0]
-        sampled_chain = not sampling.greedy and self.topk == 1
-        n_max = depth * self.topk
+        tree = self._chain(logits, depth, sampling, generator) if self.topk == 1 else self._tree(logits, depth, committed)
+        crop_cache(self.cache, committed)  # drop the speculative nodes; accepted ones come back via catch_up
+        return tree
+
+    def _chain(self, logits, depth, sampling, generator) -> DraftTree:
+        """k tokens, one draft call each: argmax (greedy) or sampled from q (kept for verification)."""
+        tokens, dprobs, dists = [], [], []
+        for level in range(depth):
+            if sampling.greedy:
+                tok = logits.argmax(-1)
+            else:
+                q = logits_to_probs(logits, sampling)
+                dists.append(q)
+                tok = sample(q, generator)
+            tokens.append(tok)
+            dprobs.append((logits[0, tok] - logits[0].logsumexp(-1)).exp())
+            if level < depth - 1:
+                logits = self.model.forward(tok, self.cache).logits
+        draft_dists = None
+        if dists:
+            draft_dists = torch.cat(dists + [torch.zeros_like(dists[0])])  # the last node has no children
+        return DraftTree.chain(torch.cat(tokens), torch.cat(dprobs), draft_dists)
+
+    def _tree(self, logits, depth, committed) -> DraftTree:
+        """Top-k tree: each level expands the frontier by its top-k children and keeps the best `topk` by
+        cumulative log-prob; the whole level is one draft call under a tree mask. Deterministic, so
+        verification treats the children as point masses (lossless under sampling too)."""
+        m, dev, k = self.model, self.model.device, self.topk
+        n_max = depth * k
         tokens = torch.zeros(n_max, dtype=torch.long, device=dev)
         parents = torch.zeros(n_max, dtype=torch.long, device=dev)
         dprobs = torch.zeros(n_max, device=dev)
         anc = torch.zeros(n_max, n_max, dtype=torch.bool, device=dev)
-        dists = []
         frontier = torch.tensor([-1], device=dev)
         score = torch.zeros(1, device=dev)
         n = 0
         for level in range(1, depth + 1):
             logp = torch.log_softmax(logits, -1)  # [f, V]
-            if sampled_chain:
-                q = logits_to_probs(logits, sampling)
-                dists.append(q)
-                tok = sample(q, generator)
-                par_j, new_tok, new_score = torch.zeros(1, dtype=torch.long, device=dev), tok, score
-            else:
-                vals, idx = logp.topk(self.topk, -1)  # [f, topk]
-                cand = (score[:, None] + vals).flatten()
-                best = cand.topk(min(self.topk, cand.numel())).indices
-                par_j, new_tok, new_score = best // self.topk, idx.flatten()[best], cand[best]
+            vals, idx = logp.topk(k, -1)  # [f, k]
+            cand = (score[:, None] + vals).flatten()
+            best = cand.topk(min(k, cand.numel())).indices
+            par_j, new_tok = best // k, idx.flatten()[best]
             new = torch.arange(n, n + new_tok.numel(), device=dev)
             par = frontier[par_j]
-            tokens[new], parents[new] = new_tok, par
-            dprobs[new] = logp[par_j, new_tok].exp()
+            tokens[new], parents[new], dprobs[new] = new_tok, par, vals.flatten()[best].exp()
             anc[new] = anc[par.clamp(min=0)] & (par >= 0)[:, None]
             anc[new, new] = True
             n += new.numel()
             if level == depth:
                 break
-            past = self.cache.get_seq_length()
+            allowed = torch.cat([torch.ones(new.numel(), committed, dtype=torch.bool, device=dev), anc[new, :n]], dim=1)
+            mask = torch.zeros(allowed.shape, dtype=m.dtype, device=dev).masked_fill_(~allowed, torch.finfo(m.dtype).min)
             pos = committed - 1 + level + torch.zeros_like(new)
-            mask = None
-            if self.topk > 1:
-                allowed = torch.cat([torch.ones(new.numel(), past - (n - new.numel()), dtype=torch.bool, device=dev),
-                                     anc[new, :n]], dim=1)
-                mask = torch.zeros(allowed.shape, dtype=m.dtype, device=dev).masked_fill_(~allowed, torch.finfo(m.dtype).min)
-                mask = mask.view(1, 1, *allowed.shape)
-            logits = m.forward(new_tok, self.cache, pos, mask).logits
-            frontier, score = new, new_score
-        crop_cache(self.cache, committed)  # drop the speculative nodes; accepted ones come back via catch_up
-        draft_dists = None
-        if sampled_chain:
-            dists.append(torch.zeros_like(dists[0]))  # the last node has no children
-            draft_dists = torch.cat(dists)
-        return DraftTree(tokens[:n], parents[:n], dprobs[:n], draft_dists)
+            logits = m.forward(new_tok, self.cache, pos, mask.view(1, 1, *allowed.shape)).logits
+            frontier, score = new, cand[best]
+        return DraftTree(tokens[:n], parents[:n], dprobs[:n])
 
     def commit(self, tree: DraftTree, accepted: torch.Tensor) -> None:
         pass
