@@ -2,15 +2,19 @@
 # Both create/reuse .venv and install what they need (scripts/setup.sh).
 PY := .venv/bin/python
 
-.PHONY: setup run test bench bench-quick
+.PHONY: setup run demo test bench bench-quick
 
 setup:
 	@bash scripts/setup.sh
 
 run: setup
+	$(PY) -m speclab.cli app
+
+demo: setup
 	$(PY) -m speclab.cli generate --prompts data/prompts/demo.jsonl --method sps --max-new-tokens 64
 
-test: setup
+test:
+	@bash scripts/setup.sh test
 	$(PY) -m pytest -q
 
 # Benchmarks on the zoo (README "Benchmarks"): report in reports/bench.md + .html, rows in traces/bench.duckdb

@@ -176,8 +176,21 @@ def cmd_train(a: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    if argv is None:
+        argv = sys.argv[1:]
+    if argv[:1] == ["app"]:  # the Gradio app lives in app/ (thin over the package): hand it the rest
+        from speclab.zoo import REPO_ROOT
+        sys.path.insert(0, str(REPO_ROOT))
+        from app.app import main as app_main
+        try:
+            app_main(argv[1:])
+        except SpeclabError as e:
+            print(f"speclab: error: {e}", file=sys.stderr)
+            return 2
+        return 0
     ap = argparse.ArgumentParser(prog="speclab", description="speculative decoding laboratory")
     sub = ap.add_subparsers(dest="cmd", required=True)
+    sub.add_parser("app", help="the Gradio app (side-by-side decoding, trees, trace explorer); --help for options")
 
     g = sub.add_parser("generate", help="decode prompts with a method; trace to DuckDB")
     g.add_argument("--model", help="target model directory or cached hub name (default: the zoo target)")

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, Iterator
 
 import torch
 
@@ -111,10 +111,27 @@ def check_request(target: Target, prompt_ids: torch.Tensor, max_new_tokens: int)
             f"model's context of {target.max_context} tokens")
 
 
-@torch.inference_mode()
 def decode(target: Target, prompt_ids: torch.Tensor, drafters: dict[str, Drafter] | None = None, router=None,
            max_new_tokens: int = 128, sampling: Sampling | None = None, deferred: bool = True,
            stop_on_eos: bool = True, listeners: tuple[Callable[[RoundEvent], None], ...] = ()) -> DecodeResult:
+    """Decode to the end, handing every RoundEvent to the listeners (trace writer, streamers)."""
+    rounds = decode_rounds(target, prompt_ids, drafters, router, max_new_tokens, sampling, deferred, stop_on_eos)
+    while True:
+        try:
+            ev = next(rounds)
+        except StopIteration as end:
+            return end.value
+        for fn in listeners:
+            fn(ev)
+
+
+@torch.inference_mode()
+def decode_rounds(target: Target, prompt_ids: torch.Tensor, drafters: dict[str, Drafter] | None = None, router=None,
+                  max_new_tokens: int = 128, sampling: Sampling | None = None, deferred: bool = True,
+                  stop_on_eos: bool = True) -> Iterator[RoundEvent]:
+    """The decode loop as a generator: yields one RoundEvent per round and returns the DecodeResult.
+    Several decodes can be interleaved round by round (the app's side-by-side view); phase timings
+    exclude the time the consumer holds a round."""
     drafters = drafters or {}
     sampling = sampling or Sampling()
     router = router or FixedRouter(next(iter(drafters), None))
@@ -135,6 +152,7 @@ def decode(target: Target, prompt_ids: torch.Tensor, drafters: dict[str, Drafter
         root_logits = None
     else:
         root_logits = target.prefill(ids, cache).logits[-1:]
+    n_calls = target.calls - calls0  # counted per round below: other decodes may share this target
     seen = {}
     for name, d in drafters.items():
         d.reset(prompt_ids)
@@ -195,16 +213,14 @@ def decode(target: Target, prompt_ids: torch.Tensor, drafters: dict[str, Drafter
                    "verify": (t4 - t3) * 1e3, "commit": (t5 - t4) * 1e3}
         for k, v in timings.items():
             totals[k] += v
-        if listeners:
-            ev = round_event(rnd, name, tree, accepted, new, logits, verdict.bonus, timings,
-                             target.calls - calls_before, backlog, pos0, decision)
-            for fn in listeners:
-                fn(ev)
+        n_calls += target.calls - calls_before
+        yield round_event(rnd, name, tree, accepted, new, logits, verdict.bonus, timings,
+                          target.calls - calls_before, backlog, pos0, decision)
         rnd += 1
         if done:
             break
 
-    return DecodeResult(prompt_ids, ids[n_prompt:], rnd, target.calls - calls0, _now(dev) - t_start, stopped, totals)
+    return DecodeResult(prompt_ids, ids[n_prompt:], rnd, n_calls, _now(dev) - t_start, stopped, totals)
 
 
 def _to(tree: DraftTree, dev: torch.device) -> DraftTree:

@@ -2,11 +2,11 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Iterator
 
 import torch
 
-from speclab.engine import DecodeResult, RoundEvent, decode
+from speclab.engine import DecodeResult, RoundEvent, check_request, decode_rounds
 from speclab.errors import InvalidInput
 from speclab.methods import get_method, method_params
 from speclab.sampling import Sampling
@@ -45,48 +45,85 @@ def encode_prompt(target: Target, prompt: str) -> torch.Tensor:
     return torch.tensor(target.tokenizer(prompt, add_special_tokens=False)["input_ids"], dtype=torch.long)
 
 
-def generate(target: Target, prompt: str | torch.Tensor, method: str = "ar", *, draft: Target | None = None,
-             max_new_tokens: int = 128, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
-             seed: int | None = None, deferred: bool = True, trace: TraceStore | None = None,
-             on_round: Callable[[RoundEvent], None] | None = None, prompt_id: str | None = None,
-             category: str | None = None, bench_id: str | None = None, **params) -> GenerationResult:
-    """Decode `prompt` with `method` ("ar", "sps", "pld", ...; see speclab.methods.METHODS).
+class Generation:
+    """One decode with any registered method, traced or not, as an iterator of RoundEvents.
 
-    Greedy when temperature == 0. Method parameters (k, tree_topk, ...) are keyword arguments.
-    With `trace`, the run and every round go to the DuckDB trace; `on_round` sees each RoundEvent live.
+    `for ev in Generation(...)` drives it round by round (several can be interleaved, as the app's
+    side-by-side view does); `.result` holds the GenerationResult at the end. With `trace`, the run row is
+    `running` until the end, `failed` on an exception, `cancelled` if the consumer stops early.
     """
-    m = get_method(method)
-    if not 0 <= top_p <= 1 or temperature < 0 or top_k < 0:
-        raise InvalidInput(f"bad sampling parameters: temperature={temperature} (>= 0), top_k={top_k} (>= 0), top_p={top_p} (0..1)")
-    prompt_ids = prompt.flatten().long() if isinstance(prompt, torch.Tensor) else encode_prompt(target, prompt)
-    p = method_params(method, params)
-    drafters = {m.name: m.build(target, draft, **p)} if m.build else {}
-    sampling = Sampling(temperature, top_k, top_p, seed)
-    listeners = [on_round] if on_round else []
-    run_id, writer = None, None
-    if trace is not None:
-        from speclab.engine import check_request
-        check_request(target, prompt_ids, max_new_tokens)  # bad input never leaves a failed run behind
-        run_id = trace.start_run(
-            method=method, target=target.name, drafters=",".join(drafters) or None, router="fixed",
-            params={**p, "max_new_tokens": max_new_tokens, "temperature": temperature, "top_k": top_k,
-                    "top_p": top_p, "seed": seed, "deferred": deferred, "draft": draft.name if draft else None},
-            prompt_id=prompt_id, category=category, device=str(target.device), dtype=str(target.dtype).replace("torch.", ""),
-            prompt_text=prompt if isinstance(prompt, str) else None, prompt_tokens=prompt_ids.numel(), bench_id=bench_id)
-        writer = trace.writer(run_id, target.tokenizer)
-        listeners.insert(0, writer)
-    try:
-        res = decode(target, prompt_ids, drafters, max_new_tokens=max_new_tokens, sampling=sampling,
-                     deferred=deferred, listeners=tuple(listeners))
-    except BaseException as e:
+
+    def __init__(self, target: Target, prompt: str | torch.Tensor, method: str = "ar", *, draft: Target | None = None,
+                 max_new_tokens: int = 128, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
+                 seed: int | None = None, deferred: bool = True, trace: TraceStore | None = None,
+                 on_round: Callable[[RoundEvent], None] | None = None, prompt_id: str | None = None,
+                 category: str | None = None, bench_id: str | None = None, **params):
+        m = get_method(method)
+        if not 0 <= top_p <= 1 or temperature < 0 or top_k < 0:
+            raise InvalidInput(f"bad sampling parameters: temperature={temperature} (>= 0), top_k={top_k} (>= 0), top_p={top_p} (0..1)")
+        self.target, self.method, self.trace, self.on_round = target, method, trace, on_round
+        self.prompt_ids = prompt.flatten().long() if isinstance(prompt, torch.Tensor) else encode_prompt(target, prompt)
+        check_request(target, self.prompt_ids, max_new_tokens)  # bad input fails here: no compute, no run row
+        self.params = method_params(method, params)
+        self.drafters = {m.name: m.build(target, draft, **self.params)} if m.build else {}
+        self.kw = dict(max_new_tokens=max_new_tokens, sampling=Sampling(temperature, top_k, top_p, seed), deferred=deferred)
+        self.result: GenerationResult | None = None
+        self.run_id, self.writer = None, None
         if trace is not None:
-            writer.flush()
-            trace.finish_run(run_id, "failed", error=f"{type(e).__name__}: {e}")
-        raise
-    text = target.tokenizer.decode(res.new_ids.tolist(), skip_special_tokens=True)
-    if trace is not None:
-        writer.flush()
-        trace.finish_run(run_id, "done", new_tokens=res.new_ids.numel(), rounds=res.rounds,
-                         target_calls=res.target_calls, elapsed_s=res.elapsed_s, output_text=text,
-                         output_hash=output_hash(res.new_ids.tolist()))
-    return GenerationResult(text, res.new_ids.tolist(), method, run_id, res)
+            self.run_id = trace.start_run(
+                method=method, target=target.name, drafters=",".join(self.drafters) or None, router="fixed",
+                params={**self.params, "max_new_tokens": max_new_tokens, "temperature": temperature, "top_k": top_k,
+                        "top_p": top_p, "seed": seed, "deferred": deferred, "draft": draft.name if draft else None},
+                prompt_id=prompt_id, category=category, device=str(target.device),
+                dtype=str(target.dtype).replace("torch.", ""), prompt_text=prompt if isinstance(prompt, str) else None,
+                prompt_tokens=self.prompt_ids.numel(), bench_id=bench_id)
+            self.writer = trace.writer(self.run_id, target.tokenizer)
+
+    def __iter__(self) -> Iterator[RoundEvent]:
+        rounds = decode_rounds(self.target, self.prompt_ids, self.drafters, **self.kw)
+        status = "failed"
+        try:
+            while True:
+                try:
+                    ev = next(rounds)
+                except StopIteration as end:
+                    res = end.value
+                    break
+                if self.writer is not None:
+                    self.writer(ev)
+                if self.on_round is not None:
+                    self.on_round(ev)
+                yield ev
+            status = "done"
+        except GeneratorExit:
+            status = "cancelled"
+            raise
+        except BaseException as e:
+            if self.trace is not None:
+                self.writer.flush()
+                self.trace.finish_run(self.run_id, "failed", error=f"{type(e).__name__}: {e}")
+            raise
+        finally:
+            if self.trace is not None and status == "cancelled":
+                self.writer.flush()
+                self.trace.finish_run(self.run_id, "cancelled")
+        text = self.target.tokenizer.decode(res.new_ids.tolist(), skip_special_tokens=True)
+        if self.trace is not None:
+            self.writer.flush()
+            self.trace.finish_run(self.run_id, "done", new_tokens=res.new_ids.numel(), rounds=res.rounds,
+                                  target_calls=res.target_calls, elapsed_s=res.elapsed_s, output_text=text,
+                                  output_hash=output_hash(res.new_ids.tolist()))
+        self.result = GenerationResult(text, res.new_ids.tolist(), self.method, self.run_id, res)
+
+
+def generate(target: Target, prompt: str | torch.Tensor, method: str = "ar", **kw) -> GenerationResult:
+    """Decode `prompt` with `method` ("ar", "sps", "pld", ...; see speclab.methods.METHODS) to the end.
+
+    Keyword arguments are those of `Generation`: draft, max_new_tokens, temperature (0 = greedy), top_k, top_p,
+    seed, deferred, trace (a TraceStore), on_round (sees each RoundEvent live), prompt_id, category, bench_id,
+    and the method's parameters (k, tree_topk, ...).
+    """
+    g = Generation(target, prompt, method, **kw)
+    for _ in g:
+        pass
+    return g.result

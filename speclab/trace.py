@@ -172,6 +172,49 @@ class TraceStore:
         finally:
             cur.close()
 
+    def lock_down(self) -> None:
+        """No file or network access from SQL in this database (read_csv, COPY, ATTACH, URLs, extensions), and
+        no configuration changes: for SQL typed by users. Irreversible for this connection."""
+        with self._lock:
+            self.con.execute("SET enable_external_access = false")
+            self.con.execute("SET lock_configuration = true")
+        self._locked_down = True
+
+    def safe_query(self, sql: str, max_rows: int = 1000, timeout_s: float = 5.0):
+        """Run one user-typed SELECT: read-only, no file or network access, at most `max_rows` rows, stopped
+        after `timeout_s` seconds. Returns (DataFrame, truncated). Raises TraceError with a clear message."""
+        import duckdb
+        import pandas as pd
+
+        if not getattr(self, "_locked_down", False):
+            self.lock_down()
+        sql = (sql or "").strip()
+        if not sql:
+            raise TraceError("the query is empty")
+        try:
+            stmts = self.con.extract_statements(sql)
+        except duckdb.Error as e:
+            raise TraceError(f"invalid SQL: {e}") from e
+        if len(stmts) != 1 or stmts[0].type != duckdb.StatementType.SELECT:
+            kinds = ", ".join(s.type.name for s in stmts) or "nothing"
+            raise TraceError(f"only a single read-only SELECT is allowed here (got {kinds})")
+        with self._lock:
+            cur = self.con.cursor()
+        timer = threading.Timer(timeout_s, cur.interrupt)
+        timer.start()
+        try:
+            cur.execute(sql)
+            rows = cur.fetchmany(max_rows + 1)
+            cols = [d[0] for d in cur.description]
+        except duckdb.InterruptException as e:
+            raise TraceError(f"query stopped after {timeout_s:g} s") from e
+        except duckdb.Error as e:
+            raise TraceError(f"query failed: {str(e).splitlines()[0]}") from e
+        finally:
+            timer.cancel()
+            cur.close()
+        return pd.DataFrame(rows[:max_rows], columns=cols), len(rows) > max_rows
+
     def runs(self, method: str | None = None, category: str | None = None, status: str | None = None):
         where, params = [], []
         for col, val in (("method", method), ("category", category), ("status", status)):
@@ -206,6 +249,26 @@ def vocab_text(tokenizer) -> np.ndarray:
         n = len(tokenizer)
         _VOCAB_TEXT[key] = np.array(tokenizer.batch_decode([[i] for i in range(n)]), dtype=object)
     return _VOCAB_TEXT[key]
+
+
+def token_columns(evs, text: np.ndarray) -> dict[str, np.ndarray]:
+    """Per committed token of these RoundEvents: pos, round, token_id, text, source (drafter or 'target'),
+    depth, draft_prob, target_prob, entropy. Vectorised over rounds; shared by the trace writer and live views."""
+    cat = lambda xs: torch.cat(xs).cpu().numpy()  # noqa: E731
+    m = np.array([e.committed.numel() for e in evs])
+    a = np.array([e.n_accepted for e in evs])
+    start = np.repeat(np.cumsum(m) - m, m)
+    within = np.arange(m.sum()) - start
+    ids = cat([e.committed for e in evs]).astype(np.int32)
+    names = np.array([e.drafter or "target" for e in evs], dtype=object)
+    return {
+        "pos": (np.repeat([e.pos0 for e in evs], m) + within).astype(np.int32),
+        "round": np.repeat(np.array([e.round for e in evs], np.int32), m), "token_id": ids, "text": text[ids],
+        "source": np.where(within < np.repeat(a, m), np.repeat(names, m), "target"),
+        "depth": cat([e.depth for e in evs]).astype(np.int32),
+        "draft_prob": cat([e.draft_prob for e in evs]).astype(np.float64),
+        "target_prob": cat([e.target_prob for e in evs]).astype(np.float64),
+        "entropy": cat([e.entropy for e in evs]).astype(np.float64)}
 
 
 @dataclass
@@ -252,17 +315,9 @@ class RunWriter:
             "token_id": cat([e.tree.tokens for e in evs]).astype(np.int32),
             "draft_prob": pa.array(cat([e.tree.draft_probs.float() for e in evs]).astype(np.float64), from_pandas=True),
             "target_prob": cat([e.node_target_probs for e in evs]).astype(np.float64), "accepted": accepted})
-        ids = cat([e.committed for e in evs]).astype(np.int32)
-        is_draft = np.arange(m.sum()) - np.repeat(np.cumsum(m) - m, m) < np.repeat(a, m)
-        tokens = pa.table({
-            "run_id": np.full(m.sum(), self.run_id, np.int64),
-            "pos": (np.repeat([e.pos0 for e in evs], m) + np.arange(m.sum()) - np.repeat(np.cumsum(m) - m, m)).astype(np.int32),
-            "round": np.repeat(rnd, m), "token_id": ids, "text": self.text[ids],
-            "source": np.where(is_draft, np.repeat(names, m), "target"),
-            "depth": cat([e.depth for e in evs]).astype(np.int32),
-            "draft_prob": pa.array(cat([e.draft_prob for e in evs]).astype(np.float64), from_pandas=True),
-            "target_prob": cat([e.target_prob for e in evs]).astype(np.float64),
-            "entropy": cat([e.entropy for e in evs]).astype(np.float64)})
+        cols = token_columns(evs, self.text)
+        tokens = pa.table({"run_id": np.full(len(cols["pos"]), self.run_id, np.int64),
+                           **{k: pa.array(v, from_pandas=True) if k == "draft_prob" else v for k, v in cols.items()}})
         t = {k: np.array([e.timings_ms[k] for e in evs]) for k in ("route", "catchup", "draft", "verify", "commit")}
         rounds = pa.table({
             "run_id": np.full(len(evs), self.run_id, np.int64), "round": rnd,

@@ -50,3 +50,130 @@ def write_html_report(path: str | Path, title: str, figs: list[go.Figure], text:
     path = Path(path)
     path.write_text(page, encoding="utf-8")
     return path
+
+
+# ---- tokens: per-token acceptance shading ----
+
+TARGET_BG = "#e8e8e8"
+DRAFTER_RGB = {"sps": (31, 119, 180), "pld": (44, 160, 44), "eagle3": (148, 103, 189), "dflash": (214, 39, 40)}
+_FALLBACK_RGB = [(255, 127, 14), (140, 86, 75), (227, 119, 194), (23, 190, 207)]
+TOKEN_COLUMNS = ("pos", "round", "text", "source", "depth", "draft_prob", "target_prob", "entropy")
+
+
+def drafter_rgb(name: str) -> tuple[int, int, int]:
+    return DRAFTER_RGB.get(name, _FALLBACK_RGB[sum(map(ord, name)) % len(_FALLBACK_RGB)])
+
+
+def _fmt(v) -> str:
+    return "–" if v is None or v != v else f"{v:.2f}"
+
+
+def token_spans(cols: dict, first_round_seen: int | None = None, shade: str = "depth") -> list[str]:
+    """One <span> per token from per-token columns (TOKEN_COLUMNS): background = who produced it (drafter colour,
+    or grey for the target's own token), opacity = draft depth or draft probability; a bar marks round starts;
+    hovering shows round, depth, draft p, target p and entropy."""
+    out = []
+    prev = first_round_seen
+    for pos, rnd, text, src, depth, dp, tp, ent in zip(*(cols[c] for c in TOKEN_COLUMNS)):
+        if src == "target":
+            bg = TARGET_BG
+        else:
+            r, g, b = drafter_rgb(src)
+            a = max(0.25, 0.9 - 0.13 * (depth - 1)) if shade == "depth" else 0.2 + 0.7 * (dp if dp == dp else 0.5)
+            bg = f"rgba({r},{g},{b},{a:.2f})"
+        edge = "border-left:2px solid #444;" if rnd != prev else ""
+        prev = rnd
+        tip = f"#{pos} round {rnd} · {src} · depth {depth} · draft p {_fmt(dp)} · target p {_fmt(tp)} · entropy {_fmt(ent)}"
+        out.append(f'<span class="tok" data-src="{html.escape(str(src))}" title="{html.escape(tip)}" '
+                   f'style="background:{bg};{edge}">{html.escape(str(text))}</span>')
+    return out
+
+
+def tokens_html(spans: list[str], header: str = "") -> str:
+    return (f'<div class="speclab-col">{header}<div class="speclab-tokens" style="white-space:pre-wrap;'
+            f'font-family:monospace;font-size:13px;line-height:1.7">{"".join(spans)}</div></div>')
+
+
+def legend_html(drafters: list[str], shade: str = "depth") -> str:
+    items = [f'<span style="background:{TARGET_BG};padding:1px 6px">target (AR step, bonus or correction)</span>']
+    for d in drafters:
+        r, g, b = drafter_rgb(d)
+        items.append(f'<span style="background:rgba({r},{g},{b},0.85);padding:1px 6px">{html.escape(d)}: accepted draft</span>')
+    how = "darker = shallower draft depth" if shade == "depth" else "darker = higher draft probability"
+    return (f'<div class="speclab-legend" style="font-size:12px">{" ".join(items)} · {how} · '
+            '<span style="border-left:2px solid #444;padding-left:4px">round start</span> · hover a token for details</div>')
+
+
+def stats_header(method: str, stats: dict) -> str:
+    parts = [f"<b>{html.escape(method)}</b>"] + [f"{k} <b>{v}</b>" for k, v in stats.items()]
+    return f'<div class="speclab-stats" style="font-size:12px;margin-bottom:4px">{" · ".join(parts)}</div>'
+
+
+# ---- draft trees and per-round charts ----
+
+def tree_figure(nodes, root_text: str = "root", title: str = "") -> go.Figure:
+    """A draft tree (rows of draft_nodes for one round): accepted path highlighted, rejected branches dimmed."""
+    nodes = nodes.sort_values("node")
+    children: dict[int, list[int]] = {}
+    for n, p in zip(nodes.node, nodes.parent):
+        children.setdefault(int(p), []).append(int(n))
+    y, leaf = {}, [0]
+
+    def place(n):  # leaves get consecutive rows, parents sit at the mean of their children
+        kids = children.get(n, [])
+        if not kids:
+            y[n] = leaf[0]
+            leaf[0] += 1
+        else:
+            for c in kids:
+                place(c)
+            y[n] = sum(y[c] for c in kids) / len(kids)
+    place(-1)
+    info = {int(r.node): r for r in nodes.itertuples()}
+    ex, ey, ax, ay = [], [], [], []
+    for n, r in info.items():
+        px, py = (0, y[-1]) if r.parent < 0 else (info[int(r.parent)].depth, y[int(r.parent)])
+        xs, ys = (ax, ay) if r.accepted else (ex, ey)
+        xs += [px, r.depth, None]
+        ys += [py, y[n], None]
+    fig = go.Figure()
+    fig.add_scatter(x=ex, y=ey, mode="lines", line=dict(color="#bbb", width=1), hoverinfo="skip", name="rejected")
+    fig.add_scatter(x=ax, y=ay, mode="lines", line=dict(color="#2ca02c", width=3), hoverinfo="skip", name="accepted path")
+    for acc in (False, True):
+        sel = [r for r in info.values() if bool(r.accepted) == acc]
+        if sel:
+            fig.add_scatter(
+                x=[r.depth for r in sel], y=[y[int(r.node)] for r in sel], mode="markers+text",
+                text=[repr(str(getattr(r, "text", r.token_id)))[1:-1][:12] for r in sel], textposition="top center",
+                marker=dict(size=12, color="#2ca02c" if acc else "#bbbbbb", opacity=1.0 if acc else 0.5),
+                customdata=[[r.node, _fmt(r.draft_prob), _fmt(r.target_prob)] for r in sel],
+                hovertemplate="node %{customdata[0]}<br>%{text}<br>draft p %{customdata[1]}<br>target p %{customdata[2]}<extra></extra>",
+                name="accepted" if acc else "rejected", showlegend=False)
+    fig.add_scatter(x=[0], y=[y[-1]], mode="markers+text", text=[repr(root_text)[1:-1][:12]], textposition="top center",
+                    marker=dict(size=14, color="#444"), name="root", hovertemplate="root (last committed token)<extra></extra>")
+    fig.update_layout(title=title or "Draft tree", xaxis_title="depth", yaxis_visible=False, template="plotly_white",
+                      height=max(300, 40 * leaf[0] + 120), showlegend=True)
+    return fig
+
+
+def accepted_per_round(rounds) -> go.Figure:
+    """Tokens committed per round (accepted drafts + the target's token), one trace per method/run label."""
+    fig = go.Figure()
+    for label, g in rounds.groupby("label", sort=False):
+        fig.add_scatter(x=g["round"], y=g["committed"], mode="lines+markers", name=label,
+                        line_color=_color(label.split(" ")[0]))
+    fig.update_layout(title="Tokens committed per round", xaxis_title="round", yaxis_title="tokens",
+                      template="plotly_white", height=340)
+    return fig
+
+
+def phase_breakdown(rounds) -> go.Figure:
+    """Mean time per round in each phase (route, catch-up, draft, verify, commit), stacked, per method/run label."""
+    phases = ["route", "catchup", "draft", "verify", "commit"]
+    means = rounds.groupby("label", sort=False)[[f"t_{p}_ms" for p in phases]].mean()
+    fig = go.Figure()
+    for p in phases:
+        fig.add_bar(name=p, x=means.index, y=means[f"t_{p}_ms"])
+    fig.update_layout(title="Time per round by phase (ms)", barmode="stack", template="plotly_white", height=340,
+                      yaxis_title="ms per round")
+    return fig

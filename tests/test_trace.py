@@ -136,3 +136,22 @@ def test_metrics_from_sql_match_the_decode(qwen3, qwen3_draft, store):
     assert pa.depth.tolist() == [1, 2, 3] and (pa.acceptance.diff().dropna() <= 0).all()  # a chain: monotone
     assert set(summarize(store).method) == {"ar", "sps"}
     assert len(store.query("SELECT * FROM run_metrics")) == 2  # the same SQL as a view in the file
+
+
+def test_safe_query_is_read_only_capped_and_stoppable(qwen3, tmp_path):
+    s = TraceStore(tmp_path / "q.duckdb")
+    generate(qwen3, PROMPTS[0], "ar", max_new_tokens=12, trace=s)
+    df, truncated = s.safe_query("SELECT pos, text FROM tokens ORDER BY pos", max_rows=5)
+    assert len(df) == 5 and truncated and list(df.columns) == ["pos", "text"]
+    for bad, msg in [("DROP TABLE tokens", "single read-only SELECT"), ("SELECT 1; DELETE FROM runs", "single read-only SELECT"),
+                     ("UPDATE runs SET status = 'x'", "single read-only SELECT"), ("SELEC oops", "invalid SQL"),
+                     ("SELECT * FROM read_csv('/etc/passwd')", "query failed"), ("SELECT * FROM 'http://example.com/x.csv'", "query failed"),
+                     ("ATTACH '/tmp/other.db'", "single read-only SELECT"), ("", "empty")]:
+        with pytest.raises(TraceError, match=msg):
+            s.safe_query(bad)
+    with pytest.raises(TraceError, match="stopped after"):
+        s.safe_query("SELECT count(*) FROM range(100000000000)", timeout_s=0.5)
+    assert len(s.tokens(1)) == 12 and s.runs().status.tolist() == ["done"]  # nothing changed
+    generate(qwen3, PROMPTS[1], "ar", max_new_tokens=4, trace=s)  # and tracing still works after lock-down
+    assert len(s.runs()) == 2
+    s.close()

@@ -222,3 +222,29 @@ def train_lm(cfg: TrainConfig) -> dict:
                "val": rec.get("val"), "config": asdict(cfg)}
     (out / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
     return summary
+
+
+def training_curve(logs: list[Path], every: int = 100) -> list[dict]:
+    """Records of one or more train logs in order (a resumed run continues the token count and the clock);
+    every `every`-th step and every validation record are kept."""
+    out, tok0, t0 = [], 0, 0.0
+    for path in logs:
+        recs = [json.loads(l) for l in Path(path).read_text().splitlines() if l.strip()]
+        for r in recs:
+            if "val" in r or r["step"] % every == 0 or r is recs[-1]:
+                out.append({**r, "tokens": r["tokens"] + tok0, "time_s": r["time_s"] + t0})
+        if recs:
+            tok0, t0 = tok0 + recs[-1]["tokens"], t0 + recs[-1]["time_s"]
+    return out
+
+
+def curve_table(records: list[dict]) -> str:
+    """Markdown: tokens seen, minutes, train loss and per-domain validation loss at each validation."""
+    rows = ["| tokens (M) | minutes | train loss | " + " | ".join(f"val {d}" for d in DOMAINS) + " |",
+            "|---|---|---|" + "---|" * len(DOMAINS)]
+    for r in records:
+        if "val" in r:
+            loss = f"{r['loss']:.3f}" if "loss" in r else ""
+            rows.append(f"| {r['tokens'] / 1e6:.2f} | {r['time_s'] / 60:.0f} | {loss} | "
+                        + " | ".join(f"{r['val'][d]['loss']:.3f}" for d in DOMAINS) + " |")
+    return "\n".join(rows)

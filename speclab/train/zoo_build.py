@@ -53,13 +53,15 @@ def build_zoo(cfg: ZooBuildConfig) -> None:
     print(evaluate_zoo())
 
 
-def _install(run_dir: Path, dest: Path) -> None:
+def _install(run_dir: Path, dest: Path, earlier_logs: tuple[Path, ...] = ()) -> None:
+    """Copy the final checkpoint into the zoo with a thinned training log (earlier logs of a resumed run first)."""
+    from speclab.train.lm import training_curve
+
     if dest.exists():
         shutil.rmtree(dest)
     shutil.copytree(run_dir / "model", dest)
-    for f in ("train_log.jsonl", "summary.json"):
-        if (run_dir / f).exists():
-            shutil.copy(run_dir / f, dest / f)
+    recs = training_curve([*earlier_logs, run_dir / "train_log.jsonl"])
+    (dest / "train_log.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
 
 
 def evaluate_zoo(eval_tokens: int = 65536) -> str:
@@ -75,6 +77,7 @@ def evaluate_zoo(eval_tokens: int = 65536) -> str:
         model = AutoModelForCausalLM.from_pretrained(zoo / name, dtype=torch.float32)
         res[name] = evaluate(model, data, 512, eval_tokens, tok)
         res[name]["params"] = sum(p.numel() for p in model.parameters())
+    eval_tokens_note = "16,384 tokens per domain during training"
     lines = ["| domain | target loss | draft loss | gap (nats) | target bits/byte | draft bits/byte |", "|---|---|---|---|---|---|"]
     for d in res["target"]:
         if d == "params":
@@ -82,6 +85,12 @@ def evaluate_zoo(eval_tokens: int = 65536) -> str:
         t, dr = res["target"][d], res["draft"][d]
         lines.append(f"| {d} | {t['loss']:.3f} | {dr['loss']:.3f} | {dr['loss'] - t['loss']:.3f} | "
                      f"{t['bits_per_byte']:.3f} | {dr['bits_per_byte']:.3f} |")
+    from speclab.train.lm import curve_table, training_curve
+    for name in ("target", "draft"):
+        log = zoo / name / "train_log.jsonl"
+        if log.exists():
+            lines.append(f"\n{name} training curve (validation on {eval_tokens_note}):\n")
+            lines.append(curve_table(training_curve([log], every=10**9)))
     lines.append(f"\nparams: target {res['target']['params'] / 1e6:.2f} M, draft {res['draft']['params'] / 1e6:.2f} M; "
                  f"{eval_tokens} validation tokens per domain (or all there are)")
     return "\n".join(lines)
