@@ -127,9 +127,8 @@ class Lab:
 
     def tree(self, run_id, rnd):
         rid = _run_id(run_id)
-        nodes = self.store.query("""SELECT n.*, t.text FROM draft_nodes n LEFT JOIN (
-                                      SELECT DISTINCT token_id, text FROM tokens WHERE run_id = ?) t USING (token_id)
-                                    WHERE n.run_id = ? AND n.round = ? ORDER BY node""", [rid, rid, int(rnd)])
+        nodes = self.store.draft_nodes(rid, int(rnd))
+        nodes["text"] = self.text[nodes.token_id.to_numpy()] if len(nodes) else []
         if nodes.empty:
             return viz.tree_figure(pd.DataFrame(columns=["node", "parent", "depth", "token_id", "draft_prob",
                                                          "target_prob", "accepted", "text"]),
