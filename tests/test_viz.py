@@ -1,0 +1,58 @@
+"""speclab.viz on real traces: token shading HTML, draft trees and per-round charts."""
+import pytest
+
+from conftest import PROMPTS
+from speclab import viz
+from speclab.generate import Generation, generate
+from speclab.metrics import position_acceptance
+from speclab.trace import TraceStore, token_columns, vocab_text
+
+
+@pytest.fixture(scope="module")
+def traced(qwen3, qwen3_draft, tmp_path_factory):
+    store = TraceStore(tmp_path_factory.mktemp("viz") / "v.duckdb")
+    runs = {m: generate(qwen3, PROMPTS[0], m, draft=qwen3_draft, k=3, tree_topk=2, max_new_tokens=24, trace=store).run_id
+            for m in ("ar", "sps", "pld")}
+    yield store, runs
+    store.close()
+
+
+def test_token_spans_shade_by_source_with_details(traced):
+    store, runs = traced
+    toks = store.tokens(runs["sps"])
+    spans = viz.token_spans({c: toks[c].tolist() for c in viz.TOKEN_COLUMNS})
+    assert len(spans) == len(toks)
+    n_draft = int((toks.source == "sps").sum())
+    assert sum('data-src="sps"' in s for s in spans) == n_draft > 0
+    assert sum("border-left" in s for s in spans) == toks["round"].nunique()  # one bar per round start
+    assert "target p" in spans[0] and "entropy" in spans[0]
+    html = viz.tokens_html(spans, viz.stats_header("sps", {"tau": "2.0"}))
+    assert html.count('class="tok"') == len(toks) and "<b>sps</b>" in html
+    assert "sps: accepted draft" in viz.legend_html(["sps"])
+
+
+def test_live_event_columns_equal_the_trace(qwen3, qwen3_draft, traced):
+    """What the app renders live is what the trace stores."""
+    store, _ = traced
+    g = Generation(qwen3, PROMPTS[1], "sps", draft=qwen3_draft, k=3, max_new_tokens=20, trace=store)
+    live = [token_columns([ev], vocab_text(qwen3.tokenizer)) for ev in g]
+    toks = store.tokens(g.run_id)
+    assert [t for c in live for t in c["text"]] == toks.text.tolist()
+    assert [s for c in live for s in c["source"]] == toks.source.tolist()
+
+
+def test_tree_and_round_charts_from_trace(traced):
+    store, runs = traced
+    rid = runs["sps"]
+    nodes = store.draft_nodes(rid, 0)
+    nodes["text"] = nodes.token_id.astype(str)
+    fig = viz.tree_figure(nodes, "root")
+    xs = [x for tr in fig.data for x in (tr.x or []) if x is not None]
+    assert max(xs) == nodes.depth.max() and len(nodes) == 2 * 3  # tree top-2 over 3 levels
+    rounds = store.query("SELECT * FROM rounds WHERE run_id IN (?, ?, ?)", list(runs.values()))
+    rounds["label"] = rounds.run_id.astype(str)
+    assert len(viz.accepted_per_round(rounds).data) == 3
+    assert [b.name for b in viz.phase_breakdown(rounds).data] == ["route", "catchup", "draft", "verify", "commit"]
+    pos = position_acceptance(store, [rid])
+    pos["method"] = "sps"
+    assert list(viz.position_acceptance(pos).data[0].x) == [1, 2, 3]
