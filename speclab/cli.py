@@ -151,7 +151,8 @@ def cmd_zoo(a: argparse.Namespace) -> int:
 
     if a.zoo_cmd == "build":
         build_zoo(ZooBuildConfig(shared_data=a.shared_data, target_minutes=a.target_minutes,
-                                 draft_minutes=a.draft_minutes, seed=a.seed))
+                                 draft_pretrain_minutes=a.draft_pretrain_minutes, draft_minutes=a.draft_minutes,
+                                 seed=a.seed))
     elif a.zoo_cmd == "eval":
         print(evaluate_zoo(eval_tokens=a.eval_tokens))
     return 0
@@ -254,7 +255,8 @@ def main(argv: list[str] | None = None) -> int:
     zb = zs.add_parser("build", help="re-create corpus, tokenizer, target and draft (long: hours on CPU)")
     zb.add_argument("--shared-data", default="../shared/data")
     zb.add_argument("--target-minutes", type=float, default=100.0)
-    zb.add_argument("--draft-minutes", type=float, default=25.0)
+    zb.add_argument("--draft-pretrain-minutes", type=float, default=20.0)
+    zb.add_argument("--draft-minutes", type=float, default=20.0, help="distillation from the target")
     zb.add_argument("--seed", type=int, default=0)
     ze = zs.add_parser("eval", help="per-domain validation loss and bits per byte of the zoo models")
     ze.add_argument("--eval-tokens", type=int, default=65536)

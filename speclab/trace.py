@@ -303,7 +303,6 @@ class RunWriter:
         m = np.array([e.committed.numel() for e in evs])
         a = np.array([e.n_accepted for e in evs])
         rnd = np.array([e.round for e in evs], np.int32)
-        names = np.array([e.drafter or "target" for e in evs], dtype=object)
         node_off = np.repeat(np.cumsum(n) - n, [e.accepted.numel() for e in evs])
         accepted = np.zeros(n.sum(), dtype=bool)
         accepted[cat([e.accepted for e in evs]).astype(np.int64) + node_off] = True

@@ -1,7 +1,6 @@
 """Fixtures: tiny Qwen3 / Llama models built from configs (no downloads), saved as HF directories."""
 from __future__ import annotations
 
-import copy
 from pathlib import Path
 
 import pytest

@@ -6,7 +6,6 @@ from conftest import PROMPTS
 from speclab.engine import decode
 from speclab.generate import encode_prompt, generate
 from speclab.drafters.pld import PromptLookup
-from speclab.drafters.sps import StandaloneDraft
 
 N_NEW = 40
 

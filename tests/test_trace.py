@@ -3,7 +3,6 @@ import subprocess
 import sys
 
 import pytest
-import torch
 
 from conftest import PROMPTS
 from speclab.errors import TraceError

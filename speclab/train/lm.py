@@ -163,6 +163,7 @@ def train_lm(cfg: TrainConfig) -> dict:
     teacher = None
     if cfg.teacher:
         teacher = AutoModelForCausalLM.from_pretrained(cfg.teacher, dtype=torch.bfloat16).eval()
+        teacher = torch.compile(teacher) if cfg.compile else teacher
     n_params = sum(p.numel() for p in model.parameters())
     decay = [p for p in model.parameters() if p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.dim() < 2]

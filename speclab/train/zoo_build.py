@@ -27,7 +27,8 @@ DRAFT_SHAPE = ModelShape(hidden_size=192, num_hidden_layers=2, num_attention_hea
 class ZooBuildConfig:
     shared_data: str = "../shared/data"
     target_minutes: float = 100.0
-    draft_minutes: float = 25.0
+    draft_pretrain_minutes: float = 20.0
+    draft_minutes: float = 20.0
     seed: int = 0
     work_dir: str = "build/zoo"
 
@@ -36,20 +37,25 @@ def build_zoo(cfg: ZooBuildConfig) -> None:
     corpus = REPO_ROOT / "data" / "corpus"
     zoo = zoo_dir()
     work = Path(cfg.work_dir)
-    print(f"[1/4] corpus -> {corpus}", flush=True)
+    print(f"[1/5] corpus -> {corpus}", flush=True)
     print(json.dumps(build_corpus(corpus, CorpusConfig(shared_data=Path(cfg.shared_data), seed=cfg.seed)), indent=1))
-    print(f"[2/4] tokenizer -> {zoo / 'tokenizer'}", flush=True)
+    print(f"[2/5] tokenizer -> {zoo / 'tokenizer'}", flush=True)
     shutil.rmtree(corpus / ".tokens", ignore_errors=True)
     train_tokenizer(corpus, zoo / "tokenizer")
-    print(f"[3/4] target ({cfg.target_minutes:.0f} min)", flush=True)
+    print(f"[3/5] target ({cfg.target_minutes:.0f} min)", flush=True)
     train_lm(TrainConfig(corpus_dir=str(corpus), tokenizer_dir=str(zoo / "tokenizer"), out_dir=str(work / "target"),
                          shape=TARGET_SHAPE, lr=1.5e-3, max_minutes=cfg.target_minutes, seed=cfg.seed))
     _install(work / "target", zoo / "target")
-    print(f"[4/4] draft distilled from the target ({cfg.draft_minutes:.0f} min)", flush=True)
-    train_lm(TrainConfig(corpus_dir=str(corpus), tokenizer_dir=str(zoo / "tokenizer"), out_dir=str(work / "draft"),
-                         shape=DRAFT_SHAPE, teacher=str(zoo / "target"), lr=3e-3, seq_len=256, batch_size=16,
-                         max_minutes=cfg.draft_minutes, seed=cfg.seed + 1))
-    _install(work / "draft", zoo / "draft")
+    print(f"[4/5] draft pre-trained on the corpus ({cfg.draft_pretrain_minutes:.0f} min)", flush=True)
+    train_lm(TrainConfig(corpus_dir=str(corpus), tokenizer_dir=str(zoo / "tokenizer"), out_dir=str(work / "draft_ce"),
+                         shape=DRAFT_SHAPE, lr=3e-3, seq_len=256, batch_size=16,
+                         max_minutes=cfg.draft_pretrain_minutes, seed=cfg.seed + 2))
+    print(f"[5/5] draft distilled from the target's distributions ({cfg.draft_minutes:.0f} min)", flush=True)
+    train_lm(TrainConfig(corpus_dir=str(corpus), tokenizer_dir=str(zoo / "tokenizer"), out_dir=str(work / "draft_kl"),
+                         shape=DRAFT_SHAPE, teacher=str(zoo / "target"), init_from=str(work / "draft_ce" / "model"),
+                         lr=2e-3, warmup_steps=20, seq_len=256, batch_size=16, max_minutes=cfg.draft_minutes,
+                         seed=cfg.seed + 3))
+    _install(work / "draft_kl", zoo / "draft", earlier_logs=(work / "draft_ce" / "train_log.jsonl",))
     print(evaluate_zoo())
 
 
