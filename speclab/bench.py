@@ -4,7 +4,8 @@ For every prompt the methods run in a rotated order (machine drift hits all alik
 speclab run is a traced run tagged with the bench id; the peers (`hf_assisted`: `generate(assistant_model=
 draft)`, `hf_pld`: `generate(prompt_lookup_num_tokens=k)`) are recorded as runs without rounds. Metrics come
 from `speclab.metrics` (one SQL definition each); greedy output equality with AR is checked per run
-through `runs.output_hash`. Tracing overhead: the same method with tracing off and on, interleaved.
+through `runs.output_hash`. Every speclab method also runs untraced (`<method>-untraced`, a run row without
+rounds, like the peers): the peer comparison uses those, and traced / untraced time is the tracing overhead.
 """
 from __future__ import annotations
 
@@ -37,8 +38,7 @@ class BenchConfig:
     k: dict = field(default_factory=lambda: {"sps": 4, "pld": 8})
     tree_topk: int = 1
     peers: bool = True
-    overhead_prompts: int = 4  # prompts for the tracing on/off comparison (0 = skip)
-    overhead_method: str = "sps"
+    untraced: bool = True  # also time every method with tracing off (peer comparison, tracing overhead)
     warmup: int = 1
 
 
@@ -98,6 +98,14 @@ def run_bench(cfg: BenchConfig, target: Target, draft: Target | None, store: Tra
         return generate(target, ids, m, draft=draft, max_new_tokens=cfg.max_new_tokens, trace=trace,
                         prompt_id=r["prompt_id"], category=r["category"], bench_id=bench_id, **params(m))
 
+    def run_untraced(m, r, ids):
+        res = generate(target, ids, m, draft=draft, max_new_tokens=cfg.max_new_tokens, **params(m))
+        rid = store.start_run(method=f"{m}-untraced", target=target.name, params=params(m), prompt_id=r["prompt_id"],
+                              category=r["category"], device=str(target.device), bench_id=bench_id,
+                              prompt_tokens=ids.numel())
+        store.finish_run(rid, "done", new_tokens=len(res.token_ids), elapsed_s=res.decode.elapsed_s,
+                         target_calls=res.decode.target_calls, output_hash=output_hash(res.token_ids))
+
     def run_peer(p, r, ids):
         out, secs = peer_generate(p, target, draft, ids, cfg.max_new_tokens, cfg.k.get("sps" if p == "hf_assisted" else "pld", 4))
         rid = store.start_run(method=p, target=target.name, drafters=draft.name if p == "hf_assisted" else None,
@@ -112,9 +120,9 @@ def run_bench(cfg: BenchConfig, target: Target, draft: Target | None, store: Tra
         for p in peers:
             peer_generate(p, target, draft, ids, 16, 4)
 
-    order = cfg.methods + peers
-    n_ov = min(cfg.overhead_prompts, len(rows)) if cfg.overhead_method in cfg.methods else 0
-    prog = Progress(len(rows) * len(order) + 2 * n_ov, f"bench {cfg.suite}")
+    untraced = [f"{m}-untraced" for m in cfg.methods] if cfg.untraced else []
+    order = cfg.methods + untraced + peers
+    prog = Progress(len(rows) * len(order), f"bench {cfg.suite}")
     done = 0
     for i, (r, ids) in enumerate(rows):
         for m in order[i % len(order):] + order[: i % len(order)]:
@@ -122,6 +130,8 @@ def run_bench(cfg: BenchConfig, target: Target, draft: Target | None, store: Tra
                 torch.cuda.reset_peak_memory_stats()
             if m in peers:
                 run_peer(m, r, ids)
+            elif m in untraced:
+                run_untraced(m.removesuffix("-untraced"), r, ids)
             else:
                 res = run_method(m, r, ids, store)
                 if target.device.type == "cuda":
@@ -129,20 +139,10 @@ def run_bench(cfg: BenchConfig, target: Target, draft: Target | None, store: Tra
             done += 1
             prog.update(done, prompt=r["prompt_id"], method=m)
     overhead = None
-    if n_ov:  # tracing off vs on, interleaved; the traced runs are tagged so they stay out of the tables
-        t_off = t_on = 0.0
-        for j, (r, ids) in enumerate(rows[:n_ov]):
-            for traced in ((False, True) if j % 2 == 0 else (True, False)):
-                res = generate(target, ids, cfg.overhead_method, draft=draft, max_new_tokens=cfg.max_new_tokens,
-                               trace=store if traced else None, bench_id=f"{bench_id}/overhead",
-                               **params(cfg.overhead_method))
-                if traced:
-                    t_on += res.decode.elapsed_s
-                else:
-                    t_off += res.decode.elapsed_s
-                done += 1
-                prog.update(done, overhead=cfg.overhead_method)
-        overhead = t_on / t_off
+    if untraced:  # traced / untraced decode time over every prompt and method, same run, same outputs
+        t = store.query("SELECT method, sum(elapsed_s) AS s FROM runs WHERE bench_id = ? GROUP BY method", [bench_id])
+        t = dict(zip(t.method, t.s))
+        overhead = sum(t[m] for m in cfg.methods) / sum(t[f"{m}-untraced"] for m in cfg.methods)
     peak_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     store.execute("UPDATE benches SET trace_overhead = ?, peak_rss_mb = ?, status = 'done' WHERE bench_id = ?",
                   [overhead, peak_rss, bench_id])
@@ -189,13 +189,15 @@ def bench_positions(store: TraceStore, bench_id: str):
 
 
 def peer_ratios(overall) -> list[dict]:
-    """speclab's tokens/s over Hugging Face's for the matching method (same models, prompts and run)."""
+    """speclab's tokens/s over Hugging Face's for the matching method (same models, prompts and run): untraced
+    (like HF) where the bench timed it, and traced."""
     tps = dict(zip(overall.method, overall.tokens_per_s))
     out = []
     for ours, peer in (("sps", "hf_assisted"), ("pld", "hf_pld")):
-        if ours in tps and peer in tps:
-            out.append({"speclab": ours, "peer": peer, "speclab_tokens_per_s": tps[ours], "peer_tokens_per_s": tps[peer],
-                        "ratio": tps[ours] / tps[peer]})
+        for variant in (f"{ours}-untraced", ours):
+            if variant in tps and peer in tps:
+                out.append({"speclab": variant, "peer": peer, "speclab_tokens_per_s": tps[variant],
+                            "peer_tokens_per_s": tps[peer], "ratio": tps[variant] / tps[peer]})
     return out
 
 
@@ -214,7 +216,7 @@ def write_report(store: TraceStore, bench_id: str, md_path: str | Path) -> tuple
     if len(peers):
         md += ["## speclab vs Hugging Face (same target, draft, prompts; greedy)", "", peers.to_markdown(**fmt), ""]
     if bench.trace_overhead == bench.trace_overhead and bench.trace_overhead is not None:
-        md += [f"Tracing overhead: traced / untraced decode time = **{bench.trace_overhead:.3f}**", ""]
+        md += [f"Tracing overhead: traced / untraced decode time, all methods and prompts = **{bench.trace_overhead:.3f}**", ""]
     md += [f"Peak RSS of the bench process: {bench.peak_rss_mb:.0f} MB", "", "## Per category", "",
            table.to_markdown(**fmt), "", "## Per-position acceptance", "", pos.to_markdown(**fmt), ""]
     md_path = Path(md_path)

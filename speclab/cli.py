@@ -123,9 +123,9 @@ def cmd_bench(a: argparse.Namespace) -> int:
 
     methods = [m.strip() for m in a.methods.split(",") if m.strip()]
     cfg = BenchConfig(suite=a.suite, methods=methods, limit=a.limit, max_new_tokens=a.max_new_tokens,
-                      tree_topk=a.tree_topk, peers=a.peers, overhead_prompts=a.overhead_prompts)
+                      tree_topk=a.tree_topk, peers=a.peers, untraced=a.untraced)
     if a.quick:
-        cfg.limit, cfg.max_new_tokens, cfg.overhead_prompts = min(cfg.limit or 2, 2), min(cfg.max_new_tokens, 64), 2
+        cfg.limit, cfg.max_new_tokens = min(cfg.limit or 2, 2), min(cfg.max_new_tokens, 64)
     for m in methods:
         get_method(m)
     Path(a.db).parent.mkdir(parents=True, exist_ok=True)
@@ -231,7 +231,8 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("--tree-topk", type=int, default=1)
     b.add_argument("--peers", action=argparse.BooleanOptionalAction, default=True,
                    help="also time Hugging Face assisted generation and prompt lookup")
-    b.add_argument("--overhead-prompts", type=int, default=4, help="prompts for the tracing on/off comparison")
+    b.add_argument("--untraced", action=argparse.BooleanOptionalAction, default=True,
+                   help="also time every method untraced (peer comparison and tracing overhead)")
     b.add_argument("--quick", action="store_true", help="2 prompts per category, 64 tokens: a minute or two")
     b.add_argument("--db", default="traces/bench.duckdb")
     b.add_argument("--report", default="reports/bench.md")
