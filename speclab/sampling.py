@@ -42,8 +42,3 @@ def sample(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tens
     idx = torch.searchsorted(cdf, u * cdf[..., -1:], right=True)  # first index with cdf > u: never a zero-mass token
     return idx.clamp_(max=probs.shape[-1] - 1).squeeze(-1)
 
-
-def entropy(logits: torch.Tensor) -> torch.Tensor:
-    """Shannon entropy (nats) of softmax(logits) per row: the raw model's uncertainty, independent of sampling."""
-    logp = torch.log_softmax(logits.float(), -1)
-    return -(logp.exp() * logp).sum(-1)

@@ -53,10 +53,6 @@ class DraftTree:
     def is_chain(self) -> bool:
         return bool((self.parents == torch.arange(-1, len(self) - 1, device=self.parents.device)).all())
 
-    def children(self, node: int) -> list[int]:
-        """Children of `node` (-1 = root) in proposal order."""
-        return (self.parents == node).nonzero().flatten().tolist()
-
     def path_to(self, node: int) -> list[int]:
         """Node indices from the root's child down to `node`."""
         path = []
