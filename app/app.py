@@ -13,6 +13,7 @@ import gradio as gr
 import pandas as pd
 
 from speclab import viz
+from speclab.cli import add_model_args, load_models
 from speclab.errors import SpeclabError
 from speclab.generate import Generation
 from speclab.methods import METHODS
@@ -224,25 +225,17 @@ def build_app(lab: Lab) -> gr.Blocks:
 
 
 def main(argv: list[str] | None = None) -> None:
-    from speclab import zoo
-
     ap = argparse.ArgumentParser(prog="speclab app")
-    ap.add_argument("--model")
-    ap.add_argument("--draft")
+    add_model_args(ap)
     ap.add_argument("--db", default="traces/app.duckdb")
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--port", type=int, default=7860)
-    ap.add_argument("--device")
-    ap.add_argument("--dtype")
     a = ap.parse_args(argv)
     from pathlib import Path
     Path(a.db).parent.mkdir(parents=True, exist_ok=True)
     print(f"speclab app: opening trace {a.db} ...", flush=True)
     store = TraceStore(a.db)
-    print(f"speclab app: loading target {a.model or zoo.default_target()} ...", flush=True)
-    target = Target.load(a.model or zoo.default_target(), device=a.device, dtype=a.dtype)
-    print(f"speclab app: loading draft {a.draft or zoo.default_draft()} ...", flush=True)
-    draft = Target.load(a.draft or zoo.default_draft(), device=a.device, dtype=a.dtype)
+    target, draft = load_models(a, log=lambda s: print(f"speclab app: {s}", flush=True))
     demo = build_app(Lab(target, draft, store))
     demo.queue(default_concurrency_limit=1)
     demo.launch(server_name=a.host, server_port=a.port, css=CSS, show_error=True)

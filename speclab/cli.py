@@ -30,11 +30,37 @@ def _read_prompts(path: str) -> list[dict]:
     return rows
 
 
-def cmd_generate(a: argparse.Namespace) -> int:
+def add_model_args(p: argparse.ArgumentParser) -> None:
+    """The target/draft options every model-loading command shares (the app too)."""
+    p.add_argument("--model", help="target model directory or cached hub name (default: the zoo target)")
+    p.add_argument("--draft", help="draft model for sps (default: the zoo draft)")
+    p.add_argument("--device", default=None, help="cpu | cuda (default: cuda when present)")
+    p.add_argument("--dtype", default=None, help="fp32 | bf16 | fp16 (default fp32 on CPU, bf16 on CUDA)")
+    p.add_argument("--backend", default="auto", choices=["auto", "lean", "hf"],
+                   help="forward pass: speclab's lean forward (Llama family) or the transformers one (default: lean "
+                        "where it applies)")
+
+
+def load_models(a: argparse.Namespace, draft: bool = True, log=None):
+    """(target, draft or None) from the options of `add_model_args`."""
     from speclab import zoo
+    from speclab.target import Target
+
+    log = log or (lambda s: print(s, file=sys.stderr, flush=True))
+    paths = {"target": a.model or zoo.default_target(), "draft": (a.draft or zoo.default_draft()) if draft else None}
+    out = []
+    for role, path in paths.items():
+        if path is None:
+            out.append(None)
+            continue
+        log(f"loading {role} {path} ...")
+        out.append(Target.load(path, device=a.device, dtype=a.dtype, backend=a.backend))
+    return tuple(out)
+
+
+def cmd_generate(a: argparse.Namespace) -> int:
     from speclab.generate import generate
     from speclab.methods import get_method
-    from speclab.target import Target
     from speclab.trace import TraceStore
 
     method = get_method(a.method)
@@ -47,13 +73,7 @@ def cmd_generate(a: argparse.Namespace) -> int:
     if a.db != "none":
         Path(a.db).parent.mkdir(parents=True, exist_ok=True)
         store = TraceStore(a.db)  # before loading models: a locked or foreign file fails fast
-    log = sys.stderr
-    print(f"loading target {a.model or zoo.default_target()} ...", file=log, flush=True)
-    target = Target.load(a.model or zoo.default_target(), device=a.device, dtype=a.dtype)
-    draft = None
-    if method.needs_draft_model:
-        print(f"loading draft {a.draft or zoo.default_draft()} ...", file=log, flush=True)
-        draft = Target.load(a.draft or zoo.default_draft(), device=a.device, dtype=a.dtype)
+    target, draft = load_models(a, draft=method.needs_draft_model)
     params = {"k": a.k, "tree_topk": a.tree_topk}
     try:
         for p in prompts:
@@ -71,7 +91,7 @@ def cmd_generate(a: argparse.Namespace) -> int:
             else:
                 print(f"[{s['method']}] {s['tokens']} tokens in {s['elapsed_s']:.2f} s ({s['tokens_per_s']:.1f} tok/s), "
                       f"{s['rounds']} rounds, tau {s['tau']:.2f}, {s['target_calls']} target calls"
-                      + (f", run {s['run_id']} in {a.db}" if store else ""), file=log, flush=True)
+                      + (f", run {s['run_id']} in {a.db}" if store else ""), file=sys.stderr, flush=True)
     finally:
         if store is not None:
             store.close()
@@ -115,10 +135,8 @@ def cmd_stats(a: argparse.Namespace) -> int:
 
 
 def cmd_bench(a: argparse.Namespace) -> int:
-    from speclab import zoo
     from speclab.bench import BenchConfig, bench_overall, peer_ratios, run_bench, write_report
     from speclab.methods import get_method
-    from speclab.target import Target
     from speclab.trace import TraceStore
 
     methods = [m.strip() for m in a.methods.split(",") if m.strip()]
@@ -130,9 +148,7 @@ def cmd_bench(a: argparse.Namespace) -> int:
         get_method(m)
     Path(a.db).parent.mkdir(parents=True, exist_ok=True)
     with TraceStore(a.db) as store:
-        print(f"loading target {a.model or zoo.default_target()} ...", file=sys.stderr, flush=True)
-        target = Target.load(a.model or zoo.default_target(), device=a.device, dtype=a.dtype)
-        draft = Target.load(a.draft or zoo.default_draft(), device=a.device, dtype=a.dtype)
+        target, draft = load_models(a)
         bench_id = run_bench(cfg, target, draft, store, log=lambda s: print(s, file=sys.stderr))
         md, html = write_report(store, bench_id, a.report)
         overall = bench_overall(store, bench_id)
@@ -194,8 +210,7 @@ def main(argv: list[str] | None = None) -> int:
     sub.add_parser("app", help="the Gradio app (side-by-side decoding, trees, trace explorer); --help for options")
 
     g = sub.add_parser("generate", help="decode prompts with a method; trace to DuckDB")
-    g.add_argument("--model", help="target model directory or cached hub name (default: the zoo target)")
-    g.add_argument("--draft", help="draft model for sps (default: the zoo draft)")
+    add_model_args(g)
     g.add_argument("--prompt", help="prompt text")
     g.add_argument("--prompts", help="file of prompts (.jsonl with prompt/turns/question/text, or one per line)")
     g.add_argument("--method", default="ar", help="ar | sps | pld | ... (see speclab.methods)")
@@ -211,8 +226,6 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--db", default=DEFAULT_DB, help=f"DuckDB trace file (default {DEFAULT_DB}; 'none' to skip)")
     g.add_argument("--json", action="store_true", help="print one JSON summary line per prompt")
     g.add_argument("--stream", action=argparse.BooleanOptionalAction, default=True, help="print text as it is decoded")
-    g.add_argument("--device", default=None)
-    g.add_argument("--dtype", default=None, help="fp32 | bf16 | fp16 (default fp32 on CPU, bf16 on CUDA)")
     g.set_defaults(fn=cmd_generate)
 
     s = sub.add_parser("stats", help="metrics (tau, acceptance, tokens/s, ...) pooled per method / category")
@@ -236,10 +249,7 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("--quick", action="store_true", help="2 prompts per category, 64 tokens: a minute or two")
     b.add_argument("--db", default="traces/bench.duckdb")
     b.add_argument("--report", default="reports/bench.md")
-    b.add_argument("--model")
-    b.add_argument("--draft")
-    b.add_argument("--device", default=None)
-    b.add_argument("--dtype", default=None)
+    add_model_args(b)
     b.set_defaults(fn=cmd_bench)
 
     t = sub.add_parser("train", help="train the zoo target, or distil the zoo draft from a teacher (long)")

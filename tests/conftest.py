@@ -69,6 +69,17 @@ def llama(model_dir) -> Target:
 
 
 @pytest.fixture(scope="session")
+def qwen3_hf(model_dir) -> Target:
+    """The same tiny Qwen3 on the transformers forward (DynamicCache) instead of speclab's lean forward."""
+    return Target.load(model_dir["qwen3"], backend="hf")
+
+
+@pytest.fixture(scope="session")
+def qwen3_draft_hf(model_dir) -> Target:
+    return Target.load(model_dir["qwen3_draft"], backend="hf")
+
+
+@pytest.fixture(scope="session")
 def qwen3_draft(model_dir) -> Target:
     return Target.load(model_dir["qwen3_draft"])
 

@@ -48,6 +48,15 @@ def test_sps_greedy_equals_ar(qwen3, qwen3_draft, ar_outputs, k, topk, deferred)
     assert accepted > 0  # the perturbed draft agrees sometimes, so verification really accepted drafts
 
 
+def test_hf_backend_decodes_like_lean(qwen3_hf, qwen3_draft_hf, ar_outputs):
+    """The transformers forward (DynamicCache, HF masks) gives the same greedy tokens as the lean forward."""
+    for p in PROMPTS[:2]:
+        assert generate(qwen3_hf, p, "ar", max_new_tokens=N_NEW).token_ids == ar_outputs[p]
+        for k, topk in [(3, 1), (3, 2)]:
+            res = generate(qwen3_hf, p, "sps", draft=qwen3_draft_hf, k=k, tree_topk=topk, max_new_tokens=N_NEW)
+            assert res.token_ids == ar_outputs[p], (p, k, topk)
+
+
 @pytest.mark.parametrize("deferred", [True, False])
 @pytest.mark.parametrize("k", [2, 6])
 def test_pld_greedy_equals_ar(qwen3, ar_outputs, k, deferred):

@@ -1,4 +1,5 @@
-"""Target adapter: tree-masked forward equals linear paths, cache surgery equals a full forward, feature capture."""
+"""Target adapter, on both backends (lean and hf): tree-masked forward equals linear paths, cache surgery
+equals a full forward, feature capture."""
 import pytest
 import torch
 
@@ -6,7 +7,7 @@ from speclab.target import crop_cache, keep_cache
 from speclab.tree import DraftTree, tree_attention_mask, tree_position_ids
 
 
-@pytest.mark.parametrize("arch", ["qwen3", "llama"])
+@pytest.mark.parametrize("arch", ["qwen3", "llama", "qwen3_hf"])
 def test_tree_mask_forward_equals_linear_paths(arch, request):
     t = request.getfixturevalue(arch)
     prefix = torch.tensor([5, 17, 300, 42, 7])
@@ -26,7 +27,7 @@ def test_tree_mask_forward_equals_linear_paths(arch, request):
         assert torch.allclose(got, ref[len(prefix) - 1:], atol=1e-4), (leaf, (got - ref[len(prefix) - 1:]).abs().max())
 
 
-@pytest.mark.parametrize("arch", ["qwen3", "llama"])
+@pytest.mark.parametrize("arch", ["qwen3", "llama", "qwen3_hf"])
 def test_keep_path_then_continue_equals_full_forward(arch, request):
     t = request.getfixturevalue(arch)
     prefix = torch.tensor([9, 8, 7, 6])
@@ -45,7 +46,9 @@ def test_keep_path_then_continue_equals_full_forward(arch, request):
     assert torch.allclose(got, ref, atol=1e-4)
 
 
-def test_crop_then_continue_equals_full_forward(qwen3):
+@pytest.mark.parametrize("backend", ["qwen3", "qwen3_hf"])
+def test_crop_then_continue_equals_full_forward(backend, request):
+    qwen3 = request.getfixturevalue(backend)
     seq = torch.arange(3, 15)
     cache = qwen3.new_cache()
     qwen3.prefill(seq, cache)
@@ -55,7 +58,9 @@ def test_crop_then_continue_equals_full_forward(qwen3):
     assert torch.allclose(got, ref, atol=1e-4)
 
 
-def test_capture_keeps_only_chosen_layers(qwen3):
+@pytest.mark.parametrize("backend", ["qwen3", "qwen3_hf"])
+def test_capture_keeps_only_chosen_layers(backend, request):
+    qwen3 = request.getfixturevalue(backend)
     qwen3.capture([0, 1])
     out = qwen3.forward(torch.tensor([4, 5, 6]), qwen3.new_cache())
     assert set(out.features) == {0, 1} and out.features[1].shape == (3, qwen3.config.hidden_size)

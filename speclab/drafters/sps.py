@@ -33,7 +33,7 @@ class StandaloneDraft:
         if depth <= 0:
             return DraftTree.empty()
         committed = self.cache.get_seq_length() + self.backlog.numel()
-        logits = self.model.forward(self.backlog, self.cache).logits[-1:]  # catch-up + the root's distribution
+        logits = self.model.forward(self.backlog, self.cache, last=1).logits  # catch-up + the root's distribution
         self.backlog = self.backlog[:0]
         tree = self._chain(logits, depth, sampling, generator) if self.topk == 1 else self._tree(logits, depth, committed)
         crop_cache(self.cache, committed)  # drop the speculative nodes; accepted ones come back via catch_up

@@ -1,0 +1,86 @@
+"""The lean forward (speclab/lean.py) against the transformers forward it replaces, on the same weights."""
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from conftest import tiny_config
+from speclab.lean import supports
+from speclab.target import Target, keep_cache
+from speclab.tree import DraftTree, tree_attention_mask, tree_position_ids
+
+
+class _NoTok:
+    eos_token_id = None
+
+
+def _pair(cfg, seed):
+    """A lean and an hf Target over ONE model object (the lean one fuses weights; hf must still see them right),
+    plus an untouched copy of the model as the reference."""
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(cfg).eval()
+    ref = AutoModelForCausalLM.from_config(cfg).eval()
+    ref.load_state_dict(model.state_dict())
+    lean = Target(model, _NoTok(), backend="lean")
+    return lean, Target(model, _NoTok(), backend="hf"), Target(ref, _NoTok(), backend="hf")
+
+
+def _qwen2_config():
+    from transformers import Qwen2Config
+
+    cfg = Qwen2Config(vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, max_position_embeddings=512, initializer_range=0.3, eos_token_id=0)
+    cfg._attn_implementation = "sdpa"
+    return cfg
+
+
+CONFIGS = {"qwen3": lambda: tiny_config("qwen3", 300), "llama": lambda: tiny_config("llama", 300),
+           "qwen2 (qkv bias)": _qwen2_config}
+
+
+@pytest.mark.parametrize("arch", list(CONFIGS))
+def test_lean_logits_and_features_match_transformers(arch):
+    lean, hf, ref = _pair(CONFIGS[arch](), seed=3)
+    assert lean.backend == "lean" and hf.backend == "hf"
+    g = torch.Generator().manual_seed(0)
+    prompt = torch.randint(2, 300, (300,), generator=g)  # longer than the preallocated 256: the cache grows
+    tree = DraftTree(torch.tensor([11, 12, 13, 14, 15]), torch.tensor([-1, 0, -1, 2, 3]), torch.ones(5))
+    outs = []
+    for t in (lean, hf, ref):
+        t.capture([0, 1])
+        cache = t.new_cache()
+        first = t.forward(prompt[:-1], cache)
+        past = cache.get_seq_length()
+        out = t.forward(torch.cat([prompt[-1:], tree.tokens]), cache, tree_position_ids(tree.depth, past, True),
+                        tree_attention_mask(tree.ancestors, past, t.dtype, True))
+        keep_cache(cache, past, torch.tensor([0, 3, 4, 5]))  # root + the path 13 -> 14 -> 15
+        after = t.forward(torch.tensor([42, 43]), cache)
+        outs.append((first, out, after))
+    for got in outs[:2]:
+        for a, b in zip(got, outs[2]):
+            assert a.logits.shape == b.logits.shape
+            assert torch.allclose(a.logits, b.logits, atol=1e-4), (a.logits - b.logits).abs().max()
+            assert set(a.features) == {0, 1}
+            assert all(torch.allclose(a.features[i], b.features[i], atol=1e-4) for i in (0, 1))
+
+
+def test_last_rows_only():
+    lean, hf, _ = _pair(CONFIGS["qwen3"](), seed=4)
+    ids = torch.arange(5, 25)
+    for t in (lean, hf):
+        full = t.forward(ids, t.new_cache()).logits
+        last = t.forward(ids, t.new_cache(), last=2).logits
+        assert last.shape == (2, 300) and torch.allclose(last, full[-2:], atol=1e-5)
+
+
+def test_unsupported_models_fall_back_to_transformers():
+    from transformers import GPT2Config
+
+    model = AutoModelForCausalLM.from_config(GPT2Config(vocab_size=64, n_embd=32, n_layer=1, n_head=2, n_positions=64))
+    assert "gpt2" in supports(model)
+    t = Target(model, _NoTok())
+    assert t.backend == "hf"
+    assert t.forward(torch.tensor([1, 2, 3]), t.new_cache()).logits.shape == (3, 64)
+    with pytest.raises(ValueError, match="lean backend does not support"):
+        Target(model, _NoTok(), backend="lean")
+    with pytest.raises(ValueError, match="backend must be one of"):
+        Target(model, _NoTok(), backend="fast")
