@@ -16,6 +16,7 @@ import uuid
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from speclab.errors import InvalidInput
@@ -23,7 +24,7 @@ from speclab.generate import encode_prompt, generate, output_hash
 from speclab.methods import get_method
 from speclab.progress import Progress
 from speclab.suites import load_suite
-from speclab.target import Target
+from speclab.target import Target, crop_cache as crop
 from speclab.trace import TraceStore
 
 PEERS = ("hf_assisted", "hf_pld")
@@ -228,3 +229,38 @@ def write_report(store: TraceStore, bench_id: str, md_path: str | Path) -> tuple
             viz.position_acceptance(pos)]
     viz.write_html_report(html_path, f"speclab bench {bench_id}", figs, "\n".join(md))
     return md_path, html_path
+
+
+@torch.inference_mode()
+def forward_costs(models: dict[str, Target], ns=(1, 5, 9), context: int = 200, reps: int = 15, calls: int = 20):
+    """Median milliseconds per forward of n tokens after a `context`-token cache, speclab's lean forward against
+    the transformers forward on the same weights (interleaved, so drift hits both alike). On CPU this is the
+    currency of speculative decoding: a round is a few draft calls and one verification call."""
+    import pandas as pd
+
+    rows, todo = [], [(name, n) for name, t in models.items() if t.lean for n in ns]
+    bar = Progress(len(todo) * reps, "forward costs")
+    done = 0
+    for name, n in todo:
+        t = models[name]
+        pair = {"lean": t, "hf": Target(t.model, t.tokenizer, backend="hf")}
+        g = torch.Generator().manual_seed(0)
+        prefix = torch.randint(2, t.vocab_size, (context,), generator=g)
+        x = torch.randint(2, t.vocab_size, (n,), generator=g)
+        caches = {b: m.new_cache() for b, m in pair.items()}
+        for b, m in pair.items():
+            m.prefill(prefix, caches[b])
+        times = {b: [] for b in pair}
+        for _ in range(reps):
+            for b, m in pair.items():
+                t0 = time.perf_counter()
+                for _ in range(calls):
+                    m.forward(x, caches[b])
+                    crop(caches[b], context)
+                times[b].append((time.perf_counter() - t0) / calls * 1e3)
+            done += 1
+            bar.update(done, model=name, n=n)
+        med = {b: float(np.median(v)) for b, v in times.items()}
+        rows.append({"model": name, "params_m": sum(p.numel() for p in t.model.parameters()) / 1e6, "n": n,
+                     "lean_ms": med["lean"], "hf_ms": med["hf"], "speedup": med["hf"] / med["lean"]})
+    return pd.DataFrame(rows)

@@ -162,6 +162,28 @@ def cmd_bench(a: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_forward_costs(a: argparse.Namespace) -> int:
+    from speclab.bench import forward_costs
+    from speclab.viz import bench_bars, write_html_report
+
+    target, draft = load_models(a)
+    ns = [int(n) for n in a.n.split(",")]
+    df = forward_costs({"target": target, "draft": draft}, ns=ns, context=a.context, reps=a.reps)
+    if df.empty:
+        raise SpeclabError("neither model runs on the lean forward (see speclab.lean.supports): nothing to compare")
+    table = df.to_markdown(index=False, floatfmt=".2f")
+    print(table)
+    long = df.melt(id_vars=["model", "n"], value_vars=["lean_ms", "hf_ms"], var_name="method", value_name="ms")
+    long["method"] = long["method"].str.removesuffix("_ms")
+    long["category"] = long["model"] + " n=" + long["n"].astype(str)
+    Path(a.report).parent.mkdir(parents=True, exist_ok=True)
+    path = write_html_report(a.report, "Milliseconds per forward: lean vs transformers",
+                             [bench_bars(long, "ms", f"ms per call after a {a.context}-token cache (lower is better)")],
+                             table)
+    print(f"\nplot: {path}")
+    return 0
+
+
 def cmd_zoo(a: argparse.Namespace) -> int:
     from speclab.train.zoo_build import ZooBuildConfig, build_zoo, evaluate_zoo
 
@@ -227,6 +249,14 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--json", action="store_true", help="print one JSON summary line per prompt")
     g.add_argument("--stream", action=argparse.BooleanOptionalAction, default=True, help="print text as it is decoded")
     g.set_defaults(fn=cmd_generate)
+
+    f = sub.add_parser("forward-costs", help="ms per model call: speclab's lean forward vs the transformers forward")
+    add_model_args(f)
+    f.add_argument("--n", default="1,5,9", help="tokens per call (comma-separated)")
+    f.add_argument("--context", type=int, default=200, help="tokens already in the KV cache")
+    f.add_argument("--reps", type=int, default=15, help="interleaved repetitions (20 calls each); the median is shown")
+    f.add_argument("--report", default="reports/forward_costs.html")
+    f.set_defaults(fn=cmd_forward_costs)
 
     s = sub.add_parser("stats", help="metrics (tau, acceptance, tokens/s, ...) pooled per method / category")
     s.add_argument("--db", default=DEFAULT_DB)

@@ -1,7 +1,8 @@
 """Benchmark harness on tiny models: every method and HF peer is run, equal to AR, and reported."""
 import pytest
+import torch
 
-from speclab.bench import BenchConfig, bench_overall, bench_table, peer_ratios, run_bench, write_report
+from speclab.bench import BenchConfig, bench_overall, bench_table, forward_costs, peer_ratios, run_bench, write_report
 from speclab.trace import TraceStore
 
 
@@ -24,3 +25,12 @@ def test_bench_runs_methods_and_peers_and_reports(qwen3, qwen3_draft, tmp_path):
     md, html = write_report(store, bench_id, tmp_path / "r" / "bench.md")
     assert "speclab vs Hugging Face" in md.read_text() and "plotly" in html.read_text()
     store.close()
+
+
+def test_forward_costs_times_both_backends_and_leaves_the_model_intact(qwen3):
+    ids = torch.arange(3, 20)
+    before = qwen3.forward(ids, qwen3.new_cache()).logits
+    df = forward_costs({"tiny": qwen3}, ns=(1, 3), context=16, reps=2, calls=2)
+    assert list(df["n"]) == [1, 3] and (df[["lean_ms", "hf_ms"]] > 0).all().all()
+    assert (df["speedup"] - df["hf_ms"] / df["lean_ms"]).abs().max() < 1e-9
+    assert torch.equal(qwen3.forward(ids, qwen3.new_cache()).logits, before)
