@@ -34,7 +34,7 @@ class Lab:
         self.text = vocab_text(target.tokenizer)
 
     # ---- side by side ----
-    def side_by_side(self, prompt, methods, k, tree_topk, deferred, max_new, temperature, seed, shade):
+    def side_by_side(self, prompt, methods, k, tree_topk, deferred, max_new, temperature, seed, shade, stop_prob=0.0):
         """Generator for the Run button: decodes the chosen methods interleaved round by round, streaming."""
         methods = list(methods or [])
         if not methods:
@@ -46,7 +46,8 @@ class Lab:
         try:
             gens = {m: Generation(self.target, prompt, m, draft=self.draft, max_new_tokens=int(max_new),
                                   temperature=float(temperature), seed=int(seed) if seed is not None else None,
-                                  deferred=bool(deferred), trace=self.store, k=int(k), tree_topk=int(tree_topk))
+                                  deferred=bool(deferred), trace=self.store, k=int(k), tree_topk=int(tree_topk),
+                                  stop_prob=float(stop_prob or 0.0))
                     for m in methods}
         except (SpeclabError, ValueError) as e:
             raise gr.Error(str(e))
@@ -175,6 +176,8 @@ def build_app(lab: Lab) -> gr.Blocks:
                                           label="Methods (2-4 side by side)", elem_id="methods")
                 k = gr.Slider(1, 12, value=4, step=1, label="k (draft length / depth)", elem_id="k")
                 topk = gr.Slider(1, 4, value=1, step=1, label="tree top-k (sps; 1 = chain)", elem_id="topk")
+                stop_prob = gr.Slider(0, 0.9, value=0, step=0.05, elem_id="stop_prob",
+                                      label="sps chain: stop after a draft token below this probability (0 = off)")
             with gr.Row():
                 deferred = gr.Checkbox(True, label="deferred bonus token")
                 max_new = gr.Slider(8, 512, value=96, step=8, label="max new tokens", elem_id="max_new")
@@ -215,7 +218,7 @@ def build_app(lab: Lab) -> gr.Blocks:
                      suite, pick)
         demo.load(lambda s: gr.update(choices=[(r["prompt"][:80], r["prompt"]) for r in load_suite(s, 6)]), suite, pick)
         pick.change(lambda p: p or gr.update(), pick, prompt)
-        run.click(lab.side_by_side, [prompt, chosen, k, topk, deferred, max_new, temperature, seed, shade],
+        run.click(lab.side_by_side, [prompt, chosen, k, topk, deferred, max_new, temperature, seed, shade, stop_prob],
                   [status, legend, *columns, run_pick], concurrency_limit=1)
         run_pick.change(lab.run_view, [run_pick, shade], [run_html, rnd, per_round, per_pos, phases, tree_plot])
         rnd.release(lab.tree, [run_pick, rnd], tree_plot)

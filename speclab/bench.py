@@ -38,6 +38,7 @@ class BenchConfig:
     max_new_tokens: int = 128
     k: dict = field(default_factory=lambda: {"sps": 4, "pld": 8})
     tree_topk: int = 1
+    stop_prob: float = 0.0  # sps: stop a chain after a draft token below this probability (hf_assisted gets the same)
     peers: bool = True
     untraced: bool = True  # also time every method with tracing off (peer comparison, tracing overhead)
     warmup: int = 1
@@ -53,13 +54,17 @@ def format_prompt(target: Target, row: dict) -> torch.Tensor:
 
 
 @torch.inference_mode()
-def peer_generate(kind: str, target: Target, draft: Target | None, ids: torch.Tensor, max_new_tokens: int, k: int):
-    """Hugging Face's own assisted generation / prompt lookup, greedy, on the same models. Returns (ids, seconds)."""
+def peer_generate(kind: str, target: Target, draft: Target | None, ids: torch.Tensor, max_new_tokens: int, k: int,
+                  stop_prob: float = 0.0):
+    """Hugging Face's own assisted generation / prompt lookup, greedy, on the same models, configured like
+    speclab's method: k draft tokens a round (constant schedule) and the same early-stop threshold
+    (`assistant_confidence_threshold`; HF's default is 0.4, 0 turns it off). Returns (ids, seconds)."""
     kw = dict(max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=target.eos_ids or None,
               pad_token_id=target.tokenizer.pad_token_id or (target.eos_ids or [0])[0])
     if kind == "hf_assisted":
         draft.model.generation_config.num_assistant_tokens = k
         draft.model.generation_config.num_assistant_tokens_schedule = "constant"
+        draft.model.generation_config.assistant_confidence_threshold = stop_prob
         kw.update(assistant_model=draft.model)
     elif kind == "hf_pld":
         kw.update(prompt_lookup_num_tokens=k, max_matching_ngram_size=3)
@@ -93,7 +98,7 @@ def run_bench(cfg: BenchConfig, target: Target, draft: Target | None, store: Tra
         log(f"skipping {len(skipped)} prompt(s) longer than the context ({target.max_context} tokens)")
 
     def params(m):
-        return {"k": cfg.k.get(m), "tree_topk": cfg.tree_topk}
+        return {"k": cfg.k.get(m), "tree_topk": cfg.tree_topk, "stop_prob": cfg.stop_prob}
 
     def run_method(m, r, ids, trace):
         return generate(target, ids, m, draft=draft, max_new_tokens=cfg.max_new_tokens, trace=trace,
@@ -108,9 +113,11 @@ def run_bench(cfg: BenchConfig, target: Target, draft: Target | None, store: Tra
                          target_calls=res.decode.target_calls, output_hash=output_hash(res.token_ids))
 
     def run_peer(p, r, ids):
-        out, secs = peer_generate(p, target, draft, ids, cfg.max_new_tokens, cfg.k.get("sps" if p == "hf_assisted" else "pld", 4))
+        k = cfg.k.get("sps" if p == "hf_assisted" else "pld", 4)
+        out, secs = peer_generate(p, target, draft, ids, cfg.max_new_tokens, k, cfg.stop_prob)
+        peer_params = {"k": k, "stop_prob": cfg.stop_prob} if p == "hf_assisted" else {"k": k}
         rid = store.start_run(method=p, target=target.name, drafters=draft.name if p == "hf_assisted" else None,
-                              params={"k": cfg.k}, prompt_id=r["prompt_id"], category=r["category"],
+                              params=peer_params, prompt_id=r["prompt_id"], category=r["category"],
                               device=str(target.device), bench_id=bench_id, prompt_tokens=ids.numel())
         store.finish_run(rid, "done", new_tokens=out.numel(), elapsed_s=secs, output_hash=output_hash(out.tolist()),
                          output_text=target.tokenizer.decode(out.tolist(), skip_special_tokens=True))
@@ -119,7 +126,7 @@ def run_bench(cfg: BenchConfig, target: Target, draft: Target | None, store: Tra
         for m in cfg.methods:
             generate(target, ids, m, draft=draft, max_new_tokens=16, **params(m))
         for p in peers:
-            peer_generate(p, target, draft, ids, 16, 4)
+            peer_generate(p, target, draft, ids, 16, 4, cfg.stop_prob)
 
     untraced = [f"{m}-untraced" for m in cfg.methods] if cfg.untraced else []
     order = cfg.methods + untraced + peers

@@ -74,7 +74,7 @@ def cmd_generate(a: argparse.Namespace) -> int:
         Path(a.db).parent.mkdir(parents=True, exist_ok=True)
         store = TraceStore(a.db)  # before loading models: a locked or foreign file fails fast
     target, draft = load_models(a, draft=method.needs_draft_model)
-    params = {"k": a.k, "tree_topk": a.tree_topk}
+    params = {"k": a.k, "tree_topk": a.tree_topk, "stop_prob": a.stop_prob}
     try:
         for p in prompts:
             stream = _Streamer(target.tokenizer) if a.stream else None
@@ -141,7 +141,7 @@ def cmd_bench(a: argparse.Namespace) -> int:
 
     methods = [m.strip() for m in a.methods.split(",") if m.strip()]
     cfg = BenchConfig(suite=a.suite, methods=methods, limit=a.limit, max_new_tokens=a.max_new_tokens,
-                      tree_topk=a.tree_topk, peers=a.peers, untraced=a.untraced)
+                      tree_topk=a.tree_topk, stop_prob=a.stop_prob, peers=a.peers, untraced=a.untraced)
     if a.quick:
         cfg.limit, cfg.max_new_tokens = min(cfg.limit or 2, 2), min(cfg.max_new_tokens, 64)
     for m in methods:
@@ -238,6 +238,8 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--method", default="ar", help="ar | sps | pld | ... (see speclab.methods)")
     g.add_argument("--k", type=int, default=None, help="draft length / depth (method default if omitted)")
     g.add_argument("--tree-topk", type=int, default=None, help="sps: children per level (1 = chain)")
+    g.add_argument("--stop-prob", type=float, default=None,
+                   help="sps: end a chain after a draft token below this probability (0 = always k tokens)")
     g.add_argument("--deferred", action=argparse.BooleanOptionalAction, default=True,
                    help="the bonus token leads the next verification batch (default on)")
     g.add_argument("--max-new-tokens", type=int, default=128)
@@ -272,6 +274,9 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("--limit", type=int, default=8, help="prompts per category")
     b.add_argument("--max-new-tokens", type=int, default=128)
     b.add_argument("--tree-topk", type=int, default=1)
+    b.add_argument("--stop-prob", type=float, default=0.0,
+                   help="sps: end a chain after a draft token below this probability; hf_assisted gets the same "
+                        "threshold (its own default is 0.4)")
     b.add_argument("--peers", action=argparse.BooleanOptionalAction, default=True,
                    help="also time Hugging Face assisted generation and prompt lookup")
     b.add_argument("--untraced", action=argparse.BooleanOptionalAction, default=True,

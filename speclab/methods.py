@@ -20,14 +20,14 @@ class Method:
     needs_draft_model: bool = False
 
 
-def _sps(target, draft, k=4, tree_topk=1):
+def _sps(target, draft, k=4, tree_topk=1, stop_prob=0.0):
     from speclab.drafters.sps import StandaloneDraft
     if draft is None:
         raise InvalidInput("method 'sps' needs a draft model (--draft PATH, or the zoo's default draft)")
     if draft.vocab_size != target.vocab_size:
         raise InvalidInput(f"draft vocabulary ({draft.vocab_size}) differs from the target's ({target.vocab_size}): "
                            "sps needs a draft model with the target's tokenizer")
-    return StandaloneDraft(draft, k=k, tree_topk=tree_topk)
+    return StandaloneDraft(draft, k=k, tree_topk=tree_topk, stop_prob=stop_prob)
 
 
 def _pld(target, draft, k=8, max_ngram=3, min_ngram=1):
@@ -38,7 +38,7 @@ def _pld(target, draft, k=8, max_ngram=3, min_ngram=1):
 METHODS: dict[str, Method] = {
     "ar": Method("ar", "autoregressive baseline: one target call per token", None),
     "sps": Method("sps", "standalone draft model (SpS): chain of k, or a top-k tree", _sps,
-                  {"k": 4, "tree_topk": 1}, needs_draft_model=True),
+                  {"k": 4, "tree_topk": 1, "stop_prob": 0.0}, needs_draft_model=True),
     "pld": Method("pld", "prompt lookup: n-gram match in prompt + output, no model", _pld,
                   {"k": 8, "max_ngram": 3, "min_ngram": 1}),
 }

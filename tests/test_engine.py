@@ -38,14 +38,31 @@ def ar_outputs(qwen3):
 
 
 @pytest.mark.parametrize("deferred", [True, False])
-@pytest.mark.parametrize("k,topk", [(1, 1), (3, 1), (5, 1), (3, 2), (4, 3)])
-def test_sps_greedy_equals_ar(qwen3, qwen3_draft, ar_outputs, k, topk, deferred):
+@pytest.mark.parametrize("k,topk,stop_prob", [(1, 1, 0), (3, 1, 0), (5, 1, 0), (3, 2, 0), (4, 3, 0), (6, 1, 0.5)])
+def test_sps_greedy_equals_ar(qwen3, qwen3_draft, ar_outputs, k, topk, stop_prob, deferred):
     accepted = 0
     for p in PROMPTS:
-        res = generate(qwen3, p, "sps", draft=qwen3_draft, k=k, tree_topk=topk, deferred=deferred, max_new_tokens=N_NEW)
+        res = generate(qwen3, p, "sps", draft=qwen3_draft, k=k, tree_topk=topk, stop_prob=stop_prob, deferred=deferred,
+                       max_new_tokens=N_NEW)
         assert res.token_ids == ar_outputs[p], (p, k, topk)
         accepted += len(res.token_ids) - res.decode.rounds
     assert accepted > 0  # the perturbed draft agrees sometimes, so verification really accepted drafts
+
+
+def test_sps_chain_stops_after_an_unsure_draft_token(qwen3, qwen3_draft):
+    from speclab.drafters.sps import StandaloneDraft
+    from speclab.sampling import Sampling
+
+    lengths = []
+    for p in PROMPTS:
+        d = StandaloneDraft(qwen3_draft, k=6, stop_prob=0.5)
+        d.reset(encode_prompt(qwen3, p))
+        tree = d.propose(6, Sampling())
+        lengths.append(len(tree))
+        probs = tree.draft_probs.tolist()
+        assert all(q >= 0.5 for q in probs[:-1])  # it went on only while the draft was sure
+        assert len(tree) == 6 or probs[-1] < 0.5  # and stopped short only after an unsure token
+    assert min(lengths) < 6  # some chains really were cut
 
 
 def test_hf_backend_decodes_like_lean(qwen3_hf, qwen3_draft_hf, ar_outputs):

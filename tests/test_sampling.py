@@ -103,21 +103,24 @@ def exact_joint(target, prompt, s: Sampling, n=2):
     return joint.flatten()
 
 
-@pytest.mark.parametrize("k,topk", [(2, 1), (2, 3)], ids=["sampled-chain", "multi-candidate-tree"])
-def test_speculative_sampling_matches_target_distribution(tiny_vocab, k, topk):
+@pytest.mark.parametrize("k,topk,stop_prob,n_new", [(2, 1, 0.0, 2), (2, 3, 0.0, 2), (3, 1, 0.3, 3)],
+                         ids=["sampled-chain", "multi-candidate-tree", "early-stopped-chain"])
+def test_speculative_sampling_matches_target_distribution(tiny_vocab, k, topk, stop_prob, n_new):
+    """The first two decoded tokens follow the target's exact joint distribution (n_new = 3 lets the chain
+    reach depth 2, where the early stop can cut it)."""
     target, draft = tiny_vocab
     target.eos_ids = draft.eos_ids = []
     s = Sampling(temperature=1.0)
     prompt = torch.tensor([1, 5, 2])
     want = exact_joint(target, prompt, s)
-    drafter = StandaloneDraft(draft, k=k, tree_topk=topk)
+    drafter = StandaloneDraft(draft, k=k, tree_topk=topk, stop_prob=stop_prob)
     counts = np.zeros(V * V)
     accepted = 0
     for seed in range(N_RUNS):
-        res = decode(target, prompt, {"sps": drafter}, max_new_tokens=2, sampling=Sampling(1.0, seed=seed))
-        a, b = res.new_ids.tolist()
+        res = decode(target, prompt, {"sps": drafter}, max_new_tokens=n_new, sampling=Sampling(1.0, seed=seed))
+        a, b = res.new_ids.tolist()[:2]
         counts[a * V + b] += 1
-        accepted += 2 - res.rounds
+        accepted += n_new - res.rounds
     assert accepted > N_RUNS // 10  # drafts were really accepted (not AR in disguise)
     assert chi2_p(counts, want) > 1e-3
     draft_joint = exact_joint(draft, prompt, s)

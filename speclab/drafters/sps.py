@@ -1,6 +1,10 @@
 """Standalone speculative sampling (SpS): a smaller HF model with the target's tokenizer drafts a chain of
 k tokens, or a top-k tree (each level expands the frontier by its top-k children and keeps the best
-`tree_topk` by cumulative log-probability, EAGLE-style, one draft call per level)."""
+`tree_topk` by cumulative log-probability, EAGLE-style, one draft call per level).
+
+A chain can stop early: after a token the draft gave a probability below `stop_prob` (the draft is
+unsure, so the next tokens are unlikely to be accepted and their draft calls are wasted). This is what
+Hugging Face's assisted generation does by default (`assistant_confidence_threshold` = 0.4)."""
 from __future__ import annotations
 
 import torch
@@ -13,10 +17,11 @@ from speclab.tree import DraftTree
 class StandaloneDraft:
     name = "sps"
 
-    def __init__(self, model: Target, k: int = 4, tree_topk: int = 1):
-        if k < 1 or tree_topk < 1:
-            raise ValueError(f"sps needs k >= 1 and tree_topk >= 1 (got k={k}, tree_topk={tree_topk})")
-        self.model, self.k, self.topk = model, k, tree_topk
+    def __init__(self, model: Target, k: int = 4, tree_topk: int = 1, stop_prob: float = 0.0):
+        if k < 1 or tree_topk < 1 or not 0 <= stop_prob < 1:
+            raise ValueError(f"sps needs k >= 1, tree_topk >= 1 and 0 <= stop_prob < 1 "
+                             f"(got k={k}, tree_topk={tree_topk}, stop_prob={stop_prob})")
+        self.model, self.k, self.topk, self.stop_prob = model, k, tree_topk, stop_prob
         self.cache = None
         self.backlog = torch.zeros(0, dtype=torch.long)
 
@@ -40,7 +45,8 @@ class StandaloneDraft:
         return tree
 
     def _chain(self, logits, depth, sampling, generator) -> DraftTree:
-        """k tokens, one draft call each: argmax (greedy) or sampled from q (kept for verification)."""
+        """Up to k tokens, one draft call each: argmax (greedy) or sampled from q (kept for verification);
+        stops after a token with draft probability below `stop_prob`."""
         tokens, dprobs, dists = [], [], []
         for level in range(depth):
             if sampling.greedy:
@@ -51,8 +57,9 @@ class StandaloneDraft:
                 tok = sample(q, generator)
             tokens.append(tok)
             dprobs.append((logits[0, tok] - logits[0].logsumexp(-1)).exp())
-            if level < depth - 1:
-                logits = self.model.forward(tok, self.cache).logits
+            if level == depth - 1 or (self.stop_prob > 0 and float(dprobs[-1]) < self.stop_prob):
+                break
+            logits = self.model.forward(tok, self.cache).logits
         draft_dists = None
         if dists:
             draft_dists = torch.cat(dists + [torch.zeros_like(dists[0])])  # the last node has no children
