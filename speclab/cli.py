@@ -204,10 +204,10 @@ def cmd_train(a: argparse.Namespace) -> int:
     corpus = str(zoo.REPO_ROOT / "data" / "corpus")
     if a.what == "target":
         cfg = TrainConfig(corpus_dir=corpus, tokenizer_dir=str(zoo.tokenizer_dir()), out_dir=a.out, shape=TARGET_SHAPE,
-                          lr=1.5e-3, max_minutes=a.minutes, seed=a.seed, init_from=a.init_from)
+                          lr=a.lr or 1.5e-3, max_minutes=a.minutes, seed=a.seed, init_from=a.init_from)
     else:
         cfg = TrainConfig(corpus_dir=corpus, tokenizer_dir=str(zoo.tokenizer_dir()), out_dir=a.out, shape=DRAFT_SHAPE,
-                          teacher=a.teacher or str(zoo.default_target()), lr=3e-3, seq_len=256, batch_size=16,
+                          teacher=a.teacher or str(zoo.default_target()), lr=a.lr or 3e-3, seq_len=256, batch_size=16,
                           max_minutes=a.minutes, seed=a.seed, init_from=a.init_from)
     summary = train_lm(cfg)
     print(json.dumps({k: summary[k] for k in ("params", "steps", "tokens", "minutes", "val")}, indent=1))
@@ -293,6 +293,7 @@ def main(argv: list[str] | None = None) -> int:
     t.add_argument("--minutes", type=float, required=True, help="wall-clock budget; the LR schedule follows it")
     t.add_argument("--teacher", help="draft: the model to distil from (default: the zoo target)")
     t.add_argument("--init-from", help="resume from this HF model directory")
+    t.add_argument("--lr", type=float, default=None, help="peak learning rate (default: the zoo recipe's)")
     t.add_argument("--seed", type=int, default=0)
     t.set_defaults(fn=cmd_train)
 
