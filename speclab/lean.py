@@ -81,7 +81,8 @@ class KVCache:
 
 
 class LeanDecoder:
-    """The forward pass of a Llama-family HF model, over that model's weights."""
+    """The forward pass of a Llama-family HF model, over that model's weights (shared, not copied; only the
+    small q/k norm weights are concatenated into a copy, so build a new decoder after training the model)."""
 
     def __init__(self, model):
         reason = supports(model)
@@ -96,13 +97,11 @@ class LeanDecoder:
         self.norm = inner.norm.weight
         self.lm_head = model.get_output_embeddings().weight
         self.layers = [self._layer(layer) for layer in inner.layers]
-        first = self.layers[0]["attn"] if self.layers else None
-        self.scaling = getattr(first, "scaling", self.head_dim ** -0.5)
+        self.scaling = getattr(inner.layers[0].self_attn, "scaling", self.head_dim ** -0.5)
         self.dtype, self.device = self.embed.dtype, self.embed.device
         rope = inner.rotary_emb
         self.inv_freq = rope.inv_freq.float()
         self.rope_scale = float(getattr(rope, "attention_scaling", 1.0))
-        self.cos = self.sin = torch.zeros(0, self.head_dim)
         self._rope_table(int(getattr(cfg, "max_position_embeddings", 2048)))
 
     def _layer(self, layer) -> dict:
@@ -113,10 +112,8 @@ class LeanDecoder:
         qk_norm = None
         if getattr(a, "q_norm", None) is not None:  # one [q_heads + kv_heads, D] weight for both norms
             qk_norm = torch.cat([a.q_norm.weight.expand(self.n_heads, -1), a.k_norm.weight.expand(self.n_kv, -1)])
-        return {"attn": a, "in_norm": layer.input_layernorm.weight, "post_norm": layer.post_attention_layernorm.weight,
-                "qkv": qkv, "qkv_bias": qkv_bias,
-                "qk_norm": qk_norm,
-                "o": a.o_proj.weight, "o_bias": a.o_proj.bias, "gate_up": gate_up, "down": m.down_proj.weight}
+        return {"in_norm": layer.input_layernorm.weight, "post_norm": layer.post_attention_layernorm.weight,
+                "qkv": qkv, "qkv_bias": qkv_bias, "qk_norm": qk_norm, "o": a.o_proj.weight, "o_bias": a.o_proj.bias, "gate_up": gate_up, "down": m.down_proj.weight}
 
     def _rope_table(self, n: int) -> None:
         freqs = torch.arange(n, device=self.inv_freq.device).float()[:, None] * self.inv_freq[None]
