@@ -190,6 +190,7 @@ def cmd_zoo(a: argparse.Namespace) -> int:
     if a.zoo_cmd == "build":
         build_zoo(ZooBuildConfig(shared_data=a.shared_data, target_minutes=a.target_minutes,
                                  draft_pretrain_minutes=a.draft_pretrain_minutes, draft_minutes=a.draft_minutes,
+                                 draft_more_minutes=a.draft_more_minutes,
                                  seed=a.seed))
     elif a.zoo_cmd == "eval":
         print(evaluate_zoo(eval_tokens=a.eval_tokens))
@@ -304,6 +305,7 @@ def main(argv: list[str] | None = None) -> int:
     zb.add_argument("--target-minutes", type=float, default=100.0)
     zb.add_argument("--draft-pretrain-minutes", type=float, default=20.0)
     zb.add_argument("--draft-minutes", type=float, default=20.0, help="distillation from the target")
+    zb.add_argument("--draft-more-minutes", type=float, default=45.0, help="a second distillation pass, LR 1e-3")
     zb.add_argument("--seed", type=int, default=0)
     ze = zs.add_parser("eval", help="per-domain validation loss and bits per byte of the zoo models")
     ze.add_argument("--eval-tokens", type=int, default=65536)

@@ -29,6 +29,7 @@ class ZooBuildConfig:
     target_minutes: float = 100.0
     draft_pretrain_minutes: float = 20.0
     draft_minutes: float = 20.0
+    draft_more_minutes: float = 45.0  # a second distillation pass at a lower LR (the zoo's draft had 13 + 45 min)
     seed: int = 0
     work_dir: str = "build/zoo"
 
@@ -37,25 +38,30 @@ def build_zoo(cfg: ZooBuildConfig) -> None:
     corpus = REPO_ROOT / "data" / "corpus"
     zoo = zoo_dir()
     work = Path(cfg.work_dir)
-    print(f"[1/5] corpus -> {corpus}", flush=True)
+    print(f"[1/6] corpus -> {corpus}", flush=True)
     print(json.dumps(build_corpus(corpus, CorpusConfig(shared_data=Path(cfg.shared_data), seed=cfg.seed)), indent=1))
-    print(f"[2/5] tokenizer -> {zoo / 'tokenizer'}", flush=True)
+    print(f"[2/6] tokenizer -> {zoo / 'tokenizer'}", flush=True)
     shutil.rmtree(corpus / ".tokens", ignore_errors=True)
     train_tokenizer(corpus, zoo / "tokenizer")
-    print(f"[3/5] target ({cfg.target_minutes:.0f} min)", flush=True)
+    print(f"[3/6] target ({cfg.target_minutes:.0f} min)", flush=True)
     train_lm(TrainConfig(corpus_dir=str(corpus), tokenizer_dir=str(zoo / "tokenizer"), out_dir=str(work / "target"),
                          shape=TARGET_SHAPE, lr=1.5e-3, max_minutes=cfg.target_minutes, seed=cfg.seed))
     _install(work / "target", zoo / "target")
-    print(f"[4/5] draft pre-trained on the corpus ({cfg.draft_pretrain_minutes:.0f} min)", flush=True)
+    print(f"[4/6] draft pre-trained on the corpus ({cfg.draft_pretrain_minutes:.0f} min)", flush=True)
     train_lm(TrainConfig(corpus_dir=str(corpus), tokenizer_dir=str(zoo / "tokenizer"), out_dir=str(work / "draft_ce"),
                          shape=DRAFT_SHAPE, lr=3e-3, seq_len=256, batch_size=16,
                          max_minutes=cfg.draft_pretrain_minutes, seed=cfg.seed + 2))
-    print(f"[5/5] draft distilled from the target's distributions ({cfg.draft_minutes:.0f} min)", flush=True)
+    print(f"[5/6] draft distilled from the target's distributions ({cfg.draft_minutes:.0f} min)", flush=True)
     train_lm(TrainConfig(corpus_dir=str(corpus), tokenizer_dir=str(zoo / "tokenizer"), out_dir=str(work / "draft_kl"),
                          shape=DRAFT_SHAPE, teacher=str(zoo / "target"), init_from=str(work / "draft_ce" / "model"),
                          lr=2e-3, warmup_steps=20, seq_len=256, batch_size=16, max_minutes=cfg.draft_minutes,
                          seed=cfg.seed + 3))
-    _install(work / "draft_kl", zoo / "draft", earlier_logs=(work / "draft_ce" / "train_log.jsonl",))
+    print(f"[6/6] more distillation at a lower LR ({cfg.draft_more_minutes:.0f} min)", flush=True)
+    train_lm(TrainConfig(corpus_dir=str(corpus), tokenizer_dir=str(zoo / "tokenizer"), out_dir=str(work / "draft_kl2"),
+                         shape=DRAFT_SHAPE, teacher=str(zoo / "target"), init_from=str(work / "draft_kl" / "model"),
+                         lr=1e-3, seq_len=256, batch_size=16, max_minutes=cfg.draft_more_minutes, seed=cfg.seed + 3))
+    _install(work / "draft_kl2", zoo / "draft",
+             earlier_logs=(work / "draft_ce" / "train_log.jsonl", work / "draft_kl" / "train_log.jsonl"))
     print(evaluate_zoo())
 
 
