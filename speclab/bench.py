@@ -24,7 +24,7 @@ from speclab.generate import encode_prompt, generate, output_hash
 from speclab.methods import get_method
 from speclab.progress import Progress
 from speclab.suites import load_suite
-from speclab.target import Target, crop_cache as crop
+from speclab.target import Target, crop_cache
 from speclab.trace import TraceStore
 
 PEERS = ("hf_assisted", "hf_pld")
@@ -263,7 +263,7 @@ def forward_costs(models: dict[str, Target], ns=(1, 5, 9), context: int = 200, r
                 t0 = time.perf_counter()
                 for _ in range(calls):
                     m.forward(x, caches[b])
-                    crop(caches[b], context)
+                    crop_cache(caches[b], context)
                 times[b].append((time.perf_counter() - t0) / calls * 1e3)
             done += 1
             bar.update(done, model=name, n=n)

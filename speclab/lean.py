@@ -135,13 +135,13 @@ class LeanDecoder:
         cache.reserve(n)
         if pos is None:
             pos = torch.arange(start, end, device=self.device)
-        if int(pos.max()) >= self.cos.shape[0]:
-            self._rope_table(2 * int(pos.max()) + 1)
+        if end > self.cos.shape[0]:  # positions never exceed end - 1 (a tree node sits at start + its depth)
+            self._rope_table(2 * end)
         cos, sin = self.cos[pos][:, None], self.sin[pos][:, None]  # [n, 1, D]; sin carries rotate_half's sign
         if mask is None and n > 1:
             mask = torch.ones(n, end, dtype=torch.bool, device=self.device).tril(start)
         elif mask is not None:
-            mask = mask[0, 0].to(self.dtype)
+            mask = mask[0, 0]  # Target has cast it to the model's dtype
         H, KV, D, eps = self.n_heads, self.n_kv, self.head_dim, self.eps
         h = self.embed[ids]
         feats = {}

@@ -4,8 +4,8 @@ The target holds weights only; the KV cache lives with the caller (one per decod
 loaded target can serve several sessions. Everything runs under `torch.inference_mode`.
 
 Two backends compute the same forward: `lean` (speclab/lean.py: the Llama family over the model's own
-weights, a preallocated KV cache, about 1.4x faster per call for the zoo target and 2.4x for the zoo
-draft on CPU) and `hf` (the transformers forward with a DynamicCache, for every other architecture).
+weights, a preallocated KV cache; per call 1.2-1.5x faster for the zoo target and 1.9-2.3x for the zoo
+draft on CPU, `speclab forward-costs`) and `hf` (the transformers forward with a DynamicCache, for every other architecture).
 `auto` picks lean where it applies.
 """
 from __future__ import annotations
@@ -156,7 +156,7 @@ class Target:
         return self.forward(input_ids, cache, last=1)
 
 
-# ---- KV cache surgery (transformers 5.x DynamicCache) ----
+# ---- KV cache surgery (speclab's KVCache or transformers 5.x DynamicCache) ----
 
 def crop_cache(cache, length: int) -> None:
     """Keep the first `length` positions."""
