@@ -14,9 +14,11 @@ import pandas as pd
 
 from speclab import viz
 from speclab.cli import add_model_args, load_models
+from speclab.equality import first_divergence
 from speclab.errors import SpeclabError
 from speclab.generate import Generation
 from speclab.methods import METHODS
+from speclab.metrics import tau, tokens_per_s
 from speclab.suites import SUITES, load_suite
 from speclab.target import Target
 from speclab.trace import TraceStore, token_columns, vocab_text
@@ -51,7 +53,7 @@ class Lab:
                     for m in methods}
         except (SpeclabError, ValueError) as e:
             raise gr.Error(str(e))
-        cols = {m: {"spans": [], "tokens": 0, "rounds": 0, "calls": 0, "ms": 0.0, "last_round": None} for m in methods}
+        cols = {m: {"spans": [], "tokens": 0, "rounds": 0, "calls": 0, "s": 0.0, "last_round": None} for m in methods}
         iters = {m: iter(g) for m, g in gens.items()}
         legend = viz.legend_html([m for m in methods if METHODS[m].build], shade)
         last = 0.0
@@ -61,6 +63,7 @@ class Lab:
                     ev = next(iters[m])
                 except StopIteration:
                     del iters[m]
+                    cols[m]["s"] = gens[m].result.elapsed_s  # the run's decode time, as in the trace
                     continue
                 c = cols[m]
                 c["spans"] += viz.token_spans(token_columns([ev], self.text), c["last_round"], shade)
@@ -68,7 +71,7 @@ class Lab:
                 c["tokens"] += ev.committed.numel()
                 c["rounds"] += 1
                 c["calls"] += ev.target_calls
-                c["ms"] += sum(ev.timings_ms.values())
+                c["s"] = ev.elapsed_ms / 1e3
             if time.perf_counter() - last > STREAM_EVERY_S or not iters:
                 last = time.perf_counter()
                 if iters:
@@ -76,18 +79,30 @@ class Lab:
                     pick = gr.update()
                 else:  # done: offer the runs in the other tabs, the first drafting method's run selected
                     status = "done: " + ", ".join(f"{m} run {g.run_id}" for m, g in gens.items())
+                    status += self._equality_note(gens, float(temperature))
                     shown = next((m for m in methods if METHODS[m].build), methods[0])
                     pick = gr.update(choices=self.run_choices(), value=str(gens[shown].run_id))
                 yield (status, legend, *self._columns(methods, cols), pick)
 
+    def _equality_note(self, gens, temperature) -> str:
+        """Greedy runs beside AR: where an output differs, the first position and the target's top-2 logit gap."""
+        ar = gens.get("ar")
+        if ar is None or temperature > 0 or ar.result is None:
+            return ""
+        notes = []
+        for m, g in gens.items():
+            div = first_divergence(self.target, g.prompt_ids, ar.result.token_ids, g.result.token_ids) if m != "ar" else None
+            notes.append(f"{m} {div.describe()}" if div else (f"{m} equals AR" if m != "ar" else ""))
+        return " · " + "; ".join(n for n in notes if n)
+
     def _columns(self, methods, cols):
         ar = cols.get("ar")
-        ar_tps = ar["tokens"] / ar["ms"] * 1e3 if ar and ar["ms"] else None
+        ar_tps = tokens_per_s(ar["tokens"], ar["s"]) if ar and ar["s"] else None
         out = []
         for m in methods:
             c = cols[m]
-            tps = c["tokens"] / c["ms"] * 1e3 if c["ms"] else 0.0
-            stats = {"tok/s": f"{tps:.1f}", "tau": f"{c['tokens'] / max(1, c['rounds']):.2f}", "rounds": c["rounds"],
+            tps = tokens_per_s(c["tokens"], c["s"]) if c["s"] else 0.0
+            stats = {"tok/s": f"{tps:.1f}", "tau": f"{tau(c['tokens'], c['rounds']):.2f}", "rounds": c["rounds"],
                      "target calls": c["calls"]}
             if ar_tps:
                 stats["speedup"] = f"{tps / ar_tps:.2f}x"

@@ -4,8 +4,11 @@ For every prompt the methods run in a rotated order (machine drift hits all alik
 speclab run is a traced run tagged with the bench id; the peers (`hf_assisted`: `generate(assistant_model=
 draft)`, `hf_pld`: `generate(prompt_lookup_num_tokens=k)`) are recorded as runs without rounds. Metrics come
 from `speclab.metrics` (one SQL definition each); greedy output equality with AR is checked per run
-through `runs.output_hash`. Every speclab method also runs untraced (`<method>-untraced`, a run row without
-rounds, like the peers): the peer comparison uses those, and traced / untraced time is the tracing overhead.
+through `runs.output_hash`; where an output differs, the first differing position and the target's top-2 logit
+gap there go to `runs.diverges_at` / `runs.top2_gap` and the report says whether it is a numerical near-tie.
+Every speclab method also runs untraced (`<method>-untraced`, a run row without rounds, like the peers): the peer
+comparison uses those, traced / untraced time is the tracing overhead, and on CPU their `model_call_share` is the
+share of decode time spent inside model forwards (the rest is the engine's own work).
 """
 from __future__ import annotations
 
@@ -20,7 +23,8 @@ import numpy as np
 import torch
 
 from speclab.errors import InvalidInput
-from speclab.generate import encode_prompt, generate, output_hash
+from speclab.equality import first_divergence, output_hash
+from speclab.generate import encode_prompt, generate, model_ms
 from speclab.methods import get_method
 from speclab.progress import Progress
 from speclab.suites import load_suite
@@ -101,16 +105,19 @@ def run_bench(cfg: BenchConfig, target: Target, draft: Target | None, store: Tra
         return {"k": cfg.k.get(m), "tree_topk": cfg.tree_topk, "stop_prob": cfg.stop_prob}
 
     def run_method(m, r, ids, trace):
-        return generate(target, ids, m, draft=draft, max_new_tokens=cfg.max_new_tokens, trace=trace,
-                        prompt_id=r["prompt_id"], category=r["category"], bench_id=bench_id, **params(m))
+        res = generate(target, ids, m, draft=draft, max_new_tokens=cfg.max_new_tokens, trace=trace,
+                       prompt_id=r["prompt_id"], category=r["category"], bench_id=bench_id, **params(m))
+        return res.run_id, res.token_ids
 
     def run_untraced(m, r, ids):
         res = generate(target, ids, m, draft=draft, max_new_tokens=cfg.max_new_tokens, **params(m))
         rid = store.start_run(method=f"{m}-untraced", target=target.name, params=params(m), prompt_id=r["prompt_id"],
                               category=r["category"], device=str(target.device), bench_id=bench_id,
                               prompt_tokens=ids.numel())
-        store.finish_run(rid, "done", new_tokens=len(res.token_ids), elapsed_s=res.decode.elapsed_s,
+        store.finish_run(rid, "done", new_tokens=len(res.token_ids), elapsed_s=res.elapsed_s, wall_s=res.decode.wall_s,
+                         prefill_ms=res.decode.prefill_ms, model_ms=model_ms(target, res.decode),
                          target_calls=res.decode.target_calls, output_hash=output_hash(res.token_ids))
+        return rid, res.token_ids
 
     def run_peer(p, r, ids):
         k = cfg.k.get("sps" if p == "hf_assisted" else "pld", 4)
@@ -121,31 +128,37 @@ def run_bench(cfg: BenchConfig, target: Target, draft: Target | None, store: Tra
                               device=str(target.device), bench_id=bench_id, prompt_tokens=ids.numel())
         store.finish_run(rid, "done", new_tokens=out.numel(), elapsed_s=secs, output_hash=output_hash(out.tolist()),
                          output_text=target.tokenizer.decode(out.tolist(), skip_special_tokens=True))
+        return rid, out.tolist()
 
-    for r, ids in rows[: cfg.warmup]:  # warm-up: every code path once, untraced and unrecorded
-        for m in cfg.methods:
-            generate(target, ids, m, draft=draft, max_new_tokens=16, **params(m))
-        for p in peers:
-            peer_generate(p, target, draft, ids, 16, 4, cfg.stop_prob)
+    with TraceStore(":memory:") as scratch:  # warm-up: every code path once, untraced and traced, unrecorded
+        for r, ids in rows[: cfg.warmup]:
+            for m in cfg.methods:
+                for trace in (None, scratch):
+                    generate(target, ids, m, draft=draft, max_new_tokens=16, trace=trace, **params(m))
+            for p in peers:
+                peer_generate(p, target, draft, ids, 16, 4, cfg.stop_prob)
 
     untraced = [f"{m}-untraced" for m in cfg.methods] if cfg.untraced else []
     order = cfg.methods + untraced + peers
     prog = Progress(len(rows) * len(order), f"bench {cfg.suite}")
     done = 0
     for i, (r, ids) in enumerate(rows):
+        outputs = {}  # method -> (run id, generated ids) for this prompt
         for m in order[i % len(order):] + order[: i % len(order)]:
             if target.device.type == "cuda":
                 torch.cuda.reset_peak_memory_stats()
             if m in peers:
-                run_peer(m, r, ids)
+                outputs[m] = run_peer(m, r, ids)
             elif m in untraced:
-                run_untraced(m.removesuffix("-untraced"), r, ids)
+                outputs[m] = run_untraced(m.removesuffix("-untraced"), r, ids)
             else:
-                res = run_method(m, r, ids, store)
+                outputs[m] = run_method(m, r, ids, store)
+                store.drain()  # its trace lands before the next run starts timing (no overlap with it)
                 if target.device.type == "cuda":
-                    store.finish_run(res.run_id, "done", peak_mem_mb=torch.cuda.max_memory_allocated() / 2**20)
+                    store.finish_run(outputs[m][0], "done", peak_mem_mb=torch.cuda.max_memory_allocated() / 2**20)
             done += 1
             prog.update(done, prompt=r["prompt_id"], method=m)
+        record_divergences(store, target, ids, outputs)
     overhead = None
     if untraced:  # traced / untraced decode time over every prompt and method, same run, same outputs
         t = store.query("SELECT method, sum(elapsed_s) AS s FROM runs WHERE bench_id = ? GROUP BY method", [bench_id])
@@ -155,6 +168,16 @@ def run_bench(cfg: BenchConfig, target: Target, draft: Target | None, store: Tra
     store.execute("UPDATE benches SET trace_overhead = ?, peak_rss_mb = ?, status = 'done' WHERE bench_id = ?",
                   [overhead, peak_rss, bench_id])
     return bench_id
+
+
+def record_divergences(store: TraceStore, target: Target, prompt_ids: torch.Tensor, outputs: dict) -> None:
+    """For every output that differs from AR's on this prompt: where, and the target's top-2 logit gap there."""
+    ar = outputs.get("ar")
+    for m, (rid, ids) in outputs.items():
+        div = first_divergence(target, prompt_ids, ar[1], ids) if ar and m != "ar" else None
+        if div is not None:
+            store.execute("UPDATE runs SET diverges_at = ?, top2_gap = ?, tie_tolerance = ? WHERE run_id = ?",
+                          [div.pos, None if div.top2_gap != div.top2_gap else div.top2_gap, div.tolerance, rid])
 
 
 # ---- results: one query per question, all from the trace ----
@@ -196,6 +219,15 @@ def bench_positions(store: TraceStore, bench_id: str):
         GROUP BY ALL ORDER BY r.method, n.depth""", [bench_id])
 
 
+def bench_divergences(store: TraceStore, bench_id: str):
+    """Outputs that differ from AR: first differing position, top-2 logit gap there, and whether that is a
+    numerical near-tie for the target's dtype (speclab.equality)."""
+    return store.query("""SELECT method, category, prompt_id, diverges_at, top2_gap, tie_tolerance,
+                                 coalesce(top2_gap <= tie_tolerance, false) AS near_tie
+                          FROM runs WHERE bench_id = ? AND diverges_at IS NOT NULL ORDER BY method, prompt_id""",
+                       [bench_id])
+
+
 def peer_ratios(overall) -> list[dict]:
     """speclab's tokens/s over Hugging Face's for the matching method (same models, prompts and run): untraced
     (like HF) where the bench timed it, and traced."""
@@ -225,6 +257,11 @@ def write_report(store: TraceStore, bench_id: str, md_path: str | Path) -> tuple
         md += ["## speclab vs Hugging Face (same target, draft, prompts; greedy)", "", peers.to_markdown(**fmt), ""]
     if bench.trace_overhead == bench.trace_overhead and bench.trace_overhead is not None:
         md += [f"Tracing overhead: traced / untraced decode time, all methods and prompts = **{bench.trace_overhead:.3f}**", ""]
+    divs = bench_divergences(store, bench_id)
+    if len(divs):
+        md += ["## Outputs that differ from AR", "", "First differing token and the target's top-2 logit gap there "
+               "(a near-tie is rounding; anything else is a bug until proven otherwise).", "",
+               divs.to_markdown(index=False, floatfmt=".3g"), ""]
     md += [f"Peak RSS of the bench process: {bench.peak_rss_mb:.0f} MB", "", "## Per category", "",
            table.to_markdown(**fmt), "", "## Per-position acceptance", "", pos.to_markdown(**fmt), ""]
     md_path = Path(md_path)

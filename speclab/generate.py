@@ -1,14 +1,17 @@
 """`generate`: the one public entry for decoding a prompt with any registered method, traced or not."""
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Callable, Iterator
 
 import torch
 
 from speclab.engine import DecodeResult, RoundEvent, check_request, decode_rounds
+from speclab.equality import output_hash
 from speclab.errors import InvalidInput
-from speclab.methods import get_method, method_params
+from speclab.methods import build_method, method_params
+from speclab.metrics import tau, tokens_per_s
 from speclab.sampling import Sampling
 from speclab.target import Target
 from speclab.trace import TraceStore
@@ -21,22 +24,17 @@ class GenerationResult:
     method: str
     run_id: int | None
     decode: DecodeResult
+    elapsed_s: float  # decode time (speclab.metrics): the decode's own phases + the trace's final flush
 
     @property
     def tokens_per_s(self) -> float:
-        return self.decode.tokens_per_s
+        return tokens_per_s(len(self.token_ids), self.elapsed_s)
 
     def summary(self) -> dict:
         d = self.decode
         return {"run_id": self.run_id, "method": self.method, "tokens": len(self.token_ids), "rounds": d.rounds,
-                "target_calls": d.target_calls, "tau": len(self.token_ids) / max(1, d.rounds),
-                "elapsed_s": round(d.elapsed_s, 4), "tokens_per_s": round(d.tokens_per_s, 2), "stopped": d.stopped}
-
-
-def output_hash(token_ids: list[int]) -> str:
-    """A short fingerprint of a token sequence: equal outputs (e.g. greedy speculative vs AR) have equal hashes."""
-    import hashlib
-    return hashlib.sha1(",".join(map(str, token_ids)).encode()).hexdigest()[:16]
+                "target_calls": d.target_calls, "tau": tau(len(self.token_ids), d.rounds),
+                "elapsed_s": round(self.elapsed_s, 4), "tokens_per_s": round(self.tokens_per_s, 2), "stopped": d.stopped}
 
 
 def encode_prompt(target: Target, prompt: str) -> torch.Tensor:
@@ -58,20 +56,20 @@ class Generation:
                  seed: int | None = None, deferred: bool = True, trace: TraceStore | None = None,
                  on_round: Callable[[RoundEvent], None] | None = None, prompt_id: str | None = None,
                  category: str | None = None, bench_id: str | None = None, **params):
-        m = get_method(method)
         if not 0 <= top_p <= 1 or temperature < 0 or top_k < 0:
             raise InvalidInput(f"bad sampling parameters: temperature={temperature} (>= 0), top_k={top_k} (>= 0), top_p={top_p} (0..1)")
         self.target, self.method, self.trace, self.on_round = target, method, trace, on_round
         self.prompt_ids = prompt.flatten().long() if isinstance(prompt, torch.Tensor) else encode_prompt(target, prompt)
         check_request(target, self.prompt_ids, max_new_tokens)  # bad input fails here: no compute, no run row
         self.params = method_params(method, params)
-        self.drafters = {m.name: m.build(target, draft, **self.params)} if m.build else {}
+        self.drafters, self.router = build_method(method, target, draft, self.params)
         self.kw = dict(max_new_tokens=max_new_tokens, sampling=Sampling(temperature, top_k, top_p, seed), deferred=deferred)
         self.result: GenerationResult | None = None
         self.run_id, self.writer = None, None
         if trace is not None:
             self.run_id = trace.start_run(
-                method=method, target=target.name, drafters=",".join(self.drafters) or None, router="fixed",
+                method=method, target=target.name, drafters=",".join(self.drafters) or None,
+                router=self.router.policy if self.router else None,
                 params={**self.params, "max_new_tokens": max_new_tokens, "temperature": temperature, "top_k": top_k,
                         "top_p": top_p, "seed": seed, "deferred": deferred, "draft": draft.name if draft else None},
                 prompt_id=prompt_id, category=category, device=str(target.device),
@@ -79,8 +77,15 @@ class Generation:
                 prompt_tokens=self.prompt_ids.numel(), bench_id=bench_id)
             self.writer = trace.writer(self.run_id, target.tokenizer)
 
-    def __iter__(self) -> Iterator[RoundEvent]:
-        rounds = decode_rounds(self.target, self.prompt_ids, self.drafters, **self.kw)
+    @property
+    def record(self) -> bool:
+        """Whether RoundEvents are built (traced or watched); otherwise the engine's fast path yields None."""
+        return self.writer is not None or self.on_round is not None
+
+    def __iter__(self) -> Iterator[RoundEvent | None]:
+        rounds = decode_rounds(self.target, self.prompt_ids, self.drafters, self.router,
+                               listeners=(self.writer,) if self.writer is not None else (), record=self.record,
+                               **self.kw)
         status = "failed"
         try:
             while True:
@@ -89,8 +94,6 @@ class Generation:
                 except StopIteration as end:
                     res = end.value
                     break
-                if self.writer is not None:
-                    self.writer(ev)
                 if self.on_round is not None:
                     self.on_round(ev)
                 yield ev
@@ -108,12 +111,22 @@ class Generation:
                 self.writer.flush()
                 self.trace.finish_run(self.run_id, "cancelled")
         text = self.target.tokenizer.decode(res.new_ids.tolist(), skip_special_tokens=True)
+        elapsed = res.elapsed_s
         if self.trace is not None:
-            self.writer.flush()
+            t0 = time.perf_counter()
+            self.writer.flush()  # the trace's last batch is part of the traced decode's time
+            flush_s = time.perf_counter() - t0
+            elapsed += flush_s
             self.trace.finish_run(self.run_id, "done", new_tokens=res.new_ids.numel(), rounds=res.rounds,
-                                  target_calls=res.target_calls, elapsed_s=res.elapsed_s, output_text=text,
-                                  output_hash=output_hash(res.new_ids.tolist()))
-        self.result = GenerationResult(text, res.new_ids.tolist(), self.method, self.run_id, res)
+                                  target_calls=res.target_calls, elapsed_s=elapsed, wall_s=res.wall_s + flush_s,
+                                  prefill_ms=res.prefill_ms, model_ms=model_ms(self.target, res),
+                                  output_text=text, output_hash=output_hash(res.new_ids.tolist()))
+        self.result = GenerationResult(text, res.new_ids.tolist(), self.method, self.run_id, res, elapsed)
+
+
+def model_ms(target: Target, res: DecodeResult) -> float | None:
+    """Time inside model forwards, for the trace: measured on CPU only (a CUDA forward returns before it ends)."""
+    return res.model_s * 1e3 if target.device.type == "cpu" else None
 
 
 def generate(target: Target, prompt: str | torch.Tensor, method: str = "ar", **kw) -> GenerationResult:

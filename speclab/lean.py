@@ -126,10 +126,13 @@ class LeanDecoder:
         return KVCache(len(self.layers), self.n_kv, self.head_dim, self.dtype, self.device, capacity)
 
     def forward(self, ids: torch.Tensor, cache: KVCache, pos: torch.Tensor | None = None, mask: torch.Tensor | None = None,
-                capture: frozenset = frozenset(), last: int | None = None) -> tuple[torch.Tensor, dict]:
-        """Logits [n or last, vocab] for `ids` [n] after the cache's tokens, and the captured layer outputs [n, d].
+                layers: tuple[int, ...] = (), last: int | None = None, hidden: bool = False):
+        """(logits, features, hidden) for `ids` [n] after the cache's tokens.
 
-        `mask` is an additive [1, 1, n, start + n] float mask (tree attention); the default is causal."""
+        logits [n or last, vocab]; features [n, len(layers) * d]: the outputs of those decoder layers, concatenated
+        in the order given (None without layers); hidden [n or last, d]: the final-norm hidden state of the rows
+        whose logits are returned (None unless asked). `mask` is an additive [1, 1, n, start + n] float mask (tree
+        attention); the default is causal."""
         n, start = ids.numel(), cache.length
         end = start + n
         cache.reserve(n)
@@ -144,7 +147,7 @@ class LeanDecoder:
             mask = mask[0, 0]  # Target has cast it to the model's dtype
         H, KV, D, eps = self.n_heads, self.n_kv, self.head_dim, self.eps
         h = self.embed[ids]
-        feats = {}
+        kept = {}
         for i, L in enumerate(self.layers):
             x = F.rms_norm(h, h.shape[-1:], L["in_norm"], eps)
             qkv = F.linear(x, L["qkv"], L["qkv_bias"]).view(n, H + 2 * KV, D)
@@ -161,12 +164,20 @@ class LeanDecoder:
             x = F.rms_norm(h, h.shape[-1:], L["post_norm"], eps)
             gate, up = F.linear(x, L["gate_up"]).chunk(2, -1)
             h = h + F.linear(F.silu(gate) * up, L["down"])
-            if i in capture:
-                feats[i] = h
+            if i in layers:
+                kept[i] = h
         cache.length = end
+        feats = (kept[layers[0]] if len(layers) == 1 else torch.cat([kept[i] for i in layers], -1)) if layers else None
         if last is not None:
             h = h[-last:]
-        return F.linear(F.rms_norm(h, h.shape[-1:], self.norm, eps), self.lm_head), feats
+        h = self.final_norm(h)
+        return self.head(h), feats, h if hidden else None
+
+    def final_norm(self, h: torch.Tensor) -> torch.Tensor:
+        return F.rms_norm(h, h.shape[-1:], self.norm, self.eps)
+
+    def head(self, h: torch.Tensor) -> torch.Tensor:
+        return F.linear(h, self.lm_head)
 
 
 def _swap_halves(x: torch.Tensor) -> torch.Tensor:

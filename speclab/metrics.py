@@ -1,10 +1,15 @@
-"""Speculative-decoding metrics, each defined once, in SQL over the trace (Spec-Bench definitions).
+"""Speculative-decoding metrics, each defined once, here (Spec-Bench definitions): in SQL over the trace, and as
+Python functions for live figures (the CLI summary, the app's columns) where they use the same formula.
 
 - tau (acceptance length): tokens committed per target verification round, bonus token included.
 - acceptance rate: accepted draft tokens / drafted tokens (over rounds that drafted).
 - per-position acceptance: P(the node at depth d on the accepted path exists | the tree reached depth d).
-- tokens/s: new tokens / wall time of the decode; speedup is a ratio of tokens/s measured in the same run.
+- tokens/s: new tokens / decode time. Decode time (`runs.elapsed_s`) is the run's own time: the prefill, every
+  round's phases (route, catchup, draft, verify, commit, record) and the trace's final flush, never the time a
+  consumer held the decode (the app interleaves runs); `runs.wall_s` keeps the wall time. Speedup is a ratio
+  of tokens/s measured in the same run.
 - draft-time share: draft phase time / time of all phases.
+- model-call share: time inside model forwards (target and drafters) / decode time (exact on CPU).
 - target calls per token: target forwards (prefill included) / new tokens.
 - mean entropy: the target's next-token entropy (nats, softmax at T=1) averaged over committed tokens.
 
@@ -13,26 +18,43 @@ SQL box and notebooks see exactly these definitions.
 """
 from __future__ import annotations
 
+import math
+
+
+def tau(committed: int, rounds: int) -> float:
+    """Tokens committed per verification round (SQL: `TAU_SQL`)."""
+    return committed / rounds if rounds else math.nan
+
+
+def tokens_per_s(tokens: int, decode_s: float) -> float:
+    """New tokens per second of decode time (SQL: `TOKENS_PER_S_SQL`)."""
+    return tokens / decode_s if decode_s > 0 else math.nan
+
+
+TAU_SQL = "sum(committed) / nullif(sum(verifications), 0)"
+TOKENS_PER_S_SQL = "sum(new_tokens) / nullif(sum(elapsed_s), 0)"
+
 # per run: the sums every pooled metric is made of, then the ratios
 RUN_SUMS_SQL = """
 SELECT r.run_id, r.method, r.category, r.prompt_id, r.status, r.bench_id, r.output_hash, r.new_tokens, r.target_calls,
-       r.elapsed_s,
+       r.elapsed_s, r.model_ms,
        count(x.round) AS verifications, sum(x.committed) AS committed, sum(x.n_accepted) AS accepted,
        sum(x.n_drafted) AS drafted, sum(x.t_draft_ms) AS draft_ms,
-       sum(x.t_route_ms + x.t_catchup_ms + x.t_draft_ms + x.t_verify_ms + x.t_commit_ms) AS phases_ms,
+       sum(x.t_route_ms + x.t_catchup_ms + x.t_draft_ms + x.t_verify_ms + x.t_commit_ms + coalesce(x.t_record_ms, 0)) AS phases_ms,
        any_value(e.entropy_sum) AS entropy_sum, any_value(e.n_tokens) AS n_tokens
 FROM runs r LEFT JOIN rounds x USING (run_id)
      LEFT JOIN (SELECT run_id, sum(entropy) AS entropy_sum, count(*) AS n_tokens FROM tokens GROUP BY run_id) e USING (run_id)
 GROUP BY ALL
 """
 
-RATIOS = """
-       sum(new_tokens) / nullif(sum(elapsed_s), 0)   AS tokens_per_s,
-       sum(committed) / nullif(sum(verifications), 0) AS tau,
+RATIOS = f"""
+       {TOKENS_PER_S_SQL}   AS tokens_per_s,
+       {TAU_SQL} AS tau,
        sum(accepted) / nullif(sum(drafted), 0)        AS acceptance_rate,
        sum(draft_ms) / nullif(sum(phases_ms), 0)      AS draft_time_share,
        sum(target_calls) / nullif(sum(new_tokens), 0) AS target_calls_per_token,
-       sum(entropy_sum) / nullif(sum(n_tokens), 0)    AS mean_entropy"""
+       sum(entropy_sum) / nullif(sum(n_tokens), 0)    AS mean_entropy,
+       sum(model_ms) / nullif(1000 * sum(elapsed_s), 0) AS model_call_share"""
 
 RUN_METRICS_SQL = f"""
 SELECT run_id, any_value(method) AS method, any_value(category) AS category, any_value(prompt_id) AS prompt_id,

@@ -10,6 +10,7 @@ draft on CPU, `speclab forward-costs`) and `hf` (the transformers forward with a
 """
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -64,12 +65,36 @@ def load_causal_lm(name_or_path: str | Path, device=None, dtype=None):
 
 @dataclass
 class ForwardOut:
-    logits: torch.Tensor  # [n, vocab] float32
-    features: dict[int, torch.Tensor]  # layer id -> [n, hidden] output of that decoder layer
+    logits: torch.Tensor  # [rows, vocab] float32: every input row, or the last `last` rows
+    features: torch.Tensor | None  # [n, len(layers) * d]: outputs of the asked decoder layers, concatenated, every row
+    hidden: torch.Tensor | None  # [rows, d]: final-norm hidden state of the rows whose logits are returned (if asked)
+
+
+class ForwardClock:
+    """Process-wide count and wall time of model forwards (targets and drafters). The engine reads differences
+    around each phase, as it does with `Target.calls`, so several decodes interleaved round by round (the app)
+    each see their own calls. On CUDA a forward returns before its kernels finish, so the time is only
+    meaningful on CPU (the bench reports the model-call share there only)."""
+
+    def __init__(self):
+        self.calls, self.seconds = 0, 0.0
+
+    def __enter__(self):
+        self._t0 = time.perf_counter()
+
+    def __exit__(self, *exc):
+        self.seconds += time.perf_counter() - self._t0
+        self.calls += 1
+
+
+forward_clock = ForwardClock()
 
 
 class Target:
-    """A causal LM with prefill, tree-masked forward, layer feature capture and cache surgery."""
+    """A causal LM with prefill, tree-masked forward returning chosen layer features, and cache surgery.
+
+    It holds weights and a call counter only: caches, features and signals belong to the caller, so one loaded
+    target serves several interleaved decodes."""
 
     def __init__(self, model, tokenizer, name: str = "", backend: str = "auto"):
         if backend not in BACKENDS:
@@ -84,12 +109,10 @@ class Target:
         self.device = next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype
         self.vocab_size = model.get_output_embeddings().weight.shape[0]
+        self.hidden_size = int(self.config.hidden_size)
         self.max_context = int(getattr(self.config, "max_position_embeddings", 2048))
         self.eos_ids = _eos_ids(model, tokenizer)
-        self._captured: dict[int, torch.Tensor] = {}
-        self._hooks: dict[int, object] = {}
-        self._capture = frozenset()
-        self.calls = 0  # number of forwards since load (benchmarks read differences)
+        self.calls = 0  # number of forwards since load (benchmarks and the engine read differences)
 
     @classmethod
     def load(cls, name_or_path: str | Path, device=None, dtype=None, backend: str = "auto") -> "Target":
@@ -97,8 +120,14 @@ class Target:
         return cls(model, tok, name=str(name_or_path), backend=backend)
 
     @property
+    def decoder(self):
+        """The transformers base model (embeddings, decoder layers, final norm)."""
+        return self.model.get_decoder()
+
+    @property
     def layers(self):
-        return self.model.model.layers
+        d = self.decoder
+        return d.layers if hasattr(d, "layers") else d.h
 
     @property
     def num_layers(self) -> int:
@@ -111,49 +140,73 @@ class Target:
 
         return DynamicCache(config=self.config)
 
-    def capture(self, layer_ids: list[int]) -> None:
-        """Keep the outputs of these decoder layers on every forward (and only these)."""
-        self._capture = frozenset(layer_ids)
-        if self.lean:
-            return
-        for i in list(self._hooks):
-            if i not in layer_ids:
-                self._hooks.pop(i).remove()
-        for i in layer_ids:
-            if i not in self._hooks:
-                self._hooks[i] = self.layers[i].register_forward_hook(self._hook(i))
-
-    def _hook(self, i: int):
-        def fn(_module, _inp, out):
-            self._captured[i] = out[0] if isinstance(out, tuple) else out
-        return fn
-
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, cache, position_ids: torch.Tensor | None = None,
-                mask: torch.Tensor | None = None, last: int | None = None) -> ForwardOut:
+                mask: torch.Tensor | None = None, last: int | None = None, layers: tuple[int, ...] = (),
+                hidden: bool = False) -> ForwardOut:
         """Forward `input_ids` [n] after the tokens already in `cache`.
 
         `position_ids` [n] default to cache_len + arange(n); `mask` is an additive float mask
         [1, 1, n, cache_len + n] (0 = attend, finfo.min = blocked) for tree attention, default causal.
-        `last` limits the logits to the last rows (the LM head is a large share of a small model's call).
+        `last` limits the logits (and `hidden`) to the last rows (the LM head is a large share of a small
+        model's call). `layers`: decoder layers whose outputs come back as `features` (layer i's output is
+        transformers' `hidden_states[i + 1]`), concatenated in the order given. `hidden`: also return the
+        final-norm hidden state of the returned rows (what the LM head sees).
         """
         ids = input_ids.view(-1).to(self.device)
         pos = None if position_ids is None else position_ids.view(-1).to(self.device)
         if mask is not None:
             mask = mask.to(device=self.device, dtype=self.dtype)
+        layers = tuple(layers)
         self.calls += 1
-        if self.lean:
-            logits, feats = self.lean.forward(ids, cache, pos, mask, self._capture, last)
-            return ForwardOut(logits.float(), feats)
-        self._captured.clear()
-        out = self.model(input_ids=ids[None], position_ids=None if pos is None else pos[None], attention_mask=mask,
-                         past_key_values=cache, use_cache=True, logits_to_keep=last or 0)
-        feats = {i: h[0] for i, h in self._captured.items()}
-        return ForwardOut(out.logits[0].float(), feats)
+        with forward_clock:
+            if self.lean:
+                logits, feats, h = self.lean.forward(ids, cache, pos, mask, layers, last, hidden)
+                return ForwardOut(logits.float(), feats, h)
+            return self._hf_forward(ids, cache, pos, mask, last, layers, hidden)
 
-    def prefill(self, input_ids: torch.Tensor, cache) -> ForwardOut:
-        """Forward a prompt; logits of its last position only."""
-        return self.forward(input_ids, cache, last=1)
+    def _hf_forward(self, ids, cache, pos, mask, last, layers, hidden) -> ForwardOut:
+        """The transformers forward; layer outputs come from forward hooks that live for this call only."""
+        kept: dict[int, torch.Tensor] = {}
+        hooks = [self.layers[i].register_forward_hook(
+            lambda _m, _i, out, i=i: kept.__setitem__(i, out[0] if isinstance(out, tuple) else out)) for i in set(layers)]
+        try:
+            out = self.decoder(input_ids=ids[None], position_ids=None if pos is None else pos[None], attention_mask=mask,
+                               past_key_values=cache, use_cache=True)
+        finally:
+            for hk in hooks:
+                hk.remove()
+        h = out.last_hidden_state[0]
+        if last is not None:
+            h = h[-last:]
+        feats = torch.cat([kept[i][0] for i in layers], -1) if layers else None
+        return ForwardOut(self.model.get_output_embeddings()(h).float(), feats, h if hidden else None)
+
+    def prefill(self, input_ids: torch.Tensor, cache, layers: tuple[int, ...] = (), last: int = 1,
+                hidden: bool = False) -> ForwardOut:
+        """Forward a prompt; logits of its last position (or `last` positions) only."""
+        return self.forward(input_ids, cache, last=last, layers=layers, hidden=hidden)
+
+    @torch.inference_mode()
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        """The target's input embeddings of `ids` [..., d] (drafters that share them: DFlash)."""
+        if self.lean:
+            return self.lean.embed[ids.to(self.device)]
+        return self.model.get_input_embeddings()(ids.to(self.device))
+
+    @torch.inference_mode()
+    def head(self, h: torch.Tensor) -> torch.Tensor:
+        """Final norm + LM head of the target over hidden states [..., d] -> float32 logits [..., vocab]."""
+        if self.lean:
+            return self.lean.head(self.lean.final_norm(h.to(self.dtype))).float()
+        return self.model.get_output_embeddings()(_final_norm(self.decoder)(h.to(self.dtype))).float()
+
+
+def _final_norm(decoder):
+    for name in ("norm", "ln_f", "final_layernorm", "final_layer_norm"):
+        if hasattr(decoder, name):
+            return getattr(decoder, name)
+    raise ValueError(f"cannot find the final norm of {type(decoder).__name__}")
 
 
 # ---- KV cache surgery (speclab's KVCache or transformers 5.x DynamicCache) ----

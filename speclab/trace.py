@@ -6,24 +6,34 @@ A run is inserted as `running` and marked `done` / `failed`; each flush is one t
 mid-run never touches earlier runs. Runs still `running` when a writer opens the file were cut off by a
 dead process and are marked `interrupted`.
 
+The bulk appends and the closing update of a run go, in order, to one background thread (`speclab-trace`):
+an insert costs ~10 ms whatever its size, DuckDB releases the GIL while it runs, and decoding goes on
+meanwhile. Every read and every other write first waits for the queue (`drain`), so readers always see
+whole runs; `close` and interpreter exit drain it too.
+
 Read API (all return pandas DataFrames): `runs`, `rounds`, `tokens`, `draft_nodes`, `router_decisions`,
 `query`. Metrics are defined once, in SQL, in `speclab.metrics`.
 """
 from __future__ import annotations
 
+import atexit
 import json
+import queue
 import threading
 import time
+import weakref
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+import pandas  # noqa: F401  (pyarrow imports it on its first array: here, not inside a run's first flush)
 import pyarrow as pa
 import torch
 
+from speclab.engine import PHASES
 from speclab.errors import TraceError
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS meta (key VARCHAR PRIMARY KEY, value VARCHAR);
@@ -33,14 +43,15 @@ CREATE TABLE IF NOT EXISTS runs (
     drafters VARCHAR, router VARCHAR, params_json VARCHAR, prompt_id VARCHAR, category VARCHAR, device VARCHAR,
     dtype VARCHAR, status VARCHAR, schema_version INTEGER, prompt_text VARCHAR, prompt_tokens INTEGER,
     new_tokens INTEGER, rounds INTEGER, target_calls INTEGER, elapsed_s DOUBLE, output_text VARCHAR,
-    error VARCHAR, bench_id VARCHAR, output_hash VARCHAR, peak_mem_mb DOUBLE);
+    error VARCHAR, bench_id VARCHAR, output_hash VARCHAR, peak_mem_mb DOUBLE, prefill_ms DOUBLE, wall_s DOUBLE,
+    model_ms DOUBLE, diverges_at INTEGER, top2_gap DOUBLE, tie_tolerance DOUBLE);
 CREATE TABLE IF NOT EXISTS benches (
     bench_id VARCHAR PRIMARY KEY, started_at TIMESTAMP, suite VARCHAR, methods VARCHAR, config_json VARCHAR,
     device VARCHAR, trace_overhead DOUBLE, peak_rss_mb DOUBLE, status VARCHAR);
 CREATE TABLE IF NOT EXISTS rounds (
     run_id BIGINT, round INTEGER, drafter VARCHAR, n_drafted INTEGER, n_accepted INTEGER, committed INTEGER,
     entropy DOUBLE, t_route_ms DOUBLE, t_catchup_ms DOUBLE, t_draft_ms DOUBLE, t_verify_ms DOUBLE,
-    t_commit_ms DOUBLE, backlog INTEGER, target_calls INTEGER);
+    t_commit_ms DOUBLE, backlog INTEGER, target_calls INTEGER, t_record_ms DOUBLE);
 CREATE TABLE IF NOT EXISTS tokens (
     run_id BIGINT, pos INTEGER, round INTEGER, token_id INTEGER, text VARCHAR, source VARCHAR, depth INTEGER,
     draft_prob DOUBLE, target_prob DOUBLE, entropy DOUBLE);
@@ -50,6 +61,11 @@ CREATE TABLE IF NOT EXISTS draft_nodes (
 CREATE TABLE IF NOT EXISTS router_decisions (
     run_id BIGINT, round INTEGER, policy VARCHAR, signal DOUBLE, threshold DOUBLE, choice VARCHAR);
 """
+# columns added since schema 1 (a version-1 file opened for writing gets them; its old rows keep NULLs)
+MIGRATIONS = {2: ["runs ADD COLUMN IF NOT EXISTS prefill_ms DOUBLE", "runs ADD COLUMN IF NOT EXISTS wall_s DOUBLE",
+                  "runs ADD COLUMN IF NOT EXISTS model_ms DOUBLE", "runs ADD COLUMN IF NOT EXISTS diverges_at INTEGER",
+                  "runs ADD COLUMN IF NOT EXISTS top2_gap DOUBLE", "runs ADD COLUMN IF NOT EXISTS tie_tolerance DOUBLE",
+                  "rounds ADD COLUMN IF NOT EXISTS t_record_ms DOUBLE"]}
 TABLES = ("meta", "runs", "rounds", "tokens", "draft_nodes", "router_decisions", "benches")
 
 
@@ -77,12 +93,12 @@ class TraceStore:
         self.flush_rounds, self.flush_s = flush_rounds, flush_s  # how often run writers append (crash loses less)
         self.read_only = read_only
         exists = Path(self.path).exists()
+        version = None
         if read_only and not exists:
             raise TraceError(f"no trace database at {self.path}")
         if exists:  # inspect read-only first, so a foreign file is never written to
             probe = _connect(self.path, read_only=True)
             tables = {r[0] for r in probe.execute("SELECT table_name FROM information_schema.tables").fetchall()}
-            version = None
             if "meta" in tables:
                 row = probe.execute("SELECT value FROM meta WHERE key = 'schema_version'").fetchall()
                 version = int(row[0][0]) if row else None
@@ -92,12 +108,21 @@ class TraceStore:
                                  f"{sorted(tables)[:5]} and no speclab schema_version); it was left untouched")
             if version is not None and version > SCHEMA_VERSION:
                 raise TraceError(f"{self.path} has trace schema {version}, newer than this speclab ({SCHEMA_VERSION})")
+            if read_only and version is not None and version < SCHEMA_VERSION:
+                raise TraceError(f"{self.path} has trace schema {version}, older than this speclab's ({SCHEMA_VERSION}); "
+                                 "open it once for writing (e.g. TraceStore(path)) to add the new columns")
         self.con = _connect(self.path, read_only)
         self._lock = threading.Lock()
+        self._jobs: queue.Queue | None = None  # the background writer's queue (started on the first append)
+        self._error: BaseException | None = None
         if not read_only:
             with self._lock:
                 self.con.execute("BEGIN")
                 self.con.execute(SCHEMA)
+                for v, steps in MIGRATIONS.items():
+                    if version is not None and version < v:
+                        for step in steps:
+                            self.con.execute(f"ALTER TABLE {step}")
                 self.con.execute("INSERT OR REPLACE INTO meta VALUES ('schema_version', ?)", [str(SCHEMA_VERSION)])
                 self.con.execute("UPDATE runs SET status = 'interrupted' WHERE status = 'running'")
                 from speclab.metrics import VIEWS
@@ -106,7 +131,50 @@ class TraceStore:
                 self.con.execute("COMMIT")
 
     def close(self) -> None:
-        self.con.close()
+        try:
+            self.drain()
+        finally:
+            self._stop_writer()
+            self.con.close()
+
+    def _stop_writer(self) -> None:
+        if self._jobs is not None:
+            jobs, self._jobs = self._jobs, None
+            jobs.put((None, ()))
+            jobs.join()
+
+    # ---- the background writer ----
+    def _later(self, fn, *args) -> None:
+        """Queue a write for the background writer thread (applied in order)."""
+        self._raise_error()
+        if self._jobs is None:
+            self._jobs = queue.Queue()
+            threading.Thread(target=self._work, args=(self._jobs,), name="speclab-trace", daemon=True).start()
+            _OPEN.add(self)
+        self._jobs.put((fn, args))
+
+    def _work(self, jobs: queue.Queue) -> None:
+        while True:
+            fn, args = jobs.get()
+            try:
+                if fn is None:
+                    return
+                fn(*args)
+            except BaseException as e:  # kept, and raised by the next call on the store
+                self._error = e
+            finally:
+                jobs.task_done()
+
+    def drain(self) -> None:
+        """Wait until every queued write has landed (reads and synchronous writes call this first)."""
+        if self._jobs is not None:
+            self._jobs.join()
+        self._raise_error()
+
+    def _raise_error(self) -> None:
+        if self._error is not None:
+            e, self._error = self._error, None
+            raise TraceError(f"writing the trace {self.path} failed: {e}") from e
 
     def __enter__(self):
         return self
@@ -128,6 +196,12 @@ class TraceStore:
         return int(run_id)
 
     def finish_run(self, run_id: int, status: str = "done", **stats) -> None:
+        """Mark a run finished (queued after its data, so the status never runs ahead of the rows)."""
+        if self.read_only:
+            raise TraceError("trace opened read-only")
+        self._later(self._finish_now, run_id, status, stats)
+
+    def _finish_now(self, run_id: int, status: str, stats: dict) -> None:
         sets = ", ".join(f"{k} = ?" for k in stats)
         with self._lock:
             self.con.execute(f"UPDATE runs SET status = ?, finished_at = now(){', ' + sets if sets else ''} WHERE run_id = ?",
@@ -136,6 +210,7 @@ class TraceStore:
     def execute(self, sql: str, params: list | None = None) -> None:
         if self.read_only:
             raise TraceError("trace opened read-only")
+        self.drain()
         with self._lock:
             self.con.execute(sql, params or [])
 
@@ -146,7 +221,10 @@ class TraceStore:
                      list(values.values()))
 
     def append(self, tables: dict[str, pa.Table]) -> None:
-        """Append Arrow tables (column names = table columns) in one transaction."""
+        """Append Arrow tables (column names = table columns) in one transaction, on the background writer."""
+        self._later(self._append_now, tables)
+
+    def _append_now(self, tables: dict[str, pa.Table]) -> None:
         with self._lock:
             self.con.execute("BEGIN")
             try:
@@ -165,6 +243,7 @@ class TraceStore:
 
     # ---- reading ----
     def query(self, sql: str, params: list | None = None):
+        self.drain()
         with self._lock:
             cur = self.con.cursor()
         try:
@@ -175,6 +254,7 @@ class TraceStore:
     def lock_down(self) -> None:
         """No file or network access from SQL in this database (read_csv, COPY, ATTACH, URLs, extensions), and
         no configuration changes: for SQL typed by users. Irreversible for this connection."""
+        self.drain()
         with self._lock:
             self.con.execute("SET enable_external_access = false")
             self.con.execute("SET lock_configuration = true")
@@ -188,6 +268,7 @@ class TraceStore:
 
         if not getattr(self, "_locked_down", False):
             self.lock_down()
+        self.drain()
         sql = (sql or "").strip()
         if not sql:
             raise TraceError("the query is empty")
@@ -239,6 +320,19 @@ class TraceStore:
         return self.query("SELECT * FROM router_decisions WHERE run_id = ? ORDER BY round", [run_id])
 
 
+_OPEN: "weakref.WeakSet[TraceStore]" = weakref.WeakSet()  # stores with a background writer
+
+
+@atexit.register
+def _drain_open_stores() -> None:
+    for store in list(_OPEN):
+        try:
+            store.drain()
+            store._stop_writer()  # release DuckDB objects before the interpreter finalizes
+        except Exception:  # noqa: BLE001  (exiting: nothing left to tell)
+            pass
+
+
 _VOCAB_TEXT: dict[int, np.ndarray] = {}
 
 
@@ -251,24 +345,49 @@ def vocab_text(tokenizer) -> np.ndarray:
     return _VOCAB_TEXT[key]
 
 
+def _cat(xs) -> np.ndarray:
+    return torch.cat(xs).cpu().numpy()
+
+
 def token_columns(evs, text: np.ndarray) -> dict[str, np.ndarray]:
     """Per committed token of these RoundEvents: pos, round, token_id, text, source (drafter or 'target'),
-    depth, draft_prob, target_prob, entropy. Vectorised over rounds; shared by the trace writer and live views."""
-    cat = lambda xs: torch.cat(xs).cpu().numpy()  # noqa: E731
+    depth, draft_prob, target_prob, entropy. Vectorised over rounds (one host copy per tensor kind, no Python
+    per token); shared by the trace writer and live views.
+
+    Token j < a of a round is its j-th accepted node: its target prob is the node's, its entropy that of the
+    row that verified it. The target's own token (j = a, when the round was not cut before it) was drawn at
+    the row after the last accepted node (row 0 without one)."""
     m = np.array([e.committed.numel() for e in evs])
     a = np.array([e.n_accepted for e in evs])
+    n = np.array([len(e.tree) for e in evs])
+    node_off, row_off = np.cumsum(n) - n, np.cumsum(n + 1) - (n + 1)
     start = np.repeat(np.cumsum(m) - m, m)
     within = np.arange(m.sum()) - start
-    ids = cat([e.committed for e in evs]).astype(np.int32)
+    drafted = within < np.repeat(a, m)
+    ids = _cat([e.committed for e in evs]).astype(np.int32)
     names = np.array([e.drafter or "target" for e in evs], dtype=object)
+    node_logp, parents = _cat([e.node_logp for e in evs]), _cat([e.tree.parents for e in evs])
+    entropy, bonus_logp = _cat([e.row_entropy for e in evs]), _cat([e.bonus_logp for e in evs])
+    acc = _cat([e.accepted for e in evs]).astype(np.int64) + np.repeat(node_off, a)  # global node index
+    has_bonus = m > a
+    last_acc = np.append(acc, 0)[np.where(a > 0, np.cumsum(a) - 1, acc.size)]  # each round's last accepted node
+    last = np.where(a > 0, last_acc - node_off + 1, 0)  # local row that drew the target's token
+    bonus_row = (row_off + last)[has_bonus]
+    target_prob, ent, draft_prob = np.empty(m.sum()), np.empty(m.sum()), np.full(m.sum(), np.nan)
+    target_prob[drafted], target_prob[~drafted] = np.exp(node_logp[acc]), np.exp(bonus_logp[bonus_row])
+    ent[drafted] = entropy[parents[acc] + 1 + np.repeat(row_off, a)]
+    ent[~drafted] = entropy[bonus_row]
+    draft_prob[drafted] = _cat([e.tree.draft_probs.float() for e in evs])[acc]
     return {
         "pos": (np.repeat([e.pos0 for e in evs], m) + within).astype(np.int32),
         "round": np.repeat(np.array([e.round for e in evs], np.int32), m), "token_id": ids, "text": text[ids],
-        "source": np.where(within < np.repeat(a, m), np.repeat(names, m), "target"),
-        "depth": cat([e.depth for e in evs]).astype(np.int32),
-        "draft_prob": cat([e.draft_prob for e in evs]).astype(np.float64),
-        "target_prob": cat([e.target_prob for e in evs]).astype(np.float64),
-        "entropy": cat([e.entropy for e in evs]).astype(np.float64)}
+        "source": np.where(drafted, np.repeat(names, m), "target"), "depth": (within + 1).astype(np.int32),
+        "draft_prob": draft_prob, "target_prob": target_prob, "entropy": ent}
+
+
+def _nullable(v: np.ndarray) -> pa.Array:
+    """Float column with NaN stored as NULL."""
+    return pa.array(v, mask=np.isnan(v))
 
 
 @dataclass
@@ -287,9 +406,11 @@ class RunWriter:
         self._last = time.perf_counter()
 
     def __call__(self, ev) -> None:
-        self._events.append(ev)
-        if len(self._events) >= self.flush_rounds or time.perf_counter() - self._last > self.flush_s:
+        # flush the rounds already kept, then keep this one: its "record" time is still running (the engine
+        # completes it after the listeners return), so it is written with the next batch
+        if len(self._events) >= self.flush_rounds or (self._events and time.perf_counter() - self._last > self.flush_s):
             self.flush()
+        self._events.append(ev)
 
     def flush(self) -> None:
         evs, self._events = self._events, []
@@ -298,7 +419,7 @@ class RunWriter:
             self.store.append(self._tables(evs))
 
     def _tables(self, evs) -> dict[str, pa.Table]:
-        cat = lambda xs: torch.cat(xs).cpu().numpy()  # noqa: E731
+        cat = _cat
         n = np.array([len(e.tree) for e in evs])
         m = np.array([e.committed.numel() for e in evs])
         a = np.array([e.n_accepted for e in evs])
@@ -312,24 +433,24 @@ class RunWriter:
             "parent": cat([e.tree.parents for e in evs]).astype(np.int32),
             "depth": cat([e.tree.depth for e in evs]).astype(np.int32),
             "token_id": cat([e.tree.tokens for e in evs]).astype(np.int32),
-            "draft_prob": pa.array(cat([e.tree.draft_probs.float() for e in evs]).astype(np.float64), from_pandas=True),
-            "target_prob": cat([e.node_target_probs for e in evs]).astype(np.float64), "accepted": accepted})
+            "draft_prob": _nullable(cat([e.tree.draft_probs.float() for e in evs]).astype(np.float64)),
+            "target_prob": np.exp(cat([e.node_logp for e in evs]).astype(np.float64)), "accepted": accepted})
         cols = token_columns(evs, self.text)
         tokens = pa.table({"run_id": np.full(len(cols["pos"]), self.run_id, np.int64),
-                           **{k: pa.array(v, from_pandas=True) if k == "draft_prob" else v for k, v in cols.items()}})
-        t = {k: np.array([e.timings_ms[k] for e in evs]) for k in ("route", "catchup", "draft", "verify", "commit")}
+                           **{k: _nullable(v) if k == "draft_prob" else v for k, v in cols.items()}})
+        t = {k: np.array([e.timings_ms[k] for e in evs]) for k in PHASES}
         rounds = pa.table({
             "run_id": np.full(len(evs), self.run_id, np.int64), "round": rnd,
             "drafter": pa.array([e.drafter for e in evs], pa.string()), "n_drafted": n.astype(np.int32),
             "n_accepted": a.astype(np.int32), "committed": m.astype(np.int32),
-            "entropy": np.array([e.root_entropy for e in evs]), **{f"t_{k}_ms": v for k, v in t.items()},
+            "entropy": cat([e.row_entropy[:1] for e in evs]).astype(np.float64), **{f"t_{k}_ms": v for k, v in t.items()},
             "backlog": np.array([e.backlog for e in evs], np.int32),
             "target_calls": np.array([e.target_calls for e in evs], np.int32)})
-        dec = [e for e in evs if e.decision]
+        dec = [e for e in evs if e.decision is not None]
         decisions = pa.table({
             "run_id": np.full(len(dec), self.run_id, np.int64), "round": np.array([e.round for e in dec], np.int32),
-            "policy": pa.array([e.decision.get("policy") for e in dec], pa.string()),
-            "signal": np.array([e.decision.get("signal", np.nan) for e in dec], np.float64),
-            "threshold": np.array([e.decision.get("threshold", np.nan) for e in dec], np.float64),
-            "choice": pa.array([e.drafter for e in dec], pa.string())})
+            "policy": pa.array([e.decision.policy for e in dec], pa.string()),
+            "signal": _nullable(np.array([e.decision.signal for e in dec], np.float64)),
+            "threshold": _nullable(np.array([e.decision.threshold for e in dec], np.float64)),
+            "choice": pa.array([e.decision.choice for e in dec], pa.string())})
         return {"draft_nodes": nodes, "tokens": tokens, "rounds": rounds, "router_decisions": decisions}

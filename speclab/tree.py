@@ -22,8 +22,17 @@ class DraftTree:
     draft_dists: torch.Tensor | None = None
 
     def __post_init__(self):
-        self.depth = depths(self.parents)
         self._anc: torch.Tensor | None = None
+        self._chain: bool | None = None
+        self._depth: torch.Tensor | None = None
+
+    @property
+    def depth(self) -> torch.Tensor:
+        """[n] long: depth of every node (children of the root have depth 1)."""
+        if self._depth is None:
+            self._depth = (torch.arange(1, len(self) + 1, device=self.parents.device) if self._chain
+                           else depths(self.parents))
+        return self._depth
 
     @property
     def ancestors(self) -> torch.Tensor:
@@ -35,12 +44,22 @@ class DraftTree:
     @classmethod
     def empty(cls, device="cpu") -> "DraftTree":
         z = torch.zeros(0, dtype=torch.long, device=device)
-        return cls(z, z.clone(), torch.zeros(0, device=device))
+        return cls.chain(z, torch.zeros(0, device=device))
 
     @classmethod
     def chain(cls, tokens: torch.Tensor, draft_probs: torch.Tensor, draft_dists: torch.Tensor | None = None) -> "DraftTree":
         n = tokens.numel()
-        return cls(tokens, torch.arange(-1, n - 1, device=tokens.device), draft_probs, draft_dists)
+        tree = cls(tokens, torch.arange(-1, n - 1, device=tokens.device), draft_probs, draft_dists)
+        tree._chain = True
+        return tree
+
+    def to(self, device) -> "DraftTree":
+        if self.tokens.device == torch.device(device):
+            return self
+        tree = DraftTree(self.tokens.to(device), self.parents.to(device), self.draft_probs.to(device),
+                         None if self.draft_dists is None else self.draft_dists.to(device))
+        tree._chain = self._chain
+        return tree
 
     def __len__(self) -> int:
         return self.tokens.numel()
@@ -51,7 +70,9 @@ class DraftTree:
 
     @property
     def is_chain(self) -> bool:
-        return bool((self.parents == torch.arange(-1, len(self) - 1, device=self.parents.device)).all())
+        if self._chain is None:
+            self._chain = bool((self.parents == torch.arange(-1, len(self) - 1, device=self.parents.device)).all())
+        return self._chain
 
     def path_to(self, node: int) -> list[int]:
         """Node indices from the root's child down to `node`."""

@@ -33,6 +33,9 @@ def verify_greedy(tree: DraftTree, target_logits: torch.Tensor) -> Verdict:
     target_argmax = target_logits.argmax(-1)  # [n + 1]
     if len(tree) == 0:
         return Verdict(tree.tokens, int(target_argmax[0]))
+    if tree.is_chain:  # accept length = the cumulative product of matches (gpt-fast), no ancestor matrix
+        n_acc = int((tree.tokens == target_argmax[:-1]).cumprod(0).sum())
+        return Verdict(torch.arange(n_acc, device=tree.tokens.device), int(target_argmax[n_acc]))
     match = tree.tokens == target_argmax[tree.parents + 1]
     alive = ~(tree.ancestors & ~match[None, :]).any(1)  # every node on the path matches
     score = torch.where(alive, tree.depth, torch.zeros_like(tree.depth))

@@ -168,8 +168,9 @@ def accepted_per_round(rounds) -> go.Figure:
 
 
 def phase_breakdown(rounds) -> go.Figure:
-    """Mean time per round in each phase (route, catch-up, draft, verify, commit), stacked, per method/run label."""
-    phases = ["route", "catchup", "draft", "verify", "commit"]
+    """Mean time per round in each phase (route, catch-up, draft, verify, commit, record), stacked, per method/run label."""
+    from speclab.engine import PHASES
+    phases = [p for p in PHASES if f"t_{p}_ms" in rounds]
     means = rounds.groupby("label", sort=False)[[f"t_{p}_ms" for p in phases]].mean()
     fig = go.Figure()
     for p in phases:

@@ -80,6 +80,7 @@ def test_side_by_side_decode_shades_tokens(page):
     assert page.locator("#col1 .tok[data-src=target]").count() > 0  # and the target's tokens as the target's
     assert "round" in page.locator("#col1 .tok").first.get_attribute("title")  # hover details
     assert "speedup" in page.locator("#col1 .speclab-stats").inner_text()
+    assert "sps equals AR" in page.locator("#status").inner_text()  # greedy beside AR: equality is checked
     page.screenshot(path=str(ART / "side_by_side.png"), full_page=True)
 
 

@@ -20,10 +20,29 @@ def test_bench_runs_methods_and_peers_and_reports(qwen3, qwen3_draft, tmp_path):
     assert sps.tau > 1.0 and 0 < sps.acceptance_rate <= 1
     assert {(r["speclab"], r["peer"]) for r in peer_ratios(overall)} == {
         ("sps-untraced", "hf_assisted"), ("sps", "hf_assisted"), ("pld-untraced", "hf_pld"), ("pld", "hf_pld")}
+    untraced = overall[overall.method.str.endswith("-untraced")].set_index("method")
+    assert untraced.model_call_share.between(0.2, 1.0).all()  # measured on CPU: time inside model forwards
+    assert store.query("SELECT count(*) AS n FROM runs WHERE diverges_at IS NOT NULL").n[0] == 0
     bench = store.query("SELECT * FROM benches").iloc[0]
     assert bench.status == "done" and bench.trace_overhead > 0
     md, html = write_report(store, bench_id, tmp_path / "r" / "bench.md")
     assert "speclab vs Hugging Face" in md.read_text() and "plotly" in html.read_text()
+    store.close()
+
+
+def test_bench_reports_where_an_output_differs_from_ar(qwen3, tmp_path):
+    """A fabricated mismatch: the bench records the first differing token and the top-2 gap, and reports it."""
+    from speclab.bench import bench_divergences, record_divergences
+    from speclab.generate import encode_prompt, generate
+    store = TraceStore(tmp_path / "d.duckdb")
+    ids = encode_prompt(qwen3, "Once upon a time")
+    ar = generate(qwen3, ids, "ar", max_new_tokens=8, trace=store, bench_id="b1")
+    other = generate(qwen3, ids, "pld", max_new_tokens=8, trace=store, bench_id="b1")
+    wrong = other.token_ids[:3] + [(other.token_ids[3] + 1) % qwen3.vocab_size] + other.token_ids[4:]
+    record_divergences(store, qwen3, ids, {"ar": (ar.run_id, ar.token_ids), "pld": (other.run_id, wrong)})
+    df = bench_divergences(store, "b1")
+    assert df.method.tolist() == ["pld"] and df.diverges_at.tolist() == [3]
+    assert df.top2_gap[0] >= 0 and not df.near_tie[0]
     store.close()
 
 

@@ -56,7 +56,8 @@ def test_sps_chain_stops_after_an_unsure_draft_token(qwen3, qwen3_draft):
     lengths = []
     for p in PROMPTS:
         d = StandaloneDraft(qwen3_draft, k=6, stop_prob=0.5)
-        d.reset(encode_prompt(qwen3, p))
+        d.reset(encode_prompt(qwen3, p), None)
+        d.catch_up(torch.zeros(0, dtype=torch.long), None)
         tree = d.propose(6, Sampling())
         lengths.append(len(tree))
         probs = tree.draft_probs.tolist()
@@ -65,12 +66,15 @@ def test_sps_chain_stops_after_an_unsure_draft_token(qwen3, qwen3_draft):
     assert min(lengths) < 6  # some chains really were cut
 
 
-def test_hf_backend_decodes_like_lean(qwen3_hf, qwen3_draft_hf, ar_outputs):
+@pytest.mark.parametrize("deferred", [True, False])
+def test_hf_backend_decodes_like_lean(qwen3_hf, qwen3_draft_hf, ar_outputs, deferred):
     """The transformers forward (DynamicCache, HF masks) gives the same greedy tokens as the lean forward."""
     for p in PROMPTS[:2]:
-        assert generate(qwen3_hf, p, "ar", max_new_tokens=N_NEW).token_ids == ar_outputs[p]
-        for k, topk in [(3, 1), (3, 2)]:
-            res = generate(qwen3_hf, p, "sps", draft=qwen3_draft_hf, k=k, tree_topk=topk, max_new_tokens=N_NEW)
+        assert generate(qwen3_hf, p, "ar", max_new_tokens=N_NEW, deferred=deferred).token_ids == ar_outputs[p]
+        assert generate(qwen3_hf, p, "pld", k=4, max_new_tokens=N_NEW, deferred=deferred).token_ids == ar_outputs[p]
+        for k, topk, stop in [(3, 1, 0.0), (3, 2, 0.0), (5, 1, 0.5)]:
+            res = generate(qwen3_hf, p, "sps", draft=qwen3_draft_hf, k=k, tree_topk=topk, stop_prob=stop,
+                           max_new_tokens=N_NEW, deferred=deferred)
             assert res.token_ids == ar_outputs[p], (p, k, topk)
 
 
@@ -84,11 +88,11 @@ def test_pld_greedy_equals_ar(qwen3, ar_outputs, k, deferred):
 
 def test_pld_proposes_repeated_ngrams():
     d = PromptLookup(k=3, max_ngram=2)
-    d.reset(torch.tensor([1, 2, 3, 4, 9, 1, 2]))
+    d.reset(torch.tensor([1, 2, 3, 4, 9, 1, 2]), None)
     from speclab.sampling import Sampling
     tree = d.propose(10, Sampling())
     assert tree.tokens.tolist() == [3, 4, 9] and tree.is_chain
-    d.catch_up(torch.tensor([3, 4]))  # most recent match of (3, 4) wins: continuation 9, 1, 2
+    d.catch_up(torch.tensor([3, 4]), None)  # most recent match of (3, 4) wins: continuation 9, 1, 2
     assert d.propose(10, Sampling()).tokens.tolist() == [9, 1, 2]
 
 
@@ -123,3 +127,123 @@ def test_stops_on_eos(qwen3):
             assert res.stopped == "eos" and res.new_ids.tolist() == ref[:6].tolist()
     finally:
         qwen3.eos_ids = [0]
+
+
+# ---- several drafters per decode: switching is lossless and features flow correctly ----
+
+class Alternate:
+    """Test-only router: a fixed cycle (or seeded random pattern) over drafters, whatever the signals say.
+    It asks for both signals and keeps them, so the tests can check what the engine computed."""
+    policy = "alternate"
+    needs = frozenset({"entropy", "hidden"})
+
+    def __init__(self, names, seed=None):
+        self.names, self.seen = list(names), []
+        self.rng = None if seed is None else torch.Generator().manual_seed(seed)
+
+    def choose(self, s):
+        from speclab.routers import Decision
+        self.seen.append(s)
+        i = s.round % len(self.names) if self.rng is None else int(torch.randint(len(self.names), (1,), generator=self.rng))
+        return Decision(self.names[i], self.policy, s.entropy)
+
+
+class Recorder:
+    """Test-only drafter: drafts with a wrapped drafter (or not at all) and keeps every (feature, token) pair it
+    is handed, to compare with a full forward over the final sequence."""
+
+    def __init__(self, name, layers, inner=None):
+        self.name, self.layers, self.inner = name, tuple(layers), inner
+        self.ids, self.feats = [], []
+
+    def reset(self, ids, feats):
+        self.ids, self.feats = [ids.clone()], [feats.clone()]
+        if self.inner:
+            self.inner.reset(ids, None)
+
+    def catch_up(self, ids, feats):
+        self.ids.append(ids.clone())
+        self.feats.append(feats.clone())
+        if self.inner:
+            self.inner.catch_up(ids, None)
+
+    def propose(self, max_depth, sampling, generator=None):
+        from speclab.tree import DraftTree
+        return self.inner.propose(max_depth, sampling, generator) if self.inner else DraftTree.empty()
+
+    def commit(self, tree, accepted):
+        if self.inner:
+            self.inner.commit(tree, accepted)
+
+
+@pytest.mark.parametrize("backend", ["qwen3", "qwen3_hf"])
+@pytest.mark.parametrize("deferred", [True, False])
+def test_alternating_between_sps_and_pld_is_lossless(backend, deferred, qwen3_draft, ar_outputs, request):
+    from speclab.drafters.sps import StandaloneDraft
+    t = request.getfixturevalue(backend)
+    for p in PROMPTS:
+        router = Alternate(["sps", "pld"])
+        drafters = {"sps": StandaloneDraft(qwen3_draft, k=3), "pld": PromptLookup(k=4)}
+        res = decode(t, encode_prompt(t, p), drafters, router, max_new_tokens=N_NEW, deferred=deferred)
+        assert res.new_ids.tolist() == ar_outputs[p], p
+        assert res.rounds < len(ar_outputs[p])  # drafts were accepted
+
+
+@pytest.mark.parametrize("deferred", [True, False])
+@pytest.mark.parametrize("seed", [None, 5])
+def test_drafters_get_exactly_the_feature_token_pairs_of_a_full_forward(qwen3, qwen3_draft, ar_outputs, deferred, seed):
+    """Whatever the switching pattern, each drafter is handed x_t with f_{t-1} equal to a full forward's layer
+    outputs over the final sequence, for every token up to its last catch-up; the router's signals are the
+    entropy and final hidden state of the row that produced the last committed token."""
+    from speclab.drafters.sps import StandaloneDraft
+    d = qwen3.hidden_size
+    for p in PROMPTS[:3]:
+        rec = {"a": Recorder("a", (0, 1), StandaloneDraft(qwen3_draft, k=3, tree_topk=2)),  # a tree: kept rows jump
+               "b": Recorder("b", (1,), StandaloneDraft(qwen3_draft, k=2)), "pld": PromptLookup(k=4)}
+        router = Alternate(list(rec), seed=seed)
+        prompt = encode_prompt(qwen3, p)
+        events = []
+        res = decode(qwen3, prompt, rec, router, max_new_tokens=N_NEW, deferred=deferred, listeners=(events.append,))
+        assert res.new_ids.tolist() == ar_outputs[p]
+        seq = torch.cat([prompt, res.new_ids])
+        full = qwen3.forward(seq, qwen3.new_cache(), layers=(0, 1), hidden=True)
+        for name, cols in (("a", slice(0, 2 * d)), ("b", slice(d, 2 * d))):
+            ids, feats = torch.cat(rec[name].ids), torch.cat(rec[name].feats)
+            assert len(rec[name].ids) > 2  # it was chosen, and fell behind in between
+            assert torch.equal(ids, seq[: ids.numel()])
+            assert feats.shape == (ids.numel() - 1, cols.stop - cols.start)
+            assert torch.allclose(feats, full.features[: ids.numel() - 1, cols], atol=1e-4)
+        # signals: round r sees the distribution that produced the last token committed before it
+        logp = torch.log_softmax(full.logits, -1)
+        ent = -(logp.exp() * logp).sum(-1)
+        n = prompt.numel()  # committed tokens at the start of each round
+        for s, ev in zip(router.seen, events):
+            if n >= 2:  # row n - 2 of the full forward produced token n - 1
+                assert s.entropy == pytest.approx(float(ent[n - 2]), abs=1e-4)
+                assert torch.allclose(s.hidden, full.hidden[n - 2], atol=1e-4)
+            n += ev.committed.numel()
+        assert sum(e.n_accepted for e in events if e.drafter == "a") > 0
+
+
+def test_a_drafter_asking_for_a_missing_layer_is_refused(qwen3):
+    from speclab.errors import InvalidInput
+    with pytest.raises(InvalidInput, match="target layer"):
+        decode(qwen3, torch.tensor([5, 6, 7]), {"x": Recorder("x", (0, 9))}, max_new_tokens=4)
+
+
+def test_untraced_fast_path_decodes_the_same(qwen3, qwen3_draft, ar_outputs):
+    """With no listener the engine builds no RoundEvent (it yields None) and decodes the same tokens."""
+    from speclab.engine import decode_rounds
+    from speclab.drafters.sps import StandaloneDraft
+    for record in (False, True):
+        gen = decode_rounds(qwen3, encode_prompt(qwen3, PROMPTS[0]), {"sps": StandaloneDraft(qwen3_draft, k=3)},
+                            max_new_tokens=N_NEW, record=record)
+        items = []
+        try:
+            while True:
+                items.append(next(gen))
+        except StopIteration as end:
+            res = end.value
+        assert res.new_ids.tolist() == ar_outputs[PROMPTS[0]]
+        assert all((it is None) != record for it in items) and len(items) == res.rounds
+        assert res.elapsed_s > 0 and 0 < res.model_s <= res.elapsed_s

@@ -46,30 +46,49 @@ def test_lean_logits_and_features_match_transformers(arch):
     tree = DraftTree(torch.tensor([11, 12, 13, 14, 15]), torch.tensor([-1, 0, -1, 2, 3]), torch.ones(5))
     outs = []
     for t in (lean, hf, ref):
-        t.capture([0, 1])
         cache = t.new_cache()
-        first = t.forward(prompt[:-1], cache)
+        first = t.forward(prompt[:-1], cache, layers=(1, 0), hidden=True)
         past = cache.get_seq_length()
         out = t.forward(torch.cat([prompt[-1:], tree.tokens]), cache, tree_position_ids(tree.depth, past, True),
-                        tree_attention_mask(tree.ancestors, past, t.dtype, True))
+                        tree_attention_mask(tree.ancestors, past, t.dtype, True), layers=(1, 0), hidden=True)
         keep_cache(cache, past, torch.tensor([0, 3, 4, 5]))  # root + the path 13 -> 14 -> 15
-        after = t.forward(torch.tensor([42, 43]), cache)
+        after = t.forward(torch.tensor([42, 43]), cache, layers=(1, 0), hidden=True)
         outs.append((first, out, after))
+    d = lean.hidden_size
     for got in outs[:2]:
         for a, b in zip(got, outs[2]):
             assert a.logits.shape == b.logits.shape
             assert torch.allclose(a.logits, b.logits, atol=1e-4), (a.logits - b.logits).abs().max()
-            assert set(a.features) == {0, 1}
-            assert all(torch.allclose(a.features[i], b.features[i], atol=1e-4) for i in (0, 1))
+            assert a.features.shape == (a.logits.shape[0], 2 * d)  # layer 1's output, then layer 0's
+            assert torch.allclose(a.features, b.features, atol=1e-4)
+            assert torch.allclose(a.hidden, b.hidden, atol=1e-4)
+    # layer i's output is transformers' hidden_states[i + 1] (but for the last layer, which HF returns normed)
+    states = ref.model(input_ids=prompt[None, :-1], output_hidden_states=True).hidden_states
+    assert torch.allclose(outs[2][0].features[:, d:], states[1][0], atol=1e-5)
 
 
 def test_last_rows_only():
     lean, hf, _ = _pair(CONFIGS["qwen3"](), seed=4)
     ids = torch.arange(5, 25)
     for t in (lean, hf):
-        full = t.forward(ids, t.new_cache()).logits
-        last = t.forward(ids, t.new_cache(), last=2).logits
-        assert last.shape == (2, 300) and torch.allclose(last, full[-2:], atol=1e-5)
+        full = t.forward(ids, t.new_cache(), hidden=True)
+        last = t.forward(ids, t.new_cache(), last=2, layers=(0,), hidden=True)
+        assert last.logits.shape == (2, 300) and torch.allclose(last.logits, full.logits[-2:], atol=1e-5)
+        assert last.hidden.shape == (2, t.hidden_size) and torch.allclose(last.hidden, full.hidden[-2:], atol=1e-5)
+        assert last.features.shape == (20, t.hidden_size)  # features of every row, whatever `last` is
+        assert full.features is None
+
+
+def test_embed_and_head_are_the_targets_own():
+    """`head(hidden)` gives the forward's logits and `embed` the model's input embeddings, on both backends."""
+    lean, hf, _ = _pair(CONFIGS["qwen3"](), seed=5)
+    ids = torch.arange(5, 12)
+    for t in (lean, hf):
+        out = t.forward(ids, t.new_cache(), hidden=True, layers=(1,))
+        assert torch.allclose(t.head(out.hidden), out.logits, atol=1e-5)
+        # the final norm is part of head(): the last layer's raw output gives the same logits
+        assert torch.allclose(t.head(out.features), out.logits, atol=1e-4)
+        assert torch.equal(t.embed(ids), t.model.get_input_embeddings().weight[ids])
 
 
 def test_unsupported_models_fall_back_to_transformers():

@@ -59,13 +59,12 @@ def test_crop_then_continue_equals_full_forward(backend, request):
 
 
 @pytest.mark.parametrize("backend", ["qwen3", "qwen3_hf"])
-def test_capture_keeps_only_chosen_layers(backend, request):
+def test_forward_returns_the_asked_layers_per_call(backend, request):
+    """Features are an output of the call that asks for them: no state on the Target between calls."""
     qwen3 = request.getfixturevalue(backend)
-    qwen3.capture([0, 1])
-    out = qwen3.forward(torch.tensor([4, 5, 6]), qwen3.new_cache())
-    assert set(out.features) == {0, 1} and out.features[1].shape == (3, qwen3.config.hidden_size)
-    from transformers import AutoModelForCausalLM  # noqa: F401  (reference: HF hidden_states[j + 1] is layer j's output)
+    d = qwen3.hidden_size
+    out = qwen3.forward(torch.tensor([4, 5, 6]), qwen3.new_cache(), layers=(0, 1))
+    assert out.features.shape == (3, 2 * d) and out.hidden is None
     ref = qwen3.model(input_ids=torch.tensor([[4, 5, 6]]), output_hidden_states=True).hidden_states
-    assert torch.allclose(out.features[0], ref[1][0], atol=1e-5)
-    qwen3.capture([])
-    assert qwen3.forward(torch.tensor([4]), qwen3.new_cache()).features == {}
+    assert torch.allclose(out.features[:, :d], ref[1][0], atol=1e-5)  # layer j's output = HF hidden_states[j + 1]
+    assert qwen3.forward(torch.tensor([4]), qwen3.new_cache()).features is None

@@ -7,7 +7,7 @@ import pytest
 from conftest import PROMPTS
 from speclab.errors import TraceError
 from speclab.generate import generate
-from speclab.trace import TraceStore
+from speclab.trace import SCHEMA_VERSION, TraceStore
 
 
 @pytest.fixture
@@ -20,7 +20,7 @@ def store(tmp_path):
 def test_round_trip_every_token_with_its_position(qwen3, store):
     res = generate(qwen3, PROMPTS[0], "ar", max_new_tokens=20, trace=store)
     runs = store.runs()
-    assert runs.status.tolist() == ["done"] and runs.new_tokens[0] == 20 and runs.schema_version[0] == 1
+    assert runs.status.tolist() == ["done"] and runs.new_tokens[0] == 20 and runs.schema_version[0] == SCHEMA_VERSION
     toks = store.tokens(res.run_id)
     assert toks.token_id.tolist() == res.token_ids and toks.pos.tolist() == list(range(20))
     assert (toks.source == "target").all() and toks.target_prob.between(0, 1).all() and (toks.entropy >= 0).all()
@@ -44,6 +44,9 @@ def test_rounds_agree_with_draft_nodes_and_tokens(qwen3, qwen3_draft, store, met
     assert toks.token_id.tolist() == res.token_ids
     drafted = toks[toks.source == method]
     assert (drafted.depth >= 1).all() and len(drafted) == per_round.n_accepted.sum()
+    dec = store.router_decisions(rid)  # every round's decision, and the run names the policy
+    assert dec["round"].tolist() == per_round["round"].tolist() and set(dec.policy) == {"fixed"}
+    assert set(dec.choice) == {method} and store.runs().router.tolist()[-1] == "fixed"
 
 
 def test_failed_run_is_marked_and_earlier_runs_survive(qwen3, store):
@@ -154,3 +157,79 @@ def test_safe_query_is_read_only_capped_and_stoppable(qwen3, tmp_path):
     generate(qwen3, PROMPTS[1], "ar", max_new_tokens=4, trace=s)  # and tracing still works after lock-down
     assert len(s.runs()) == 2
     s.close()
+
+
+def test_eos_inside_accepted_drafts_cuts_the_accepted_nodes_too(qwen3, model_dir, store):
+    """A draft equal to the target has every token accepted; an EOS in the middle of a round's drafts ends the
+    run there, and the trace's accepted nodes, accept lengths and per-position acceptance stop there too."""
+    from speclab.target import Target
+    same = Target.load(model_dir["qwen3"])
+    ref = generate(qwen3, PROMPTS[1], "ar", max_new_tokens=12).token_ids
+    cut = next(i for i in range(1, 4) if ref[i] not in ref[:i])  # a token first generated inside round 0's drafts
+    qwen3.eos_ids = [ref[cut]]
+    try:
+        res = generate(qwen3, PROMPTS[1], "sps", draft=same, k=4, max_new_tokens=12, trace=store)
+    finally:
+        qwen3.eos_ids = [0]
+    assert res.token_ids == ref[: cut + 1] and res.decode.stopped == "eos" and res.decode.rounds == 1
+    nodes = store.draft_nodes(res.run_id)
+    rounds = store.rounds(res.run_id)
+    toks = store.tokens(res.run_id)
+    assert len(nodes) == 4 and nodes.accepted.sum() == cut + 1 == rounds.n_accepted[0] == (toks.source == "sps").sum()
+    pa = store.query("SELECT depth, acceptance FROM position_acceptance WHERE run_id = ? ORDER BY depth", [res.run_id])
+    assert pa.acceptance.tolist() == [1.0] * (cut + 1) + [0.0] * (3 - cut)
+
+
+def test_interleaved_runs_count_only_their_own_time(qwen3, qwen3_draft, store):
+    """Two runs decoded round by round in turn, with the consumer holding each round for 30 ms (as the app
+    does while it renders): each run's decode time is its prefill + its own phases (+ the final trace flush),
+    and the metrics' tokens/s is computed from that, not from the wall time."""
+    import time
+
+    from speclab.generate import Generation
+    from speclab.metrics import run_metrics, tokens_per_s
+    gens = [Generation(qwen3, PROMPTS[0], "sps", draft=qwen3_draft, k=3, max_new_tokens=24, trace=store),
+            Generation(qwen3, PROMPTS[1], "ar", max_new_tokens=24, trace=store)]
+    iters = [iter(g) for g in gens]
+    held = 0.0
+    while iters:
+        for it in list(iters):
+            try:
+                next(it)
+            except StopIteration:
+                iters.remove(it)
+                continue
+            time.sleep(0.03)
+            held += 0.03
+    m = run_metrics(store).set_index("run_id")
+    for g in gens:
+        rid, d = g.run_id, g.result.decode
+        run = store.query("SELECT * FROM runs WHERE run_id = ?", [rid]).iloc[0]
+        own_ms = run.prefill_ms + store.query("""SELECT sum(t_route_ms + t_catchup_ms + t_draft_ms + t_verify_ms +
+                                                 t_commit_ms + t_record_ms) AS s FROM rounds WHERE run_id = ?""", [rid]).s[0]
+        flush_ms = run.elapsed_s * 1e3 - own_ms
+        assert 0 <= flush_ms < 50  # the trace's last batch is all that is added
+        assert run.elapsed_s == pytest.approx(g.result.elapsed_s) and run.wall_s > run.elapsed_s + 0.5 * held
+        assert m.loc[rid, "tokens_per_s"] == pytest.approx(tokens_per_s(run.new_tokens, run.elapsed_s))
+        assert g.result.tokens_per_s == pytest.approx(m.loc[rid, "tokens_per_s"])
+        assert d.elapsed_s * 1e3 == pytest.approx(own_ms, rel=1e-6)
+
+
+@pytest.mark.parametrize("params", [{"k": 3}, {"k": 3, "tree_topk": 2}, {"k": 4, "deferred": False}])
+def test_token_probabilities_equal_a_full_forward(qwen3, qwen3_draft, store, params):
+    """Every committed token's target prob and entropy in the trace (derived from the verification rows)
+    equal the target's softmax at that position in one full forward over the final sequence."""
+    import torch
+
+    from speclab.generate import encode_prompt
+    res = generate(qwen3, PROMPTS[0], "sps", draft=qwen3_draft, max_new_tokens=30, trace=store, **params)
+    prompt = encode_prompt(qwen3, PROMPTS[0])
+    seq = torch.cat([prompt, torch.tensor(res.token_ids)])
+    logp = torch.log_softmax(qwen3.forward(seq, qwen3.new_cache()).logits, -1)[prompt.numel() - 1 : -1]
+    toks = store.tokens(res.run_id)
+    want_p = logp.gather(1, torch.tensor(res.token_ids)[:, None])[:, 0].exp()
+    want_h = -(logp.exp() * logp).sum(-1)
+    assert torch.allclose(torch.tensor(toks.target_prob.to_numpy()).float(), want_p, atol=1e-4)
+    assert torch.allclose(torch.tensor(toks.entropy.to_numpy()).float(), want_h, atol=1e-3)
+    assert (toks.depth == toks.groupby("round").cumcount() + 1).all()
+    assert toks[toks.source == "target"].draft_prob.isna().all() and toks[toks.source == "sps"].draft_prob.notna().all()

@@ -52,7 +52,7 @@ def test_tree_and_round_charts_from_trace(traced):
     rounds = store.query("SELECT * FROM rounds WHERE run_id IN (?, ?, ?)", list(runs.values()))
     rounds["label"] = rounds.run_id.astype(str)
     assert len(viz.accepted_per_round(rounds).data) == 3
-    assert [b.name for b in viz.phase_breakdown(rounds).data] == ["route", "catchup", "draft", "verify", "commit"]
+    assert [b.name for b in viz.phase_breakdown(rounds).data] == ["route", "catchup", "draft", "verify", "commit", "record"]
     pos = position_acceptance(store, [rid])
     pos["method"] = "sps"
     assert list(viz.position_acceptance(pos).data[0].x) == [1, 2, 3]

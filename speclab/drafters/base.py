@@ -1,7 +1,17 @@
-"""The drafter protocol: one small interface every drafter implements.
+"""The drafter protocol (v2): one small interface every drafter implements.
 
-A drafter keeps its own state (KV cache, n-gram index, ...) and sees the committed sequence only
-through `reset` and `catch_up`, so a router can leave it idle for a few rounds and it catches up lazily.
+A drafter keeps its own state (KV cache, n-gram index, ...) and sees the committed sequence only through
+`reset` and `catch_up`, so a router can leave it idle for a few rounds and it catches up lazily.
+
+Features: a drafter lists the target layers it drafts from in `layers` (the engine asks the target for the
+union and hands each drafter its own columns, [rows, len(layers) * d]). Tokens and features come paired as
+EAGLE pairs them: token x_t with f_{t-1}, the target's feature of the token *before* it (the state that
+predicted x_t). So at any round start a drafter can know every committed token and the feature of every
+token but the last (the pending root), in deferred and non-deferred mode alike.
+
+Timing: the work of digesting tokens (a draft model's KV for the backlog, say) belongs in `catch_up`, which
+the engine times as the round's "catchup" phase (the switch cost of a router is measured there), not in the
+first `propose`.
 """
 from __future__ import annotations
 
@@ -15,15 +25,22 @@ from speclab.tree import DraftTree
 
 class Drafter(Protocol):
     name: str
+    layers: tuple[int, ...]  # target decoder layers whose outputs it drafts from (empty: tokens only)
 
-    def reset(self, prompt_ids: torch.Tensor) -> None:
-        """Start a new sequence whose committed tokens are `prompt_ids` (the last one is the pending root)."""
+    def reset(self, prompt_ids: torch.Tensor, prompt_features: torch.Tensor | None) -> None:
+        """Start a new sequence: committed tokens `prompt_ids` [n] (the last is the pending root) and
+        `prompt_features` [n - 1, F] paired with prompt_ids[1:] (None when `layers` is empty). Cheap: the real
+        work waits for the first `catch_up`, which the engine calls before the first `propose`."""
 
-    def catch_up(self, backlog: torch.Tensor) -> None:
-        """Tokens committed since this drafter last saw the sequence (its own accepted tokens included)."""
+    def catch_up(self, ids: torch.Tensor, features: torch.Tensor | None) -> None:
+        """Tokens committed since this drafter last looked [m] (its own accepted drafts included, then the
+        target's token, then whatever other drafters produced), with `features` [m, F]: row j is the target's
+        feature of the token before ids[j]. Possibly empty (the first round)."""
 
     def propose(self, max_depth: int, sampling: Sampling, generator: torch.Generator | None) -> DraftTree:
         """A draft tree rooted at the last committed token, no deeper than `max_depth`."""
 
     def commit(self, tree: DraftTree, accepted: torch.Tensor) -> None:
-        """Which nodes of the last proposal were accepted; drop speculative state."""
+        """Which nodes of the last proposal were accepted (path order; a prefix of it when the sequence ended
+        inside it). Drop speculative state; keep what is valid (the accepted draft KV) so the next `catch_up`
+        need not recompute it."""

@@ -9,6 +9,7 @@ from speclab.tree import DraftTree
 
 class PromptLookup:
     name = "pld"
+    layers: tuple[int, ...] = ()
 
     def __init__(self, k: int = 8, max_ngram: int = 3, min_ngram: int = 1):
         if k < 1 or min_ngram < 1 or max_ngram < min_ngram:
@@ -16,12 +17,12 @@ class PromptLookup:
         self.k, self.max_ngram, self.min_ngram = k, max_ngram, min_ngram
         self.ids = torch.zeros(0, dtype=torch.long)
 
-    def reset(self, prompt_ids: torch.Tensor) -> None:
+    def reset(self, prompt_ids: torch.Tensor, prompt_features=None) -> None:
         self.ids = prompt_ids.detach().cpu().long().clone()
 
-    def catch_up(self, backlog: torch.Tensor) -> None:
-        if backlog.numel():
-            self.ids = torch.cat([self.ids, backlog.detach().cpu().long()])
+    def catch_up(self, ids: torch.Tensor, features=None) -> None:
+        if ids.numel():
+            self.ids = torch.cat([self.ids, ids.detach().cpu().long()])
 
     def propose(self, max_depth: int, sampling: Sampling, generator=None) -> DraftTree:
         k = min(self.k, max_depth)

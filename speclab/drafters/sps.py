@@ -4,18 +4,24 @@ k tokens, or a top-k tree (each level expands the frontier by its top-k children
 
 A chain can stop early: after a token the draft gave a probability below `stop_prob` (the draft is
 unsure, so the next tokens are unlikely to be accepted and their draft calls are wasted). This is what
-Hugging Face's assisted generation does by default (`assistant_confidence_threshold` = 0.4)."""
+Hugging Face's assisted generation does by default (`assistant_confidence_threshold` = 0.4).
+
+The draft model's KV cache follows the committed sequence: `catch_up` forwards the backlog (one call, logits
+of its last row only: the root's draft distribution), and `commit` keeps the KV of the accepted draft tokens
+that were forwarded while drafting, so they are not forwarded again.
+"""
 from __future__ import annotations
 
 import torch
 
 from speclab.sampling import Sampling, logits_to_probs, sample
-from speclab.target import Target, crop_cache
+from speclab.target import Target, keep_cache
 from speclab.tree import DraftTree
 
 
 class StandaloneDraft:
     name = "sps"
+    layers: tuple[int, ...] = ()
 
     def __init__(self, model: Target, k: int = 4, tree_topk: int = 1, stop_prob: float = 0.0):
         if k < 1 or tree_topk < 1 or not 0 <= stop_prob < 1:
@@ -24,25 +30,33 @@ class StandaloneDraft:
         self.model, self.k, self.topk, self.stop_prob = model, k, tree_topk, stop_prob
         self.cache = None
         self.backlog = torch.zeros(0, dtype=torch.long)
+        self.root_logits = None  # [1, V]: the draft's distribution after the last committed token
+        self.known = 0  # committed tokens whose KV the cache holds
+        self.reused = 0  # of the next catch-up's tokens, how many `commit` already kept in the cache
+        self.n_forwarded = 0  # nodes of the last proposal whose KV went into the cache while drafting
 
-    def reset(self, prompt_ids: torch.Tensor) -> None:
+    def reset(self, prompt_ids: torch.Tensor, prompt_features=None) -> None:
         self.cache = self.model.new_cache()
         self.backlog = prompt_ids.detach().cpu().long().clone()
+        self.root_logits, self.known, self.reused = None, 0, 0
 
-    def catch_up(self, backlog: torch.Tensor) -> None:
-        # lazy: the backlog's KV is computed in the first draft call (logits of its last row only matter)
-        self.backlog = torch.cat([self.backlog, backlog.detach().cpu().long()])
+    def catch_up(self, ids: torch.Tensor, features=None) -> None:
+        """Forward every committed token the cache lacks (KV for all, logits of the last only)."""
+        self.backlog = torch.cat([self.backlog, ids[self.reused:].detach().cpu().long()])
+        self.reused = 0
+        if self.backlog.numel():
+            self.root_logits = self.model.forward(self.backlog, self.cache, last=1).logits
+            self.known += self.backlog.numel()
+            self.backlog = self.backlog[:0]
 
     def propose(self, max_depth: int, sampling: Sampling, generator=None) -> DraftTree:
         depth = min(self.k, max_depth)
+        self.n_forwarded = 0
         if depth <= 0:
             return DraftTree.empty()
-        committed = self.cache.get_seq_length() + self.backlog.numel()
-        logits = self.model.forward(self.backlog, self.cache, last=1).logits  # catch-up + the root's distribution
-        self.backlog = self.backlog[:0]
-        tree = self._chain(logits, depth, sampling, generator) if self.topk == 1 else self._tree(logits, depth, committed)
-        crop_cache(self.cache, committed)  # drop the speculative nodes; accepted ones come back via catch_up
-        return tree
+        if self.topk == 1:
+            return self._chain(self.root_logits, depth, sampling, generator)
+        return self._tree(self.root_logits, depth, self.known)
 
     def _chain(self, logits, depth, sampling, generator) -> DraftTree:
         """Up to k tokens, one draft call each: argmax (greedy) or sampled from q (kept for verification);
@@ -60,6 +74,7 @@ class StandaloneDraft:
             if level == depth - 1 or (self.stop_prob > 0 and float(dprobs[-1]) < self.stop_prob):
                 break
             logits = self.model.forward(tok, self.cache).logits
+            self.n_forwarded += 1
         draft_dists = None
         if dists:
             draft_dists = torch.cat(dists + [torch.zeros_like(dists[0])])  # the last node has no children
@@ -96,8 +111,14 @@ class StandaloneDraft:
             mask = torch.zeros(allowed.shape, dtype=m.dtype, device=dev).masked_fill_(~allowed, torch.finfo(m.dtype).min)
             pos = committed - 1 + level + torch.zeros_like(new)
             logits = m.forward(new_tok, self.cache, pos, mask.view(1, 1, *allowed.shape)).logits
+            self.n_forwarded = n
             frontier, score = new, cand[best]
         return DraftTree(tokens[:n], parents[:n], dprobs[:n])
 
     def commit(self, tree: DraftTree, accepted: torch.Tensor) -> None:
-        pass
+        """Keep the KV of the accepted nodes that were forwarded (a prefix of the path: every level but the last
+        was), drop the rest; the next catch-up skips them."""
+        keep = accepted[accepted < self.n_forwarded]
+        keep_cache(self.cache, self.known, keep.to(self.model.device))
+        self.known += keep.numel()
+        self.reused = keep.numel()

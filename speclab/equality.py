@@ -1,0 +1,58 @@
+"""Equality of a speculative output with the AR baseline, and telling a numerical tie from a bug.
+
+Greedy speculative decoding is lossless: its output equals AR token for token. On a GPU in bf16 a wide
+verification forward and a one-row AR step run different kernels, so where the target's top two logits are
+within rounding of each other the two can pick different tokens. `first_divergence` finds the first differing
+position and the target's top-2 logit gap there (recomputed with one forward over the AR prefix), so a
+near-tie is told apart from a bug at a glance.
+"""
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+
+import torch
+
+TIE_EPS = 16  # a gap within this many units of rounding of the top logit counts as a near-tie
+
+
+def output_hash(token_ids: list[int]) -> str:
+    """A short fingerprint of a token sequence: equal outputs (e.g. greedy speculative vs AR) have equal hashes."""
+    return hashlib.sha1(",".join(map(str, token_ids)).encode()).hexdigest()[:16]
+
+
+@dataclass
+class Divergence:
+    pos: int  # index in the generated tokens of the first difference
+    ref_token: int  # the AR baseline's token there
+    token: int  # the other output's token there
+    top2_gap: float  # target's top-1 minus top-2 logit after the common prefix
+    tolerance: float  # the gap below which this is a numerical near-tie for the target's dtype
+
+    @property
+    def near_tie(self) -> bool:
+        return self.top2_gap <= self.tolerance
+
+    def describe(self) -> str:
+        kind = "a numerical near-tie" if self.near_tie else "NOT a near-tie: a bug until proven otherwise"
+        return (f"differs from AR at token {self.pos} ({self.ref_token} vs {self.token}): top-2 logit gap "
+                f"{self.top2_gap:.3g} (tolerance {self.tolerance:.2g}), {kind}")
+
+
+@torch.inference_mode()
+def first_divergence(target, prompt_ids: torch.Tensor, ref_ids: list[int], ids: list[int]) -> Divergence | None:
+    """None when `ids` equals `ref_ids` (or is a prefix / extension of it cut by max tokens), else the first
+    difference with the target's top-2 logit gap at that position."""
+    n = min(len(ref_ids), len(ids))
+    diff = [i for i in range(n) if ref_ids[i] != ids[i]]
+    if not diff and len(ref_ids) == len(ids):
+        return None
+    pos = diff[0] if diff else n
+    if pos >= n:  # one is a strict prefix of the other (an EOS on one side): no logit comparison to make
+        return Divergence(pos, ref_ids[pos] if pos < len(ref_ids) else -1, ids[pos] if pos < len(ids) else -1,
+                          float("nan"), 0.0)
+    prefix = torch.cat([prompt_ids.flatten().cpu().long(), torch.tensor(ref_ids[:pos], dtype=torch.long)])
+    logits = target.forward(prefix, target.new_cache(), last=1).logits[0]
+    top = logits.topk(2).values
+    tol = TIE_EPS * torch.finfo(target.dtype).eps * max(1.0, abs(float(top[0])))
+    return Divergence(pos, ref_ids[pos], ids[pos], float(top[0] - top[1]), tol)
