@@ -233,3 +233,16 @@ def test_token_probabilities_equal_a_full_forward(qwen3, qwen3_draft, store, par
     assert torch.allclose(torch.tensor(toks.entropy.to_numpy()).float(), want_h, atol=1e-3)
     assert (toks.depth == toks.groupby("round").cumcount() + 1).all()
     assert toks[toks.source == "target"].draft_prob.isna().all() and toks[toks.source == "sps"].draft_prob.notna().all()
+
+
+def test_a_failed_background_write_is_reported_not_lost(qwen3, store, monkeypatch):
+    """Bulk appends run on the trace's writer thread; if one fails, the next call on the store says so."""
+    def boom(tables):
+        raise OSError("disk full (simulated)")
+    monkeypatch.setattr(store, "_append_now", boom)
+    with pytest.raises(TraceError, match="disk full"):  # from the run's own end, or the next read
+        generate(qwen3, PROMPTS[0], "ar", max_new_tokens=6, trace=store)
+        store.runs()
+    monkeypatch.undo()
+    res = generate(qwen3, PROMPTS[0], "ar", max_new_tokens=6, trace=store)  # the store goes on working
+    assert store.tokens(res.run_id).token_id.tolist() == res.token_ids
