@@ -13,7 +13,7 @@ from scipy.stats import chisquare
 from conftest import build_tiny
 from speclab.engine import decode
 from speclab.drafters.sps import StandaloneDraft
-from speclab.sampling import Sampling, logits_to_probs
+from speclab.sampling import Sampling, logits_to_probs, sample
 from speclab.target import Target
 from speclab.tree import DraftTree
 from speclab.verify import verify_sampling
@@ -103,25 +103,74 @@ def exact_joint(target, prompt, s: Sampling, n=2):
     return joint.flatten()
 
 
-@pytest.mark.parametrize("k,topk,stop_prob,n_new", [(2, 1, 0.0, 2), (2, 3, 0.0, 2), (3, 1, 0.3, 3)],
-                         ids=["sampled-chain", "multi-candidate-tree", "early-stopped-chain"])
-def test_speculative_sampling_matches_target_distribution(tiny_vocab, k, topk, stop_prob, n_new):
-    """The first two decoded tokens follow the target's exact joint distribution (n_new = 3 lets the chain
-    reach depth 2, where the early stop can cut it)."""
+class IIDTree:
+    """Test-only drafter: `width` children sampled i.i.d. from q at the root and `width` more under the first
+    child (SpecInfer-style multi-candidate tree), with the full q of every parent kept for verification."""
+    name, layers = "iid", ()
+
+    def __init__(self, model, width=2):
+        self.model, self.width = model, width
+
+    def reset(self, ids, feats):
+        self.ids = ids.clone()
+
+    def catch_up(self, ids, feats):
+        self.ids = torch.cat([self.ids, ids])
+
+    def _q(self, ids, s):
+        return logits_to_probs(self.model.forward(ids, self.model.new_cache(), last=1).logits, s)
+
+    def propose(self, max_depth, s, generator=None):
+        w = self.width
+        q0 = self._q(self.ids, s)
+        kids = sample(q0.expand(w, -1), generator)
+        if max_depth < 2:
+            return DraftTree(kids, torch.full((w,), -1), q0[0, kids], torch.cat([q0, q0.new_zeros(w, V)]))
+        q1 = self._q(torch.cat([self.ids, kids[:1]]), s)
+        kids2 = sample(q1.expand(w, -1), generator)
+        dists = torch.cat([q0, q1, q0.new_zeros(2 * w - 1, V)])  # root, node 0, then nodes without children
+        return DraftTree(torch.cat([kids, kids2]), torch.tensor([-1] * w + [0] * w),
+                         torch.cat([q0[0, kids], q1[0, kids2]]), dists)
+
+    def commit(self, tree, accepted):
+        pass
+
+
+# name: (drafter params, max_new_tokens, sampling, deferred, accepted depth the test must see reached)
+CASES = {
+    "sampled-chain-depth1": (dict(k=2), 2, {}, True, 1),
+    "sampled-chain-depth2": (dict(k=2), 3, {}, True, 2),
+    "multi-candidate-tree": (dict(k=2, tree_topk=3), 2, {}, True, 1),
+    "early-stopped-chain": (dict(k=3, stop_prob=0.2), 3, {}, True, 2),
+    "top-k": (dict(k=2), 3, dict(top_k=5), True, 2),
+    "top-p": (dict(k=2), 3, dict(temperature=0.8, top_p=0.9), True, 2),
+    "not-deferred": (dict(k=2), 3, {}, False, 2),
+    "iid-siblings-tree": (None, 3, {}, True, 2),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_speculative_sampling_matches_target_distribution(tiny_vocab, case):
+    """The first two decoded tokens follow the target's exact joint distribution (under the same temperature,
+    top-k and top-p), whatever drafts them: sampled chains accepted at depth 1 and 2, deterministic top-k trees,
+    early-stopped chains, i.i.d. sibling trees, deferred or not. With n_new = 3 the first round can draft two
+    levels, so both tokens can come from accepted drafts; the test checks it really happened."""
+    params, n_new, skw, deferred, depth = CASES[case]
     target, draft = tiny_vocab
     target.eos_ids = draft.eos_ids = []
-    s = Sampling(temperature=1.0)
+    s = Sampling(**{"temperature": 1.0, **skw})
     prompt = torch.tensor([1, 5, 2])
     want = exact_joint(target, prompt, s)
-    drafter = StandaloneDraft(draft, k=k, tree_topk=topk, stop_prob=stop_prob)
+    drafter = IIDTree(draft) if params is None else StandaloneDraft(draft, **params)
     counts = np.zeros(V * V)
-    accepted = 0
+    deepest = []
     for seed in range(N_RUNS):
-        res = decode(target, prompt, {"sps": drafter}, max_new_tokens=n_new, sampling=Sampling(1.0, seed=seed))
+        res = decode(target, prompt, {drafter.name: drafter}, max_new_tokens=n_new, deferred=deferred,
+                     sampling=Sampling(**{**s.__dict__, "seed": seed}),
+                     listeners=(lambda ev: deepest.append(ev.n_accepted),))
         a, b = res.new_ids.tolist()[:2]
         counts[a * V + b] += 1
-        accepted += n_new - res.rounds
-    assert accepted > N_RUNS // 10  # drafts were really accepted (not AR in disguise)
+    assert sum(d >= depth for d in deepest) > N_RUNS // 20  # drafts were accepted that deep (not AR in disguise)
     assert chi2_p(counts, want) > 1e-3
     draft_joint = exact_joint(draft, prompt, s)
     rng = np.random.default_rng(0)
