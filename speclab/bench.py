@@ -252,7 +252,10 @@ def write_report(store: TraceStore, bench_id: str, md_path: str | Path) -> tuple
     fmt = dict(index=False, floatfmt=".3f")
     md = [f"# speclab bench `{bench_id}`", "",
           f"suite `{bench.suite}`, methods {bench.methods}, device {bench.device}; config `{bench.config_json}`", "",
-          "## All categories", "", overall.to_markdown(**fmt), ""]
+          "## All categories", "", overall.to_markdown(**fmt), "",
+          "tokens_per_s is over decode time (prefill + the run's own phases); model_call_share is the share of it "
+          "spent inside target and drafter forwards (CPU only: a CUDA forward returns before its kernels end), "
+          "the rest is the engine's own work; `-untraced` rows are the engine's fast path.", ""]
     if len(peers):
         md += ["## speclab vs Hugging Face (same target, draft, prompts; greedy)", "", peers.to_markdown(**fmt), ""]
     if bench.trace_overhead == bench.trace_overhead and bench.trace_overhead is not None:
@@ -271,6 +274,9 @@ def write_report(store: TraceStore, bench_id: str, md_path: str | Path) -> tuple
     figs = [viz.bench_bars(table, "speedup", "Speedup vs AR (tokens/s ratio, same run)"),
             viz.bench_bars(table, "tau", "Acceptance length tau (tokens per target verification)"),
             viz.position_acceptance(pos)]
+    if overall.model_call_share.notna().any():
+        figs.append(viz.bench_bars(overall.assign(category="all categories"), "model_call_share",
+                                   "Share of decode time inside model forwards (target + drafter)"))
     viz.write_html_report(html_path, f"speclab bench {bench_id}", figs, "\n".join(md))
     return md_path, html_path
 
