@@ -11,22 +11,40 @@ from speclab.errors import SpeclabError
 DEFAULT_DB = "traces/speclab.duckdb"
 
 
+PROMPT_FIELDS = ("prompt", "turns", "question", "text", "problem")
+
+
 def _read_prompts(path: str) -> list[dict]:
-    """Prompts from a file: JSON Lines (field prompt / turns / question / text / problem) or one prompt per line."""
+    """Prompts from a file: JSON Lines (field prompt / turns / question / text / problem) or one prompt per line.
+    Every record is checked before anything is decoded; a bad one is reported by its line number."""
     p = Path(path)
-    if not p.exists():
+    if not p.is_file():
         raise SpeclabError(f"no prompts file at {p.resolve()}")
+    try:
+        lines = p.read_bytes().decode("utf-8").splitlines()
+    except UnicodeDecodeError as e:
+        raise SpeclabError(f"{p}: not UTF-8 text (byte {e.start} cannot be decoded); prompts files are .jsonl or "
+                           "plain text, one prompt per line") from e
     rows = []
-    for i, line in enumerate(p.read_text(encoding="utf-8").splitlines()):
+    for i, line in enumerate(lines, start=1):
         if not line.strip():
             continue
         if p.suffix == ".jsonl":
-            r = json.loads(line)
-            text = next((r[k] for k in ("prompt", "turns", "question", "text", "problem") if k in r), None)
-            text = text[0] if isinstance(text, list) else text
-            rows.append({"prompt": text, "prompt_id": str(r.get("id", r.get("question_id", i))), "category": r.get("category")})
+            try:
+                r = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise SpeclabError(f"{p} line {i}: not valid JSON ({e.msg} at column {e.colno})") from e
+            text = next((r[k] for k in PROMPT_FIELDS if k in r), None) if isinstance(r, dict) else None
+            text = text[0] if isinstance(text, list) and text else text
+            if not isinstance(text, str) or not text.strip():
+                raise SpeclabError(f"{p} line {i}: no prompt (a non-empty string in one of the fields "
+                                   f"{', '.join(PROMPT_FIELDS)}); nothing was decoded")
+            rows.append({"prompt": text, "prompt_id": str(r.get("id", r.get("question_id", i))),
+                         "category": r.get("category"), "line": i})
         else:
-            rows.append({"prompt": line, "prompt_id": str(i), "category": None})
+            rows.append({"prompt": line, "prompt_id": str(i), "category": None, "line": i})
+    if not rows:
+        raise SpeclabError(f"{p} holds no prompt (it is empty or blank)")
     return rows
 
 
@@ -59,39 +77,46 @@ def load_models(a: argparse.Namespace, draft: bool = True, log=None):
 
 
 def cmd_generate(a: argparse.Namespace) -> int:
-    from speclab.generate import generate
+    from speclab.checks import Bound, check_number, check_sampling
+    from speclab.generate import check_generation, generate
     from speclab.methods import get_method
     from speclab.trace import TraceStore
 
     method = get_method(a.method)
     if a.prompt is None and a.prompts is None:
         raise SpeclabError("give --prompt TEXT or --prompts FILE")
+    check_sampling(a.temperature, a.top_k, a.top_p, a.seed)  # before any file or model is opened
+    check_number("max_new_tokens", a.max_new_tokens, int, Bound(1))
     prompts = [{"prompt": a.prompt, "prompt_id": None, "category": None}] if a.prompt is not None else _read_prompts(a.prompts)
-    if a.max_new_tokens < 1:
-        raise SpeclabError(f"--max-new-tokens must be at least 1 (got {a.max_new_tokens})")
     store = None
     if a.db != "none":
         Path(a.db).parent.mkdir(parents=True, exist_ok=True)
         store = TraceStore(a.db)  # before loading models: a locked or foreign file fails fast
-    target, draft = load_models(a, draft=method.needs_draft_model)
-    params = {"k": a.k, "tree_topk": a.tree_topk, "stop_prob": a.stop_prob}
     try:
+        target, draft = load_models(a, draft=method.needs_draft_model)
+        params = {"k": a.k, "tree_topk": a.tree_topk, "stop_prob": a.stop_prob}
+        for p in prompts:  # every prompt and parameter checked against the models before anything is decoded
+            try:
+                check_generation(target, p["prompt"], a.method, draft, a.max_new_tokens, a.temperature, a.top_k,
+                                 a.top_p, a.seed, params)
+            except SpeclabError as e:
+                raise SpeclabError((f"{a.prompts} line {p['line']}: " if "line" in p else "") + str(e)) from e
         for p in prompts:
-            stream = _Streamer(target.tokenizer) if a.stream else None
+            stream = _Streamer(target.tokenizer) if a.stream and not a.json else None
             res = generate(target, p["prompt"], a.method, draft=draft, max_new_tokens=a.max_new_tokens,
                            temperature=a.temperature, top_k=a.top_k, top_p=a.top_p, seed=a.seed, deferred=a.deferred,
                            trace=store, on_round=stream, prompt_id=p["prompt_id"], category=p["category"], **params)
+            s = res.summary()
+            if a.json:  # stdout holds JSON lines only
+                print(json.dumps({**s, "text": res.text}), flush=True)
+                continue
             if stream is None:
                 print(res.text, flush=True)
             else:
                 stream.finish()
-            s = res.summary()
-            if a.json:
-                print(json.dumps(s), flush=True)
-            else:
-                print(f"[{s['method']}] {s['tokens']} tokens in {s['elapsed_s']:.2f} s ({s['tokens_per_s']:.1f} tok/s), "
-                      f"{s['rounds']} rounds, tau {s['tau']:.2f}, {s['target_calls']} target calls"
-                      + (f", run {s['run_id']} in {a.db}" if store else ""), file=sys.stderr, flush=True)
+            print(f"[{s['method']}] {s['tokens']} tokens in {s['elapsed_s']:.2f} s ({s['tokens_per_s']:.1f} tok/s), "
+                  f"{s['rounds']} rounds, tau {s['tau']:.2f}, {s['target_calls']} target calls"
+                  + (f", run {s['run_id']} in {a.db}" if store else ""), file=sys.stderr, flush=True)
     finally:
         if store is not None:
             store.close()
@@ -249,7 +274,7 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--top-p", type=float, default=1.0)
     g.add_argument("--seed", type=int, default=None)
     g.add_argument("--db", default=DEFAULT_DB, help=f"DuckDB trace file (default {DEFAULT_DB}; 'none' to skip)")
-    g.add_argument("--json", action="store_true", help="print one JSON summary line per prompt")
+    g.add_argument("--json", action="store_true", help="print one JSON line per prompt (summary and text) and nothing else")
     g.add_argument("--stream", action=argparse.BooleanOptionalAction, default=True, help="print text as it is decoded")
     g.set_defaults(fn=cmd_generate)
 

@@ -10,7 +10,8 @@ import torch
 from speclab.engine import DecodeResult, RoundEvent, check_request, decode_rounds
 from speclab.equality import output_hash
 from speclab.errors import InvalidInput
-from speclab.methods import build_method, method_params
+from speclab.checks import Bound, check_number, check_sampling
+from speclab.methods import build_method, get_method, method_params
 from speclab.metrics import tau, tokens_per_s
 from speclab.sampling import Sampling
 from speclab.target import Target
@@ -43,12 +44,38 @@ def encode_prompt(target: Target, prompt: str) -> torch.Tensor:
     return torch.tensor(target.tokenizer(prompt, add_special_tokens=False)["input_ids"], dtype=torch.long)
 
 
+@dataclass
+class Request:
+    prompt_ids: torch.Tensor
+    max_new_tokens: int
+    sampling: Sampling
+    params: dict  # the method's parameters, defaults filled in
+
+
+def check_generation(target: Target, prompt: str | torch.Tensor, method: str, draft: Target | None = None,
+                     max_new_tokens: int = 128, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
+                     seed: int | None = None, params: dict | None = None) -> Request:
+    """Every parameter of a decode checked before any model work (and before a run row exists): the method,
+    sampling, max_new_tokens, the prompt (tokenized: not empty, fits the context) and the method's parameters
+    against the models. Raises InvalidInput naming the parameter, its value and what is allowed."""
+    m = get_method(method)
+    if m.needs_draft_model and draft is None:
+        raise InvalidInput(f"method '{method}' needs a draft model (--draft PATH, or the zoo's default draft)")
+    temperature, top_k, top_p, seed = check_sampling(temperature, top_k, top_p, seed, target.vocab_size)
+    max_new_tokens = check_number("max_new_tokens", max_new_tokens, int, Bound(1))
+    prompt_ids = prompt.flatten().long() if isinstance(prompt, torch.Tensor) else encode_prompt(target, prompt)
+    check_request(target, prompt_ids, max_new_tokens)
+    return Request(prompt_ids, max_new_tokens, Sampling(temperature, top_k, top_p, seed),
+                   method_params(method, params or {}, target))
+
+
 class Generation:
     """One decode with any registered method, traced or not, as an iterator of RoundEvents.
 
     `for ev in Generation(...)` drives it round by round (several can be interleaved, as the app's
     side-by-side view does); `.result` holds the GenerationResult at the end. With `trace`, the run row is
-    `running` until the end, `failed` on an exception, `cancelled` if the consumer stops early.
+    `running` until the end, `failed` on an exception, `interrupted` on Ctrl-C, `cancelled` if the consumer
+    stops early. Every parameter is checked before any model work (`speclab.checks`).
     """
 
     def __init__(self, target: Target, prompt: str | torch.Tensor, method: str = "ar", *, draft: Target | None = None,
@@ -56,21 +83,19 @@ class Generation:
                  seed: int | None = None, deferred: bool = True, trace: TraceStore | None = None,
                  on_round: Callable[[RoundEvent], None] | None = None, prompt_id: str | None = None,
                  category: str | None = None, bench_id: str | None = None, **params):
-        if not 0 <= top_p <= 1 or temperature < 0 or top_k < 0:
-            raise InvalidInput(f"bad sampling parameters: temperature={temperature} (>= 0), top_k={top_k} (>= 0), top_p={top_p} (0..1)")
+        req = check_generation(target, prompt, method, draft, max_new_tokens, temperature, top_k, top_p, seed, params)
         self.target, self.method, self.trace, self.on_round = target, method, trace, on_round
-        self.prompt_ids = prompt.flatten().long() if isinstance(prompt, torch.Tensor) else encode_prompt(target, prompt)
-        check_request(target, self.prompt_ids, max_new_tokens)  # bad input fails here: no compute, no run row
-        self.params = method_params(method, params)
+        self.prompt_ids, self.params, sampling = req.prompt_ids, req.params, req.sampling
+        temperature, top_k, top_p, seed = sampling.temperature, sampling.top_k, sampling.top_p, sampling.seed
         self.drafters, self.router = build_method(method, target, draft, self.params)
-        self.kw = dict(max_new_tokens=max_new_tokens, sampling=Sampling(temperature, top_k, top_p, seed), deferred=deferred)
+        self.kw = dict(max_new_tokens=req.max_new_tokens, sampling=sampling, deferred=deferred)
         self.result: GenerationResult | None = None
         self.run_id, self.writer = None, None
         if trace is not None:
             self.run_id = trace.start_run(
                 method=method, target=target.name, drafters=",".join(self.drafters) or None,
                 router=self.router.policy if self.router else None,
-                params={**self.params, "max_new_tokens": max_new_tokens, "temperature": temperature, "top_k": top_k,
+                params={**self.params, "max_new_tokens": req.max_new_tokens, "temperature": temperature, "top_k": top_k,
                         "top_p": top_p, "seed": seed, "deferred": deferred, "draft": draft.name if draft else None},
                 prompt_id=prompt_id, category=category, device=str(target.device),
                 dtype=str(target.dtype).replace("torch.", ""), prompt_text=prompt if isinstance(prompt, str) else None,
@@ -102,9 +127,12 @@ class Generation:
             status = "cancelled"
             raise
         except BaseException as e:
-            if self.trace is not None:
+            if self.trace is not None:  # Ctrl-C is the user's choice, not a failure
                 self.writer.flush()
-                self.trace.finish_run(self.run_id, "failed", error=f"{type(e).__name__}: {e}")
+                if isinstance(e, KeyboardInterrupt):
+                    self.trace.finish_run(self.run_id, "interrupted")
+                else:
+                    self.trace.finish_run(self.run_id, "failed", error=f"{type(e).__name__}: {e}")
             raise
         finally:
             if self.trace is not None and status == "cancelled":

@@ -39,7 +39,7 @@ def pick_dtype(device: torch.device, dtype: str | torch.dtype | None = None) -> 
 
 def load_causal_lm(name_or_path: str | Path, device=None, dtype=None):
     """Load model + tokenizer from a local directory or the local Hugging Face cache; never downloads."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     path = Path(name_or_path).expanduser()
     local = path.is_dir()
@@ -50,17 +50,43 @@ def load_causal_lm(name_or_path: str | Path, device=None, dtype=None):
     src = str(path) if local else str(name_or_path)
     dev = pick_device(device)
     dt = pick_dtype(dev, dtype)
+    where = path.resolve() if local else f"'{name_or_path}'"
     try:
         tok = AutoTokenizer.from_pretrained(src, local_files_only=True)
-        model = AutoModelForCausalLM.from_pretrained(src, local_files_only=True, dtype=dt)
-    except (OSError, ValueError) as e:
+        config = AutoConfig.from_pretrained(src, local_files_only=True)
+        archs = getattr(config, "architectures", None) or []
+        if archs and not any(a.endswith(("ForCausalLM", "LMHeadModel", "ForConditionalGeneration")) for a in archs):
+            raise ModelNotFound(f"{where} holds a {', '.join(archs)} (config.json 'architectures'), not a causal "
+                                "language model: speculative decoding needs a left-to-right LM")
+        model, info = AutoModelForCausalLM.from_pretrained(  # mismatches are reported below, by name
+            src, local_files_only=True, dtype=dt, output_loading_info=True, ignore_mismatched_sizes=True)
+    except (OSError, ValueError, RuntimeError) as e:
+        if isinstance(e, ModelNotFound):
+            raise
         if local:
-            raise ModelNotFound(f"could not load the model in {path.resolve()}: {e}") from e
+            raise ModelNotFound(f"could not load the model in {where}: {_first_line(e)}") from e
         from huggingface_hub.constants import HF_HUB_CACHE
         raise ModelNotFound(
             f"model '{name_or_path}' is neither a local directory (looked at {path.resolve()}) nor in the "
             f"Hugging Face cache ({HF_HUB_CACHE}); speclab never downloads weights") from e
+    bad = [f"missing {_names(info.get('missing_keys'))}" if info.get("missing_keys") else "",
+           f"mismatched {_names([k[0] if isinstance(k, tuple) else k for k in info.get('mismatched_keys') or []])}"
+           if info.get("mismatched_keys") else ""]
+    if any(bad):
+        raise ModelNotFound(f"the weights in {where} do not match its config.json ({'; '.join(b for b in bad if b)}): "
+                            "transformers would initialise those at random; is it the right directory?")
     return model.to(dev).eval(), tok
+
+
+def _names(keys, most: int = 4) -> str:
+    keys = sorted(keys)
+    return ", ".join(keys[:most]) + (f" and {len(keys) - most} more" if len(keys) > most else "")
+
+
+def _first_line(e: Exception) -> str:
+    lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
+    mism = [ln for ln in lines if "size mismatch" in ln or "shape" in ln.lower()]
+    return "; ".join(mism[:3]) if mism else (lines[0] if lines else type(e).__name__)
 
 
 @dataclass

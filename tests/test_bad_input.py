@@ -1,5 +1,6 @@
 """Bad input gets a clear error and loses nothing."""
 import json
+import shutil
 import subprocess
 import sys
 
@@ -52,10 +53,12 @@ def test_bad_method_and_parameters(qwen3):
         generate(qwen3, PROMPTS[0], "nope")
     with pytest.raises(InvalidInput, match="needs a draft model"):
         generate(qwen3, PROMPTS[0], "sps")
-    with pytest.raises(ValueError, match="k >= 1"):
+    with pytest.raises(InvalidInput, match="k must be an integer from 1 to 512 .got 0."):
         generate(qwen3, PROMPTS[0], "pld", k=0)
     with pytest.raises(InvalidInput, match="top_p"):
         generate(qwen3, PROMPTS[0], "ar", temperature=1.0, top_p=1.5)
+    with pytest.raises(InvalidInput, match="temperature"):
+        generate(qwen3, PROMPTS[0], "ar", temperature=float("nan"))
 
 
 def _cli(*args, timeout=300):
@@ -85,3 +88,100 @@ def test_cli_errors_are_clear_and_touch_nothing(model_dir, tmp_path):
     assert r.returncode == 2 and "not a DuckDB database" in r.stderr and foreign.read_text() == "not a database"
     r = _cli("generate", "--model", str(model_dir["qwen3"]), "--prompt", "hi", "--max-new-tokens", "0", "--db", "none")
     assert r.returncode == 2 and "at least 1" in r.stderr
+
+
+# ---- every bad input of `speclab generate`: one clear line, exit code 2, nothing decoded, no run `done` ----
+
+@pytest.fixture(scope="module")
+def bad_models(tmp_path_factory, model_dir):
+    """A small BERT (not a causal LM) and a draft whose weights do not match its config."""
+    from transformers import AutoTokenizer, BertConfig, BertForMaskedLM
+    d = tmp_path_factory.mktemp("bad_models")
+    bert = BertForMaskedLM(BertConfig(vocab_size=300, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                                      intermediate_size=64))
+    bert.save_pretrained(d / "bert")
+    AutoTokenizer.from_pretrained(model_dir["qwen3"]).save_pretrained(d / "bert")
+    shutil.copytree(model_dir["qwen3_draft"], d / "mismatched")
+    cfg = json.loads((d / "mismatched" / "config.json").read_text())
+    cfg["intermediate_size"] *= 2
+    (d / "mismatched" / "config.json").write_text(json.dumps(cfg))
+    return {"bert": d / "bert", "mismatched": d / "mismatched"}
+
+
+FILES = {"empty": b"", "blank": b"\n  \n", "binary": bytes(range(256)) * 4,
+         "bad_json": b'{"prompt": "a"}\n{oops\n', "no_field": b'{"prompt": "a"}\n{"id": 3}\n',
+         "empty_prompt": b'{"prompt": "a"}\n\n{"prompt": "  "}\n'}
+
+BAD = [  # (case, argv, what the one line must say)
+    ("temperature-nan", ["--temperature", "nan"], "temperature must be a finite number of at least 0 (got nan)"),
+    ("temperature-negative", ["--temperature", "-1"], "temperature must be a finite number of at least 0 (got -1.0)"),
+    ("temperature-inf", ["--temperature", "inf"], "temperature must be a finite number"),
+    ("top-p-zero", ["--temperature", "1", "--top-p", "0"], "top_p must be a finite number above 0"),
+    ("top-p-above-1", ["--top-p", "1.5"], "top_p must be a finite number from 0 to 1 (got 1.5)"),
+    ("top-k-negative", ["--top-k", "-1"], "top_k must be an integer of at least 0 (got -1)"),
+    ("top-k-above-vocab", ["--top-k", "100000"], "top_k must be an integer from 0 to"),
+    ("seed-negative", ["--seed", "-1"], "seed must be an integer from 0 to"),
+    ("max-new-tokens-0", ["--max-new-tokens", "0"], "max_new_tokens must be an integer of at least 1 (got 0)"),
+    ("max-new-tokens-past-context", ["--max-new-tokens", "600"], "exceeds the model's context of 512 tokens"),
+    ("unknown-method", ["--method", "nope"], "unknown method 'nope'"),
+    ("sps-k-0", ["--method", "sps", "--k", "0"], "k must be an integer from 1 to 512 (got 0)"),
+    ("sps-tree-topk-0", ["--method", "sps", "--tree-topk", "0"], "tree_topk must be an integer from 1 to"),
+    ("sps-tree-topk-above-vocab", ["--method", "sps", "--tree-topk", "100000"], "tree_topk must be an integer from 1 to"),
+    ("sps-tree-too-large", ["--method", "sps", "--k", "8", "--tree-topk", "200"], "= 1600 nodes, more than the 512"),
+    ("sps-stop-prob-1.5", ["--method", "sps", "--stop-prob", "1.5"], "stop_prob must be a finite number from 0 to 1 (excluded)"),
+    ("pld-k-0", ["--method", "pld", "--k", "0"], "k must be an integer from 1 to 512 (got 0)"),
+    ("prompts-missing", ["--prompts", "{tmp}/nope.jsonl"], "no prompts file at"),
+    ("prompts-empty", ["--prompts", "{file_empty}"], "holds no prompt"),
+    ("prompts-blank", ["--prompts", "{file_blank}"], "holds no prompt"),
+    ("prompts-binary", ["--prompts", "{file_binary}"], "not UTF-8 text"),
+    ("prompts-bad-json", ["--prompts", "{file_bad_json}"], "line 2: not valid JSON"),
+    ("prompts-no-field", ["--prompts", "{file_no_field}"], "line 2: no prompt"),
+    ("prompts-empty-prompt", ["--prompts", "{file_empty_prompt}"], "line 3: no prompt"),
+    ("model-not-causal", ["--model", "{bert}"], "not a causal language model"),
+    ("draft-weights-mismatched", ["--method", "sps", "--draft", "{mismatched}"], "do not match its config.json"),
+]
+
+
+@pytest.mark.parametrize("case,argv,says", BAD, ids=[c[0] for c in BAD])
+def test_cli_refuses_bad_input_in_one_line(case, argv, says, model_dir, bad_models, tmp_path, capsys):
+    from speclab.cli import main
+    files = {}
+    for name, data in FILES.items():
+        files[name] = tmp_path / f"{name}.jsonl"
+        files[name].write_bytes(data)
+    argv = [x.format(tmp=tmp_path, bert=bad_models["bert"], mismatched=bad_models["mismatched"],
+                     **{f"file_{k}": v for k, v in files.items()}) for x in argv]
+    db = tmp_path / "t.duckdb"
+    base = ["generate", "--model", str(model_dir["qwen3"]), "--draft", str(model_dir["qwen3_draft"]),
+            "--max-new-tokens", "8", "--db", str(db)] + ([] if "--prompts" in argv else ["--prompt", PROMPTS[0]])
+    rc = main(base + argv)  # later options win over the base ones
+    out, err = capsys.readouterr()
+    lines = [ln for ln in err.splitlines() if ln.startswith("speclab: error:")]
+    assert rc == 2 and len(lines) == 1 and says in lines[0], (rc, err)
+    assert out == ""  # nothing decoded
+    if db.exists():
+        assert (TraceStore(db, read_only=True).runs().status == "done").sum() == 0
+
+
+def test_cli_json_prints_only_json_lines(model_dir, tmp_path, capsys):
+    from speclab.cli import main
+    f = tmp_path / "p.jsonl"
+    f.write_text('{"prompt": "Once upon a time"}\n{"question": "How many apples?", "id": "q2"}\n')
+    rc = main(["generate", "--model", str(model_dir["qwen3"]), "--method", "pld", "--prompts", str(f),
+               "--max-new-tokens", "6", "--db", "none", "--json"])
+    out = capsys.readouterr().out
+    rows = [json.loads(ln) for ln in out.splitlines()]
+    assert rc == 0 and len(rows) == 2 and all(r["tokens"] == 6 and isinstance(r["text"], str) for r in rows)
+
+
+def test_ctrl_c_marks_the_run_interrupted(qwen3, tmp_path):
+    s = TraceStore(tmp_path / "i.duckdb")
+
+    def press_ctrl_c(ev):
+        if ev.round == 2:
+            raise KeyboardInterrupt
+    with pytest.raises(KeyboardInterrupt):
+        generate(qwen3, PROMPTS[0], "ar", max_new_tokens=10, trace=s, on_round=press_ctrl_c)
+    runs = s.runs()
+    assert runs.status.tolist() == ["interrupted"] and runs.error.isna().all() and len(s.tokens(1)) == 3
+    s.close()

@@ -1,10 +1,9 @@
 """Lossless speculative sampling: the committed tokens follow the target's distribution exactly.
 
 Checked with chi-square goodness-of-fit tests at fixed seeds, against the exact distribution computed
-from the target. Each test also shows the same test has power: samples from the draft alone fail it.
+from the target. Each test also shows the same test has power: samples from the draft alone fail it, and
+end to end a chain whose depth-2 token is verified against the wrong draft distribution fails it too.
 """
-import itertools
-
 import numpy as np
 import pytest
 import torch
@@ -19,13 +18,16 @@ from speclab.tree import DraftTree
 from speclab.verify import verify_sampling
 
 V = 8
-N_RUNS = 1500  # decodes per end-to-end test
+N_RUNS = 1200  # decodes per end-to-end test (the depth-2 power check rejects at p ~ 1e-11)
 
 
 def chi2_p(counts: np.ndarray, probs: np.ndarray) -> float:
-    """Goodness of fit, pooling cells with expected count < 5 into one."""
-    n = counts.sum()
-    exp = probs * n
+    """Goodness of fit, pooling cells with expected count < 5 into one; 0 when a zero-probability cell
+    (a token outside top-k / top-p, say) was hit."""
+    if counts[probs == 0].sum() > 0:
+        return 0.0
+    counts, probs = counts[probs > 0], probs[probs > 0]
+    exp = probs * counts.sum()
     small = exp < 5
     c = np.append(counts[~small], counts[small].sum())
     e = np.append(exp[~small], exp[small].sum())
@@ -73,7 +75,11 @@ def test_verify_deterministic_candidates_keep_p(pq):
     assert chi2_p(counts, p.numpy()) > 1e-3
 
 
-# ---- end to end: two generated tokens, exact joint distribution from the target ----
+# ---- end to end: the first two generated tokens, exact joint distribution from the target ----
+
+N_NEW = 3  # room for a depth-2 draft in the first round (the bonus token always fits), so both tested tokens
+# can be accepted drafts; a decode that ends in one round accepted two drafted levels
+
 
 @pytest.fixture(scope="module")
 def tiny_vocab(tmp_path_factory):
@@ -83,7 +89,9 @@ def tiny_vocab(tmp_path_factory):
 
     def make(seed, name):
         path = build_tiny("qwen3", d / name, seed=seed, vocab_size=V, tokenizer=False, hidden=32, init=0.08)
-        return Target(AutoModelForCausalLM.from_pretrained(path).eval(), _NoTok())
+        model = Target(AutoModelForCausalLM.from_pretrained(path).eval(), _NoTok())
+        model.eos_ids = []
+        return model
     return make(3, "target"), make(4, "draft")
 
 
@@ -91,21 +99,19 @@ class _NoTok:
     eos_token_id = None
 
 
-def exact_joint(target, prompt, s: Sampling, n=2):
-    joint = np.zeros([V] * n)
-    for prefix in itertools.product(range(V), repeat=n):
-        prob, ids = 1.0, prompt
-        for tok in prefix:
-            logits = target.forward(ids, target.new_cache()).logits[-1:]
-            prob *= float(logits_to_probs(logits, s)[0, tok])
-            ids = torch.cat([ids, torch.tensor([tok])])
-        joint[prefix] = prob
-    return joint.flatten()
+def exact_joint(target, prompt, s: Sampling, n=2) -> np.ndarray:
+    """The exact distribution of the next n tokens under sampling `s`, flattened (index a * V + b for n = 2)."""
+    probs = logits_to_probs(target.forward(prompt, target.new_cache(), last=1).logits, s)[0].double().numpy()
+    if n == 1:
+        return probs
+    return np.concatenate([probs[t] * exact_joint(target, torch.cat([prompt, torch.tensor([t])]), s, n - 1)
+                           for t in range(V)])
 
 
 class IIDTree:
-    """Test-only drafter: `width` children sampled i.i.d. from q at the root and `width` more under the first
-    child (SpecInfer-style multi-candidate tree), with the full q of every parent kept for verification."""
+    """Test-only drafter: `width` children sampled i.i.d. from q at the root and `width` more sampled i.i.d.
+    from q' under the first child (a SpecInfer-style multi-candidate tree), with the full q of both parents in
+    `draft_dists`. It keeps no cache: every proposal forwards the committed tokens afresh (tiny models)."""
     name, layers = "iid", ()
 
     def __init__(self, model, width=2):
@@ -136,46 +142,78 @@ class IIDTree:
         pass
 
 
-# name: (drafter params, max_new_tokens, sampling, deferred, accepted depth the test must see reached)
+class WrongDepth2Q(StandaloneDraft):
+    """A broken sampled chain: its depth-2 token is verified against the root's q instead of the q it was
+    sampled from (the first token is verified correctly)."""
+
+    def propose(self, max_depth, s, generator=None):
+        tree = super().propose(max_depth, s, generator)
+        if len(tree) >= 2:
+            dists = tree.draft_dists.clone()
+            dists[1] = dists[0]
+            tree = DraftTree.chain(tree.tokens, tree.draft_probs, dists)
+        return tree
+
+
+PROMPT = torch.tensor([1, 5, 2])
+
+
+def decode_counts(target, drafter, s: Sampling, prompt=PROMPT, deferred=True, seed0=0):
+    """N_RUNS decodes of N_NEW tokens at seeds seed0, seed0 + 1, ...: counts of the first two tokens (a * V + b)
+    and how many decodes took one round (the first round accepted drafts at depths 1 and 2)."""
+    counts, one_round = np.zeros(V * V), 0
+    for seed in range(seed0, seed0 + N_RUNS):
+        res = decode(target, prompt, {drafter.name: drafter}, max_new_tokens=N_NEW, deferred=deferred,
+                     sampling=Sampling(s.temperature, s.top_k, s.top_p, seed=seed))
+        a, b = res.new_ids.tolist()[:2]
+        counts[a * V + b] += 1
+        one_round += res.rounds == 1
+    return counts, one_round
+
+
+# name: (sps drafter params, or None for the i.i.d. sibling tree; sampling besides temperature 1; deferred; prompt)
 CASES = {
-    "sampled-chain-depth1": (dict(k=2), 2, {}, True, 1),
-    "sampled-chain-depth2": (dict(k=2), 3, {}, True, 2),
-    "multi-candidate-tree": (dict(k=2, tree_topk=3), 2, {}, True, 1),
-    "early-stopped-chain": (dict(k=3, stop_prob=0.2), 3, {}, True, 2),
-    "top-k": (dict(k=2), 3, dict(top_k=5), True, 2),
-    "top-p": (dict(k=2), 3, dict(temperature=0.8, top_p=0.9), True, 2),
-    "not-deferred": (dict(k=2), 3, {}, False, 2),
-    "iid-siblings-tree": (None, 3, {}, True, 2),
+    "sampled-chain": (dict(k=2), {}, True, PROMPT),
+    "top-k-tree": (dict(k=2, tree_topk=3), {}, True, PROMPT),
+    "early-stopped-chain-not-deferred": (dict(k=3, stop_prob=0.2), {}, False, PROMPT),
+    # top-3 of target and draft share 2 tokens at the root and after each: partial supports at both depths
+    "top-k-sampling": (dict(k=2), dict(top_k=3), True, torch.tensor([1, 7, 5])),
+    "top-p-sampling": (dict(k=2), dict(temperature=0.8, top_p=0.9), True, PROMPT),
+    "iid-siblings-tree": (None, {}, True, PROMPT),
 }
 
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_speculative_sampling_matches_target_distribution(tiny_vocab, case):
     """The first two decoded tokens follow the target's exact joint distribution (under the same temperature,
-    top-k and top-p), whatever drafts them: sampled chains accepted at depth 1 and 2, deterministic top-k trees,
-    early-stopped chains, i.i.d. sibling trees, deferred or not. With n_new = 3 the first round can draft two
-    levels, so both tokens can come from accepted drafts; the test checks it really happened."""
-    params, n_new, skw, deferred, depth = CASES[case]
+    top-k and top-p), whatever drafts them: sampled chains (also stopped early, also not deferred),
+    deterministic top-k trees, trees of siblings sampled i.i.d. from q. With N_NEW = 3 the first round drafts two
+    levels, and the test checks that drafts at both depths were accepted (not AR in disguise). Power: a sample
+    of the draft's own joint distribution fails the same test."""
+    params, skw, deferred, prompt = CASES[case]
     target, draft = tiny_vocab
-    target.eos_ids = draft.eos_ids = []
     s = Sampling(**{"temperature": 1.0, **skw})
-    prompt = torch.tensor([1, 5, 2])
     want = exact_joint(target, prompt, s)
     drafter = IIDTree(draft) if params is None else StandaloneDraft(draft, **params)
-    counts = np.zeros(V * V)
-    deepest = []
-    for seed in range(N_RUNS):
-        res = decode(target, prompt, {drafter.name: drafter}, max_new_tokens=n_new, deferred=deferred,
-                     sampling=Sampling(**{**s.__dict__, "seed": seed}),
-                     listeners=(lambda ev: deepest.append(ev.n_accepted),))
-        a, b = res.new_ids.tolist()[:2]
-        counts[a * V + b] += 1
-    assert sum(d >= depth for d in deepest) > N_RUNS // 20  # drafts were accepted that deep (not AR in disguise)
+    counts, one_round = decode_counts(target, drafter, s, prompt, deferred, seed0=list(CASES).index(case) * N_RUNS)
+    assert one_round > N_RUNS // 40  # both tested tokens were accepted drafts, and not rarely
     assert chi2_p(counts, want) > 1e-3
     draft_joint = exact_joint(draft, prompt, s)
     rng = np.random.default_rng(0)
     draft_counts = np.bincount(rng.choice(V * V, size=N_RUNS, p=draft_joint / draft_joint.sum()), minlength=V * V)
     assert chi2_p(draft_counts, want) < 1e-3  # power: the draft's own distribution is told apart
+
+
+def test_depth2_verified_against_wrong_q_is_detected(tiny_vocab):
+    """Power at depth 2: the end-to-end test rejects a sampled chain whose depth-2 token is verified against the
+    wrong draft distribution. The first token is still right, so the rejection comes from the second."""
+    target, draft = tiny_vocab
+    s = Sampling(1.0)
+    want = exact_joint(target, PROMPT, s)
+    counts, one_round = decode_counts(target, WrongDepth2Q(draft, k=2), s)
+    assert one_round > N_RUNS // 40
+    assert chi2_p(counts.reshape(V, V).sum(1), want.reshape(V, V).sum(1)) > 1e-3  # first token: fine
+    assert chi2_p(counts, want) < 1e-3  # the joint: told apart
 
 
 def test_top_k_top_p_processing():
