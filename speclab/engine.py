@@ -70,8 +70,13 @@ def round_event(rnd, name, tree, accepted, new, logits, bonus, timings, calls, b
     """What the listeners need, in five tensor ops over the verification logits (no host sync, no per-token
     work); `token_columns` derives the per-token figures from it, in batches."""
     logp = torch.log_softmax(logits.float(), -1)
-    return RoundEvent(rnd, name, tree, accepted, new, logp[tree.parents + 1, tree.tokens],
-                      -torch.linalg.vecdot(logp.exp(), logp), logp[:, bonus], timings, calls, backlog, pos0, decision)
+    return RoundEvent(rnd, name, tree, accepted, new, logp[tree.parents + 1, tree.tokens], entropy(logp),
+                      logp[:, bonus], timings, calls, backlog, pos0, decision)
+
+
+def entropy(logp: torch.Tensor) -> torch.Tensor:
+    """Entropy (nats) of every row of log-probabilities [..., V]."""
+    return -torch.linalg.vecdot(logp.exp(), logp)
 
 
 @dataclass
@@ -252,7 +257,8 @@ def decode_rounds(target: Target, prompt_ids: torch.Tensor, drafters: dict[str, 
         # route: the router picks the drafter of this round from the signals of the last committed token
         decision, name = None, None
         if drafters:
-            signals = Signals(rnd, _entropy(sig_logits) if want_entropy else math.nan,
+            signals = Signals(rnd, float(entropy(torch.log_softmax(sig_logits.float(), -1))[0])
+                              if want_entropy and sig_logits is not None else math.nan,
                               sig_hidden[0] if want_hidden and sig_hidden is not None else None,
                               history_acc[-HISTORY:], history_drafters[-HISTORY:])
             decision = router.choose(signals)
@@ -304,7 +310,8 @@ def decode_rounds(target: Target, prompt_ids: torch.Tensor, drafters: dict[str, 
         kept = torch.cat([accepted.new_zeros(1), accepted + 1]) if deferred else accepted
         keep_cache(cache, past, kept)
         bonus_row = accepted[-1:] + 1 if accepted.numel() else accepted.new_zeros(1)  # row that drew the bonus
-        sig_logits = logits[bonus_row]
+        if want_entropy:
+            sig_logits = logits[bonus_row]
         if want_hidden:
             sig_hidden = out.hidden[bonus_row] if deferred else (out.hidden[bonus_row - 1] if accepted.numel() else root_hidden)
         if layers and out is not None and not done:
@@ -347,10 +354,3 @@ def decode_rounds(target: Target, prompt_ids: torch.Tensor, drafters: dict[str, 
     return DecodeResult(prompt_ids, seq.ids[n_prompt : seq.n].clone(), rnd, n_calls, stopped, prefill_ms, totals,
                         model_s, time.perf_counter() - wall0)
 
-
-def _entropy(logits: torch.Tensor | None) -> float:
-    """Entropy (nats) of softmax(logits) for one row; nan when there is none (a one-token prompt's first round)."""
-    if logits is None:
-        return math.nan
-    logp = torch.log_softmax(logits.float(), -1)
-    return float(-(logp.exp() * logp).sum())

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Callable, Iterator
 
 import torch
@@ -86,7 +86,6 @@ class Generation:
         req = check_generation(target, prompt, method, draft, max_new_tokens, temperature, top_k, top_p, seed, params)
         self.target, self.method, self.trace, self.on_round = target, method, trace, on_round
         self.prompt_ids, self.params, sampling = req.prompt_ids, req.params, req.sampling
-        temperature, top_k, top_p, seed = sampling.temperature, sampling.top_k, sampling.top_p, sampling.seed
         self.drafters, self.router = build_method(method, target, draft, self.params)
         self.kw = dict(max_new_tokens=req.max_new_tokens, sampling=sampling, deferred=deferred)
         self.result: GenerationResult | None = None
@@ -95,8 +94,8 @@ class Generation:
             self.run_id = trace.start_run(
                 method=method, target=target.name, drafters=",".join(self.drafters) or None,
                 router=self.router.policy if self.router else None,
-                params={**self.params, "max_new_tokens": req.max_new_tokens, "temperature": temperature, "top_k": top_k,
-                        "top_p": top_p, "seed": seed, "deferred": deferred, "draft": draft.name if draft else None},
+                params={**self.params, "max_new_tokens": req.max_new_tokens, **asdict(sampling),
+                        "deferred": deferred, "draft": draft.name if draft else None},
                 prompt_id=prompt_id, category=category, device=str(target.device),
                 dtype=str(target.dtype).replace("torch.", ""), prompt_text=prompt if isinstance(prompt, str) else None,
                 prompt_tokens=self.prompt_ids.numel(), bench_id=bench_id)

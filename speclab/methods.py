@@ -27,8 +27,6 @@ class Method:
 
 def _sps(target, draft, k=4, tree_topk=1, stop_prob=0.0):
     from speclab.drafters.sps import StandaloneDraft
-    if draft is None:
-        raise InvalidInput("method 'sps' needs a draft model (--draft PATH, or the zoo's default draft)")
     if draft.vocab_size != target.vocab_size:
         raise InvalidInput(f"draft vocabulary ({draft.vocab_size}) differs from the target's ({target.vocab_size}): "
                            "sps needs a draft model with the target's tokenizer")

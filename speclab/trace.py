@@ -419,22 +419,21 @@ class RunWriter:
             self.store.append(self._tables(evs))
 
     def _tables(self, evs) -> dict[str, pa.Table]:
-        cat = _cat
         n = np.array([len(e.tree) for e in evs])
         m = np.array([e.committed.numel() for e in evs])
         a = np.array([e.n_accepted for e in evs])
         rnd = np.array([e.round for e in evs], np.int32)
         node_off = np.repeat(np.cumsum(n) - n, [e.accepted.numel() for e in evs])
         accepted = np.zeros(n.sum(), dtype=bool)
-        accepted[cat([e.accepted for e in evs]).astype(np.int64) + node_off] = True
+        accepted[_cat([e.accepted for e in evs]).astype(np.int64) + node_off] = True
         nodes = pa.table({
             "run_id": np.full(n.sum(), self.run_id, np.int64), "round": np.repeat(rnd, n),
             "node": (np.arange(n.sum()) - np.repeat(np.cumsum(n) - n, n)).astype(np.int32),
-            "parent": cat([e.tree.parents for e in evs]).astype(np.int32),
-            "depth": cat([e.tree.depth for e in evs]).astype(np.int32),
-            "token_id": cat([e.tree.tokens for e in evs]).astype(np.int32),
-            "draft_prob": _nullable(cat([e.tree.draft_probs.float() for e in evs]).astype(np.float64)),
-            "target_prob": np.exp(cat([e.node_logp for e in evs]).astype(np.float64)), "accepted": accepted})
+            "parent": _cat([e.tree.parents for e in evs]).astype(np.int32),
+            "depth": _cat([e.tree.depth for e in evs]).astype(np.int32),
+            "token_id": _cat([e.tree.tokens for e in evs]).astype(np.int32),
+            "draft_prob": _nullable(_cat([e.tree.draft_probs.float() for e in evs]).astype(np.float64)),
+            "target_prob": np.exp(_cat([e.node_logp for e in evs]).astype(np.float64)), "accepted": accepted})
         cols = token_columns(evs, self.text)
         tokens = pa.table({"run_id": np.full(len(cols["pos"]), self.run_id, np.int64),
                            **{k: _nullable(v) if k == "draft_prob" else v for k, v in cols.items()}})
@@ -443,7 +442,7 @@ class RunWriter:
             "run_id": np.full(len(evs), self.run_id, np.int64), "round": rnd,
             "drafter": pa.array([e.drafter for e in evs], pa.string()), "n_drafted": n.astype(np.int32),
             "n_accepted": a.astype(np.int32), "committed": m.astype(np.int32),
-            "entropy": cat([e.row_entropy[:1] for e in evs]).astype(np.float64), **{f"t_{k}_ms": v for k, v in t.items()},
+            "entropy": _cat([e.row_entropy[:1] for e in evs]).astype(np.float64), **{f"t_{k}_ms": v for k, v in t.items()},
             "backlog": np.array([e.backlog for e in evs], np.int32),
             "target_calls": np.array([e.target_calls for e in evs], np.int32)})
         dec = [e for e in evs if e.decision is not None]
