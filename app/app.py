@@ -31,8 +31,8 @@ CSS = ".speclab-col{border:1px solid #ddd;border-radius:6px;padding:6px;min-heig
 class Lab:
     """The models and the trace shared by all browser sessions (decodes are serialised by the event queue)."""
 
-    def __init__(self, target: Target, draft: Target | None, store: TraceStore):
-        self.target, self.draft, self.store = target, draft, store
+    def __init__(self, target: Target, models: dict, store: TraceStore):
+        self.target, self.models, self.store = target, models, store  # drafter models by role (speclab.methods)
         self.text = vocab_text(target.tokenizer)
 
     # ---- side by side ----
@@ -46,10 +46,10 @@ class Lab:
         if not prompt or not prompt.strip():
             raise gr.Error("The prompt is empty.")
         try:
-            gens = {m: Generation(self.target, prompt, m, draft=self.draft, max_new_tokens=int(max_new),
+            gens = {m: Generation(self.target, prompt, m, **self.models, max_new_tokens=int(max_new),
                                   temperature=float(temperature), seed=int(seed) if seed is not None else None,
-                                  deferred=bool(deferred), trace=self.store, k=int(k), tree_topk=int(tree_topk),
-                                  stop_prob=float(stop_prob or 0.0))
+                                  deferred=bool(deferred), trace=self.store, k=int(k), depth=int(k),
+                                  tree_topk=int(tree_topk), stop_prob=float(stop_prob or 0.0))
                     for m in methods}
         except (SpeclabError, ValueError) as e:
             raise gr.Error(str(e))
@@ -178,8 +178,9 @@ def _run_id(run_id) -> int:
 def build_app(lab: Lab) -> gr.Blocks:
     methods = list(METHODS)
     with gr.Blocks(title="speclab") as demo:
-        gr.Markdown(f"# speclab · speculative decoding lab\ntarget `{lab.target.name}` · draft "
-                    f"`{lab.draft.name if lab.draft else '-'}` · trace `{lab.store.path}`")
+        gr.Markdown(f"# speclab · speculative decoding lab\ntarget `{lab.target.name}` · "
+                    + " · ".join(f"{role} `{getattr(m, 'name', '-')}`" for role, m in lab.models.items())
+                    + f" · trace `{lab.store.path}`")
         with gr.Tab("Side by side"):
             with gr.Row():
                 prompt = gr.Textbox(label="Prompt", lines=4, elem_id="prompt", scale=3)
@@ -190,7 +191,7 @@ def build_app(lab: Lab) -> gr.Blocks:
                 chosen = gr.CheckboxGroup(methods, value=[m for m in ("ar", "sps", "pld") if m in methods],
                                           label="Methods (2-4 side by side)", elem_id="methods")
                 k = gr.Slider(1, 12, value=4, step=1, label="k (draft length / depth)", elem_id="k")
-                topk = gr.Slider(1, 4, value=1, step=1, label="tree top-k (sps; 1 = chain)", elem_id="topk")
+                topk = gr.Slider(1, 4, value=1, step=1, label="tree top-k (sps, eagle3; 1 = chain)", elem_id="topk")
                 stop_prob = gr.Slider(0, 0.9, value=0, step=0.05, elem_id="stop_prob",
                                       label="sps chain: stop after a draft token below this probability (0 = off)")
             with gr.Row():
@@ -253,8 +254,8 @@ def main(argv: list[str] | None = None) -> None:
     Path(a.db).parent.mkdir(parents=True, exist_ok=True)
     print(f"speclab app: opening trace {a.db} ...", flush=True)
     store = TraceStore(a.db)
-    target, draft = load_models(a, log=lambda s: print(f"speclab app: {s}", flush=True))
-    demo = build_app(Lab(target, draft, store))
+    target, models = load_models(a, log=lambda s: print(f"speclab app: {s}", flush=True))
+    demo = build_app(Lab(target, models, store))
     demo.queue(default_concurrency_limit=1)
     demo.launch(server_name=a.host, server_port=a.port, css=CSS, show_error=True)
 

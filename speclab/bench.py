@@ -25,7 +25,8 @@ import torch
 from speclab.errors import InvalidInput
 from speclab.equality import first_divergence, output_hash
 from speclab.generate import encode_prompt, generate, model_ms
-from speclab.methods import get_method
+from speclab.methods import get_method, parse_spec
+from speclab.metrics import tau, tokens_per_s
 from speclab.progress import Progress
 from speclab.suites import load_suite
 from speclab.target import Target, crop_cache
@@ -82,8 +83,10 @@ def peer_generate(kind: str, target: Target, draft: Target | None, ids: torch.Te
     return out[0, inp.shape[1]:].cpu(), time.perf_counter() - t0
 
 
-def run_bench(cfg: BenchConfig, target: Target, draft: Target | None, store: TraceStore, log=print) -> str:
-    """Run the benchmark; returns its bench id (rows in `runs` / `benches` of the store)."""
+def run_bench(cfg: BenchConfig, target: Target, models: dict, store: TraceStore, log=print) -> str:
+    """Run the benchmark of `cfg.methods` (method specs) with the drafter models by role (`models`: "draft" also
+    drives the hf_assisted peer); returns its bench id (rows in `runs` / `benches` of the store)."""
+    draft = models.get("draft")
     for m in cfg.methods:
         get_method(m)
     if "ar" not in cfg.methods:
@@ -102,15 +105,18 @@ def run_bench(cfg: BenchConfig, target: Target, draft: Target | None, store: Tra
         log(f"skipping {len(skipped)} prompt(s) longer than the context ({target.max_context} tokens)")
 
     def params(m):
-        return {"k": cfg.k.get(m), "tree_topk": cfg.tree_topk, "stop_prob": cfg.stop_prob}
+        """The bench's settings for sps and pld; a spec's own parameters override them, others keep defaults."""
+        name = parse_spec(m)[0]
+        return {"sps": {"k": cfg.k.get("sps"), "tree_topk": cfg.tree_topk, "stop_prob": cfg.stop_prob},
+                "pld": {"k": cfg.k.get("pld")}}.get(name, {})
 
     def run_method(m, r, ids, trace):
-        res = generate(target, ids, m, draft=draft, max_new_tokens=cfg.max_new_tokens, trace=trace,
+        res = generate(target, ids, m, **models, max_new_tokens=cfg.max_new_tokens, trace=trace,
                        prompt_id=r["prompt_id"], category=r["category"], bench_id=bench_id, **params(m))
         return res.run_id, res.token_ids
 
     def run_untraced(m, r, ids):
-        res = generate(target, ids, m, draft=draft, max_new_tokens=cfg.max_new_tokens, **params(m))
+        res = generate(target, ids, m, **models, max_new_tokens=cfg.max_new_tokens, **params(m))
         rid = store.start_run(method=f"{m}-untraced", target=target.name, params=params(m), prompt_id=r["prompt_id"],
                               category=r["category"], device=str(target.device), bench_id=bench_id,
                               prompt_tokens=ids.numel())
@@ -134,7 +140,7 @@ def run_bench(cfg: BenchConfig, target: Target, draft: Target | None, store: Tra
         for r, ids in rows[: cfg.warmup]:
             for m in cfg.methods:
                 for trace in (None, scratch):
-                    generate(target, ids, m, draft=draft, max_new_tokens=16, trace=trace, **params(m))
+                    generate(target, ids, m, **models, max_new_tokens=16, trace=trace, **params(m))
             for p in peers:
                 peer_generate(p, target, draft, ids, 16, 4, cfg.stop_prob)
 
@@ -313,4 +319,126 @@ def forward_costs(models: dict[str, Target], ns=(1, 5, 9), context: int = 200, r
         med = {b: float(np.median(v)) for b, v in times.items()}
         rows.append({"model": name, "params_m": sum(p.numel() for p in t.model.parameters()) / 1e6, "n": n,
                      "lean_ms": med["lean"], "hf_ms": med["hf"], "speedup": med["hf"] / med["lean"]})
+    return pd.DataFrame(rows)
+
+
+def parse_grid(text: str) -> dict[str, list]:
+    """'depth=2,3;tree_topk=1,2' -> {'depth': ['2', '3'], 'tree_topk': ['1', '2']} (values checked by the method)."""
+    grid = {}
+    for part in filter(None, (p.strip() for p in text.split(";"))):
+        key, eq, values = part.partition("=")
+        vals = [v.strip() for v in values.split(",") if v.strip()]
+        if not eq or not vals:
+            raise InvalidInput(f"grid '{part}' is not param=v1,v2,... (parameters separated by ';')")
+        grid[key.strip()] = vals
+    return grid
+
+
+def check_grid_keys(method: str, keys) -> None:
+    known = get_method(method).params
+    for key in keys:
+        if key not in known:
+            raise InvalidInput(f"'{key}' is not a parameter of {method} ({', '.join(known) or 'it has none'})")
+
+
+def param_grid(target: Target, models: dict, method: str, grid: dict[str, list], suite: str = "zoo",
+               limit: int = 2, max_new_tokens: int = 128, extra: list[dict] | None = None, log=print):
+    """tokens/s, tau and speedup vs AR of every combination of a method's parameters (plus `extra` points, a GPU
+    preset say), untraced, on `limit` prompts per category of a suite. Per prompt every combination and AR run
+    in a rotated order (drift hits all alike); each decode is checked against AR (greedy). Combinations that
+    are the same decode (a chain ignores total_tokens) run once."""
+    import itertools
+
+    import pandas as pd
+
+    from speclab.methods import method_params
+    check_grid_keys(method, [*grid, *(k for p in extra or [] for k in p)])
+    combos, seen = [], set()
+    for values in itertools.product(*grid.values()):
+        p = method_params(method, dict(zip(grid, values)), target)  # checked (and defaults filled) up front
+        key = tuple(sorted(_effective(method, p).items()))
+        if key not in seen:
+            seen.add(key)
+            combos.append(p)
+    for p in extra or []:
+        combos.append(method_params(method, p, target))
+    rows = [(r, format_prompt(target, r)) for r in load_suite(suite, limit)]
+    rows = [(r, ids) for r, ids in rows if ids.numel() + max_new_tokens <= target.max_context]
+    if not rows:
+        raise InvalidInput(f"no prompt of suite '{suite}' fits the context ({target.max_context} tokens)")
+    for p in combos[:1]:  # warm-up
+        generate(target, rows[0][1], method, **models, max_new_tokens=16, **p)
+    runs = ["ar"] + list(range(len(combos)))
+    stats = {j: {"tokens": 0, "s": 0.0, "rounds": 0, "equal": 0} for j in runs}
+    prog = Progress(len(rows) * len(runs), f"grid {method}")
+    done = 0
+    for i, (r, ids) in enumerate(rows):
+        out = {}
+        for j in runs[i % len(runs):] + runs[: i % len(runs)]:
+            res = generate(target, ids, "ar" if j == "ar" else method, **models, max_new_tokens=max_new_tokens,
+                           **({} if j == "ar" else combos[j]))
+            out[j] = res.token_ids
+            st = stats[j]
+            st["tokens"] += len(res.token_ids)
+            st["s"] += res.elapsed_s
+            st["rounds"] += res.decode.rounds
+            done += 1
+            prog.update(done, prompt=r["prompt_id"])
+        for j in runs:
+            stats[j]["equal"] += out[j] == out["ar"]
+    ar_tps = tokens_per_s(stats["ar"]["tokens"], stats["ar"]["s"])
+    table = []
+    for j, p in enumerate(combos):
+        st = stats[j]
+        tps = tokens_per_s(st["tokens"], st["s"])
+        table.append({**p, "tau": tau(st["tokens"], st["rounds"]), "tokens_per_s": tps, "speedup": tps / ar_tps,
+                      "equal_to_ar": st["equal"] / len(rows), "preset": j >= len(combos) - len(extra or [])})
+    log(f"AR: {ar_tps:.1f} tokens/s over {len(rows)} prompts")
+    return pd.DataFrame(table).sort_values("tokens_per_s", ascending=False, ignore_index=True)
+
+
+def _effective(method: str, p: dict) -> dict:
+    """The parameters that change the decode (an eagle3 chain ignores total_tokens beyond its depth)."""
+    if method == "eagle3" and p.get("tree_topk") == 1:
+        return {**p, "total_tokens": min(p["total_tokens"], p["depth"]), "depth": min(p["total_tokens"], p["depth"])}
+    return p
+
+
+@torch.inference_mode()
+def catchup_costs(target: Target, eagle, backlogs=(1, 4, 16, 64), context: int = 200, reps: int = 15,
+                  calls: int = 20):
+    """Median milliseconds of one EAGLE-3 catch-up over a backlog of m tokens after a `context`-token drafter
+    cache: KV-only prefill (k/v projections for the backlog, the whole layer and head for its last token) against
+    a full forward of the backlog (attention, MLP and head on every row). Interleaved; real target features."""
+    import pandas as pd
+
+    from speclab.drafters.eagle3 import Eagle3Drafter
+    g = torch.Generator().manual_seed(0)
+    n = context + max(backlogs) + 1
+    ids = torch.randint(2, target.vocab_size, (n,), generator=g)
+    layers = eagle.config.target_layers
+    feats = target.forward(ids, target.new_cache(), layers=layers).features
+    drafters = {mode: Eagle3Drafter(eagle, target, kv_only=mode == "kv_only") for mode in ("kv_only", "full")}
+    for d in drafters.values():
+        d.reset(ids[: context + 1], feats[:context])
+        d.catch_up(ids[:0], None)
+    rows = []
+    bar = Progress(len(backlogs) * reps, "catch-up costs")
+    done = 0
+    for m in backlogs:
+        times = {mode: [] for mode in drafters}
+        new_ids, new_feats = ids[context + 1 : context + 1 + m], feats[context : context + m]
+        for _ in range(reps):
+            for mode, d in drafters.items():
+                t0 = time.perf_counter()
+                for _ in range(calls):
+                    d.catch_up(new_ids, new_feats)
+                    d.known = context  # forget the backlog again (the cache is overwritten in place)
+                    d.cache.crop(context)
+                times[mode].append((time.perf_counter() - t0) / calls * 1e3)
+            done += 1
+            bar.update(done, backlog=m)
+        med = {mode: float(np.median(v)) for mode, v in times.items()}
+        rows.append({"backlog": m, "kv_only_ms": med["kv_only"], "full_ms": med["full"],
+                     "saving": 1 - med["kv_only"] / med["full"]})
     return pd.DataFrame(rows)

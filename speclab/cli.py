@@ -52,6 +52,7 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     """The target/draft options every model-loading command shares (the app too)."""
     p.add_argument("--model", help="target model directory or cached hub name (default: the zoo target)")
     p.add_argument("--draft", help="draft model for sps (default: the zoo draft)")
+    p.add_argument("--eagle", help="EAGLE-3 drafter directory for eagle3 (public layout; default: the zoo's)")
     p.add_argument("--device", default=None, help="cpu | cuda (default: cuda when present)")
     p.add_argument("--dtype", default=None, help="fp32 | bf16 | fp16 (default fp32 on CPU, bf16 on CUDA)")
     p.add_argument("--backend", default="auto", choices=["auto", "lean", "hf"],
@@ -59,21 +60,27 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                         "where it applies)")
 
 
-def load_models(a: argparse.Namespace, draft: bool = True, log=None):
-    """(target, draft or None) from the options of `add_model_args`."""
+def load_models(a: argparse.Namespace, roles=("draft", "eagle3"), log=None):
+    """(target, drafter models by role) from the options of `add_model_args`: the roles asked for (those the
+    methods at hand need), each from its option or the zoo."""
     from speclab import zoo
     from speclab.target import Target
 
     log = log or (lambda s: print(s, file=sys.stderr, flush=True))
-    paths = {"target": a.model or zoo.default_target(), "draft": (a.draft or zoo.default_draft()) if draft else None}
-    out = []
-    for role, path in paths.items():
-        if path is None:
-            out.append(None)
-            continue
-        log(f"loading {role} {path} ...")
-        out.append(Target.load(path, device=a.device, dtype=a.dtype, backend=a.backend))
-    return tuple(out)
+    path = a.model or zoo.default_target()
+    log(f"loading target {path} ...")
+    target = Target.load(path, device=a.device, dtype=a.dtype, backend=a.backend)
+    models = {}
+    if "draft" in roles:
+        path = a.draft or zoo.default_draft()
+        log(f"loading draft {path} ...")
+        models["draft"] = Target.load(path, device=a.device, dtype=a.dtype, backend=a.backend)
+    if "eagle3" in roles:
+        from speclab.drafters.eagle3 import load_eagle3
+        path = getattr(a, "eagle", None) or zoo.default_eagle3()
+        log(f"loading EAGLE-3 drafter {path} ...")
+        models["eagle3"] = load_eagle3(path, target)
+    return target, models
 
 
 def cmd_generate(a: argparse.Namespace) -> int:
@@ -93,17 +100,18 @@ def cmd_generate(a: argparse.Namespace) -> int:
         Path(a.db).parent.mkdir(parents=True, exist_ok=True)
         store = TraceStore(a.db)  # before loading models: a locked or foreign file fails fast
     try:
-        target, draft = load_models(a, draft=method.needs_draft_model)
-        params = {"k": a.k, "tree_topk": a.tree_topk, "stop_prob": a.stop_prob}
+        target, models = load_models(a, roles=method.needs)
+        params = {"k": a.k, "tree_topk": a.tree_topk, "stop_prob": a.stop_prob, "depth": a.depth,
+                  "total_tokens": a.total_tokens}
         for p in prompts:  # every prompt and parameter checked against the models before anything is decoded
             try:
-                check_generation(target, p["prompt"], a.method, draft, a.max_new_tokens, a.temperature, a.top_k,
+                check_generation(target, p["prompt"], a.method, models, a.max_new_tokens, a.temperature, a.top_k,
                                  a.top_p, a.seed, params)
             except SpeclabError as e:
                 raise SpeclabError((f"{a.prompts} line {p['line']}: " if "line" in p else "") + str(e)) from e
         for p in prompts:
             stream = _Streamer(target.tokenizer) if a.stream and not a.json else None
-            res = generate(target, p["prompt"], a.method, draft=draft, max_new_tokens=a.max_new_tokens,
+            res = generate(target, p["prompt"], a.method, **models, max_new_tokens=a.max_new_tokens,
                            temperature=a.temperature, top_k=a.top_k, top_p=a.top_p, seed=a.seed, deferred=a.deferred,
                            trace=store, on_round=stream, prompt_id=p["prompt_id"], category=p["category"], **params)
             s = res.summary()
@@ -173,8 +181,9 @@ def cmd_bench(a: argparse.Namespace) -> int:
         get_method(m)
     Path(a.db).parent.mkdir(parents=True, exist_ok=True)
     with TraceStore(a.db) as store:
-        target, draft = load_models(a)
-        bench_id = run_bench(cfg, target, draft, store, log=lambda s: print(s, file=sys.stderr))
+        roles = {r for m in methods for r in get_method(m).needs} | ({"draft"} if cfg.peers else set())
+        target, models = load_models(a, roles=roles)
+        bench_id = run_bench(cfg, target, models, store, log=lambda s: print(s, file=sys.stderr))
         md, html = write_report(store, bench_id, a.report)
         overall = bench_overall(store, bench_id)
     import pandas as pd
@@ -191,9 +200,9 @@ def cmd_forward_costs(a: argparse.Namespace) -> int:
     from speclab.bench import forward_costs
     from speclab.viz import bench_bars, write_html_report
 
-    target, draft = load_models(a)
+    target, models = load_models(a, roles=("draft",))
     ns = [int(n) for n in a.n.split(",")]
-    df = forward_costs({"target": target, "draft": draft}, ns=ns, context=a.context, reps=a.reps)
+    df = forward_costs({"target": target, "draft": models["draft"]}, ns=ns, context=a.context, reps=a.reps)
     if df.empty:
         raise SpeclabError("neither model runs on the lean forward (see speclab.lean.supports): nothing to compare")
     table = df.to_markdown(index=False, floatfmt=".2f")
@@ -209,13 +218,71 @@ def cmd_forward_costs(a: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_grid(a: argparse.Namespace) -> int:
+    import json as _json
+
+    from speclab.bench import check_grid_keys, param_grid, parse_grid
+    from speclab.methods import get_method, parse_spec
+    from speclab.viz import lines_figure, write_html_report
+
+    name = parse_spec(a.method)[0]
+    grid = parse_grid(a.grid)
+    # the method's GPU preset rides along as a reference point unless other points are given
+    extra = [p for p in [get_method(name).gpu_params] if p]
+    try:
+        extra = [_json.loads(x) for x in a.extra] if a.extra else extra
+    except _json.JSONDecodeError as e:
+        raise SpeclabError(f"--extra must be a JSON object of parameters ({e.msg} at column {e.colno})") from e
+    if not all(isinstance(x, dict) for x in extra):
+        raise SpeclabError("--extra must be a JSON object of parameters, e.g. '{\"depth\": 8}'")
+    check_grid_keys(name, [*grid, *(k for p in extra for k in p)])  # before any model is loaded
+    target, models = load_models(a, roles=get_method(name).needs)
+    df = param_grid(target, models, name, grid, suite=a.suite, limit=a.limit, max_new_tokens=a.max_new_tokens,
+                    extra=extra, log=lambda s: print(s, file=sys.stderr))
+    table = df.to_markdown(index=False, floatfmt=".3f")
+    print(table)
+    best = df.iloc[0]
+    print(f"\nfastest: " + ", ".join(f"{k}={best[k]}" for k in grid) + f" at {best.tokens_per_s:.1f} tokens/s "
+          f"(speedup {best.speedup:.2f}, tau {best.tau:.2f})")
+    x = a.x or list(grid)[-1]
+    others = [k for k in grid if k != x]
+    plot = df[~df.preset].copy()
+    plot["shape"] = plot[others].astype(str).agg(lambda r: " ".join(f"{k}={v}" for k, v in zip(others, r)), axis=1) \
+        if others else name
+    figs = [lines_figure(plot, x, "tokens_per_s", "shape", f"{name}: tokens/s over {a.suite} "
+                         f"({a.limit} prompts per category, {a.max_new_tokens} tokens)", hover="tau"),
+            lines_figure(plot, x, "tau", "shape", f"{name}: acceptance length tau")]
+    Path(a.report).parent.mkdir(parents=True, exist_ok=True)
+    path = write_html_report(a.report, f"speclab grid: {name}", figs, table)
+    print(f"plot: {path}")
+    return 0
+
+
+def cmd_catchup_costs(a: argparse.Namespace) -> int:
+    from speclab.bench import catchup_costs
+    from speclab.viz import lines_figure, write_html_report
+
+    target, models = load_models(a, roles=("eagle3",))
+    backlogs = [int(n) for n in a.backlog.split(",")]
+    df = catchup_costs(target, models["eagle3"], backlogs=backlogs, context=a.context, reps=a.reps)
+    table = df.to_markdown(index=False, floatfmt=".3f")
+    print(table)
+    long = df.melt(id_vars=["backlog"], value_vars=["kv_only_ms", "full_ms"], var_name="catch-up", value_name="ms")
+    Path(a.report).parent.mkdir(parents=True, exist_ok=True)
+    path = write_html_report(a.report, "EAGLE-3 catch-up: KV-only prefill vs a full forward of the backlog",
+                             [lines_figure(long, "backlog", "ms", "catch-up", f"ms per catch-up after a {a.context}-"
+                                           "token drafter cache (lower is better)", x_title="backlog tokens")], table)
+    print(f"\nplot: {path}")
+    return 0
+
+
 def cmd_zoo(a: argparse.Namespace) -> int:
     from speclab.train.zoo_build import ZooBuildConfig, build_zoo, evaluate_zoo
 
     if a.zoo_cmd == "build":
         build_zoo(ZooBuildConfig(shared_data=a.shared_data, target_minutes=a.target_minutes,
                                  draft_pretrain_minutes=a.draft_pretrain_minutes, draft_minutes=a.draft_minutes,
-                                 draft_more_minutes=a.draft_more_minutes,
+                                 draft_more_minutes=a.draft_more_minutes, eagle3_minutes=a.eagle3_minutes,
                                  seed=a.seed))
     elif a.zoo_cmd == "eval":
         print(evaluate_zoo(eval_tokens=a.eval_tokens))
@@ -228,6 +295,15 @@ def cmd_train(a: argparse.Namespace) -> int:
     from speclab.train.zoo_build import DRAFT_SHAPE, TARGET_SHAPE
 
     corpus = str(zoo.REPO_ROOT / "data" / "corpus")
+    if a.what == "eagle3":
+        from speclab.train.eagle3 import Eagle3TrainConfig, train_eagle3, val_table
+        cfg = Eagle3TrainConfig(target_dir=a.teacher or str(zoo.default_target()), corpus_dir=corpus, out_dir=a.out,
+                                max_minutes=a.minutes, seed=a.seed, init_from=a.init_from, lr=a.lr or 1e-3,
+                                ttt_steps=a.ttt_steps)
+        summary = train_eagle3(cfg, log=lambda s: print(s, file=sys.stderr, flush=True))
+        print(json.dumps({k: summary[k] for k in ("params", "steps", "tokens", "minutes")}, indent=1))
+        print(val_table(summary["val"]))
+        return 0
     if a.what == "target":
         cfg = TrainConfig(corpus_dir=corpus, tokenizer_dir=str(zoo.tokenizer_dir()), out_dir=a.out, shape=TARGET_SHAPE,
                           lr=a.lr or 1.5e-3, max_minutes=a.minutes, seed=a.seed, init_from=a.init_from)
@@ -261,9 +337,12 @@ def main(argv: list[str] | None = None) -> int:
     add_model_args(g)
     g.add_argument("--prompt", help="prompt text")
     g.add_argument("--prompts", help="file of prompts (.jsonl with prompt/turns/question/text, or one per line)")
-    g.add_argument("--method", default="ar", help="ar | sps | pld | ... (see speclab.methods)")
+    g.add_argument("--method", default="ar", help="ar | sps | pld | eagle3 | ... (see speclab.methods); a spec like "
+                   "eagle3:tree_topk=1 fixes parameters")
     g.add_argument("--k", type=int, default=None, help="draft length / depth (method default if omitted)")
-    g.add_argument("--tree-topk", type=int, default=None, help="sps: children per level (1 = chain)")
+    g.add_argument("--tree-topk", type=int, default=None, help="sps, eagle3: children per expanded node (1 = chain)")
+    g.add_argument("--depth", type=int, default=None, help="eagle3: draft tree depth")
+    g.add_argument("--total-tokens", type=int, default=None, help="eagle3: draft nodes kept from the expanded tree")
     g.add_argument("--stop-prob", type=float, default=None,
                    help="sps: end a chain after a draft token below this probability (0 = always k tokens)")
     g.add_argument("--deferred", action=argparse.BooleanOptionalAction, default=True,
@@ -286,6 +365,28 @@ def main(argv: list[str] | None = None) -> int:
     f.add_argument("--report", default="reports/forward_costs.html")
     f.set_defaults(fn=cmd_forward_costs)
 
+    gr = sub.add_parser("grid", help="tokens/s, tau and speedup over a grid of a method's parameters (CPU defaults)")
+    gr.add_argument("--method", default="eagle3")
+    gr.add_argument("--grid", default="depth=3,4,5,6;tree_topk=1,2,3,4;total_tokens=4,6,8,12,16",
+                    help="param=v1,v2,...;param=... (every combination is decoded)")
+    gr.add_argument("--extra", action="append", help="one more point as JSON (repeatable), e.g. "
+                    "'{\"depth\": 8, \"tree_topk\": 10, \"total_tokens\": 60}'; default: the method's GPU preset")
+    gr.add_argument("--x", default=None, help="parameter on the plot's x axis (default: the grid's last)")
+    gr.add_argument("--suite", default="zoo")
+    gr.add_argument("--limit", type=int, default=2, help="prompts per category")
+    gr.add_argument("--max-new-tokens", type=int, default=128)
+    gr.add_argument("--report", default="reports/grid.html")
+    add_model_args(gr)
+    gr.set_defaults(fn=cmd_grid)
+
+    cc = sub.add_parser("catchup-costs", help="ms per EAGLE-3 catch-up: KV-only prefill vs a full backlog forward")
+    cc.add_argument("--backlog", default="1,2,4,8,16,32,64", help="backlog lengths (comma-separated)")
+    cc.add_argument("--context", type=int, default=200, help="tokens already in the drafter's cache")
+    cc.add_argument("--reps", type=int, default=15, help="interleaved repetitions (20 calls each); the median is shown")
+    cc.add_argument("--report", default="reports/catchup_costs.html")
+    add_model_args(cc)
+    cc.set_defaults(fn=cmd_catchup_costs)
+
     s = sub.add_parser("stats", help="metrics (tau, acceptance, tokens/s, ...) pooled per method / category")
     s.add_argument("--db", default=DEFAULT_DB)
     s.add_argument("--by", default="method", help="comma-separated: method, category, prompt_id, bench_id")
@@ -294,12 +395,13 @@ def main(argv: list[str] | None = None) -> int:
     s.set_defaults(fn=cmd_stats)
 
     b = sub.add_parser("bench", help="benchmark methods on a prompt suite; markdown + HTML report, rows in DuckDB")
-    b.add_argument("--methods", default="ar,sps,pld", help="comma-separated registered methods (ar is required)")
+    b.add_argument("--methods", default="ar,sps,pld", help="comma-separated method specs (ar is required); a spec "
+                   "fixes parameters with ':' and '+': eagle3:tree_topk=1+depth=4")
     b.add_argument("--suite", default="zoo", help="zoo | code | math | stories | literature | spec_bench | mt_bench | "
                    "translation | summarization | qa | math_reasoning | rag | demo")
     b.add_argument("--limit", type=int, default=8, help="prompts per category")
     b.add_argument("--max-new-tokens", type=int, default=128)
-    b.add_argument("--tree-topk", type=int, default=1)
+    b.add_argument("--tree-topk", type=int, default=1, help="sps: children per level (eagle3 takes its own from its spec)")
     b.add_argument("--stop-prob", type=float, default=0.0,
                    help="sps: end a chain after a draft token below this probability; hf_assisted gets the same "
                         "threshold (its own default is 0.4)")
@@ -313,12 +415,15 @@ def main(argv: list[str] | None = None) -> int:
     add_model_args(b)
     b.set_defaults(fn=cmd_bench)
 
-    t = sub.add_parser("train", help="train the zoo target, or distil the zoo draft from a teacher (long)")
-    t.add_argument("what", choices=["target", "draft"])
+    t = sub.add_parser("train", help="train the zoo target, distil the zoo draft, or train an EAGLE-3 drafter online "
+                       "from the frozen target (long)")
+    t.add_argument("what", choices=["target", "draft", "eagle3"])
     t.add_argument("--out", required=True, help="run directory (checkpoints in OUT/model, log in OUT/train_log.jsonl)")
     t.add_argument("--minutes", type=float, required=True, help="wall-clock budget; the LR schedule follows it")
-    t.add_argument("--teacher", help="draft: the model to distil from (default: the zoo target)")
-    t.add_argument("--init-from", help="resume from this HF model directory")
+    t.add_argument("--teacher", help="draft, eagle3: the target to learn from (default: the zoo target)")
+    t.add_argument("--ttt-steps", type=int, default=4, help="eagle3: training-time-test steps (unrolled on its own "
+                   "outputs)")
+    t.add_argument("--init-from", help="resume from this model directory (HF, or EAGLE-3 for eagle3)")
     t.add_argument("--lr", type=float, default=None, help="peak learning rate (default: the zoo recipe's)")
     t.add_argument("--seed", type=int, default=0)
     t.set_defaults(fn=cmd_train)
@@ -331,6 +436,7 @@ def main(argv: list[str] | None = None) -> int:
     zb.add_argument("--draft-pretrain-minutes", type=float, default=20.0)
     zb.add_argument("--draft-minutes", type=float, default=20.0, help="distillation from the target")
     zb.add_argument("--draft-more-minutes", type=float, default=45.0, help="a second distillation pass, LR 1e-3")
+    zb.add_argument("--eagle3-minutes", type=float, default=70.0, help="EAGLE-3 drafter, online from the target")
     zb.add_argument("--seed", type=int, default=0)
     ze = zs.add_parser("eval", help="per-domain validation loss and bits per byte of the zoo models")
     ze.add_argument("--eval-tokens", type=int, default=65536)

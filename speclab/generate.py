@@ -11,7 +11,7 @@ from speclab.engine import DecodeResult, RoundEvent, check_request, decode_round
 from speclab.equality import output_hash
 from speclab.errors import InvalidInput
 from speclab.checks import Bound, check_number, check_sampling
-from speclab.methods import build_method, get_method, method_params
+from speclab.methods import build_method, check_models, get_method, method_params
 from speclab.metrics import tau, tokens_per_s
 from speclab.sampling import Sampling
 from speclab.target import Target
@@ -52,15 +52,14 @@ class Request:
     params: dict  # the method's parameters, defaults filled in
 
 
-def check_generation(target: Target, prompt: str | torch.Tensor, method: str, draft: Target | None = None,
+def check_generation(target: Target, prompt: str | torch.Tensor, method: str, models: dict | None = None,
                      max_new_tokens: int = 128, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
                      seed: int | None = None, params: dict | None = None) -> Request:
-    """Every parameter of a decode checked before any model work (and before a run row exists): the method,
-    sampling, max_new_tokens, the prompt (tokenized: not empty, fits the context) and the method's parameters
-    against the models. Raises InvalidInput naming the parameter, its value and what is allowed."""
-    m = get_method(method)
-    if m.needs_draft_model and draft is None:
-        raise InvalidInput(f"method '{method}' needs a draft model (--draft PATH, or the zoo's default draft)")
+    """Every parameter of a decode checked before any model work (and before a run row exists): the method (a
+    spec, `speclab.methods.parse_spec`) and the drafter models it needs (`models` by role), sampling,
+    max_new_tokens, the prompt (tokenized: not empty, fits the context) and the method's parameters against the
+    models. Raises InvalidInput naming the parameter, its value and what is allowed."""
+    check_models(method, models or {})
     temperature, top_k, top_p, seed = check_sampling(temperature, top_k, top_p, seed, target.vocab_size)
     max_new_tokens = check_number("max_new_tokens", max_new_tokens, int, Bound(1))
     prompt_ids = prompt.flatten().long() if isinstance(prompt, torch.Tensor) else encode_prompt(target, prompt)
@@ -79,14 +78,15 @@ class Generation:
     """
 
     def __init__(self, target: Target, prompt: str | torch.Tensor, method: str = "ar", *, draft: Target | None = None,
-                 max_new_tokens: int = 128, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
+                 eagle3=None, max_new_tokens: int = 128, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
                  seed: int | None = None, deferred: bool = True, trace: TraceStore | None = None,
                  on_round: Callable[[RoundEvent], None] | None = None, prompt_id: str | None = None,
                  category: str | None = None, bench_id: str | None = None, **params):
-        req = check_generation(target, prompt, method, draft, max_new_tokens, temperature, top_k, top_p, seed, params)
+        models = {"draft": draft, "eagle3": eagle3}
+        req = check_generation(target, prompt, method, models, max_new_tokens, temperature, top_k, top_p, seed, params)
         self.target, self.method, self.trace, self.on_round = target, method, trace, on_round
         self.prompt_ids, self.params, sampling = req.prompt_ids, req.params, req.sampling
-        self.drafters, self.router = build_method(method, target, draft, self.params)
+        self.drafters, self.router = build_method(method, target, models, self.params)
         self.kw = dict(max_new_tokens=req.max_new_tokens, sampling=sampling, deferred=deferred)
         self.result: GenerationResult | None = None
         self.run_id, self.writer = None, None
@@ -95,7 +95,8 @@ class Generation:
                 method=method, target=target.name, drafters=",".join(self.drafters) or None,
                 router=self.router.policy if self.router else None,
                 params={**self.params, "max_new_tokens": req.max_new_tokens, **asdict(sampling),
-                        "deferred": deferred, "draft": draft.name if draft else None},
+                        "deferred": deferred, **{role: getattr(models[role], "name", None)
+                                                 for role in get_method(method).needs}},
                 prompt_id=prompt_id, category=category, device=str(target.device),
                 dtype=str(target.dtype).replace("torch.", ""), prompt_text=prompt if isinstance(prompt, str) else None,
                 prompt_tokens=self.prompt_ids.numel(), bench_id=bench_id)
@@ -159,7 +160,7 @@ def model_ms(target: Target, res: DecodeResult) -> float | None:
 def generate(target: Target, prompt: str | torch.Tensor, method: str = "ar", **kw) -> GenerationResult:
     """Decode `prompt` with `method` ("ar", "sps", "pld", ...; see speclab.methods.METHODS) to the end.
 
-    Keyword arguments are those of `Generation`: draft, max_new_tokens, temperature (0 = greedy), top_k, top_p,
+    Keyword arguments are those of `Generation`: draft, eagle3 (the drafter models), max_new_tokens, temperature (0 = greedy), top_k, top_p,
     seed, deferred, trace (a TraceStore), on_round (sees each RoundEvent live), prompt_id, category, bench_id,
     and the method's parameters (k, tree_topk, ...).
     """

@@ -116,11 +116,7 @@ class LeanDecoder:
                 "qkv": qkv, "qkv_bias": qkv_bias, "qk_norm": qk_norm, "o": a.o_proj.weight, "o_bias": a.o_proj.bias, "gate_up": gate_up, "down": m.down_proj.weight}
 
     def _rope_table(self, n: int) -> None:
-        freqs = torch.arange(n, device=self.inv_freq.device).float()[:, None] * self.inv_freq[None]
-        emb = torch.cat([freqs, freqs], -1)
-        self.cos = (emb.cos() * self.rope_scale).to(self.dtype)
-        sign = torch.cat([-torch.ones_like(freqs), torch.ones_like(freqs)], -1)
-        self.sin = (emb.sin() * sign * self.rope_scale).to(self.dtype)
+        self.cos, self.sin = rope_tables(self.inv_freq, self.rope_scale, n, self.dtype)
 
     def new_cache(self, capacity: int = 256) -> KVCache:
         return KVCache(len(self.layers), self.n_kv, self.head_dim, self.dtype, self.device, capacity)
@@ -154,7 +150,7 @@ class LeanDecoder:
             qk, v = qkv[:, : H + KV], qkv[:, H + KV :]
             if L["qk_norm"] is not None:  # Qwen3: RMSNorm per head, q and k in one call
                 qk = F.rms_norm(qk, (D,), None, eps) * L["qk_norm"]
-            qk = qk * cos + _swap_halves(qk) * sin  # rotary embedding, q and k together
+            qk = apply_rope(qk, cos, sin)  # rotary embedding, q and k together
             k_cache, v_cache = cache.k[i], cache.v[i]  # [kv_heads, capacity, D]
             k_cache[:, start:end] = qk[:, H:].transpose(0, 1)
             v_cache[:, start:end] = v.transpose(0, 1)
@@ -178,6 +174,19 @@ class LeanDecoder:
 
     def head(self, h: torch.Tensor) -> torch.Tensor:
         return F.linear(h, self.lm_head)
+
+
+def rope_tables(inv_freq: torch.Tensor, scale: float, n: int, dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin tables [n, head_dim] for positions 0..n-1; sin carries rotate_half's sign (see `apply_rope`)."""
+    freqs = torch.arange(n, device=inv_freq.device).float()[:, None] * inv_freq.float()[None]
+    emb = torch.cat([freqs, freqs], -1)
+    sign = torch.cat([-torch.ones_like(freqs), torch.ones_like(freqs)], -1)
+    return (emb.cos() * scale).to(dtype), (emb.sin() * sign * scale).to(dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotary embedding with tables from `rope_tables` (broadcast over heads): x*cos + rotate_half(x)*sin."""
+    return x * cos + _swap_halves(x) * sin
 
 
 def _swap_halves(x: torch.Tensor) -> torch.Tensor:

@@ -3,6 +3,11 @@
 A method builds its drafters *and* its router, so a method can hold several drafters (a router then picks
 one every round). AR is the method without drafters. New drafters and routers register here and appear
 everywhere without other changes.
+
+A method builds from the target and the drafter models it `needs`, by role: `draft` (a standalone draft LM,
+a `Target`) and `eagle3` (an `Eagle3Model`). A method *spec* names a method with some of its parameters fixed,
+`name:param=value+param=value` (`eagle3:tree_topk=1` is the EAGLE-3 chain): the bench and the CLI take specs, and a
+run's `method` column keeps the spec, so variants of one method stay apart in every table.
 """
 from __future__ import annotations
 
@@ -18,24 +23,50 @@ from speclab.routers import FixedRouter
 class Method:
     name: str
     description: str
-    build: Callable | None  # (target, draft_model, **params) -> (drafters by name, router); None for AR
+    build: Callable | None  # (target, models by role, **params) -> (drafters by name, router); None for AR
     params: dict = field(default_factory=dict)  # parameter -> default (its type is the parameter's type)
-    needs_draft_model: bool = False
+    needs: tuple[str, ...] = ()  # drafter models by role: "draft" (a Target), "eagle3" (an Eagle3Model)
     bounds: Callable | None = None  # target -> {parameter: Bound}: the allowed values, from the model
     check: Callable | None = None  # (params, target) -> None: checks across parameters (raise InvalidInput)
+    gpu_params: dict = field(default_factory=dict)  # defaults that differ on CUDA (the papers' GPU settings)
 
 
-def _sps(target, draft, k=4, tree_topk=1, stop_prob=0.0):
+EAGLE3_GPU_PRESET = {"depth": 8, "tree_topk": 10, "total_tokens": 60}  # EAGLE-3's evaluations, WhiFlash's Table 7
+
+ROLES = {"draft": "a draft model (--draft PATH, or the zoo's default draft)",
+         "eagle3": "an EAGLE-3 drafter (--eagle PATH, or the zoo's default EAGLE-3 drafter)"}
+
+
+def _sps(target, models, k=4, tree_topk=1, stop_prob=0.0):
     from speclab.drafters.sps import StandaloneDraft
+    draft = models["draft"]
     if draft.vocab_size != target.vocab_size:
         raise InvalidInput(f"draft vocabulary ({draft.vocab_size}) differs from the target's ({target.vocab_size}): "
                            "sps needs a draft model with the target's tokenizer")
     return {"sps": StandaloneDraft(draft, k=k, tree_topk=tree_topk, stop_prob=stop_prob)}, FixedRouter("sps")
 
 
-def _pld(target, draft, k=8, max_ngram=3, min_ngram=1):
+def _pld(target, models, k=8, max_ngram=3, min_ngram=1):
     from speclab.drafters.pld import PromptLookup
     return {"pld": PromptLookup(k=k, max_ngram=max_ngram, min_ngram=min_ngram)}, FixedRouter("pld")
+
+
+def _eagle3(target, models, depth=5, tree_topk=1, total_tokens=8):
+    from speclab.drafters.eagle3 import Eagle3Drafter
+    return ({"eagle3": Eagle3Drafter(models["eagle3"], target, depth=depth, top_k=tree_topk, total_tokens=total_tokens)},
+            FixedRouter("eagle3"))
+
+
+def _eagle3_bounds(target) -> dict:
+    return {"depth": Bound(1, target.max_context), "tree_topk": Bound(1, target.vocab_size),
+            "total_tokens": Bound(1, min(MAX_TREE_NODES, target.max_context))}
+
+
+def _eagle3_check(p: dict, target) -> None:
+    expanded = p["tree_topk"] + (p["depth"] - 1) * p["tree_topk"] ** 2
+    if p["tree_topk"] > 1 and expanded > 64 * MAX_TREE_NODES:
+        raise InvalidInput(f"eagle3 tree: depth {p['depth']} x tree_topk {p['tree_topk']} expands {expanded} candidate "
+                           f"nodes, more than {64 * MAX_TREE_NODES}; lower depth or tree_topk")
 
 
 def _sps_bounds(target) -> dict:
@@ -63,34 +94,64 @@ def _pld_check(p: dict, target) -> None:
 METHODS: dict[str, Method] = {
     "ar": Method("ar", "autoregressive baseline: one target call per token", None),
     "sps": Method("sps", "standalone draft model (SpS): chain of k, or a top-k tree", _sps,
-                  {"k": 4, "tree_topk": 1, "stop_prob": 0.0}, needs_draft_model=True, bounds=_sps_bounds,
+                  {"k": 4, "tree_topk": 1, "stop_prob": 0.0}, needs=("draft",), bounds=_sps_bounds,
                   check=_sps_check),
     "pld": Method("pld", "prompt lookup: n-gram match in prompt + output, no model", _pld,
                   {"k": 8, "max_ngram": 3, "min_ngram": 1}, bounds=_pld_bounds, check=_pld_check),
+    "eagle3": Method("eagle3", "EAGLE-3: one-layer drafter on the target's features; dynamic tree (depth, tree_topk, "
+                     "total_tokens), a chain when tree_topk = 1", _eagle3,
+                     {"depth": 5, "tree_topk": 1, "total_tokens": 8}, needs=("eagle3",), bounds=_eagle3_bounds,
+                     check=_eagle3_check, gpu_params=EAGLE3_GPU_PRESET),
 }
 
 
-def get_method(name: str) -> Method:
+def parse_spec(spec: str) -> tuple[str, dict]:
+    """`name` or `name:param=value+param=value` -> (registered method name, the parameters it fixes, as given).
+    ('+' joins parameters, so a comma-separated list of specs stays unambiguous.)"""
+    name, _, rest = str(spec).partition(":")
     if name not in METHODS:
         raise InvalidInput(f"unknown method '{name}'; registered: {', '.join(METHODS)}")
-    return METHODS[name]
+    fixed = {}
+    for item in filter(None, (x.strip() for x in rest.split("+"))):
+        key, eq, value = item.partition("=")
+        if not eq or key.strip() not in METHODS[name].params:
+            raise InvalidInput(f"method spec '{spec}': '{item}' is not param=value with a parameter of {name} "
+                               f"({', '.join(METHODS[name].params) or 'none'})")
+        fixed[key.strip()] = value.strip()
+    return name, fixed
 
 
-def method_params(name: str, given: dict, target) -> dict:
+def get_method(spec: str) -> Method:
+    return METHODS[parse_spec(spec)[0]]
+
+
+def method_params(spec: str, given: dict, target) -> dict:
     """The method's parameters, checked against `target`: defaults overridden by the given ones that it knows
-    (others ignored). A bad value raises InvalidInput naming the parameter, its value and what is allowed."""
-    m = get_method(name)
+    (others ignored), and those by the ones the spec fixes. Defaults are the CPU ones (measured here), or the
+    method's `gpu_params` when the target is on CUDA. A bad value raises InvalidInput naming the
+    parameter, its value and what is allowed."""
+    name, fixed = parse_spec(spec)
+    m = METHODS[name]
+    given = {**given, **fixed}
     bounds = m.bounds(target) if m.bounds else {}
+    defaults = {**m.params, **(m.gpu_params if getattr(target.device, "type", "cpu") == "cuda" else {})}
     out = {k: check_number(k, given[k] if given.get(k) is not None else v, type(v), bounds.get(k, Bound()))
-           for k, v in m.params.items()}
+           for k, v in defaults.items()}
     if m.check:
         m.check(out, target)
     return out
 
 
-def build_method(name: str, target, draft, params: dict):
+def check_models(spec: str, models: dict) -> None:
+    """Every drafter model the method needs is there (InvalidInput naming the missing one otherwise)."""
+    for role in get_method(spec).needs:
+        if models.get(role) is None:
+            raise InvalidInput(f"method '{spec}' needs {ROLES[role]}")
+
+
+def build_method(spec: str, target, models: dict, params: dict):
     """(drafters by name, router) of a method; AR has no drafter and no router."""
-    m = get_method(name)
+    m = get_method(spec)
     if m.build is None:
         return {}, None
-    return m.build(target, draft, **params)
+    return m.build(target, models, **params)

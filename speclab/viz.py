@@ -8,10 +8,12 @@ from pathlib import Path
 
 import plotly.graph_objects as go
 
-METHOD_COLORS = {"ar": "#7f7f7f", "sps": "#1f77b4", "pld": "#2ca02c", "hf_assisted": "#aec7e8", "hf_pld": "#98df8a"}
+METHOD_COLORS = {"ar": "#7f7f7f", "sps": "#1f77b4", "pld": "#2ca02c", "eagle3": "#9467bd", "dflash": "#d62728",
+                 "hf_assisted": "#aec7e8", "hf_pld": "#98df8a"}
 
 
 def _color(method: str) -> str | None:
+    """A registered method's colour; None (plotly's palette) for specs and variants, so they stay apart."""
     return METHOD_COLORS.get(method)
 
 
@@ -38,6 +40,20 @@ def position_acceptance(pos) -> go.Figure:
                         customdata=g["rounds_reaching"], hovertemplate="depth %{x}: %{y:.2f} of %{customdata} rounds")
     fig.update_layout(title="Per-position acceptance", xaxis_title="draft depth", yaxis_title="acceptance",
                       yaxis_range=[0, 1.05], template="plotly_white", height=380)
+    return fig
+
+
+def lines_figure(df, x: str, y: str, group: str, title: str, x_title: str | None = None,
+                 y_title: str | None = None, hover: str | None = None) -> go.Figure:
+    """One line per value of `group` (y against x): parameter grids, cost curves."""
+    fig = go.Figure()
+    for name, g in df.groupby(group, sort=False):
+        g = g.sort_values(x)
+        fig.add_scatter(name=str(name), x=g[x], y=g[y], mode="lines+markers", line_color=_color(str(name)),
+                        customdata=g[hover] if hover else None,
+                        hovertemplate=f"{x} %{{x}}: %{{y:.2f}}" + (" (%{customdata})" if hover else ""))
+    fig.update_layout(title=title, xaxis_title=x_title or x, yaxis_title=y_title or y, template="plotly_white",
+                      height=420, legend_title=group)
     return fig
 
 

@@ -1,4 +1,5 @@
-"""The embedded default models in data/zoo/: a small target LM and its draft, trained here (see data/zoo/README.md)."""
+"""The embedded default models in data/zoo/: a small target LM, its draft and its EAGLE-3 drafter, trained here
+(see data/zoo/README.md and data/zoo/eagle3/README.md)."""
 from __future__ import annotations
 
 import os
@@ -17,7 +18,7 @@ def _model(name: str) -> Path:
     p = zoo_dir() / name
     if not (p / "config.json").exists():
         raise ModelNotFound(f"the zoo model '{name}' is missing at {p}; re-create the zoo with `speclab zoo build`, "
-                            "or name a model with --model / --draft")
+                            "or name a model with --model / --draft / --eagle")
     return p
 
 
@@ -27,6 +28,10 @@ def default_target() -> Path:
 
 def default_draft() -> Path:
     return _model("draft")
+
+
+def default_eagle3() -> Path:
+    return _model("eagle3")
 
 
 def tokenizer_dir() -> Path:

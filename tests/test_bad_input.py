@@ -139,6 +139,10 @@ BAD = [  # (case, argv, what the one line must say)
     ("prompts-empty-prompt", ["--prompts", "{file_empty_prompt}"], "line 3: no prompt"),
     ("model-not-causal", ["--model", "{bert}"], "not a causal language model"),
     ("draft-weights-mismatched", ["--method", "sps", "--draft", "{mismatched}"], "do not match its config.json"),
+    ("eagle3-missing", ["--method", "eagle3", "--eagle", "{tmp}/nope"], "no EAGLE-3 drafter at"),
+    ("eagle3-other-target", ["--method", "eagle3"], "it was trained for another target"),  # the zoo's, on a tiny target
+    ("eagle3-not-eagle", ["--method", "eagle3", "--eagle", "{mismatched}"], "not an EAGLE-3 drafter (one decoder layer"),
+    ("method-spec-unknown-param", ["--method", "eagle3:width=2"], "'width=2' is not param=value with a parameter"),
 ]
 
 

@@ -1,4 +1,6 @@
-"""Benchmark harness on tiny models: every method and HF peer is run, equal to AR, and reported."""
+"""Benchmark harness on tiny models: every method and HF peer is run, equal to AR, and reported; parameter grids."""
+import json
+
 import pytest
 import torch
 
@@ -8,10 +10,14 @@ from speclab.trace import TraceStore
 
 def test_bench_runs_methods_and_peers_and_reports(qwen3, qwen3_draft, tmp_path):
     store = TraceStore(tmp_path / "b.duckdb")
-    cfg = BenchConfig(suite="demo", methods=["ar", "sps", "pld"], limit=1, max_new_tokens=12)
-    bench_id = run_bench(cfg, qwen3, qwen3_draft, store, log=lambda s: None)
+    tree = "sps:k=3+tree_topk=2"  # a method spec: its own rows, its parameters over the bench's
+    cfg = BenchConfig(suite="demo", methods=["ar", "sps", tree, "pld"], limit=1, max_new_tokens=12)
+    bench_id = run_bench(cfg, qwen3, {"draft": qwen3_draft}, store, log=lambda s: None)
     table = bench_table(store, bench_id)
-    assert set(table.method) == {"ar", "sps", "pld", "ar-untraced", "sps-untraced", "pld-untraced", "hf_assisted", "hf_pld"}
+    assert set(table.method) == {"ar", "sps", tree, "pld", "ar-untraced", "sps-untraced", f"{tree}-untraced",
+                                 "pld-untraced", "hf_assisted", "hf_pld"}
+    params = store.query("SELECT params_json FROM runs WHERE method = ?", [tree]).params_json
+    assert all(json.loads(p)["tree_topk"] == 2 and json.loads(p)["k"] == 3 for p in params)
     assert set(table.category) == {"code", "stories", "math", "literature"}
     assert (table.equal_to_ar == 1.0).all()  # greedy: speclab and HF's own speculative decoding equal AR
     assert table[table.method == "ar"].speedup.tolist() == pytest.approx([1.0] * 4)
@@ -53,3 +59,18 @@ def test_forward_costs_times_both_backends_and_leaves_the_model_intact(qwen3):
     assert list(df["n"]) == [1, 3] and (df[["lean_ms", "hf_ms"]] > 0).all().all()
     assert (df["speedup"] - df["hf_ms"] / df["lean_ms"]).abs().max() < 1e-9
     assert torch.equal(qwen3.forward(ids, qwen3.new_cache()).logits, before)
+
+
+def test_param_grid_measures_every_distinct_combination(qwen3, qwen3_draft):
+    from speclab.bench import param_grid, parse_grid
+    from speclab.errors import InvalidInput
+    grid = parse_grid("k=2,3;tree_topk=1,2")
+    df = param_grid(qwen3, {"draft": qwen3_draft}, "sps", grid, suite="demo", limit=1, max_new_tokens=10,
+                    extra=[{"k": 5}], log=lambda s: None)
+    assert len(df) == 5 and df.preset.sum() == 1  # 4 combinations + the extra point
+    assert (df.equal_to_ar == 1.0).all() and (df.tokens_per_s > 0).all() and (df.tau >= 1).all()
+    assert df.tokens_per_s.is_monotonic_decreasing  # fastest first
+    with pytest.raises(InvalidInput, match="not a parameter of sps"):
+        param_grid(qwen3, {"draft": qwen3_draft}, "sps", {"depth": ["2"]}, suite="demo", limit=1)
+    with pytest.raises(InvalidInput, match="k must be an integer"):
+        param_grid(qwen3, {"draft": qwen3_draft}, "sps", {"k": ["0"]}, suite="demo", limit=1)

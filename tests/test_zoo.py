@@ -1,10 +1,11 @@
-"""The zoo is the product's default: it loads offline, the draft fits the target, and greedy speculative
-decoding on it equals AR for one prompt of every domain."""
+"""The zoo is the product's default: it loads offline, the draft and the EAGLE-3 drafter fit the target, and
+greedy speculative decoding on it equals AR for one prompt of every domain."""
 import json
 
 import pytest
 
 from speclab import generate, zoo
+from speclab.drafters.eagle3 import load_eagle3
 from speclab.target import Target
 
 PROMPTS = [json.loads(l) for l in (zoo.REPO_ROOT / "data" / "prompts" / "demo.jsonl").read_text().splitlines()]
@@ -23,7 +24,7 @@ def test_zoo_models_load_offline_and_fit(zoo_models):
     assert target.vocab_size == draft.vocab_size == len(target.tokenizer)
     assert target.tokenizer.eos_token_id in target.eos_ids
     sizes = sum(f.stat().st_size for f in zoo.zoo_dir().rglob("*") if f.is_file())
-    assert sizes < 62e6  # the whole zoo stays small enough to ship in the repository
+    assert sizes < 150e6  # the whole zoo stays small enough to ship in the repository
 
 
 @pytest.mark.parametrize("row", PROMPTS, ids=[r["category"] for r in PROMPTS])
@@ -35,3 +36,28 @@ def test_zoo_speculative_greedy_equals_ar(zoo_models, row):
     pld = generate(target, row["prompt"], "pld", k=6, max_new_tokens=40)
     assert sps.token_ids == ar.token_ids and tree.token_ids == ar.token_ids and pld.token_ids == ar.token_ids
     assert sps.decode.rounds < len(ar.token_ids)  # the zoo draft really gets tokens accepted
+
+
+@pytest.fixture(scope="module")
+def zoo_eagle3(zoo_models):
+    return load_eagle3(zoo.default_eagle3(), zoo_models[0])
+
+
+def test_zoo_eagle3_fits_the_target(zoo_models, zoo_eagle3):
+    target = zoo_models[0]
+    c = zoo_eagle3.config
+    assert c.layer_ids == (1, 3, 5) and c.target_layers == (0, 2, 4)  # three distinct layers of the 6
+    assert c.vocab_size == target.vocab_size and c.target_hidden_size == target.hidden_size
+    assert zoo_eagle3.embed_tokens is None  # it shares the target's embedding
+
+
+@pytest.mark.parametrize("row", PROMPTS, ids=[r["category"] for r in PROMPTS])
+def test_zoo_eagle3_greedy_equals_ar(zoo_models, zoo_eagle3, row):
+    """The trained drafter: the CPU default, a chain and a wider tree, deferred and not."""
+    target = zoo_models[0]
+    ar = generate(target, row["prompt"], "ar", max_new_tokens=40)
+    for spec, deferred in [("eagle3", True), ("eagle3:tree_topk=1+depth=4", False),
+                           ("eagle3:depth=4+tree_topk=3+total_tokens=10", True)]:
+        res = generate(target, row["prompt"], spec, eagle3=zoo_eagle3, max_new_tokens=40, deferred=deferred)
+        assert res.token_ids == ar.token_ids, spec
+        assert res.decode.rounds < len(ar.token_ids)  # drafts are accepted

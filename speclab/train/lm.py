@@ -85,7 +85,8 @@ def build_model(shape: ModelShape, tokenizer):
     return Qwen3ForCausalLM(config)
 
 
-def _batch(data: dict, weights: dict, cfg: TrainConfig, rng: np.random.Generator) -> torch.Tensor:
+def sample_windows(data: dict, weights: dict, cfg, rng: np.random.Generator) -> torch.Tensor:
+    """[batch_size, seq_len + 1] random training windows, the domain of each drawn by `weights`."""
     doms = list(weights)
     p = np.array([weights[d] for d in doms], dtype=float)
     picks = rng.choice(len(doms), size=cfg.batch_size, p=p / p.sum())
@@ -189,7 +190,7 @@ def train_lm(cfg: TrainConfig) -> dict:
         lr = lr_at(step, elapsed / budget_s, cfg)
         for g in opt.param_groups:
             g["lr"] = lr
-        xy = _batch(data, cfg.domain_weights, cfg, rng)
+        xy = sample_windows(data, cfg.domain_weights, cfg, rng)
         x, y = xy[:, :-1], xy[:, 1:]
         with torch.autocast("cpu", dtype=torch.bfloat16):
             logits = step_fn(input_ids=x).logits

@@ -1,4 +1,5 @@
-"""Re-create the zoo from ../shared/data: corpus -> tokenizer -> target -> distilled draft -> evaluation.
+"""Re-create the zoo from ../shared/data: corpus -> tokenizer -> target -> distilled draft -> EAGLE-3 drafter ->
+evaluation.
 
 `speclab zoo build` runs the whole recipe (hours on a 2-core CPU; never in CI). `speclab zoo eval`
 measures the per-domain validation loss and bits per byte of the zoo models, the table of the model card.
@@ -30,6 +31,7 @@ class ZooBuildConfig:
     draft_pretrain_minutes: float = 20.0
     draft_minutes: float = 20.0
     draft_more_minutes: float = 45.0  # a second distillation pass at a lower LR (the zoo's draft had 13 + 45 min)
+    eagle3_minutes: float = 70.0  # EAGLE-3 drafter, online from the frozen target (data/zoo/eagle3/README.md)
     seed: int = 0
     work_dir: str = "build/zoo"
 
@@ -38,42 +40,51 @@ def build_zoo(cfg: ZooBuildConfig) -> None:
     corpus = REPO_ROOT / "data" / "corpus"
     zoo = zoo_dir()
     work = Path(cfg.work_dir)
-    print(f"[1/6] corpus -> {corpus}", flush=True)
+    print(f"[1/7] corpus -> {corpus}", flush=True)
     print(json.dumps(build_corpus(corpus, CorpusConfig(shared_data=Path(cfg.shared_data), seed=cfg.seed)), indent=1))
-    print(f"[2/6] tokenizer -> {zoo / 'tokenizer'}", flush=True)
+    print(f"[2/7] tokenizer -> {zoo / 'tokenizer'}", flush=True)
     shutil.rmtree(corpus / ".tokens", ignore_errors=True)
     train_tokenizer(corpus, zoo / "tokenizer")
-    print(f"[3/6] target ({cfg.target_minutes:.0f} min)", flush=True)
+    print(f"[3/7] target ({cfg.target_minutes:.0f} min)", flush=True)
     train_lm(TrainConfig(corpus_dir=str(corpus), tokenizer_dir=str(zoo / "tokenizer"), out_dir=str(work / "target"),
                          shape=TARGET_SHAPE, lr=1.5e-3, max_minutes=cfg.target_minutes, seed=cfg.seed))
     _install(work / "target", zoo / "target")
-    print(f"[4/6] draft pre-trained on the corpus ({cfg.draft_pretrain_minutes:.0f} min)", flush=True)
+    print(f"[4/7] draft pre-trained on the corpus ({cfg.draft_pretrain_minutes:.0f} min)", flush=True)
     train_lm(TrainConfig(corpus_dir=str(corpus), tokenizer_dir=str(zoo / "tokenizer"), out_dir=str(work / "draft_ce"),
                          shape=DRAFT_SHAPE, lr=3e-3, seq_len=256, batch_size=16,
                          max_minutes=cfg.draft_pretrain_minutes, seed=cfg.seed + 2))
-    print(f"[5/6] draft distilled from the target's distributions ({cfg.draft_minutes:.0f} min)", flush=True)
+    print(f"[5/7] draft distilled from the target's distributions ({cfg.draft_minutes:.0f} min)", flush=True)
     train_lm(TrainConfig(corpus_dir=str(corpus), tokenizer_dir=str(zoo / "tokenizer"), out_dir=str(work / "draft_kl"),
                          shape=DRAFT_SHAPE, teacher=str(zoo / "target"), init_from=str(work / "draft_ce" / "model"),
                          lr=2e-3, warmup_steps=20, seq_len=256, batch_size=16, max_minutes=cfg.draft_minutes,
                          seed=cfg.seed + 3))
-    print(f"[6/6] more distillation at a lower LR ({cfg.draft_more_minutes:.0f} min)", flush=True)
+    print(f"[6/7] more distillation at a lower LR ({cfg.draft_more_minutes:.0f} min)", flush=True)
     train_lm(TrainConfig(corpus_dir=str(corpus), tokenizer_dir=str(zoo / "tokenizer"), out_dir=str(work / "draft_kl2"),
                          shape=DRAFT_SHAPE, teacher=str(zoo / "target"), init_from=str(work / "draft_kl" / "model"),
                          lr=1e-3, seq_len=256, batch_size=16, max_minutes=cfg.draft_more_minutes, seed=cfg.seed + 3))
     _install(work / "draft_kl2", zoo / "draft",
              earlier_logs=(work / "draft_ce" / "train_log.jsonl", work / "draft_kl" / "train_log.jsonl"))
+    print(f"[7/7] EAGLE-3 drafter, online from the frozen target ({cfg.eagle3_minutes:.0f} min)", flush=True)
+    from speclab.train.eagle3 import Eagle3TrainConfig, train_eagle3
+    train_eagle3(Eagle3TrainConfig(target_dir=str(zoo / "target"), corpus_dir=str(corpus), out_dir=str(work / "eagle3"),
+                                   max_minutes=cfg.eagle3_minutes, seed=cfg.seed))
+    _install(work / "eagle3", zoo / "eagle3", every=25)
     print(evaluate_zoo())
 
 
-def _install(run_dir: Path, dest: Path, earlier_logs: tuple[Path, ...] = ()) -> None:
-    """Copy the final checkpoint into the zoo with a thinned training log (earlier logs of a resumed run first)."""
+def _install(run_dir: Path, dest: Path, earlier_logs: tuple[Path, ...] = (), every: int = 100) -> None:
+    """Copy the final checkpoint into the zoo with a thinned training log (earlier logs of a resumed run first);
+    a model card (README.md) already there is kept."""
     from speclab.train.lm import training_curve
 
+    card = (dest / "README.md").read_text() if (dest / "README.md").exists() else None
     if dest.exists():
         shutil.rmtree(dest)
     shutil.copytree(run_dir / "model", dest)
-    recs = training_curve([*earlier_logs, run_dir / "train_log.jsonl"])
+    recs = training_curve([*earlier_logs, run_dir / "train_log.jsonl"], every=every)
     (dest / "train_log.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+    if card:
+        (dest / "README.md").write_text(card)
 
 
 def evaluate_zoo(eval_tokens: int = 65536) -> str:

@@ -1,0 +1,460 @@
+"""EAGLE-3: an autoregressive tree drafter that reads the target's own features (Li et al., 2025).
+
+The drafter is one decoder layer in the public EAGLE-3 layout (../shared/notes/drafter-formats.md), so a public
+checkpoint loads as it is and ours is written the same way:
+
+    features of three target layers, concatenated [3 * H_t] -> fc -> h                  (depth 0 only)
+    x = cat(input_layernorm(embed(next token)), hidden_norm(h))                          [2 * H]
+    h' = h + o_proj(attention(q/k/v_proj(x)));  h' = h' + mlp(post_attention_layernorm(h'))
+    logits = lm_head(norm(h'))   over the draft vocabulary (full, or reduced: target id = id + d2t[id])
+
+Position t pairs the target's feature f_t with the token x_{t+1} (the engine's catch-up pairing) and predicts
+x_{t+2}; past depth 0 the drafter feeds back its own pre-norm output h' instead of fc(features).
+
+Layer convention. `eagle_config.eagle_aux_hidden_state_layer_ids` are Hugging Face `hidden_states` indices:
+id j is the residual stream *entering* decoder layer j (the output of layer j - 1); the public default is
+(2, L // 2, L - 3). speclab's `Target.forward(layers=...)` names layer outputs, so id j is speclab layer j - 1
+(`Eagle3Config.target_layers`). On the zoo's 6-layer target the default collapses to (2, 3, 3); the zoo drafter
+uses (1, 3, 5): low, middle and the input of the last layer.
+
+Drafting (EAGLE-2's dynamic tree): the root's top-k children; then `depth - 1` times the k best frontier nodes
+(cumulative log-probability) are forwarded in one drafter call under a tree mask and expanded by their top-k;
+at the end the best `total_tokens` nodes of everything expanded form the tree (ancestor-closed, since a score
+only falls along a path). top_k = 1 is a chain. The tree is deterministic, so verification treats its nodes as
+point masses: lossless under sampling as well.
+
+Catch-up with KV-only prefill: the backlog (tokens accepted since the drafter last looked, with the target's
+features) needs only its keys and values in the drafter's cache. With one layer those depend on the inputs
+alone, so every backlog row gets k/v projections and nothing else; only the last row runs attention, the MLP
+and the head (its output is the root of the next draft). `kv_only=False` runs the whole layer and the head on
+every row instead (the baseline `speclab eagle3-catchup` measures against); both give the same draft.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from speclab.errors import ModelNotFound
+from speclab.lean import KVCache, apply_rope, rope_tables
+from speclab.sampling import Sampling
+from speclab.tree import DraftTree
+
+WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
+
+
+def default_layer_ids(num_layers: int) -> tuple[int, int, int]:
+    """EAGLE-3's (2, L // 2, L - 3) in `hidden_states` indices; for shallow targets where those are not three
+    distinct inputs of decoder layers 1..L-1, three spread ones (the zoo's 6 layers: 1, 3, 5)."""
+    ids = (2, num_layers // 2, num_layers - 3)
+    if len(set(ids)) == 3 and all(1 <= j < num_layers for j in ids):
+        return ids
+    if num_layers < 4:
+        raise ValueError(f"EAGLE-3 reads three distinct target layers 1..L-1: it needs at least 4 (got {num_layers})")
+    return (1, num_layers // 2, num_layers - 1)
+
+
+@dataclass
+class Eagle3Config:
+    """The public EAGLE-3 config.json, as far as the drafter uses it."""
+    hidden_size: int
+    intermediate_size: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    vocab_size: int
+    draft_vocab_size: int
+    target_hidden_size: int
+    layer_ids: tuple[int, ...]  # eagle_config.eagle_aux_hidden_state_layer_ids (hidden_states indices)
+    head_dim: int | None = None
+    rms_norm_eps: float = 1e-6
+    max_position_embeddings: int = 2048
+    rope_theta: float = 10000.0
+    rope_scaling: dict | None = None
+    extra: dict = field(default_factory=dict)  # other keys of the file, written back unchanged
+
+    def __post_init__(self):
+        self.head_dim = self.head_dim or self.hidden_size // self.num_attention_heads
+        self.layer_ids = tuple(int(j) for j in self.layer_ids)
+
+    @property
+    def target_layers(self) -> tuple[int, ...]:
+        """The layers in speclab's convention (`Target.forward(layers=...)`: outputs of decoder layer i)."""
+        return tuple(j - 1 for j in self.layer_ids)
+
+    @classmethod
+    def from_dict(cls, d: dict, num_target_layers: int | None = None) -> "Eagle3Config":
+        d = dict(d)
+        eagle = d.get("eagle_config") or {}
+        ids = eagle.get("eagle_aux_hidden_state_layer_ids")
+        if ids is None:
+            if num_target_layers is None:
+                raise ValueError("config.json has no eagle_config.eagle_aux_hidden_state_layer_ids and the target's "
+                                 "depth is unknown")
+            ids = default_layer_ids(num_target_layers)
+        rope = d.get("rope_parameters") or {}
+        known = {"hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "vocab_size",
+                 "draft_vocab_size", "target_hidden_size", "head_dim", "rms_norm_eps", "max_position_embeddings",
+                 "rope_theta", "rope_scaling"}
+        return cls(hidden_size=d["hidden_size"], intermediate_size=d["intermediate_size"],
+                   num_attention_heads=d["num_attention_heads"],
+                   num_key_value_heads=d.get("num_key_value_heads") or d["num_attention_heads"],
+                   vocab_size=d["vocab_size"], draft_vocab_size=d.get("draft_vocab_size") or d["vocab_size"],
+                   target_hidden_size=d.get("target_hidden_size") or d["hidden_size"], layer_ids=tuple(ids),
+                   head_dim=d.get("head_dim"), rms_norm_eps=d.get("rms_norm_eps", 1e-6),
+                   max_position_embeddings=d.get("max_position_embeddings", 2048),
+                   rope_theta=d.get("rope_theta", rope.get("rope_theta", 10000.0)),
+                   rope_scaling=d.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None),
+                   extra={k: v for k, v in d.items() if k not in known})
+
+    def to_dict(self) -> dict:
+        d = {k: v for k, v in asdict(self).items() if k not in ("extra", "layer_ids")}
+        out = {"architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama", "num_hidden_layers": 1,
+               "tie_word_embeddings": False, "hidden_act": "silu", **self.extra, **d}
+        out["eagle_config"] = {**(self.extra.get("eagle_config") or {}),
+                               "eagle_aux_hidden_state_layer_ids": list(self.layer_ids)}
+        return out
+
+
+class _Attention(nn.Module):
+    def __init__(self, c: Eagle3Config):
+        super().__init__()
+        self.q_proj = nn.Linear(2 * c.hidden_size, c.num_attention_heads * c.head_dim, bias=False)
+        self.k_proj = nn.Linear(2 * c.hidden_size, c.num_key_value_heads * c.head_dim, bias=False)
+        self.v_proj = nn.Linear(2 * c.hidden_size, c.num_key_value_heads * c.head_dim, bias=False)
+        self.o_proj = nn.Linear(c.num_attention_heads * c.head_dim, c.hidden_size, bias=False)
+
+
+class _MLP(nn.Module):
+    def __init__(self, c: Eagle3Config):
+        super().__init__()
+        self.gate_proj = nn.Linear(c.hidden_size, c.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(c.hidden_size, c.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(c.intermediate_size, c.hidden_size, bias=False)
+
+
+class _MidLayer(nn.Module):
+    def __init__(self, c: Eagle3Config):
+        super().__init__()
+        self.hidden_norm = nn.RMSNorm(c.hidden_size, eps=c.rms_norm_eps)
+        self.input_layernorm = nn.RMSNorm(c.hidden_size, eps=c.rms_norm_eps)
+        self.post_attention_layernorm = nn.RMSNorm(c.hidden_size, eps=c.rms_norm_eps)
+        self.self_attn = _Attention(c)
+        self.mlp = _MLP(c)
+
+
+class Eagle3Model(nn.Module):
+    """The drafter's weights in the public layout, and the pieces of its forward (used by the drafter and by
+    training alike). `embed_tokens` is None when the checkpoint has none: the target's embedding is used."""
+
+    def __init__(self, config: Eagle3Config, with_embedding: bool = False):
+        super().__init__()
+        c = self.config = config
+        self.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size) if with_embedding else None
+        self.fc = nn.Linear(len(c.layer_ids) * c.target_hidden_size, c.hidden_size, bias=False)
+        self.midlayer = _MidLayer(c)
+        self.norm = nn.RMSNorm(c.hidden_size, eps=c.rms_norm_eps)
+        self.lm_head = nn.Linear(c.hidden_size, c.draft_vocab_size, bias=False)
+        self.register_buffer("d2t", torch.zeros(c.draft_vocab_size, dtype=torch.long))
+        self.register_buffer("t2d", torch.ones(c.vocab_size, dtype=torch.bool))
+        self.inv_freq, self.rope_scale = _rope_inv_freq(c)  # fp32 on CPU, not a buffer: `.to(bf16)` leaves it
+
+    # -- the forward, in pieces -------------------------------------------------------------------------------
+    def qkv(self, emb: torch.Tensor, h: torch.Tensor, cos, sin, q_rows: slice | None = None):
+        """Queries [.., heads, n_q, D] (of `q_rows`, default all) and keys, values [.., kv_heads, n, D] for
+        inputs (embedding of the next token, hidden) [.., n, H]; rotary applied."""
+        L, c = self.midlayer, self.config
+        x = torch.cat([L.input_layernorm(emb), L.hidden_norm(h)], -1)
+        xq = x if q_rows is None else x[..., q_rows, :]
+        q = L.self_attn.q_proj(xq).unflatten(-1, (c.num_attention_heads, c.head_dim))
+        k = L.self_attn.k_proj(x).unflatten(-1, (c.num_key_value_heads, c.head_dim))
+        v = L.self_attn.v_proj(x).unflatten(-1, (c.num_key_value_heads, c.head_dim))
+        cq, sq = (cos, sin) if q_rows is None else (cos[..., q_rows, :, :], sin[..., q_rows, :, :])
+        return (apply_rope(q, cq, sq).transpose(-2, -3), apply_rope(k, cos, sin).transpose(-2, -3),
+                v.transpose(-2, -3))
+
+    def finish(self, h: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
+        """The rest of the layer: residual + o_proj(attention output [.., heads, n, D]), then the MLP."""
+        L = self.midlayer
+        h = h + L.self_attn.o_proj(attn.transpose(-2, -3).flatten(-2))
+        x = L.post_attention_layernorm(h)
+        return h + L.mlp.down_proj(F.silu(L.mlp.gate_proj(x)) * L.mlp.up_proj(x))
+
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        """Logits over the draft vocabulary of pre-norm outputs h [.., H]."""
+        return self.lm_head(self.norm(h))
+
+    def rope(self, n: int, dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos / sin tables for positions 0..n-1 (speclab.lean's convention), on the model's device."""
+        return rope_tables(self.inv_freq.to(self.fc.weight.device), self.rope_scale, n, dtype)
+
+    @property
+    def draft_to_target(self) -> torch.Tensor:
+        """[draft_vocab] target token id of every draft-vocabulary id."""
+        return torch.arange(self.config.draft_vocab_size, device=self.d2t.device) + self.d2t
+
+    # -- files --------------------------------------------------------------------------------------------------
+    def save(self, out_dir: str | Path, dtype=torch.bfloat16, extra_files: dict[str, str] | None = None) -> None:
+        """config.json + model.safetensors in the public layout (written to a temp dir, then renamed)."""
+        import shutil
+
+        from safetensors.torch import save_file
+
+        out = Path(out_dir)
+        tmp = out.with_name(out.name + ".tmp")
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+        sd = {k: (v.to(dtype) if v.is_floating_point() else v).contiguous() for k, v in self.state_dict().items()}
+        save_file(sd, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        (tmp / "config.json").write_text(json.dumps(self.config.to_dict(), indent=2) + "\n")
+        for name, text in (extra_files or {}).items():
+            (tmp / name).write_text(text)
+        if out.exists():
+            shutil.rmtree(out)
+        tmp.rename(out)
+
+
+def _rope_inv_freq(c: Eagle3Config) -> tuple[torch.Tensor, float]:
+    """inv_freq and attention scaling of the drafter's rotary embedding (transformers' own rope functions, so
+    llama3 / linear / yarn scalings of public checkpoints are honoured)."""
+    from transformers import LlamaConfig
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+    kw = {"rope_theta": c.rope_theta}
+    if c.rope_scaling:
+        kw["rope_scaling"] = dict(c.rope_scaling)
+    cfg = LlamaConfig(hidden_size=c.hidden_size, num_attention_heads=c.num_attention_heads, head_dim=c.head_dim,
+                      max_position_embeddings=c.max_position_embeddings, **kw)
+    rot = LlamaRotaryEmbedding(cfg)
+    return rot.inv_freq.float().clone(), float(getattr(rot, "attention_scaling", 1.0))
+
+
+def load_eagle3(path: str | Path, target=None, device=None, dtype=None) -> Eagle3Model:
+    """An EAGLE-3 drafter from a directory with its config.json and `model.safetensors` or `pytorch_model.bin`
+    (keys `midlayer.*` or vLLM's `layers.0.*`). Checked against `target` when given (vocabulary, feature width,
+    layer ids); a missing or unexpected weight is refused by name."""
+    p = Path(path).expanduser()
+    if not (p / "config.json").is_file():
+        raise ModelNotFound(f"no EAGLE-3 drafter at {p.resolve()} (a directory with config.json and "
+                            f"{' or '.join(WEIGHT_FILES)})")
+    raw = json.loads((p / "config.json").read_text())
+    if raw.get("num_hidden_layers", 1) != 1:
+        raise ModelNotFound(f"{p.resolve()} holds a {raw.get('num_hidden_layers')}-layer "
+                            f"{', '.join(raw.get('architectures') or ['model'])}, not an EAGLE-3 drafter (one decoder "
+                            "layer; config.json 'num_hidden_layers' 1)")
+    try:
+        cfg = Eagle3Config.from_dict(raw, target.num_layers if target is not None else None)
+    except (KeyError, ValueError, TypeError) as e:
+        raise ModelNotFound(f"{p / 'config.json'} is not an EAGLE-3 config ({type(e).__name__}: {e})") from e
+    weights = next((p / f for f in WEIGHT_FILES if (p / f).is_file()), None)
+    if weights is None:
+        raise ModelNotFound(f"{p.resolve()} has no weights ({' or '.join(WEIGHT_FILES)})")
+    if weights.suffix == ".safetensors":
+        from safetensors.torch import load_file
+        sd = load_file(str(weights))
+    else:
+        sd = torch.load(weights, map_location="cpu", weights_only=True)
+    sd = {("midlayer." + k[len("layers.0."):] if k.startswith("layers.0.") else k): v for k, v in sd.items()}
+    model = Eagle3Model(cfg, with_embedding="embed_tokens.weight" in sd)
+    expected = set(model.state_dict())
+    missing = sorted(expected - set(sd) - {"d2t", "t2d"})
+    unexpected = sorted(set(sd) - expected)
+    if missing or unexpected:
+        bad = ([f"missing {', '.join(missing[:4])}"] if missing else []) + \
+              ([f"unexpected {', '.join(unexpected[:4])}"] if unexpected else [])
+        raise ModelNotFound(f"the weights in {p.resolve()} are not an EAGLE-3 drafter for its config.json "
+                            f"({'; '.join(bad)})")
+    try:
+        model.load_state_dict(sd, strict=False)
+    except RuntimeError as e:
+        raise ModelNotFound(f"the weights in {p.resolve()} do not match its config.json: "
+                            f"{str(e).splitlines()[-1].strip()}") from e
+    if target is not None:
+        _check_against(cfg, target, p)
+        device, dtype = device or target.device, dtype or target.dtype
+    model.name = str(path)
+    return model.to(device=device or "cpu", dtype=dtype or torch.float32).eval().requires_grad_(False)
+
+
+def _check_against(cfg: Eagle3Config, target, where: Path) -> None:
+    if cfg.vocab_size != target.vocab_size:
+        raise ModelNotFound(f"the EAGLE-3 drafter in {where} has vocabulary {cfg.vocab_size}, the target "
+                            f"{target.vocab_size}: it was trained for another target")
+    if cfg.target_hidden_size != target.hidden_size:
+        raise ModelNotFound(f"the EAGLE-3 drafter in {where} reads features of width {cfg.target_hidden_size}, the "
+                            f"target's are {target.hidden_size}: it was trained for another target")
+    bad = [j for j in cfg.layer_ids if not 1 <= j < target.num_layers]
+    if bad:
+        raise ModelNotFound(f"the EAGLE-3 drafter in {where} reads hidden_states {list(cfg.layer_ids)}, but the "
+                            f"target has {target.num_layers} layers (indices 1..{target.num_layers - 1} are inputs "
+                            "of its decoder layers)")
+
+
+class Eagle3Drafter:
+    """The EAGLE-3 drafter behind speclab's drafter protocol (speclab/drafters/base.py)."""
+    name = "eagle3"
+
+    def __init__(self, model: Eagle3Model, target, depth: int = 4, top_k: int = 1, total_tokens: int = 8,
+                 kv_only: bool = True):
+        if depth < 1 or top_k < 1 or total_tokens < 1:
+            raise ValueError(f"eagle3 needs depth, top_k and total_tokens >= 1 (got {depth}, {top_k}, {total_tokens})")
+        self.m, self.depth, self.top_k, self.total_tokens, self.kv_only = model, depth, top_k, total_tokens, kv_only
+        self.layers = model.config.target_layers
+        c = model.config
+        self.H, self.KV, self.D = c.num_attention_heads, c.num_key_value_heads, c.head_dim
+        self.scale = self.D ** -0.5
+        self.device, self.dtype = model.fc.weight.device, model.fc.weight.dtype
+        self.embed = model.embed_tokens.weight if model.embed_tokens is not None else None
+        self.target = target
+        self.to_target = model.draft_to_target
+        self.cos, self.sin = model.rope(max(c.max_position_embeddings, target.max_context) + 1, self.dtype)
+        self.cache: KVCache | None = None
+        self.known = 0  # positions (token-feature pairs) in the drafter's KV cache
+        self.root_logits = None  # [1, draft_vocab]: the distribution after the last committed token
+        self.root_h = None  # [1, H]: the drafter's pre-norm output at the last pair (fed back at depth 1)
+        self.pending_ids = self.pending_feats = None
+
+    def _embed(self, ids: torch.Tensor) -> torch.Tensor:
+        ids = ids.to(self.device)
+        return self.embed[ids] if self.embed is not None else self.target.embed(ids).to(self.dtype)
+
+    def _rope(self, pos: torch.Tensor):
+        return self.cos[pos][:, None], self.sin[pos][:, None]  # [n, 1, D]
+
+    # -- protocol -------------------------------------------------------------------------------------------------
+    def reset(self, prompt_ids: torch.Tensor, prompt_features: torch.Tensor | None) -> None:
+        self.cache = KVCache(1, self.KV, self.D, self.dtype, self.device)
+        self.known, self.root_logits, self.root_h = 0, None, None
+        self.pending_ids = prompt_ids[1:].to(self.device)
+        self.pending_feats = prompt_features if prompt_features is not None else \
+            torch.zeros(0, len(self.layers) * self.m.config.target_hidden_size, device=self.device, dtype=self.dtype)
+
+    @torch.inference_mode()
+    def catch_up(self, ids: torch.Tensor, features: torch.Tensor | None) -> None:
+        """The backlog (token x_t with the target's feature f_{t-1}, at position t - 1) into the cache in one call:
+        keys and values only for all rows but the last (`kv_only`), which alone runs the rest of the layer."""
+        if ids.numel():
+            self.pending_ids = torch.cat([self.pending_ids, ids.to(self.device)])
+            self.pending_feats = torch.cat([self.pending_feats, features.to(self.dtype)])
+        m = self.pending_ids.numel()
+        if m == 0:
+            return
+        emb, h = self._embed(self.pending_ids), self.m.fc(self.pending_feats.to(self.dtype))
+        self.pending_ids, self.pending_feats = self.pending_ids[:0], self.pending_feats[:0]
+        start, end = self.known, self.known + m
+        cos, sin = self._rope(torch.arange(start, end, device=self.device))
+        rows = slice(m - 1, m) if self.kv_only else None
+        q, k, v = self.m.qkv(emb, h, cos, sin, q_rows=rows)
+        out = self._attend(q, k, v, start, mask=None)  # the last row sees everything; rows of a full pass, causal
+        if self.kv_only:
+            h = h[-1:]
+        h = self.m.finish(h, out)
+        logits = self.m.logits(h)  # every row in the full pass (what a plain forward computes)
+        self.known = end
+        self.root_h, self.root_logits = h[-1:], logits[-1:]
+
+    def _attend(self, q, k, v, start: int, mask: torch.Tensor | None):
+        """Write k, v [kv_heads, n, D] at cache positions start.., attend queries [heads, n_q, D] over the cache up
+        to there (default: causal for the last n_q rows; `mask` [n_q, end] bool otherwise)."""
+        n, end = k.shape[1], start + k.shape[1]
+        self.cache.reserve(n)
+        self.cache.k[0, :, start:end], self.cache.v[0, :, start:end] = k, v
+        self.cache.length = end
+        nq = q.shape[1]
+        if mask is None and nq > 1:
+            mask = torch.ones(nq, end, dtype=torch.bool, device=self.device).tril(end - nq)
+        o = F.scaled_dot_product_attention(q[None], self.cache.k[:, :, :end], self.cache.v[:, :, :end],
+                                           attn_mask=mask, scale=self.scale, enable_gqa=self.H != self.KV)
+        return o[0]
+
+    @torch.inference_mode()
+    def propose(self, max_depth: int, sampling: Sampling, generator: torch.Generator | None = None) -> DraftTree:
+        depth = min(self.depth, max_depth)
+        if depth <= 0 or self.root_logits is None:
+            return DraftTree.empty(self.device)
+        if self.top_k == 1:
+            return self._chain(min(depth, self.total_tokens))
+        return self._tree(depth)
+
+    def _forward_nodes(self, tokens, h_parent, depth_of_rows: int, mask):
+        """One drafter call for draft nodes at the same depth (tokens [f], parents' outputs [f, H]), appended to
+        the cache after the committed positions; returns their outputs [f, H] and draft log-probs [f, Vd]."""
+        f = tokens.numel()
+        start = self.cache.length
+        pos = torch.full((f,), self.known - 1 + depth_of_rows, device=self.device)
+        cos, sin = self._rope(pos)
+        q, k, v = self.m.qkv(self._embed(tokens), h_parent, cos, sin)
+        h = self.m.finish(h_parent, self._attend(q, k, v, start, mask))
+        return h, torch.log_softmax(self.m.logits(h).float(), -1)
+
+    def _chain(self, depth: int) -> DraftTree:
+        """Greedy chain: argmax at every depth, one drafter call per token after the first."""
+        logp = torch.log_softmax(self.root_logits.float(), -1)
+        h = self.root_h
+        tokens, logq = [], []
+        for level in range(1, depth + 1):
+            lq, idx = logp.max(-1)
+            tok = self.to_target[idx]
+            tokens.append(tok)
+            logq.append(lq)
+            if level == depth:
+                break
+            h, logp = self._forward_nodes(tok, h, level, None)  # a chain: causal over the cache
+        return DraftTree.chain(torch.cat(tokens), torch.cat(logq).exp())
+
+    def _tree(self, depth: int) -> DraftTree:
+        """EAGLE-2 dynamic tree: expand the top-k frontier by top-k per depth, keep the best `total_tokens`."""
+        k, dev = self.top_k, self.device
+        logp0 = torch.log_softmax(self.root_logits[0].float(), -1)
+        vals, idx = logp0.topk(min(k, logp0.numel()))
+        tok_l, par_l, lq_l, score_l, dep_l = [self.to_target[idx]], [torch.full_like(idx, -1)], [vals], [vals], \
+            [torch.ones_like(idx)]
+        n = idx.numel()
+        front = torch.arange(n, device=dev)  # pool indices of the frontier
+        front_tok, front_score = tok_l[0], vals
+        front_h = self.root_h.expand(n, -1)  # each frontier node's parent output
+        front_pslot = torch.full((n,), -1, device=dev)  # cache slot of each frontier node's parent (-1: the root)
+        slots = 0
+        n_slots_max = k * (depth - 1)
+        slot_anc = torch.zeros(n_slots_max, n_slots_max, dtype=torch.bool, device=dev)
+        for level in range(1, depth):
+            f = front.numel()
+            new = torch.arange(slots, slots + f, device=dev)
+            has = front_pslot >= 0
+            slot_anc[new] = torch.where(has[:, None], slot_anc[front_pslot.clamp(min=0)], False)
+            slot_anc[new, new] = True
+            mask = torch.cat([torch.ones(f, self.known, dtype=torch.bool, device=dev), slot_anc[new, : slots + f]], 1)
+            h, logp = self._forward_nodes(front_tok, front_h, level, mask)
+            slots += f
+            vals, idx = logp.topk(min(k, logp.shape[-1]), -1)  # [f, k]
+            cand = (front_score[:, None] + vals).flatten()
+            kids = idx.flatten()
+            tok_l.append(self.to_target[kids])
+            par_l.append(front.repeat_interleave(vals.shape[1]))
+            lq_l.append(vals.flatten())
+            score_l.append(cand)
+            dep_l.append(torch.full_like(kids, level + 1))
+            best = cand.topk(min(k, cand.numel())).indices
+            front = n + best
+            front_tok, front_score = self.to_target[kids[best]], cand[best]
+            front_h = h[best // vals.shape[1]]
+            front_pslot = new[best // vals.shape[1]]
+            n += cand.numel()
+        tokens, parents, logq = torch.cat(tok_l), torch.cat(par_l), torch.cat(lq_l)
+        score = torch.cat(score_l) - 1e-6 * torch.cat(dep_l)  # strictly falling along a path: closed under ancestors
+        keep = score.topk(min(self.total_tokens, n)).indices.sort().values  # pool order is topological
+        remap = torch.full((n,), -1, dtype=torch.long, device=dev)
+        remap[keep] = torch.arange(keep.numel(), device=dev)
+        par = parents[keep]
+        new_par = torch.where(par >= 0, remap[par.clamp(min=0)], par)
+        return DraftTree(tokens[keep], new_par, logq[keep].exp())
+
+    def commit(self, tree: DraftTree, accepted: torch.Tensor) -> None:
+        """Drop the draft nodes' keys and values: the accepted tokens come back in the next catch-up paired with
+        the target's features (what the drafter was trained on), not the drafter's own outputs."""
+        if self.cache is not None:
+            self.cache.crop(self.known)
+        self.root_logits = self.root_h = None

@@ -1,0 +1,243 @@
+"""Train an EAGLE-3 drafter online from a frozen target, with training-time test (EAGLE-3, Li et al. 2025).
+
+No feature dump on disk: every batch of corpus windows goes through the frozen target first (no
+grad), which gives the three feature layers and its next-token distributions; then the drafter is unrolled on
+its own outputs for `ttt_steps` steps. Everything runs in fp32: on these CPUs (no AMX) a bf16 matmul's backward
+is ~50x slower than fp32's.
+
+Row i of a window pairs the target's feature f_i with the token x_{i+1}. Step 0 reads fc(f_i) and predicts
+x_{i+2}. Step s reads its own step-(s-1) output at row i with the token x_{i+s+1} (at position i + s) and
+predicts x_{i+s+2}; its query attends to the step-0 keys of rows <= i (the context, causal) and to row i's own
+keys of steps 1..s (its draft ancestors): exactly what a depth-(s+1) node sees when drafting. The loss of step s
+is the cross-entropy of the drafter against the target's distribution at position i + s + 1 (= KL + the
+target's entropy), weighted 0.8^s as in EAGLE-3; the accuracy (draft argmax = target argmax) per step is logged.
+"""
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from speclab.drafters.eagle3 import Eagle3Config, Eagle3Model, default_layer_ids, load_eagle3
+from speclab.progress import Progress
+from speclab.train.corpus import DOMAINS
+from speclab.train.lm import lr_at, sample_windows, tokenize_corpus
+
+
+@dataclass
+class Eagle3TrainConfig:
+    target_dir: str
+    corpus_dir: str
+    out_dir: str
+    layer_ids: tuple[int, ...] | None = None  # hidden_states indices; None = default_layer_ids(target depth)
+    draft_vocab_size: int | None = None  # None = the target's vocabulary; smaller = the most frequent tokens
+    intermediate_size: int | None = None  # None = the target's
+    ttt_steps: int = 4  # unrolled steps (step 0 included)
+    step_weight: float = 0.8
+    seq_len: int = 256
+    batch_size: int = 8
+    lr: float = 1e-3
+    min_lr: float = 5e-5
+    warmup_steps: int = 50
+    weight_decay: float = 0.0
+    max_minutes: float = 60.0  # wall-clock budget; the LR schedule follows it (speclab.train.lm.lr_at)
+    init_from: str | None = None  # an EAGLE-3 directory to resume from (optimizer moments restart)
+    eval_every_s: float = 600.0
+    eval_windows: int = 8  # validation windows per domain
+    seed: int = 0
+    threads: int = 2
+    domain_weights: dict = field(default_factory=lambda: {"code": 0.3, "stories": 0.15, "literature": 0.3, "math": 0.25})
+
+
+def new_drafter(target, cfg: Eagle3TrainConfig, token_counts: np.ndarray | None = None) -> Eagle3Model:
+    """A fresh drafter shaped like one of the target's layers; its LM head starts as the target's (rows of the
+    draft vocabulary), its norms at one."""
+    tc = target.config
+    L = tc.num_hidden_layers
+    vocab = tc.vocab_size
+    dv = cfg.draft_vocab_size or vocab
+    c = Eagle3Config(hidden_size=tc.hidden_size, intermediate_size=cfg.intermediate_size or tc.intermediate_size,
+                     num_attention_heads=tc.num_attention_heads, num_key_value_heads=tc.num_key_value_heads,
+                     head_dim=getattr(tc, "head_dim", None), vocab_size=vocab, draft_vocab_size=dv,
+                     target_hidden_size=tc.hidden_size, layer_ids=tuple(cfg.layer_ids or default_layer_ids(L)),
+                     rms_norm_eps=tc.rms_norm_eps, max_position_embeddings=tc.max_position_embeddings,
+                     rope_theta=float((getattr(tc, "rope_parameters", None) or {}).get("rope_theta", 10000.0)))
+    m = Eagle3Model(c)
+    keep = torch.arange(vocab)
+    if dv < vocab:
+        if token_counts is None:
+            raise ValueError("a reduced draft vocabulary needs token counts")
+        keep = torch.from_numpy(np.argsort(-token_counts, kind="stable")[:dv]).sort().values
+        m.d2t.copy_(keep - torch.arange(dv))
+        m.t2d.zero_()
+        m.t2d[keep] = True
+    with torch.no_grad():
+        m.lm_head.weight.copy_(target.get_output_embeddings().weight[keep].float())
+    return m
+
+
+def ttt_forward(m: Eagle3Model, embed: torch.nn.Embedding, ids: torch.Tensor, feats: torch.Tensor, steps: int):
+    """Unrolled drafter outputs for windows ids [B, T] with target features [B, T, F]: logits [steps][B, T-1, Vd].
+    Row i of step s predicts ids[i + s + 2] (rows past the window are garbage; the loss masks them)."""
+    B, T = ids.shape
+    R = T - 1
+    c = m.config
+    cos, sin = m.rope(R + steps, feats.dtype if feats.is_floating_point() else torch.float32)
+    cos, sin = cos.float(), sin.float()
+    pos = torch.arange(R)
+    h = m.fc(feats[:, :R])
+    causal = torch.ones(R, R, dtype=torch.bool).tril()
+    rep = c.num_attention_heads // c.num_key_value_heads
+    scale = c.head_dim ** -0.5
+    keys, vals, out = [], [], []
+    for s in range(steps):
+        tok = F.pad(ids[:, 1 + s :], (0, s), value=0)  # x_{i+s+1}, padded past the window
+        p = pos + s
+        q, k, v = m.qkv(embed(tok), h, cos[p][:, None], sin[p][:, None])  # [B, heads, R, D]
+        k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
+        if s == 0:
+            k0, v0 = k, v
+        else:
+            keys.append(k)
+            vals.append(v)
+        ctx = (q @ k0.transpose(-1, -2)) * scale  # step-0 keys: the context, causal
+        ctx = ctx.masked_fill(~causal, float("-inf"))
+        diag = [(q * kj).sum(-1, keepdim=True) * scale for kj in keys]  # row i's own keys of steps 1..s
+        w = torch.softmax(torch.cat([ctx, *diag], -1).float(), -1).to(q.dtype)
+        o = w[..., :R] @ v0
+        for j, vj in enumerate(vals):
+            o = o + w[..., R + j : R + j + 1] * vj
+        h = m.finish(h, o)
+        out.append(m.logits(h))
+    return out
+
+
+def ttt_loss(logits: list[torch.Tensor], target_logp: torch.Tensor, t2d: torch.Tensor | None, weight: float):
+    """(weighted loss, per-step loss, per-step accuracy) against the target's log-probs [B, T, V]."""
+    B, T, V = target_logp.shape
+    R = T - 1
+    if t2d is not None and not bool(t2d.all()):  # reduced vocabulary: the target's distribution over it, renormalised
+        target_logp = torch.log_softmax(target_logp[..., t2d], -1)
+    p, p_top = target_logp.exp(), target_logp.argmax(-1)
+    total, losses, accs = 0.0, [], []
+    for s, lg in enumerate(logits):
+        n = R - s  # rows whose prediction lies inside the window
+        q_log = torch.log_softmax(lg[:, :n].float(), -1)
+        loss = -(p[:, 1 + s : 1 + s + n] * q_log).sum(-1).mean()
+        acc = (q_log.argmax(-1) == p_top[:, 1 + s : 1 + s + n]).float().mean()
+        total = total + weight ** s * loss
+        losses.append(float(loss.detach()))
+        accs.append(float(acc))
+    return total, losses, accs
+
+
+def target_features(target, ids: torch.Tensor, layer_ids) -> tuple[torch.Tensor, torch.Tensor]:
+    with torch.no_grad():
+        out = target(input_ids=ids, output_hidden_states=True)
+    feats = torch.cat([out.hidden_states[j] for j in layer_ids], -1).float()
+    return feats, torch.log_softmax(out.logits.float(), -1)
+
+
+@torch.no_grad()
+def evaluate(m, embed, target, data, cfg: Eagle3TrainConfig) -> dict:
+    """Per domain: per-step loss and accuracy on validation windows."""
+    m.eval()
+    res = {}
+    for d in DOMAINS:
+        arr = data[d]["val"]
+        n = min(cfg.eval_windows, len(arr) // cfg.seq_len)
+        ids = torch.from_numpy(arr[: n * cfg.seq_len].astype(np.int64)).view(n, cfg.seq_len)
+        feats, logp = target_features(target, ids, m.config.layer_ids)
+        logits = ttt_forward(m, embed, ids, feats, cfg.ttt_steps)
+        _, losses, accs = ttt_loss(logits, logp, m.t2d, cfg.step_weight)
+        res[d] = {"loss": losses, "acc": accs}
+    m.train()
+    return res
+
+
+def train_eagle3(cfg: Eagle3TrainConfig, log=print) -> dict:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    torch.manual_seed(cfg.seed)
+    torch.set_num_threads(cfg.threads)
+    rng = np.random.default_rng(cfg.seed)
+    tok = AutoTokenizer.from_pretrained(cfg.target_dir)
+    data = tokenize_corpus(Path(cfg.corpus_dir), tok, Path(cfg.corpus_dir) / ".tokens")
+    target = AutoModelForCausalLM.from_pretrained(cfg.target_dir, dtype=torch.float32).eval().requires_grad_(False)
+    embed = target.get_input_embeddings()
+    if cfg.init_from:
+        m = load_eagle3(cfg.init_from).float().requires_grad_(True)
+    else:
+        counts = None
+        if cfg.draft_vocab_size:
+            counts = sum(np.bincount(data[d]["train"], minlength=target.config.vocab_size) for d in DOMAINS)
+        m = new_drafter(target, cfg, counts)
+    m.train()
+    params = [p for p in m.parameters() if p.requires_grad]
+    n_params = sum(p.numel() for p in params)
+    opt = torch.optim.AdamW(params, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
+    out = Path(cfg.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    log_f = open(out / "train_log.jsonl", "a")
+    budget = cfg.max_minutes * 60
+    log(f"eagle3: {n_params / 1e6:.2f} M trainable params, layers (hidden_states) {m.config.layer_ids}, "
+        f"{cfg.ttt_steps} TTT steps, budget {cfg.max_minutes:.0f} min")
+    prog = Progress(int(budget), "train eagle3 (seconds)")
+    t0 = last_eval = time.time()
+    step = 0
+    tokens_per_step = cfg.batch_size * cfg.seq_len
+
+    def save():
+        card = json.dumps({"train_config": asdict(cfg), "steps": step, "tokens": step * tokens_per_step}, indent=1)
+        m.save(out / "model", extra_files={"train_config.json": card + "\n"})
+
+    while time.time() - t0 < budget:
+        elapsed = time.time() - t0
+        lr = lr_at(step, elapsed / budget, cfg)
+        for g in opt.param_groups:
+            g["lr"] = lr
+        ids = sample_windows(data, cfg.domain_weights, cfg, rng)  # [B, seq_len + 1]
+        feats, logp = target_features(target, ids, m.config.layer_ids)
+        logits = ttt_forward(m, embed, ids, feats, cfg.ttt_steps)
+        loss, losses, accs = ttt_loss(logits, logp, m.t2d, cfg.step_weight)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        step += 1
+        rec = {"step": step, "tokens": step * tokens_per_step, "loss": float(loss), "step_loss": losses,
+               "step_acc": accs, "lr": lr, "time_s": time.time() - t0}
+        prog.update(min(int(time.time() - t0), int(budget)), step=step, loss=f"{float(loss):.3f}",
+                    acc="/".join(f"{a:.2f}" for a in accs), tok_s=f"{rec['tokens'] / rec['time_s']:.0f}")
+        if time.time() - last_eval > cfg.eval_every_s:
+            rec["val"] = evaluate(m, embed, target, data, cfg)
+            log("\nstep %d val acc %s" % (step, " ".join(f"{d}={v['acc'][0]:.3f}" for d, v in rec["val"].items())))
+            save()
+            last_eval = time.time()
+        log_f.write(json.dumps(rec) + "\n")
+        log_f.flush()
+    rec = {"step": step, "tokens": step * tokens_per_step, "time_s": time.time() - t0,
+           "val": evaluate(m, embed, target, data, cfg)}
+    log_f.write(json.dumps(rec) + "\n")
+    log_f.close()
+    save()
+    summary = {"params": n_params, "steps": step, "tokens": step * tokens_per_step,
+               "minutes": (time.time() - t0) / 60, "val": rec["val"], "config": asdict(cfg)}
+    (out / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
+    return summary
+
+
+def val_table(val: dict) -> str:
+    """Markdown: per domain, the validation accuracy (draft argmax = target argmax) at every TTT step."""
+    steps = len(next(iter(val.values()))["acc"])
+    rows = ["| domain | " + " | ".join(f"acc step {s}" for s in range(steps)) + " | loss step 0 |",
+            "|---|" + "---|" * (steps + 1)]
+    for d, v in val.items():
+        rows.append(f"| {d} | " + " | ".join(f"{a:.3f}" for a in v["acc"]) + f" | {v['loss'][0]:.3f} |")
+    return "\n".join(rows)
+
