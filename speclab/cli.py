@@ -298,7 +298,7 @@ def cmd_train(a: argparse.Namespace) -> int:
     if a.what == "eagle3":
         from speclab.train.eagle3 import Eagle3TrainConfig, train_eagle3, val_table
         cfg = Eagle3TrainConfig(target_dir=a.teacher or str(zoo.default_target()), corpus_dir=corpus, out_dir=a.out,
-                                max_minutes=a.minutes, seed=a.seed, init_from=a.init_from, lr=a.lr or 1e-3,
+                                max_minutes=a.minutes, seed=a.seed, init_from=a.init_from, lr=a.lr or 2e-3,
                                 ttt_steps=a.ttt_steps)
         summary = train_eagle3(cfg, log=lambda s: print(s, file=sys.stderr, flush=True))
         print(json.dumps({k: summary[k] for k in ("params", "steps", "tokens", "minutes")}, indent=1))
@@ -421,7 +421,7 @@ def main(argv: list[str] | None = None) -> int:
     t.add_argument("--out", required=True, help="run directory (checkpoints in OUT/model, log in OUT/train_log.jsonl)")
     t.add_argument("--minutes", type=float, required=True, help="wall-clock budget; the LR schedule follows it")
     t.add_argument("--teacher", help="draft, eagle3: the target to learn from (default: the zoo target)")
-    t.add_argument("--ttt-steps", type=int, default=4, help="eagle3: training-time-test steps (unrolled on its own "
+    t.add_argument("--ttt-steps", type=int, default=3, help="eagle3: training-time-test steps (unrolled on its own "
                    "outputs)")
     t.add_argument("--init-from", help="resume from this model directory (HF, or EAGLE-3 for eagle3)")
     t.add_argument("--lr", type=float, default=None, help="peak learning rate (default: the zoo recipe's)")
@@ -436,7 +436,7 @@ def main(argv: list[str] | None = None) -> int:
     zb.add_argument("--draft-pretrain-minutes", type=float, default=20.0)
     zb.add_argument("--draft-minutes", type=float, default=20.0, help="distillation from the target")
     zb.add_argument("--draft-more-minutes", type=float, default=45.0, help="a second distillation pass, LR 1e-3")
-    zb.add_argument("--eagle3-minutes", type=float, default=70.0, help="EAGLE-3 drafter, online from the target")
+    zb.add_argument("--eagle3-minutes", type=float, default=87.0, help="EAGLE-3 drafter, online from the target")
     zb.add_argument("--seed", type=int, default=0)
     ze = zs.add_parser("eval", help="per-domain validation loss and bits per byte of the zoo models")
     ze.add_argument("--eval-tokens", type=int, default=65536)

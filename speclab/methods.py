@@ -51,7 +51,7 @@ def _pld(target, models, k=8, max_ngram=3, min_ngram=1):
     return {"pld": PromptLookup(k=k, max_ngram=max_ngram, min_ngram=min_ngram)}, FixedRouter("pld")
 
 
-def _eagle3(target, models, depth=5, tree_topk=1, total_tokens=8):
+def _eagle3(target, models, depth=2, tree_topk=2, total_tokens=8):
     from speclab.drafters.eagle3 import Eagle3Drafter
     return ({"eagle3": Eagle3Drafter(models["eagle3"], target, depth=depth, top_k=tree_topk, total_tokens=total_tokens)},
             FixedRouter("eagle3"))
@@ -100,7 +100,7 @@ METHODS: dict[str, Method] = {
                   {"k": 8, "max_ngram": 3, "min_ngram": 1}, bounds=_pld_bounds, check=_pld_check),
     "eagle3": Method("eagle3", "EAGLE-3: one-layer drafter on the target's features; dynamic tree (depth, tree_topk, "
                      "total_tokens), a chain when tree_topk = 1", _eagle3,
-                     {"depth": 5, "tree_topk": 1, "total_tokens": 8}, needs=("eagle3",), bounds=_eagle3_bounds,
+                     {"depth": 2, "tree_topk": 2, "total_tokens": 8}, needs=("eagle3",), bounds=_eagle3_bounds,
                      check=_eagle3_check, gpu_params=EAGLE3_GPU_PRESET),
 }
 

@@ -42,6 +42,7 @@ import torch.nn.functional as F
 from speclab.errors import ModelNotFound
 from speclab.lean import KVCache, apply_rope, rope_tables
 from speclab.sampling import Sampling
+from speclab.target import forward_clock
 from speclab.tree import DraftTree
 
 WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
@@ -342,6 +343,10 @@ class Eagle3Drafter:
         m = self.pending_ids.numel()
         if m == 0:
             return
+        with forward_clock:  # a drafter forward: counted in the model-call share like the target's
+            self._prefill(m)
+
+    def _prefill(self, m: int) -> None:
         emb, h = self._embed(self.pending_ids), self.m.fc(self.pending_feats.to(self.dtype))
         self.pending_ids, self.pending_feats = self.pending_ids[:0], self.pending_feats[:0]
         start, end = self.known, self.known + m
@@ -386,9 +391,11 @@ class Eagle3Drafter:
         start = self.cache.length
         pos = torch.full((f,), self.known - 1 + depth_of_rows, device=self.device)
         cos, sin = self._rope(pos)
-        q, k, v = self.m.qkv(self._embed(tokens), h_parent, cos, sin)
-        h = self.m.finish(h_parent, self._attend(q, k, v, start, mask))
-        return h, torch.log_softmax(self.m.logits(h).float(), -1)
+        with forward_clock:
+            q, k, v = self.m.qkv(self._embed(tokens), h_parent, cos, sin)
+            h = self.m.finish(h_parent, self._attend(q, k, v, start, mask))
+            logits = self.m.logits(h)
+        return h, torch.log_softmax(logits.float(), -1)
 
     def _chain(self, depth: int) -> DraftTree:
         """Greedy chain: argmax at every depth, one drafter call per token after the first."""

@@ -37,13 +37,13 @@ class Eagle3TrainConfig:
     layer_ids: tuple[int, ...] | None = None  # hidden_states indices; None = default_layer_ids(target depth)
     draft_vocab_size: int | None = None  # None = the target's vocabulary; smaller = the most frequent tokens
     intermediate_size: int | None = None  # None = the target's
-    ttt_steps: int = 4  # unrolled steps (step 0 included)
+    ttt_steps: int = 3  # unrolled steps (step 0 included)
     step_weight: float = 0.8
     seq_len: int = 256
     batch_size: int = 8
-    lr: float = 1e-3
+    lr: float = 2e-3
     min_lr: float = 5e-5
-    warmup_steps: int = 50
+    warmup_steps: int = 20
     weight_decay: float = 0.0
     max_minutes: float = 60.0  # wall-clock budget; the LR schedule follows it (speclab.train.lm.lr_at)
     init_from: str | None = None  # an EAGLE-3 directory to resume from (optimizer moments restart)
@@ -241,3 +241,19 @@ def val_table(val: dict) -> str:
         rows.append(f"| {d} | " + " | ".join(f"{a:.3f}" for a in v["acc"]) + f" | {v['loss'][0]:.3f} |")
     return "\n".join(rows)
 
+
+
+def curve_table(records: list[dict]) -> str:
+    """Markdown: tokens seen, minutes, and per domain the validation accuracy at TTT steps 0 and last, at each
+    validation of a (joined) training log."""
+    rows, head = [], None
+    for r in records:
+        if "val" not in r:
+            continue
+        if head is None:
+            head = list(r["val"])
+            rows = ["| tokens (M) | minutes | " + " | ".join(f"{d} acc step 0 / last" for d in head) + " |",
+                    "|---|---|" + "---|" * len(head)]
+        rows.append(f"| {r['tokens'] / 1e6:.2f} | {r['time_s'] / 60:.0f} | "
+                    + " | ".join(f"{r['val'][d]['acc'][0]:.3f} / {r['val'][d]['acc'][-1]:.3f}" for d in head) + " |")
+    return "\n".join(rows)

@@ -31,7 +31,7 @@ class ZooBuildConfig:
     draft_pretrain_minutes: float = 20.0
     draft_minutes: float = 20.0
     draft_more_minutes: float = 45.0  # a second distillation pass at a lower LR (the zoo's draft had 13 + 45 min)
-    eagle3_minutes: float = 70.0  # EAGLE-3 drafter, online from the frozen target (data/zoo/eagle3/README.md)
+    eagle3_minutes: float = 87.0  # EAGLE-3 drafter, online from the frozen target (data/zoo/eagle3/README.md)
     seed: int = 0
     work_dir: str = "build/zoo"
 
@@ -114,6 +114,12 @@ def evaluate_zoo(eval_tokens: int = 65536) -> str:
         if log.exists():
             lines.append(f"\n{name} training curve (validation on {eval_tokens_note}):\n")
             lines.append(curve_table(training_curve([log], every=10**9)))
+    log = zoo / "eagle3" / "train_log.jsonl"
+    if log.exists():
+        from speclab.train.eagle3 import curve_table as eagle3_curve
+        lines.append("\neagle3 training curve (validation accuracy = draft argmax equals the target's, at TTT steps "
+                     "0 and last):\n")
+        lines.append(eagle3_curve(training_curve([log], every=10**9)))
     lines.append(f"\nparams: target {res['target']['params'] / 1e6:.2f} M, draft {res['draft']['params'] / 1e6:.2f} M; "
                  f"{eval_tokens} validation tokens per domain (or all there are)")
     return "\n".join(lines)
