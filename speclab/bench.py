@@ -353,10 +353,11 @@ def param_grid(target: Target, models: dict, method: str, grid: dict[str, list],
 
     from speclab.methods import method_params
     check_grid_keys(method, [*grid, *(k for p in extra or [] for k in p)])
+    same_decode = get_method(method).same_decode or (lambda p: p)
     combos, seen = [], set()
     for values in itertools.product(*grid.values()):
         p = method_params(method, dict(zip(grid, values)), target)  # checked (and defaults filled) up front
-        key = tuple(sorted(_effective(method, p).items()))
+        key = tuple(sorted(same_decode(p).items()))
         if key not in seen:
             seen.add(key)
             combos.append(p)
@@ -395,13 +396,6 @@ def param_grid(target: Target, models: dict, method: str, grid: dict[str, list],
                       "equal_to_ar": st["equal"] / len(rows), "preset": j >= len(combos) - len(extra or [])})
     log(f"AR: {ar_tps:.1f} tokens/s over {len(rows)} prompts")
     return pd.DataFrame(table).sort_values("tokens_per_s", ascending=False, ignore_index=True)
-
-
-def _effective(method: str, p: dict) -> dict:
-    """The parameters that change the decode (an eagle3 chain ignores total_tokens beyond its depth)."""
-    if method == "eagle3" and p.get("tree_topk") == 1:
-        return {**p, "total_tokens": min(p["total_tokens"], p["depth"]), "depth": min(p["total_tokens"], p["depth"])}
-    return p
 
 
 @torch.inference_mode()

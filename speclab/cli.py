@@ -219,8 +219,6 @@ def cmd_forward_costs(a: argparse.Namespace) -> int:
 
 
 def cmd_grid(a: argparse.Namespace) -> int:
-    import json as _json
-
     from speclab.bench import check_grid_keys, param_grid, parse_grid
     from speclab.methods import get_method, parse_spec
     from speclab.viz import lines_figure, write_html_report
@@ -230,8 +228,8 @@ def cmd_grid(a: argparse.Namespace) -> int:
     # the method's GPU preset rides along as a reference point unless other points are given
     extra = [p for p in [get_method(name).gpu_params] if p]
     try:
-        extra = [_json.loads(x) for x in a.extra] if a.extra else extra
-    except _json.JSONDecodeError as e:
+        extra = [json.loads(x) for x in a.extra] if a.extra else extra
+    except json.JSONDecodeError as e:
         raise SpeclabError(f"--extra must be a JSON object of parameters ({e.msg} at column {e.colno})") from e
     if not all(isinstance(x, dict) for x in extra):
         raise SpeclabError("--extra must be a JSON object of parameters, e.g. '{\"depth\": 8}'")

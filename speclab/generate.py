@@ -160,8 +160,8 @@ def model_ms(target: Target, res: DecodeResult) -> float | None:
 def generate(target: Target, prompt: str | torch.Tensor, method: str = "ar", **kw) -> GenerationResult:
     """Decode `prompt` with `method` ("ar", "sps", "pld", ...; see speclab.methods.METHODS) to the end.
 
-    Keyword arguments are those of `Generation`: draft, eagle3 (the drafter models), max_new_tokens, temperature (0 = greedy), top_k, top_p,
-    seed, deferred, trace (a TraceStore), on_round (sees each RoundEvent live), prompt_id, category, bench_id,
+    Keyword arguments are those of `Generation`: draft, eagle3 (the drafter models), max_new_tokens, temperature
+    (0 = greedy), top_k, top_p, seed, deferred, trace (a TraceStore), on_round (sees each RoundEvent live), prompt_id, category, bench_id,
     and the method's parameters (k, tree_topk, ...).
     """
     g = Generation(target, prompt, method, **kw)

@@ -29,6 +29,7 @@ class Method:
     bounds: Callable | None = None  # target -> {parameter: Bound}: the allowed values, from the model
     check: Callable | None = None  # (params, target) -> None: checks across parameters (raise InvalidInput)
     gpu_params: dict = field(default_factory=dict)  # defaults that differ on CUDA (the papers' GPU settings)
+    same_decode: Callable | None = None  # params -> the params that decode alike (parameter grids run each once)
 
 
 EAGLE3_GPU_PRESET = {"depth": 8, "tree_topk": 10, "total_tokens": 60}  # EAGLE-3's evaluations, WhiFlash's Table 7
@@ -69,6 +70,14 @@ def _eagle3_check(p: dict, target) -> None:
                            f"nodes, more than {64 * MAX_TREE_NODES}; lower depth or tree_topk")
 
 
+def _eagle3_same_decode(p: dict) -> dict:
+    """A chain (tree_topk 1) drafts min(depth, total_tokens) tokens: that is all that tells two chains apart."""
+    if p["tree_topk"] != 1:
+        return p
+    n = min(p["depth"], p["total_tokens"])
+    return {**p, "depth": n, "total_tokens": n}
+
+
 def _sps_bounds(target) -> dict:
     return {"k": Bound(1, target.max_context), "tree_topk": Bound(1, target.vocab_size),
             "stop_prob": Bound(0.0, 1.0, hi_open=True)}
@@ -101,7 +110,7 @@ METHODS: dict[str, Method] = {
     "eagle3": Method("eagle3", "EAGLE-3: one-layer drafter on the target's features; dynamic tree (depth, tree_topk, "
                      "total_tokens), a chain when tree_topk = 1", _eagle3,
                      {"depth": 2, "tree_topk": 2, "total_tokens": 8}, needs=("eagle3",), bounds=_eagle3_bounds,
-                     check=_eagle3_check, gpu_params=EAGLE3_GPU_PRESET),
+                     check=_eagle3_check, gpu_params=EAGLE3_GPU_PRESET, same_decode=_eagle3_same_decode),
 }
 
 
