@@ -19,7 +19,7 @@ test:
 
 # Benchmarks on the zoo (README "Benchmarks"): report in reports/bench.md + .html, rows in traces/bench.duckdb
 bench: setup
-	$(PY) -m speclab.cli bench --suite zoo --methods ar,sps,pld,eagle3,eagle3:tree_topk=1+depth=3 --limit 8 --max-new-tokens 128
+	$(PY) -m speclab.cli bench --suite zoo --methods ar,sps,pld,eagle3,dflash,dflash:markov=0 --limit 8 --max-new-tokens 128
 
 bench-quick: setup
-	$(PY) -m speclab.cli bench --suite zoo --methods ar,sps,pld,eagle3 --quick
+	$(PY) -m speclab.cli bench --suite zoo --methods ar,sps,pld,eagle3,dflash --quick

@@ -436,3 +436,53 @@ def catchup_costs(target: Target, eagle, backlogs=(1, 4, 16, 64), context: int =
         rows.append({"backlog": m, "kv_only_ms": med["kv_only"], "full_ms": med["full"],
                      "saving": 1 - med["kv_only"] / med["full"]})
     return pd.DataFrame(rows)
+
+
+@torch.inference_mode()
+def block_costs(target: Target, dflash, block_sizes=(2, 4, 8, 16), context: int = 200, reps: int = 15,
+                calls: int = 10):
+    """What a DFlash block costs on this machine, per block size (median ms, interleaved): one drafter call
+    (plain, and with DSpark's Markov head decoded left to right when the drafter has one; `markov_extra_ms` is
+    the head's own cost) and the target's verification forward of the block's rows (the root and the drafted
+    tokens) after a `context`-token cache. Real target features."""
+    import pandas as pd
+
+    from speclab.drafters.dflash import DFlashDrafter
+    from speclab.sampling import Sampling
+    from speclab.target import crop_cache
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(3, target.vocab_size, (context + 1,), generator=g)
+    feats = target.forward(ids, target.new_cache(), layers=dflash.config.target_layer_ids).features
+    modes = ["plain"] + (["markov"] if dflash.has_markov else [])
+    rows = []
+    bar = Progress(len(block_sizes) * reps, "block costs")
+    done = 0
+    for b in block_sizes:
+        drafters = {mode: DFlashDrafter(dflash, target, block_size=b, markov=mode == "markov") for mode in modes}
+        for d in drafters.values():
+            d.reset(ids, feats[:context])
+            d.catch_up(ids[:0], None)
+        cache = target.new_cache()
+        target.forward(ids[:context], cache)
+        block = ids[context - b + 1 : context + 1] if b <= context else ids[:b]
+        times = {m: [] for m in [*modes, "verify"]}
+        for _ in range(reps):
+            for mode, d in drafters.items():
+                t0 = time.perf_counter()
+                for _ in range(calls):
+                    d.propose(b, Sampling(), None)
+                times[mode].append((time.perf_counter() - t0) / calls * 1e3)
+            t0 = time.perf_counter()
+            for _ in range(calls):
+                target.forward(block, cache)
+                crop_cache(cache, context)
+            times["verify"].append((time.perf_counter() - t0) / calls * 1e3)
+            done += 1
+            bar.update(done, block=b)
+        med = {m: float(np.median(v)) for m, v in times.items()}
+        row = {"block_size": b, "draft_ms": med["plain"]}
+        if "markov" in med:
+            row.update(draft_markov_ms=med["markov"], markov_extra_ms=med["markov"] - med["plain"])
+        row["verify_ms"] = med["verify"]
+        rows.append(row)
+    return pd.DataFrame(rows)

@@ -14,6 +14,17 @@ DEFAULT_DB = "traces/speclab.duckdb"
 PROMPT_FIELDS = ("prompt", "turns", "question", "text", "problem")
 
 
+def _positive_ints(text: str, option: str) -> list[int]:
+    """'1,5,9' -> [1, 5, 9]; anything else is a SpeclabError naming the option (before any model is loaded)."""
+    try:
+        vals = [int(x) for x in str(text).split(",") if x.strip()]
+    except ValueError:
+        vals = []
+    if not vals or min(vals) < 1:
+        raise SpeclabError(f"{option} must be positive integers separated by commas (got {text!r})")
+    return vals
+
+
 def _read_prompts(path: str) -> list[dict]:
     """Prompts from a file: JSON Lines (field prompt / turns / question / text / problem) or one prompt per line.
     Every record is checked before anything is decoded; a bad one is reported by its line number."""
@@ -53,6 +64,7 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", help="target model directory or cached hub name (default: the zoo target)")
     p.add_argument("--draft", help="draft model for sps (default: the zoo draft)")
     p.add_argument("--eagle", help="EAGLE-3 drafter directory for eagle3 (public layout; default: the zoo's)")
+    p.add_argument("--dflash", help="DFlash drafter directory for dflash (public layout; default: the zoo's)")
     p.add_argument("--device", default=None, help="cpu | cuda (default: cuda when present)")
     p.add_argument("--dtype", default=None, help="fp32 | bf16 | fp16 (default fp32 on CPU, bf16 on CUDA)")
     p.add_argument("--backend", default="auto", choices=["auto", "lean", "hf"],
@@ -60,7 +72,7 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                         "where it applies)")
 
 
-def load_models(a: argparse.Namespace, roles=("draft", "eagle3"), log=None):
+def load_models(a: argparse.Namespace, roles=("draft", "eagle3", "dflash"), log=None):
     """(target, drafter models by role) from the options of `add_model_args`: the roles asked for (those the
     methods at hand need), each from its option or the zoo."""
     from speclab import zoo
@@ -80,6 +92,11 @@ def load_models(a: argparse.Namespace, roles=("draft", "eagle3"), log=None):
         path = getattr(a, "eagle", None) or zoo.default_eagle3()
         log(f"loading EAGLE-3 drafter {path} ...")
         models["eagle3"] = load_eagle3(path, target)
+    if "dflash" in roles:
+        from speclab.drafters.dflash import load_dflash
+        path = getattr(a, "dflash", None) or zoo.default_dflash()
+        log(f"loading DFlash drafter {path} ...")
+        models["dflash"] = load_dflash(path, target)
     return target, models
 
 
@@ -102,7 +119,7 @@ def cmd_generate(a: argparse.Namespace) -> int:
     try:
         target, models = load_models(a, roles=method.needs)
         params = {"k": a.k, "tree_topk": a.tree_topk, "stop_prob": a.stop_prob, "depth": a.depth,
-                  "total_tokens": a.total_tokens}
+                  "total_tokens": a.total_tokens, "block_size": a.block_size, "markov": a.markov}
         for p in prompts:  # every prompt and parameter checked against the models before anything is decoded
             try:
                 check_generation(target, p["prompt"], a.method, models, a.max_new_tokens, a.temperature, a.top_k,
@@ -200,8 +217,8 @@ def cmd_forward_costs(a: argparse.Namespace) -> int:
     from speclab.bench import forward_costs
     from speclab.viz import bench_bars, write_html_report
 
+    ns = _positive_ints(a.n, "--n")
     target, models = load_models(a, roles=("draft",))
-    ns = [int(n) for n in a.n.split(",")]
     df = forward_costs({"target": target, "draft": models["draft"]}, ns=ns, context=a.context, reps=a.reps)
     if df.empty:
         raise SpeclabError("neither model runs on the lean forward (see speclab.lean.supports): nothing to compare")
@@ -224,7 +241,7 @@ def cmd_grid(a: argparse.Namespace) -> int:
     from speclab.viz import lines_figure, write_html_report
 
     name = parse_spec(a.method)[0]
-    grid = parse_grid(a.grid)
+    grid = parse_grid(a.grid or get_method(name).grid)
     # the method's GPU preset rides along as a reference point unless other points are given
     extra = [p for p in [get_method(name).gpu_params] if p]
     try:
@@ -258,19 +275,39 @@ def cmd_grid(a: argparse.Namespace) -> int:
 
 def cmd_catchup_costs(a: argparse.Namespace) -> int:
     from speclab.bench import catchup_costs
+
+    backlogs = _positive_ints(a.backlog, "--backlog")
+    target, models = load_models(a, roles=("eagle3",))
+    df = catchup_costs(target, models["eagle3"], backlogs=backlogs, context=a.context, reps=a.reps)
+    _cost_report(df, "backlog", ["kv_only_ms", "full_ms"], "catch-up", a.report,
+                 "EAGLE-3 catch-up: KV-only prefill vs a full forward of the backlog",
+                 f"ms per catch-up after a {a.context}-token drafter cache (lower is better)", "backlog tokens")
+    return 0
+
+
+def _cost_report(df, x: str, cols: list[str], legend: str, report: str, title: str, subtitle: str, x_title: str) -> None:
+    """Print a cost table and write it with its curves (ms over `x`, one line per column) as an HTML report."""
     from speclab.viz import lines_figure, write_html_report
 
-    target, models = load_models(a, roles=("eagle3",))
-    backlogs = [int(n) for n in a.backlog.split(",")]
-    df = catchup_costs(target, models["eagle3"], backlogs=backlogs, context=a.context, reps=a.reps)
     table = df.to_markdown(index=False, floatfmt=".3f")
     print(table)
-    long = df.melt(id_vars=["backlog"], value_vars=["kv_only_ms", "full_ms"], var_name="catch-up", value_name="ms")
-    Path(a.report).parent.mkdir(parents=True, exist_ok=True)
-    path = write_html_report(a.report, "EAGLE-3 catch-up: KV-only prefill vs a full forward of the backlog",
-                             [lines_figure(long, "backlog", "ms", "catch-up", f"ms per catch-up after a {a.context}-"
-                                           "token drafter cache (lower is better)", x_title="backlog tokens")], table)
+    long = df.melt(id_vars=[x], value_vars=cols, var_name=legend, value_name="ms")
+    Path(report).parent.mkdir(parents=True, exist_ok=True)
+    path = write_html_report(report, title, [lines_figure(long, x, "ms", legend, subtitle, x_title=x_title)], table)
     print(f"\nplot: {path}")
+
+
+def cmd_block_costs(a: argparse.Namespace) -> int:
+    from speclab.bench import block_costs
+
+    sizes = _positive_ints(a.block_size, "--block-size")
+    if min(sizes) < 2:
+        raise SpeclabError(f"--block-size: a block is the root and at least one mask, so sizes start at 2 (got {min(sizes)})")
+    target, models = load_models(a, roles=("dflash",))
+    df = block_costs(target, models["dflash"], block_sizes=sizes, context=a.context, reps=a.reps)
+    _cost_report(df, "block_size", [c for c in ("draft_ms", "draft_markov_ms", "verify_ms") if c in df], "part",
+                 a.report, "DFlash: what a block costs (drafter call, Markov head, verification)",
+                 f"ms per block after a {a.context}-token context (lower is better)", "block size (rows)")
     return 0
 
 
@@ -281,6 +318,7 @@ def cmd_zoo(a: argparse.Namespace) -> int:
         build_zoo(ZooBuildConfig(shared_data=a.shared_data, target_minutes=a.target_minutes,
                                  draft_pretrain_minutes=a.draft_pretrain_minutes, draft_minutes=a.draft_minutes,
                                  draft_more_minutes=a.draft_more_minutes, eagle3_minutes=a.eagle3_minutes,
+                                 dflash_minutes=a.dflash_minutes,
                                  seed=a.seed))
     elif a.zoo_cmd == "eval":
         print(evaluate_zoo(eval_tokens=a.eval_tokens))
@@ -299,6 +337,15 @@ def cmd_train(a: argparse.Namespace) -> int:
                                 max_minutes=a.minutes, seed=a.seed, init_from=a.init_from, lr=a.lr or 2e-3,
                                 ttt_steps=a.ttt_steps)
         summary = train_eagle3(cfg, log=lambda s: print(s, file=sys.stderr, flush=True))
+        print(json.dumps({k: summary[k] for k in ("params", "steps", "tokens", "minutes")}, indent=1))
+        print(val_table(summary["val"]))
+        return 0
+    if a.what == "dflash":
+        from speclab.train.dflash import DFlashTrainConfig, train_dflash, val_table
+        cfg = DFlashTrainConfig(target_dir=a.teacher or str(zoo.default_target()), corpus_dir=corpus, out_dir=a.out,
+                                max_minutes=a.minutes, seed=a.seed, init_from=a.init_from, lr=a.lr or 1.5e-3,
+                                block_size=a.block_size, markov_rank=a.markov_rank, num_layers=a.layers)
+        summary = train_dflash(cfg, log=lambda s: print(s, file=sys.stderr, flush=True))
         print(json.dumps({k: summary[k] for k in ("params", "steps", "tokens", "minutes")}, indent=1))
         print(val_table(summary["val"]))
         return 0
@@ -335,12 +382,17 @@ def main(argv: list[str] | None = None) -> int:
     add_model_args(g)
     g.add_argument("--prompt", help="prompt text")
     g.add_argument("--prompts", help="file of prompts (.jsonl with prompt/turns/question/text, or one per line)")
-    g.add_argument("--method", default="ar", help="ar | sps | pld | eagle3 | ... (see speclab.methods); a spec like "
+    g.add_argument("--method", default="ar", help="ar | sps | pld | eagle3 | dflash | ... (see speclab.methods); a spec like "
                    "eagle3:tree_topk=1 fixes parameters")
     g.add_argument("--k", type=int, default=None, help="draft length / depth (method default if omitted)")
-    g.add_argument("--tree-topk", type=int, default=None, help="sps, eagle3: children per expanded node (1 = chain)")
+    g.add_argument("--tree-topk", type=int, default=None, help="sps, eagle3, dflash: children per expanded node (1 = "
+                   "chain)")
     g.add_argument("--depth", type=int, default=None, help="eagle3: draft tree depth")
-    g.add_argument("--total-tokens", type=int, default=None, help="eagle3: draft nodes kept from the expanded tree")
+    g.add_argument("--total-tokens", type=int, default=None, help="eagle3, dflash: draft nodes kept from the expanded "
+                   "tree")
+    g.add_argument("--block-size", type=int, default=None, help="dflash: block rows (the root + block_size - 1 masks)")
+    g.add_argument("--markov", type=int, default=None, help="dflash: 1 = use DSpark's Markov head when the drafter has "
+                   "one, 0 = the plain parallel readout")
     g.add_argument("--stop-prob", type=float, default=None,
                    help="sps: end a chain after a draft token below this probability (0 = always k tokens)")
     g.add_argument("--deferred", action=argparse.BooleanOptionalAction, default=True,
@@ -365,8 +417,8 @@ def main(argv: list[str] | None = None) -> int:
 
     gr = sub.add_parser("grid", help="tokens/s, tau and speedup over a grid of a method's parameters (CPU defaults)")
     gr.add_argument("--method", default="eagle3")
-    gr.add_argument("--grid", default="depth=3,4,5,6;tree_topk=1,2,3,4;total_tokens=4,6,8,12,16",
-                    help="param=v1,v2,...;param=... (every combination is decoded)")
+    gr.add_argument("--grid", default=None, help="param=v1,v2,...;param=... (every combination is decoded; default: "
+                    "the method's own grid)")
     gr.add_argument("--extra", action="append", help="one more point as JSON (repeatable), e.g. "
                     "'{\"depth\": 8, \"tree_topk\": 10, \"total_tokens\": 60}'; default: the method's GPU preset")
     gr.add_argument("--x", default=None, help="parameter on the plot's x axis (default: the grid's last)")
@@ -384,6 +436,15 @@ def main(argv: list[str] | None = None) -> int:
     cc.add_argument("--report", default="reports/catchup_costs.html")
     add_model_args(cc)
     cc.set_defaults(fn=cmd_catchup_costs)
+
+    bc = sub.add_parser("block-costs", help="ms per DFlash block: drafter call, Markov head, verification, by block "
+                        "size")
+    add_model_args(bc)
+    bc.add_argument("--block-size", default="2,3,4,6,8,12,16", help="block sizes (comma-separated)")
+    bc.add_argument("--context", type=int, default=200, help="tokens already in the caches")
+    bc.add_argument("--reps", type=int, default=15, help="interleaved repetitions; the median is shown")
+    bc.add_argument("--report", default="reports/block_costs.html")
+    bc.set_defaults(fn=cmd_block_costs)
 
     s = sub.add_parser("stats", help="metrics (tau, acceptance, tokens/s, ...) pooled per method / category")
     s.add_argument("--db", default=DEFAULT_DB)
@@ -413,15 +474,19 @@ def main(argv: list[str] | None = None) -> int:
     add_model_args(b)
     b.set_defaults(fn=cmd_bench)
 
-    t = sub.add_parser("train", help="train the zoo target, distil the zoo draft, or train an EAGLE-3 drafter online "
-                       "from the frozen target (long)")
-    t.add_argument("what", choices=["target", "draft", "eagle3"])
+    t = sub.add_parser("train", help="train the zoo target, distil the zoo draft, or train an EAGLE-3 or DFlash "
+                       "drafter online from the frozen target (long)")
+    t.add_argument("what", choices=["target", "draft", "eagle3", "dflash"])
     t.add_argument("--out", required=True, help="run directory (checkpoints in OUT/model, log in OUT/train_log.jsonl)")
     t.add_argument("--minutes", type=float, required=True, help="wall-clock budget; the LR schedule follows it")
-    t.add_argument("--teacher", help="draft, eagle3: the target to learn from (default: the zoo target)")
+    t.add_argument("--teacher", help="draft, eagle3, dflash: the target to learn from (default: the zoo target)")
     t.add_argument("--ttt-steps", type=int, default=3, help="eagle3: training-time-test steps (unrolled on its own "
                    "outputs)")
-    t.add_argument("--init-from", help="resume from this model directory (HF, or EAGLE-3 for eagle3)")
+    t.add_argument("--block-size", type=int, default=16, help="dflash: the largest block trained (each step draws "
+                   "its block size from 2..this)")
+    t.add_argument("--markov-rank", type=int, default=64, help="dflash: rank of DSpark's Markov head (0: none)")
+    t.add_argument("--layers", type=int, default=2, help="dflash: drafter depth")
+    t.add_argument("--init-from", help="resume from this model directory (HF; EAGLE-3 or DFlash for those)")
     t.add_argument("--lr", type=float, default=None, help="peak learning rate (default: the zoo recipe's)")
     t.add_argument("--seed", type=int, default=0)
     t.set_defaults(fn=cmd_train)
@@ -435,6 +500,8 @@ def main(argv: list[str] | None = None) -> int:
     zb.add_argument("--draft-minutes", type=float, default=20.0, help="distillation from the target")
     zb.add_argument("--draft-more-minutes", type=float, default=45.0, help="a second distillation pass, LR 1e-3")
     zb.add_argument("--eagle3-minutes", type=float, default=87.0, help="EAGLE-3 drafter, online from the target")
+    zb.add_argument("--dflash-minutes", type=float, default=95.0, help="DFlash drafter (+ Markov head), online from "
+                    "the target")
     zb.add_argument("--seed", type=int, default=0)
     ze = zs.add_parser("eval", help="per-domain validation loss and bits per byte of the zoo models")
     ze.add_argument("--eval-tokens", type=int, default=65536)

@@ -176,6 +176,22 @@ class LeanDecoder:
         return F.linear(h, self.lm_head)
 
 
+def rope_inv_freq(c) -> tuple[torch.Tensor, float]:
+    """inv_freq and attention scaling of a drafter's rotary embedding (`c`: a config with rope_theta, rope_scaling,
+    hidden_size, num_attention_heads, head_dim, max_position_embeddings) (transformers' own rope functions, so
+    llama3 / linear / yarn scalings of public checkpoints are honoured)."""
+    from transformers import LlamaConfig
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+    kw = {"rope_theta": c.rope_theta}
+    if c.rope_scaling:
+        kw["rope_scaling"] = dict(c.rope_scaling)
+    cfg = LlamaConfig(hidden_size=c.hidden_size, num_attention_heads=c.num_attention_heads, head_dim=c.head_dim,
+                      max_position_embeddings=c.max_position_embeddings, **kw)
+    rot = LlamaRotaryEmbedding(cfg)
+    return rot.inv_freq.float().clone(), float(getattr(rot, "attention_scaling", 1.0))
+
+
 def rope_tables(inv_freq: torch.Tensor, scale: float, n: int, dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """cos and sin tables [n, head_dim] for positions 0..n-1; sin carries rotate_half's sign (see `apply_rope`)."""
     freqs = torch.arange(n, device=inv_freq.device).float()[:, None] * inv_freq.float()[None]

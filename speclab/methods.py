@@ -5,7 +5,7 @@ one every round). AR is the method without drafters. New drafters and routers re
 everywhere without other changes.
 
 A method builds from the target and the drafter models it `needs`, by role: `draft` (a standalone draft LM,
-a `Target`) and `eagle3` (an `Eagle3Model`). A method *spec* names a method with some of its parameters fixed,
+a `Target`), `eagle3` (an `Eagle3Model`) and `dflash` (a `DFlashModel`). A method *spec* names a method with some of its parameters fixed,
 `name:param=value+param=value` (`eagle3:tree_topk=1` is the EAGLE-3 chain): the bench and the CLI take specs, and a
 run's `method` column keeps the spec, so variants of one method stay apart in every table.
 """
@@ -25,17 +25,20 @@ class Method:
     description: str
     build: Callable | None  # (target, models by role, **params) -> (drafters by name, router); None for AR
     params: dict = field(default_factory=dict)  # parameter -> default (its type is the parameter's type)
-    needs: tuple[str, ...] = ()  # drafter models by role: "draft" (a Target), "eagle3" (an Eagle3Model)
+    needs: tuple[str, ...] = ()  # drafter models by role: "draft" (a Target), "eagle3", "dflash" (see ROLES)
     bounds: Callable | None = None  # target -> {parameter: Bound}: the allowed values, from the model
     check: Callable | None = None  # (params, target) -> None: checks across parameters (raise InvalidInput)
     gpu_params: dict = field(default_factory=dict)  # defaults that differ on CUDA (the papers' GPU settings)
     same_decode: Callable | None = None  # params -> the params that decode alike (parameter grids run each once)
+    grid: str = ""  # the parameter grid `speclab grid` sweeps by default (speclab.bench.parse_grid syntax)
 
 
 EAGLE3_GPU_PRESET = {"depth": 8, "tree_topk": 10, "total_tokens": 60}  # EAGLE-3's evaluations, WhiFlash's Table 7
+DFLASH_GPU_PRESET = {"block_size": 16}  # DFlash's evaluations
 
 ROLES = {"draft": "a draft model (--draft PATH, or the zoo's default draft)",
-         "eagle3": "an EAGLE-3 drafter (--eagle PATH, or the zoo's default EAGLE-3 drafter)"}
+         "eagle3": "an EAGLE-3 drafter (--eagle PATH, or the zoo's default EAGLE-3 drafter)",
+         "dflash": "a DFlash drafter (--dflash PATH, or the zoo's default DFlash drafter)"}
 
 
 def _sps(target, models, k=4, tree_topk=1, stop_prob=0.0):
@@ -58,16 +61,41 @@ def _eagle3(target, models, depth=2, tree_topk=2, total_tokens=8):
             FixedRouter("eagle3"))
 
 
+def _dflash(target, models, block_size=6, markov=1, tree_topk=1, total_tokens=16):
+    from speclab.drafters.dflash import DFlashDrafter
+    return ({"dflash": DFlashDrafter(models["dflash"], target, block_size=block_size, markov=bool(markov),
+                                     tree_topk=tree_topk, total_tokens=total_tokens)}, FixedRouter("dflash"))
+
+
+def _dflash_bounds(target) -> dict:
+    return {"block_size": Bound(2, min(MAX_TREE_NODES, target.max_context) + 1), "markov": Bound(0, 1),
+            "tree_topk": Bound(1, target.vocab_size), "total_tokens": Bound(1, min(MAX_TREE_NODES, target.max_context))}
+
+
+def _dflash_check(p: dict, target) -> None:
+    _check_dynamic_tree("dflash", "block_size", p["block_size"], p["block_size"] - 1, p["tree_topk"])
+
+
+def _dflash_same_decode(p: dict) -> dict:
+    """Without a tree (tree_topk 1) total_tokens plays no part."""
+    return {**p, "total_tokens": 16} if p["tree_topk"] == 1 else p
+
+
 def _eagle3_bounds(target) -> dict:
     return {"depth": Bound(1, target.max_context), "tree_topk": Bound(1, target.vocab_size),
             "total_tokens": Bound(1, min(MAX_TREE_NODES, target.max_context))}
 
 
+def _check_dynamic_tree(method: str, name: str, value: int, depth: int, topk: int) -> None:
+    """A dynamic tree (speclab.tree.dynamic_tree) of `depth` levels expands topk + (depth - 1) topk^2 candidates."""
+    expanded = topk + (depth - 1) * topk ** 2
+    if topk > 1 and expanded > 64 * MAX_TREE_NODES:
+        raise InvalidInput(f"{method} tree: {name} {value} x tree_topk {topk} expands {expanded} candidate nodes, more "
+                           f"than {64 * MAX_TREE_NODES}; lower {name} or tree_topk")
+
+
 def _eagle3_check(p: dict, target) -> None:
-    expanded = p["tree_topk"] + (p["depth"] - 1) * p["tree_topk"] ** 2
-    if p["tree_topk"] > 1 and expanded > 64 * MAX_TREE_NODES:
-        raise InvalidInput(f"eagle3 tree: depth {p['depth']} x tree_topk {p['tree_topk']} expands {expanded} candidate "
-                           f"nodes, more than {64 * MAX_TREE_NODES}; lower depth or tree_topk")
+    _check_dynamic_tree("eagle3", "depth", p["depth"], p["depth"], p["tree_topk"])
 
 
 def _eagle3_same_decode(p: dict) -> dict:
@@ -110,7 +138,14 @@ METHODS: dict[str, Method] = {
     "eagle3": Method("eagle3", "EAGLE-3: one-layer drafter on the target's features; dynamic tree (depth, tree_topk, "
                      "total_tokens), a chain when tree_topk = 1", _eagle3,
                      {"depth": 2, "tree_topk": 2, "total_tokens": 8}, needs=("eagle3",), bounds=_eagle3_bounds,
-                     check=_eagle3_check, gpu_params=EAGLE3_GPU_PRESET, same_decode=_eagle3_same_decode),
+                     check=_eagle3_check, gpu_params=EAGLE3_GPU_PRESET, same_decode=_eagle3_same_decode,
+                     grid="depth=3,4,5,6;tree_topk=1,2,3,4;total_tokens=4,6,8,12,16"),
+    "dflash": Method("dflash", "DFlash: a block of masks drafted in one forward from the target's features "
+                     "(block_size rows: block_size - 1 tokens); markov = 1 adds DSpark's Markov head when the drafter "
+                     "has one; tree_topk > 1 makes a tree of the rows' top-k (best total_tokens kept)", _dflash,
+                     {"block_size": 6, "markov": 1, "tree_topk": 1, "total_tokens": 16}, needs=("dflash",),
+                     bounds=_dflash_bounds, check=_dflash_check, gpu_params=DFLASH_GPU_PRESET,
+                     same_decode=_dflash_same_decode, grid="markov=0,1;block_size=2,3,4,5,6,8,10,12,16"),
 }
 
 

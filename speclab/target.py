@@ -224,8 +224,16 @@ class Target:
     def head(self, h: torch.Tensor) -> torch.Tensor:
         """Final norm + LM head of the target over hidden states [..., d] -> float32 logits [..., vocab]."""
         if self.lean:
-            return self.lean.head(self.lean.final_norm(h.to(self.dtype))).float()
-        return self.model.get_output_embeddings()(_final_norm(self.decoder)(h.to(self.dtype))).float()
+            return self.lm_head(self.lean.final_norm(h.to(self.dtype)))
+        return self.lm_head(_final_norm(self.decoder)(h.to(self.dtype)))
+
+    @torch.inference_mode()
+    def lm_head(self, h: torch.Tensor) -> torch.Tensor:
+        """The LM head alone (no final norm) over already-normed states [..., d] -> float32 logits (DFlash, which
+        norms with its own `norm`)."""
+        if self.lean:
+            return self.lean.head(h.to(self.dtype)).float()
+        return self.model.get_output_embeddings()(h.to(self.dtype)).float()
 
 
 def _final_norm(decoder):

@@ -134,3 +134,46 @@ def tree_position_ids(depth: torch.Tensor, past_len: int, with_root: bool) -> to
     if with_root:
         return torch.cat([torch.zeros(1, dtype=torch.long, device=depth.device), depth]) + past_len
     return depth - 1 + past_len
+
+
+def dynamic_tree(root_logp: torch.Tensor, expand, depth: int, k: int, total: int, state,
+                 to_target: torch.Tensor | None = None) -> DraftTree:
+    """EAGLE-2's dynamic draft tree, for any drafter that can score children of a set of nodes.
+
+    The root's top-k children form the frontier; then `depth - 1` times the frontier's nodes are expanded by
+    their top-k children and the k best candidates (cumulative log-probability) become the next frontier. At the
+    end the best `total` nodes of everything expanded form the tree: a score only falls along a path, so the kept
+    set is closed under ancestors (ties broken against depth). `root_logp` [V] are the root's children's
+    log-probs; `expand(level, tokens [f], state) -> (logp [f, V], new_state)` scores the children of frontier
+    nodes at depth `level` (their tokens in target ids, their per-node `state`: a tuple of [f, ...] tensors, or
+    None); the state of a kept candidate is its parent's row of `new_state`. `to_target` maps the drafter's
+    vocabulary ids to the target's (a reduced draft vocabulary). Deterministic: verification treats the nodes
+    as point masses, lossless under sampling as well."""
+    dev = root_logp.device
+    ids = (lambda i: to_target[i]) if to_target is not None else (lambda i: i)
+    vals, idx = root_logp.topk(min(k, root_logp.numel()))
+    tok_l, par_l, lq_l, score_l, dep_l = [ids(idx)], [torch.full_like(idx, -1)], [vals], [vals], [torch.ones_like(idx)]
+    n = idx.numel()
+    front, front_tok, front_score = torch.arange(n, device=dev), tok_l[0], vals
+    for level in range(1, depth):
+        logp, out_state = expand(level, front_tok, state)
+        vals, idx = logp.topk(min(k, logp.shape[-1]), -1)  # [f, k]
+        cand = (front_score[:, None] + vals).flatten()
+        kids = ids(idx.flatten())
+        tok_l.append(kids)
+        par_l.append(front.repeat_interleave(vals.shape[1]))
+        lq_l.append(vals.flatten())
+        score_l.append(cand)
+        dep_l.append(torch.full_like(kids, level + 1))
+        best = cand.topk(min(k, cand.numel())).indices
+        rows = best // vals.shape[1]
+        front, front_tok, front_score = n + best, kids[best], cand[best]
+        state = None if out_state is None else tuple(t[rows] for t in out_state)
+        n += cand.numel()
+    tokens, parents, logq = torch.cat(tok_l), torch.cat(par_l), torch.cat(lq_l)
+    score = torch.cat(score_l) - 1e-6 * torch.cat(dep_l)  # strictly falling along a path: closed under ancestors
+    keep = score.topk(min(total, n)).indices.sort().values  # pool order is topological
+    remap = torch.full((n,), -1, dtype=torch.long, device=dev)
+    remap[keep] = torch.arange(keep.numel(), device=dev)
+    par = parents[keep]
+    return DraftTree(tokens[keep], torch.where(par >= 0, remap[par.clamp(min=0)], par), logq[keep].exp())

@@ -18,7 +18,7 @@ def _model(name: str) -> Path:
     p = zoo_dir() / name
     if not (p / "config.json").exists():
         raise ModelNotFound(f"the zoo model '{name}' is missing at {p}; re-create the zoo with `speclab zoo build`, "
-                            "or name a model with --model / --draft / --eagle")
+                            "or name a model with --model / --draft / --eagle / --dflash")
     return p
 
 
@@ -32,6 +32,10 @@ def default_draft() -> Path:
 
 def default_eagle3() -> Path:
     return _model("eagle3")
+
+
+def default_dflash() -> Path:
+    return _model("dflash")
 
 
 def tokenizer_dir() -> Path:

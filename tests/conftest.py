@@ -86,3 +86,35 @@ def qwen3_draft(model_dir) -> Target:
 
 PROMPTS = ["def add(a, b):\n    return", "Once upon a time, a little dog", "Question: Tom has 3 apples. How many",
            "KING HENRY:\nWhat say you"]
+
+
+def own_text_windows(target, length: int = 48):
+    """[n, length] windows of the target's own text (its greedy and sampled continuations of PROMPTS): what a
+    drafter trained for a few seconds in a test learns to agree with."""
+    from speclab.generate import generate
+
+    ids = [target.tokenizer(p)["input_ids"] for p in PROMPTS]
+    texts = [p + generate(target, torch.tensor(p), "ar", max_new_tokens=length, temperature=t, seed=i).token_ids
+             for i, p in enumerate(ids) for t in (0.0, 1.0)]
+    return torch.tensor([t[:length] for t in texts if len(t) >= length])
+
+
+@pytest.fixture(scope="session")
+def deep(tmp_path_factory):
+    """A tiny 4-layer Qwen3 target with the zoo tokenizer (which reserves <|mask|> = 2): EAGLE-3 reads three
+    distinct layers of it, DFlash three as well."""
+    return Target.load(build_tiny("qwen3", tmp_path_factory.mktemp("deep") / "t4", seed=7, layers=4))
+
+
+@pytest.fixture(scope="session")
+def tiny_v8(tmp_path_factory):
+    """A tiny 4-layer target over an 8-token vocabulary without a tokenizer (exact joint distributions are cheap):
+    the end-to-end sampling tests of drafters that read target layers."""
+    from test_sampling import V, _NoTok
+    from transformers import AutoModelForCausalLM
+
+    path = build_tiny("qwen3", tmp_path_factory.mktemp("v8") / "t", seed=5, vocab_size=V, tokenizer=False,
+                      hidden=32, init=0.08, layers=4)
+    target = Target(AutoModelForCausalLM.from_pretrained(path).eval(), _NoTok())
+    target.eos_ids = []
+    return target

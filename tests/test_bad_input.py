@@ -143,6 +143,11 @@ BAD = [  # (case, argv, what the one line must say)
     ("eagle3-other-target", ["--method", "eagle3"], "it was trained for another target"),  # the zoo's, on a tiny target
     ("eagle3-not-eagle", ["--method", "eagle3", "--eagle", "{mismatched}"], "not an EAGLE-3 drafter (one decoder layer"),
     ("method-spec-unknown-param", ["--method", "eagle3:width=2"], "'width=2' is not param=value with a parameter"),
+    ("dflash-missing", ["--method", "dflash", "--dflash", "{tmp}/nope"], "no DFlash drafter at"),
+    ("dflash-other-target", ["--method", "dflash"], "it shares the target's embedding and head"),  # the zoo's, tiny target
+    ("dflash-not-dflash", ["--method", "dflash", "--dflash", "{mismatched}"], "is not a DFlash config"),
+    ("dflash-block-size-1", ["--method", "dflash", "--block-size", "1"], "block_size must be an integer from 2 to"),
+    ("dflash-markov-2", ["--method", "dflash", "--markov", "2"], "markov must be an integer from 0 to 1 (got 2)"),
 ]
 
 

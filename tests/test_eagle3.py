@@ -4,13 +4,11 @@ catching up over a backlog drafts what a never-idle drafter drafts, and sampling
 distribution."""
 import json
 
-import numpy as np
 import pytest
 import torch
 
-from conftest import PROMPTS, build_tiny
+from conftest import PROMPTS, build_tiny, own_text_windows
 from speclab.drafters.eagle3 import Eagle3Config, Eagle3Drafter, Eagle3Model, default_layer_ids, load_eagle3
-from speclab.engine import decode
 from speclab.errors import InvalidInput, ModelNotFound
 from speclab.generate import generate
 from speclab.sampling import Sampling
@@ -44,10 +42,7 @@ def train_tiny(target: Target, steps: int = 120, seed: int = 0) -> Eagle3Model:
     target's own text (its greedy and sampled continuations of the test prompts): it agrees with the target
     often, so trees get accepted paths."""
     torch.manual_seed(seed)
-    ids = [target.tokenizer(p)["input_ids"] for p in PROMPTS]
-    texts = [p + generate(target, torch.tensor(p), "ar", max_new_tokens=48, temperature=t, seed=i).token_ids
-             for i, p in enumerate(ids) for t in (0.0, 1.0)]
-    windows = torch.tensor([t[:48] for t in texts if len(t) >= 48])
+    windows = own_text_windows(target)
     m = Eagle3Model(eagle_config(target))
     with torch.no_grad():
         m.lm_head.weight.copy_(target.model.get_output_embeddings().weight)
@@ -61,12 +56,6 @@ def train_tiny(target: Target, steps: int = 120, seed: int = 0) -> Eagle3Model:
         opt.zero_grad()
     m.train_acc = accs
     return m.eval().requires_grad_(False)
-
-
-@pytest.fixture(scope="module")
-def deep(tmp_path_factory) -> Target:
-    """A tiny 4-layer Qwen3 target (EAGLE-3 reads three distinct layers)."""
-    return Target.load(build_tiny("qwen3", tmp_path_factory.mktemp("eagle3") / "t4", seed=7, layers=4))
 
 
 @pytest.fixture(scope="module")
@@ -256,40 +245,19 @@ def test_method_parameters_are_checked(deep, drafters):
 
 # ---- sampling through an EAGLE-3 tree keeps the target's distribution ----
 
-@pytest.fixture(scope="module")
-def tiny_v8(tmp_path_factory):
-    from test_sampling import V, _NoTok
-    from transformers import AutoModelForCausalLM
-
-    path = build_tiny("qwen3", tmp_path_factory.mktemp("v8") / "t", seed=5, vocab_size=V, tokenizer=False,
-                      hidden=32, init=0.08, layers=4)
-    target = Target(AutoModelForCausalLM.from_pretrained(path).eval(), _NoTok())
-    target.eos_ids = []
-    return target
-
-
 @pytest.mark.parametrize("shape", [(2, 3, 5), (2, 1, 2)], ids=["tree", "chain"])
 def test_sampling_through_eagle3_keeps_target_distribution(tiny_v8, shape):
     """The first two sampled tokens follow the target's exact joint distribution with an EAGLE-3 tree or chain
     drafting (deterministic nodes: point-mass verification); depth-2 drafts are accepted in some of the decodes
     (a random drafter's greedy chain must hit the sampled token twice, the tree has three tries at depth 1).
     Power: a sample of the target's joint at temperature 0.7 is told apart by the same test."""
-    from test_sampling import N_RUNS, PROMPT, V, chi2_p, exact_joint
+    from test_sampling import N_RUNS, PROMPT, chi2_p, decode_counts, exact_joint, told_apart
 
     depth, topk, total = shape
     target = tiny_v8
     drafter = Eagle3Drafter(random_drafter(target, 4), target, depth=depth, top_k=topk, total_tokens=total)
-    s = Sampling(1.0)
-    want = exact_joint(target, PROMPT, s)
-    counts, one_round = np.zeros(V * V), 0
-    for seed in range(N_RUNS):
-        res = decode(target, PROMPT, {"eagle3": drafter}, max_new_tokens=3, sampling=Sampling(1.0, seed=10_000 + seed))
-        a, b = res.new_ids.tolist()[:2]
-        counts[a * V + b] += 1
-        one_round += res.rounds == 1
+    want = exact_joint(target, PROMPT, Sampling(1.0))
+    counts, one_round = decode_counts(target, drafter, Sampling(1.0), seed0=10_000)
     assert one_round > N_RUNS // (40 if topk > 1 else 100)
     assert chi2_p(counts, want) > 1e-3
-    cooler = exact_joint(target, PROMPT, Sampling(0.7))
-    rng = np.random.default_rng(0)
-    other = np.bincount(rng.choice(V * V, size=N_RUNS, p=cooler / cooler.sum()), minlength=V * V)
-    assert chi2_p(other, want) < 1e-3
+    assert told_apart(exact_joint(target, PROMPT, Sampling(0.7)), want)

@@ -171,6 +171,13 @@ def decode_counts(target, drafter, s: Sampling, prompt=PROMPT, deferred=True, se
     return counts, one_round
 
 
+def told_apart(other_joint: np.ndarray, want: np.ndarray, seed: int = 0) -> bool:
+    """Power: N_RUNS draws from another joint distribution fail the chi-square test against `want`."""
+    rng = np.random.default_rng(seed)
+    other = np.bincount(rng.choice(V * V, size=N_RUNS, p=other_joint / other_joint.sum()), minlength=V * V)
+    return chi2_p(other, want) < 1e-3
+
+
 # name: (sps drafter params, or None for the i.i.d. sibling tree; sampling besides temperature 1; deferred; prompt)
 CASES = {
     "sampled-chain": (dict(k=2), {}, True, PROMPT),
@@ -198,10 +205,7 @@ def test_speculative_sampling_matches_target_distribution(tiny_vocab, case):
     counts, one_round = decode_counts(target, drafter, s, prompt, deferred, seed0=list(CASES).index(case) * N_RUNS)
     assert one_round > N_RUNS // 40  # both tested tokens were accepted drafts, and not rarely
     assert chi2_p(counts, want) > 1e-3
-    draft_joint = exact_joint(draft, prompt, s)
-    rng = np.random.default_rng(0)
-    draft_counts = np.bincount(rng.choice(V * V, size=N_RUNS, p=draft_joint / draft_joint.sum()), minlength=V * V)
-    assert chi2_p(draft_counts, want) < 1e-3  # power: the draft's own distribution is told apart
+    assert told_apart(exact_joint(draft, prompt, s), want)  # power: the draft's own distribution is told apart
 
 
 def test_depth2_verified_against_wrong_q_is_detected(tiny_vocab):

@@ -1,10 +1,11 @@
-"""The zoo is the product's default: it loads offline, the draft and the EAGLE-3 drafter fit the target, and
-greedy speculative decoding on it equals AR for one prompt of every domain."""
+"""The zoo is the product's default: it loads offline, the draft and the EAGLE-3 and DFlash drafters fit the
+target, and greedy speculative decoding on it equals AR for one prompt of every domain."""
 import json
 
 import pytest
 
 from speclab import generate, zoo
+from speclab.drafters.dflash import load_dflash
 from speclab.drafters.eagle3 import load_eagle3
 from speclab.target import Target
 
@@ -59,5 +60,29 @@ def test_zoo_eagle3_greedy_equals_ar(zoo_models, zoo_eagle3, row):
     for spec, deferred in [("eagle3", True), ("eagle3:tree_topk=1+depth=4", False),
                            ("eagle3:depth=4+tree_topk=3+total_tokens=10", True)]:
         res = generate(target, row["prompt"], spec, eagle3=zoo_eagle3, max_new_tokens=40, deferred=deferred)
+        assert res.token_ids == ar.token_ids, spec
+        assert res.decode.rounds < len(ar.token_ids)  # drafts are accepted
+
+
+@pytest.fixture(scope="module")
+def zoo_dflash(zoo_models):
+    return load_dflash(zoo.default_dflash(), zoo_models[0])
+
+
+def test_zoo_dflash_fits_the_target(zoo_models, zoo_dflash):
+    target = zoo_models[0]
+    c = zoo_dflash.config
+    assert c.target_layer_ids == (1, 2, 3) and c.hidden_size == target.hidden_size  # DFlash's 1..L-3 of the 6
+    assert target.tokenizer.convert_ids_to_tokens(c.mask_token_id) == "<|mask|>"
+    assert zoo_dflash.has_markov and c.block_size == 16
+
+
+@pytest.mark.parametrize("row", PROMPTS, ids=[r["category"] for r in PROMPTS])
+def test_zoo_dflash_greedy_equals_ar(zoo_models, zoo_dflash, row):
+    """The trained drafter: the CPU default (Markov head on), without the head, and the GPU preset's block of 16."""
+    target = zoo_models[0]
+    ar = generate(target, row["prompt"], "ar", max_new_tokens=40)
+    for spec, deferred in [("dflash", True), ("dflash:markov=0", False), ("dflash:block_size=16", True)]:
+        res = generate(target, row["prompt"], spec, dflash=zoo_dflash, max_new_tokens=40, deferred=deferred)
         assert res.token_ids == ar.token_ids, spec
         assert res.decode.rounds < len(ar.token_ids)  # drafts are accepted

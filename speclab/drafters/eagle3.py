@@ -31,7 +31,6 @@ every row instead (the baseline `speclab eagle3-catchup` measures against); both
 """
 from __future__ import annotations
 
-import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -39,14 +38,12 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from speclab.drafters.checkpoint import load_strict, place, read_checkpoint, save_checkpoint
 from speclab.errors import ModelNotFound
-from speclab.lean import KVCache, apply_rope, rope_tables
+from speclab.lean import KVCache, apply_rope, rope_inv_freq, rope_tables
 from speclab.sampling import Sampling
 from speclab.target import forward_clock
-from speclab.tree import DraftTree
-
-WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
-
+from speclab.tree import DraftTree, dynamic_tree
 
 def default_layer_ids(num_layers: int) -> tuple[int, int, int]:
     """EAGLE-3's (2, L // 2, L - 3) in `hidden_states` indices; for shallow targets where those are not three
@@ -161,7 +158,7 @@ class Eagle3Model(nn.Module):
         self.lm_head = nn.Linear(c.hidden_size, c.draft_vocab_size, bias=False)
         self.register_buffer("d2t", torch.zeros(c.draft_vocab_size, dtype=torch.long))
         self.register_buffer("t2d", torch.ones(c.vocab_size, dtype=torch.bool))
-        self.inv_freq, self.rope_scale = _rope_inv_freq(c)  # fp32 on CPU, not a buffer: `.to(bf16)` leaves it
+        self.inv_freq, self.rope_scale = rope_inv_freq(c)  # fp32 on CPU, not a buffer: `.to(bf16)` leaves it
 
     # -- the forward, in pieces -------------------------------------------------------------------------------
     def qkv(self, emb: torch.Tensor, h: torch.Tensor, cos, sin, q_rows: slice | None = None):
@@ -199,49 +196,15 @@ class Eagle3Model(nn.Module):
 
     # -- files --------------------------------------------------------------------------------------------------
     def save(self, out_dir: str | Path, dtype=torch.bfloat16, extra_files: dict[str, str] | None = None) -> None:
-        """config.json + model.safetensors in the public layout (written to a temp dir, then renamed)."""
-        import shutil
-
-        from safetensors.torch import save_file
-
-        out = Path(out_dir)
-        tmp = out.with_name(out.name + ".tmp")
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-        sd = {k: (v.to(dtype) if v.is_floating_point() else v).contiguous() for k, v in self.state_dict().items()}
-        save_file(sd, str(tmp / "model.safetensors"), metadata={"format": "pt"})
-        (tmp / "config.json").write_text(json.dumps(self.config.to_dict(), indent=2) + "\n")
-        for name, text in (extra_files or {}).items():
-            (tmp / name).write_text(text)
-        if out.exists():
-            shutil.rmtree(out)
-        tmp.rename(out)
-
-
-def _rope_inv_freq(c: Eagle3Config) -> tuple[torch.Tensor, float]:
-    """inv_freq and attention scaling of the drafter's rotary embedding (transformers' own rope functions, so
-    llama3 / linear / yarn scalings of public checkpoints are honoured)."""
-    from transformers import LlamaConfig
-    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
-
-    kw = {"rope_theta": c.rope_theta}
-    if c.rope_scaling:
-        kw["rope_scaling"] = dict(c.rope_scaling)
-    cfg = LlamaConfig(hidden_size=c.hidden_size, num_attention_heads=c.num_attention_heads, head_dim=c.head_dim,
-                      max_position_embeddings=c.max_position_embeddings, **kw)
-    rot = LlamaRotaryEmbedding(cfg)
-    return rot.inv_freq.float().clone(), float(getattr(rot, "attention_scaling", 1.0))
+        """config.json + model.safetensors in the public layout."""
+        save_checkpoint(self, self.config.to_dict(), out_dir, dtype, extra_files)
 
 
 def load_eagle3(path: str | Path, target=None, device=None, dtype=None) -> Eagle3Model:
     """An EAGLE-3 drafter from a directory with its config.json and `model.safetensors` or `pytorch_model.bin`
     (keys `midlayer.*` or vLLM's `layers.0.*`). Checked against `target` when given (vocabulary, feature width,
     layer ids); a missing or unexpected weight is refused by name."""
-    p = Path(path).expanduser()
-    if not (p / "config.json").is_file():
-        raise ModelNotFound(f"no EAGLE-3 drafter at {p.resolve()} (a directory with config.json and "
-                            f"{' or '.join(WEIGHT_FILES)})")
-    raw = json.loads((p / "config.json").read_text())
+    p, raw, sd = read_checkpoint(path, "EAGLE-3 drafter")
     if raw.get("num_hidden_layers", 1) != 1:
         raise ModelNotFound(f"{p.resolve()} holds a {raw.get('num_hidden_layers')}-layer "
                             f"{', '.join(raw.get('architectures') or ['model'])}, not an EAGLE-3 drafter (one decoder "
@@ -250,34 +213,12 @@ def load_eagle3(path: str | Path, target=None, device=None, dtype=None) -> Eagle
         cfg = Eagle3Config.from_dict(raw, target.num_layers if target is not None else None)
     except (KeyError, ValueError, TypeError) as e:
         raise ModelNotFound(f"{p / 'config.json'} is not an EAGLE-3 config ({type(e).__name__}: {e})") from e
-    weights = next((p / f for f in WEIGHT_FILES if (p / f).is_file()), None)
-    if weights is None:
-        raise ModelNotFound(f"{p.resolve()} has no weights ({' or '.join(WEIGHT_FILES)})")
-    if weights.suffix == ".safetensors":
-        from safetensors.torch import load_file
-        sd = load_file(str(weights))
-    else:
-        sd = torch.load(weights, map_location="cpu", weights_only=True)
     sd = {("midlayer." + k[len("layers.0."):] if k.startswith("layers.0.") else k): v for k, v in sd.items()}
     model = Eagle3Model(cfg, with_embedding="embed_tokens.weight" in sd)
-    expected = set(model.state_dict())
-    missing = sorted(expected - set(sd) - {"d2t", "t2d"})
-    unexpected = sorted(set(sd) - expected)
-    if missing or unexpected:
-        bad = ([f"missing {', '.join(missing[:4])}"] if missing else []) + \
-              ([f"unexpected {', '.join(unexpected[:4])}"] if unexpected else [])
-        raise ModelNotFound(f"the weights in {p.resolve()} are not an EAGLE-3 drafter for its config.json "
-                            f"({'; '.join(bad)})")
-    try:
-        model.load_state_dict(sd, strict=False)
-    except RuntimeError as e:
-        raise ModelNotFound(f"the weights in {p.resolve()} do not match its config.json: "
-                            f"{str(e).splitlines()[-1].strip()}") from e
+    load_strict(model, sd, p, "EAGLE-3 drafter", optional={"d2t", "t2d"})
     if target is not None:
         _check_against(cfg, target, p)
-        device, dtype = device or target.device, dtype or target.dtype
-    model.name = str(path)
-    return model.to(device=device or "cpu", dtype=dtype or torch.float32).eval().requires_grad_(False)
+    return place(model, path, target, device, dtype)
 
 
 def _check_against(cfg: Eagle3Config, target, where: Path) -> None:
@@ -413,51 +354,29 @@ class Eagle3Drafter:
         return DraftTree.chain(torch.cat(tokens), torch.cat(logq).exp())
 
     def _tree(self, depth: int) -> DraftTree:
-        """EAGLE-2 dynamic tree: expand the top-k frontier by top-k per depth, keep the best `total_tokens`."""
+        """EAGLE-2 dynamic tree (speclab.tree.dynamic_tree): each depth's frontier is one drafter call under a tree
+        mask over its ancestors' cache slots; a node's state is (its parent's output, its parent's slot)."""
         k, dev = self.top_k, self.device
-        logp0 = torch.log_softmax(self.root_logits[0].float(), -1)
-        vals, idx = logp0.topk(min(k, logp0.numel()))
-        tok_l, par_l, lq_l, score_l, dep_l = [self.to_target[idx]], [torch.full_like(idx, -1)], [vals], [vals], \
-            [torch.ones_like(idx)]
-        n = idx.numel()
-        front = torch.arange(n, device=dev)  # pool indices of the frontier
-        front_tok, front_score = tok_l[0], vals
-        front_h = self.root_h.expand(n, -1)  # each frontier node's parent output
-        front_pslot = torch.full((n,), -1, device=dev)  # cache slot of each frontier node's parent (-1: the root)
-        slots = 0
         n_slots_max = k * (depth - 1)
         slot_anc = torch.zeros(n_slots_max, n_slots_max, dtype=torch.bool, device=dev)
-        for level in range(1, depth):
-            f = front.numel()
+        slots = 0
+
+        def expand(level, tokens, state):
+            nonlocal slots
+            h_parent, pslot = state
+            f = tokens.numel()
             new = torch.arange(slots, slots + f, device=dev)
-            has = front_pslot >= 0
-            slot_anc[new] = torch.where(has[:, None], slot_anc[front_pslot.clamp(min=0)], False)
+            slot_anc[new] = torch.where((pslot >= 0)[:, None], slot_anc[pslot.clamp(min=0)], False)
             slot_anc[new, new] = True
             mask = torch.cat([torch.ones(f, self.known, dtype=torch.bool, device=dev), slot_anc[new, : slots + f]], 1)
-            h, logp = self._forward_nodes(front_tok, front_h, level, mask)
+            h, logp = self._forward_nodes(tokens, h_parent, level, mask)
             slots += f
-            vals, idx = logp.topk(min(k, logp.shape[-1]), -1)  # [f, k]
-            cand = (front_score[:, None] + vals).flatten()
-            kids = idx.flatten()
-            tok_l.append(self.to_target[kids])
-            par_l.append(front.repeat_interleave(vals.shape[1]))
-            lq_l.append(vals.flatten())
-            score_l.append(cand)
-            dep_l.append(torch.full_like(kids, level + 1))
-            best = cand.topk(min(k, cand.numel())).indices
-            front = n + best
-            front_tok, front_score = self.to_target[kids[best]], cand[best]
-            front_h = h[best // vals.shape[1]]
-            front_pslot = new[best // vals.shape[1]]
-            n += cand.numel()
-        tokens, parents, logq = torch.cat(tok_l), torch.cat(par_l), torch.cat(lq_l)
-        score = torch.cat(score_l) - 1e-6 * torch.cat(dep_l)  # strictly falling along a path: closed under ancestors
-        keep = score.topk(min(self.total_tokens, n)).indices.sort().values  # pool order is topological
-        remap = torch.full((n,), -1, dtype=torch.long, device=dev)
-        remap[keep] = torch.arange(keep.numel(), device=dev)
-        par = parents[keep]
-        new_par = torch.where(par >= 0, remap[par.clamp(min=0)], par)
-        return DraftTree(tokens[keep], new_par, logq[keep].exp())
+            return logp, (h, new)
+
+        logp0 = torch.log_softmax(self.root_logits[0].float(), -1)
+        f0 = min(k, logp0.numel())
+        root_state = (self.root_h.expand(f0, -1), torch.full((f0,), -1, device=dev))
+        return dynamic_tree(logp0, expand, depth, k, self.total_tokens, root_state, self.to_target)
 
     def commit(self, tree: DraftTree, accepted: torch.Tensor) -> None:
         """Drop the draft nodes' keys and values: the accepted tokens come back in the next catch-up paired with

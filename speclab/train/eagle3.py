@@ -17,7 +17,6 @@ from __future__ import annotations
 import json
 import time
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 
 import numpy as np
 import torch
@@ -26,7 +25,7 @@ import torch.nn.functional as F
 from speclab.drafters.eagle3 import Eagle3Config, Eagle3Model, default_layer_ids, load_eagle3
 from speclab.progress import Progress
 from speclab.train.corpus import DOMAINS
-from speclab.train.lm import lr_at, sample_windows, tokenize_corpus
+from speclab.train.lm import frozen_target_setup, lr_at, online_run, sample_windows, val_curve, val_windows
 
 
 @dataclass
@@ -149,9 +148,7 @@ def evaluate(m, embed, target, data, cfg: Eagle3TrainConfig) -> dict:
     m.eval()
     res = {}
     for d in DOMAINS:
-        arr = data[d]["val"]
-        n = min(cfg.eval_windows, len(arr) // cfg.seq_len)
-        ids = torch.from_numpy(arr[: n * cfg.seq_len].astype(np.int64)).view(n, cfg.seq_len)
+        ids = val_windows(data, d, cfg.eval_windows, cfg.seq_len)
         feats, logp = target_features(target, ids, m.config.layer_ids)
         logits = ttt_forward(m, embed, ids, feats, cfg.ttt_steps)
         _, losses, accs = ttt_loss(logits, logp, m.t2d, cfg.step_weight)
@@ -161,14 +158,7 @@ def evaluate(m, embed, target, data, cfg: Eagle3TrainConfig) -> dict:
 
 
 def train_eagle3(cfg: Eagle3TrainConfig, log=print) -> dict:
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    torch.manual_seed(cfg.seed)
-    torch.set_num_threads(cfg.threads)
-    rng = np.random.default_rng(cfg.seed)
-    tok = AutoTokenizer.from_pretrained(cfg.target_dir)
-    data = tokenize_corpus(Path(cfg.corpus_dir), tok, Path(cfg.corpus_dir) / ".tokens")
-    target = AutoModelForCausalLM.from_pretrained(cfg.target_dir, dtype=torch.float32).eval().requires_grad_(False)
+    _, data, target, rng = frozen_target_setup(cfg)
     embed = target.get_input_embeddings()
     if cfg.init_from:
         m = load_eagle3(cfg.init_from).float().requires_grad_(True)
@@ -178,12 +168,8 @@ def train_eagle3(cfg: Eagle3TrainConfig, log=print) -> dict:
             counts = sum(np.bincount(data[d]["train"], minlength=target.config.vocab_size) for d in DOMAINS)
         m = new_drafter(target, cfg, counts)
     m.train()
-    params = [p for p in m.parameters() if p.requires_grad]
+    params, opt, out, log_f = online_run(m, cfg)
     n_params = sum(p.numel() for p in params)
-    opt = torch.optim.AdamW(params, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
-    out = Path(cfg.out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    log_f = open(out / "train_log.jsonl", "a")
     budget = cfg.max_minutes * 60
     log(f"eagle3: {n_params / 1e6:.2f} M trainable params, layers (hidden_states) {m.config.layer_ids}, "
         f"{cfg.ttt_steps} TTT steps, budget {cfg.max_minutes:.0f} min")
@@ -246,14 +232,4 @@ def val_table(val: dict) -> str:
 def curve_table(records: list[dict]) -> str:
     """Markdown: tokens seen, minutes, and per domain the validation accuracy at TTT steps 0 and last, at each
     validation of a (joined) training log."""
-    rows, head = [], None
-    for r in records:
-        if "val" not in r:
-            continue
-        if head is None:
-            head = list(r["val"])
-            rows = ["| tokens (M) | minutes | " + " | ".join(f"{d} acc step 0 / last" for d in head) + " |",
-                    "|---|---|" + "---|" * len(head)]
-        rows.append(f"| {r['tokens'] / 1e6:.2f} | {r['time_s'] / 60:.0f} | "
-                    + " | ".join(f"{r['val'][d]['acc'][0]:.3f} / {r['val'][d]['acc'][-1]:.3f}" for d in head) + " |")
-    return "\n".join(rows)
+    return val_curve(records, lambda d: f"{d} acc step 0 / last", lambda v: f"{v['acc'][0]:.3f} / {v['acc'][-1]:.3f}")

@@ -85,6 +85,36 @@ def build_model(shape: ModelShape, tokenizer):
     return Qwen3ForCausalLM(config)
 
 
+def frozen_target_setup(cfg):
+    """What online drafter training starts from (`cfg`: target_dir, corpus_dir, seed, threads): seeds, the
+    tokenizer, the tokenized corpus and the target in fp32, frozen. -> (tokenizer, data, target, rng)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    torch.manual_seed(cfg.seed)
+    torch.set_num_threads(cfg.threads)
+    tok = AutoTokenizer.from_pretrained(cfg.target_dir)
+    data = tokenize_corpus(Path(cfg.corpus_dir), tok, Path(cfg.corpus_dir) / ".tokens")
+    target = AutoModelForCausalLM.from_pretrained(cfg.target_dir, dtype=torch.float32).eval().requires_grad_(False)
+    return tok, data, target, np.random.default_rng(cfg.seed)
+
+
+def online_run(m: torch.nn.Module, cfg):
+    """The optimizer and the run directory of an online drafter training (`cfg`: lr, weight_decay, out_dir):
+    -> (trainable params, AdamW, run dir, its train_log.jsonl opened for appending)."""
+    params = [p for p in m.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
+    out = Path(cfg.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    return params, opt, out, open(out / "train_log.jsonl", "a")
+
+
+def val_windows(data: dict, domain: str, n: int, seq_len: int) -> torch.Tensor:
+    """[<= n, seq_len] consecutive windows from the start of a domain's validation split."""
+    arr = data[domain]["val"]
+    n = min(n, len(arr) // seq_len)
+    return torch.from_numpy(arr[: n * seq_len].astype(np.int64)).view(n, seq_len)
+
+
 def sample_windows(data: dict, weights: dict, cfg, rng: np.random.Generator) -> torch.Tensor:
     """[batch_size, seq_len + 1] random training windows, the domain of each drawn by `weights`."""
     doms = list(weights)
@@ -238,6 +268,22 @@ def training_curve(logs: list[Path], every: int = 100) -> list[dict]:
         if recs:
             tok0, t0 = tok0 + recs[-1]["tokens"], t0 + recs[-1]["time_s"]
     return out
+
+
+def val_curve(records: list[dict], column, cell) -> str:
+    """Markdown: tokens seen, minutes, then per domain `cell(val of that domain)` at each validation record of a
+    (joined) training log; `column(domain)` heads the domain's column."""
+    rows, head = [], None
+    for r in records:
+        if "val" not in r:
+            continue
+        if head is None:
+            head = list(r["val"])
+            rows = ["| tokens (M) | minutes | " + " | ".join(column(d) for d in head) + " |",
+                    "|---|---|" + "---|" * len(head)]
+        rows.append(f"| {r['tokens'] / 1e6:.2f} | {r['time_s'] / 60:.0f} | "
+                    + " | ".join(cell(r["val"][d]) for d in head) + " |")
+    return "\n".join(rows)
 
 
 def curve_table(records: list[dict]) -> str:

@@ -32,6 +32,7 @@ class ZooBuildConfig:
     draft_minutes: float = 20.0
     draft_more_minutes: float = 45.0  # a second distillation pass at a lower LR (the zoo's draft had 13 + 45 min)
     eagle3_minutes: float = 87.0  # EAGLE-3 drafter, online from the frozen target (data/zoo/eagle3/README.md)
+    dflash_minutes: float = 95.0  # DFlash drafter with DSpark's Markov head (data/zoo/dflash/README.md)
     seed: int = 0
     work_dir: str = "build/zoo"
 
@@ -40,35 +41,41 @@ def build_zoo(cfg: ZooBuildConfig) -> None:
     corpus = REPO_ROOT / "data" / "corpus"
     zoo = zoo_dir()
     work = Path(cfg.work_dir)
-    print(f"[1/7] corpus -> {corpus}", flush=True)
+    print(f"[1/8] corpus -> {corpus}", flush=True)
     print(json.dumps(build_corpus(corpus, CorpusConfig(shared_data=Path(cfg.shared_data), seed=cfg.seed)), indent=1))
-    print(f"[2/7] tokenizer -> {zoo / 'tokenizer'}", flush=True)
+    print(f"[2/8] tokenizer -> {zoo / 'tokenizer'}", flush=True)
     shutil.rmtree(corpus / ".tokens", ignore_errors=True)
     train_tokenizer(corpus, zoo / "tokenizer")
-    print(f"[3/7] target ({cfg.target_minutes:.0f} min)", flush=True)
+    print(f"[3/8] target ({cfg.target_minutes:.0f} min)", flush=True)
     train_lm(TrainConfig(corpus_dir=str(corpus), tokenizer_dir=str(zoo / "tokenizer"), out_dir=str(work / "target"),
                          shape=TARGET_SHAPE, lr=1.5e-3, max_minutes=cfg.target_minutes, seed=cfg.seed))
     _install(work / "target", zoo / "target")
-    print(f"[4/7] draft pre-trained on the corpus ({cfg.draft_pretrain_minutes:.0f} min)", flush=True)
+    print(f"[4/8] draft pre-trained on the corpus ({cfg.draft_pretrain_minutes:.0f} min)", flush=True)
     train_lm(TrainConfig(corpus_dir=str(corpus), tokenizer_dir=str(zoo / "tokenizer"), out_dir=str(work / "draft_ce"),
                          shape=DRAFT_SHAPE, lr=3e-3, seq_len=256, batch_size=16,
                          max_minutes=cfg.draft_pretrain_minutes, seed=cfg.seed + 2))
-    print(f"[5/7] draft distilled from the target's distributions ({cfg.draft_minutes:.0f} min)", flush=True)
+    print(f"[5/8] draft distilled from the target's distributions ({cfg.draft_minutes:.0f} min)", flush=True)
     train_lm(TrainConfig(corpus_dir=str(corpus), tokenizer_dir=str(zoo / "tokenizer"), out_dir=str(work / "draft_kl"),
                          shape=DRAFT_SHAPE, teacher=str(zoo / "target"), init_from=str(work / "draft_ce" / "model"),
                          lr=2e-3, warmup_steps=20, seq_len=256, batch_size=16, max_minutes=cfg.draft_minutes,
                          seed=cfg.seed + 3))
-    print(f"[6/7] more distillation at a lower LR ({cfg.draft_more_minutes:.0f} min)", flush=True)
+    print(f"[6/8] more distillation at a lower LR ({cfg.draft_more_minutes:.0f} min)", flush=True)
     train_lm(TrainConfig(corpus_dir=str(corpus), tokenizer_dir=str(zoo / "tokenizer"), out_dir=str(work / "draft_kl2"),
                          shape=DRAFT_SHAPE, teacher=str(zoo / "target"), init_from=str(work / "draft_kl" / "model"),
                          lr=1e-3, seq_len=256, batch_size=16, max_minutes=cfg.draft_more_minutes, seed=cfg.seed + 3))
     _install(work / "draft_kl2", zoo / "draft",
              earlier_logs=(work / "draft_ce" / "train_log.jsonl", work / "draft_kl" / "train_log.jsonl"))
-    print(f"[7/7] EAGLE-3 drafter, online from the frozen target ({cfg.eagle3_minutes:.0f} min)", flush=True)
+    print(f"[7/8] EAGLE-3 drafter, online from the frozen target ({cfg.eagle3_minutes:.0f} min)", flush=True)
     from speclab.train.eagle3 import Eagle3TrainConfig, train_eagle3
     train_eagle3(Eagle3TrainConfig(target_dir=str(zoo / "target"), corpus_dir=str(corpus), out_dir=str(work / "eagle3"),
                                    max_minutes=cfg.eagle3_minutes, seed=cfg.seed))
     _install(work / "eagle3", zoo / "eagle3", every=25)
+    print(f"[8/8] DFlash drafter with DSpark's Markov head, online from the frozen target ({cfg.dflash_minutes:.0f} min)",
+          flush=True)
+    from speclab.train.dflash import DFlashTrainConfig, train_dflash
+    train_dflash(DFlashTrainConfig(target_dir=str(zoo / "target"), corpus_dir=str(corpus), out_dir=str(work / "dflash"),
+                                   max_minutes=cfg.dflash_minutes, seed=cfg.seed))
+    _install(work / "dflash", zoo / "dflash", every=25)
     print(evaluate_zoo())
 
 
@@ -120,6 +127,12 @@ def evaluate_zoo(eval_tokens: int = 65536) -> str:
         lines.append("\neagle3 training curve (validation accuracy = draft argmax equals the target's, at TTT steps "
                      "0 and last):\n")
         lines.append(eagle3_curve(training_curve([log], every=10**9)))
+    log = zoo / "dflash" / "train_log.jsonl"
+    if log.exists():
+        from speclab.train.dflash import curve_table as dflash_curve
+        lines.append("\ndflash training curve (validation: greedy acceptance length a full block implies, plain "
+                     "readout / with the Markov head):\n")
+        lines.append(dflash_curve(training_curve([log], every=10**9)))
     lines.append(f"\nparams: target {res['target']['params'] / 1e6:.2f} M, draft {res['draft']['params'] / 1e6:.2f} M; "
                  f"{eval_tokens} validation tokens per domain (or all there are)")
     return "\n".join(lines)

@@ -1,0 +1,376 @@
+"""DFlash: a block-diffusion drafter that proposes a whole block in one forward (z-lab's DFlash), with DSpark's
+Markov head as an option (DeepSeek's DSpark). Reading notes: ../shared/papers/dflash-dspark-notes.txt.
+
+The public layout (../shared/notes/drafter-formats.md), so a public checkpoint loads as it is:
+
+    context  c = hidden_norm(fc(cat(target features of `target_layer_ids`)))           [n, H]  (cached as K/V)
+    block    x = embed([last committed token, mask, ..., mask])                        [B, H]  (the target's embedding)
+    every layer: q = q_norm(q_proj(ln(x))), keys/values = cat(k/v_proj(c), k/v_proj(ln(x))) (KV injection),
+                 non-causal inside the block, rope over context + block positions; then the MLP
+    logits of block rows 1..B-1 = target lm_head(norm(x))                                      (the target's head)
+
+Row k of the block (a mask at position n + k) predicts the token there, so a block of B rows drafts B - 1 tokens.
+Layer ids follow DFlash: id j is the output of decoder layer j (HF `hidden_states[j + 1]`), which is speclab's
+`Target.forward(layers=...)` convention as it is.
+
+Context keys and values depend on the target's features alone, so catch-up is KV-only by construction: the
+backlog's features go through fc, hidden_norm and every layer's k/v projections in one call and nothing else.
+The block's keys and values are written after the context and never committed (the next round overwrites them).
+
+DSpark's Markov head (`markov_rank` r > 0): a bias W1[x_{k-1}] W2 (W1 [V, r], W2 [r, V]) added to row k's logits,
+decoded left to right inside the block (r x V work per token; the backbone stays one call). Without it the rows
+are independent and the whole block is one argmax.
+
+Optional tree (`tree_topk` > 1, off by default): EAGLE-2's dynamic tree over the rows' top-k (with the Markov bias
+of each parent's token), the best `total_tokens` nodes kept; it costs no drafter call beyond the block's.
+
+Verification: greedy drafts are the per-row argmax (point masses). Under sampling every token is drawn from its
+row's distribution q_k (with the Markov bias of the token drawn before it) and q_k is recorded, so verification
+uses min(1, p/q) and the residual: lossless.
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from speclab.drafters.checkpoint import load_strict, place, read_checkpoint, save_checkpoint
+from speclab.errors import ModelNotFound
+from speclab.lean import KVCache, apply_rope, rope_inv_freq, rope_tables
+from speclab.sampling import Sampling, logits_to_probs, sample
+from speclab.target import forward_clock
+from speclab.tree import DraftTree, dynamic_tree
+
+
+def default_layer_ids(num_layers: int, n: int = 5) -> tuple[int, ...]:
+    """DFlash's choice: n layer ids evenly spaced from 1 to L - 3 (rounded; 36 layers: 1, 9, 17, 25, 33; the zoo's
+    6: 1, 2, 3). For targets too shallow for three distinct ids that way (L < 6), three spread over the whole
+    depth (4 layers: 0, 1, 2)."""
+    if num_layers < 3:
+        raise ValueError(f"DFlash reads several target layers: it needs at least 3 (got {num_layers})")
+    hi = num_layers - 3
+    ids = tuple(sorted({round(1 + i * (hi - 1) / max(n - 1, 1)) for i in range(n)})) if hi >= 1 else ()
+    if len(ids) >= 3:
+        return ids
+    return tuple(sorted({0, (num_layers - 1) // 2, num_layers - 2}))
+
+
+@dataclass
+class DFlashConfig:
+    """The public DFlash config.json (a Qwen3 config with `block_size` and `dflash_config`), as far as it is used."""
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    vocab_size: int
+    target_layer_ids: tuple[int, ...]  # dflash_config.target_layer_ids: outputs of these target decoder layers
+    mask_token_id: int
+    block_size: int = 16
+    num_target_layers: int | None = None
+    head_dim: int | None = None
+    rms_norm_eps: float = 1e-6
+    max_position_embeddings: int = 2048
+    rope_theta: float = 10000.0
+    rope_scaling: dict | None = None
+    attention_bias: bool = False
+    markov_rank: int = 0  # DSpark's Markov head (0: none)
+    input_embedding_scale: float = 1.0
+    output_multiplier: float = 1.0
+    extra: dict = field(default_factory=dict)  # other keys of the file, written back unchanged
+
+    def __post_init__(self):
+        self.head_dim = self.head_dim or self.hidden_size // self.num_attention_heads
+        self.target_layer_ids = tuple(int(j) for j in self.target_layer_ids)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "DFlashConfig":
+        d = dict(d)
+        dc = d.get("dflash_config") or {}
+
+        def get(name, default=None):
+            return dc.get(name, d.get(name, default))
+
+        if get("target_layer_ids") is None:
+            raise ValueError("no dflash_config.target_layer_ids")
+        if get("mask_token_id") is None:
+            raise ValueError("no dflash_config.mask_token_id")
+        rope = d.get("rope_parameters") or {}
+        known = {"hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+                 "vocab_size", "block_size", "num_target_layers", "head_dim", "rms_norm_eps", "max_position_embeddings",
+                 "rope_theta", "rope_scaling", "attention_bias", "markov_rank"}
+        return cls(hidden_size=d["hidden_size"], intermediate_size=d["intermediate_size"],
+                   num_hidden_layers=d["num_hidden_layers"], num_attention_heads=d["num_attention_heads"],
+                   num_key_value_heads=d.get("num_key_value_heads") or d["num_attention_heads"],
+                   vocab_size=d["vocab_size"], target_layer_ids=tuple(get("target_layer_ids")),
+                   mask_token_id=int(get("mask_token_id")), block_size=int(get("block_size", 16)),
+                   num_target_layers=get("num_target_layers"), head_dim=d.get("head_dim"),
+                   rms_norm_eps=d.get("rms_norm_eps", 1e-6), max_position_embeddings=d.get("max_position_embeddings", 2048),
+                   rope_theta=d.get("rope_theta", rope.get("rope_theta", 10000.0)),
+                   rope_scaling=d.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None),
+                   attention_bias=bool(d.get("attention_bias", False)), markov_rank=int(get("markov_rank", 0) or 0),
+                   input_embedding_scale=float(get("input_embedding_scale", 1.0)),
+                   output_multiplier=float(get("output_multiplier", 1.0)),
+                   extra={k: v for k, v in d.items() if k not in known})
+
+    def to_dict(self) -> dict:
+        d = {k: v for k, v in asdict(self).items()
+             if k not in ("extra", "target_layer_ids", "mask_token_id", "input_embedding_scale", "output_multiplier")}
+        out = {"architectures": ["DFlashDraftModel"], "model_type": "qwen3", "hidden_act": "silu",
+               "tie_word_embeddings": False, **self.extra, **d}
+        out["dflash_config"] = {**(self.extra.get("dflash_config") or {}), "target_layer_ids": list(self.target_layer_ids),
+                                "mask_token_id": self.mask_token_id}
+        return out
+
+
+class _Attention(nn.Module):
+    def __init__(self, c: DFlashConfig):
+        super().__init__()
+        self.q_proj = nn.Linear(c.hidden_size, c.num_attention_heads * c.head_dim, bias=c.attention_bias)
+        self.k_proj = nn.Linear(c.hidden_size, c.num_key_value_heads * c.head_dim, bias=c.attention_bias)
+        self.v_proj = nn.Linear(c.hidden_size, c.num_key_value_heads * c.head_dim, bias=c.attention_bias)
+        self.o_proj = nn.Linear(c.num_attention_heads * c.head_dim, c.hidden_size, bias=c.attention_bias)
+        self.q_norm = nn.RMSNorm(c.head_dim, eps=c.rms_norm_eps)
+        self.k_norm = nn.RMSNorm(c.head_dim, eps=c.rms_norm_eps)
+
+
+class _MLP(nn.Module):
+    def __init__(self, c: DFlashConfig):
+        super().__init__()
+        self.gate_proj = nn.Linear(c.hidden_size, c.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(c.hidden_size, c.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(c.intermediate_size, c.hidden_size, bias=False)
+
+
+class _Layer(nn.Module):
+    def __init__(self, c: DFlashConfig):
+        super().__init__()
+        self.self_attn = _Attention(c)
+        self.mlp = _MLP(c)
+        self.input_layernorm = nn.RMSNorm(c.hidden_size, eps=c.rms_norm_eps)
+        self.post_attention_layernorm = nn.RMSNorm(c.hidden_size, eps=c.rms_norm_eps)
+
+
+class DFlashModel(nn.Module):
+    """The drafter's weights in the public layout and the pieces of its forward (drafting and training share
+    them). It has no embedding and no LM head: the target's are used."""
+
+    def __init__(self, config: DFlashConfig):
+        super().__init__()
+        c = self.config = config
+        self.layers = nn.ModuleList(_Layer(c) for _ in range(c.num_hidden_layers))
+        self.norm = nn.RMSNorm(c.hidden_size, eps=c.rms_norm_eps)
+        self.fc = nn.Linear(len(c.target_layer_ids) * c.hidden_size, c.hidden_size, bias=False)
+        self.hidden_norm = nn.RMSNorm(c.hidden_size, eps=c.rms_norm_eps)
+        if c.markov_rank > 0:
+            self.markov_w1 = nn.Embedding(c.vocab_size, c.markov_rank)
+            self.markov_w2 = nn.Linear(c.markov_rank, c.vocab_size, bias=False)
+        self.inv_freq, self.rope_scale = rope_inv_freq(c)  # fp32 on CPU, not a buffer: `.to(bf16)` leaves it
+
+    # -- the forward, in pieces -------------------------------------------------------------------------------
+    def context(self, feats: torch.Tensor) -> torch.Tensor:
+        """The target context feature hidden_norm(fc(features)) [.., n, H]."""
+        return self.hidden_norm(self.fc(feats))
+
+    def context_kv(self, i: int, ctx: torch.Tensor, cos, sin):
+        """Layer i's keys and values [.., kv_heads, n, D] of context rows (rope applied)."""
+        a, c = self.layers[i].self_attn, self.config
+        k = a.k_norm(a.k_proj(ctx).unflatten(-1, (c.num_key_value_heads, c.head_dim)))
+        v = a.v_proj(ctx).unflatten(-1, (c.num_key_value_heads, c.head_dim))
+        return apply_rope(k, cos, sin).transpose(-2, -3), v.transpose(-2, -3)
+
+    def block_qkv(self, i: int, x: torch.Tensor, cos, sin):
+        """Layer i's queries [.., heads, B, D] and keys, values [.., kv_heads, B, D] of block rows x [.., B, H]."""
+        layer, c = self.layers[i], self.config
+        a = layer.self_attn
+        h = layer.input_layernorm(x)
+        q = a.q_norm(a.q_proj(h).unflatten(-1, (c.num_attention_heads, c.head_dim)))
+        k, v = self.context_kv(i, h, cos, sin)
+        return apply_rope(q, cos, sin).transpose(-2, -3), k, v
+
+    def finish(self, i: int, x: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
+        """The rest of layer i: residual + o_proj(attention output [.., heads, B, D]), then the MLP."""
+        layer = self.layers[i]
+        x = x + layer.self_attn.o_proj(attn.transpose(-2, -3).flatten(-2))
+        h = layer.post_attention_layernorm(x)
+        m = layer.mlp
+        return x + m.down_proj(F.silu(m.gate_proj(h)) * m.up_proj(h))
+
+    def markov_bias(self, prev: torch.Tensor) -> torch.Tensor:
+        """DSpark's bias W1[x_{k-1}] W2 [.., V] for previous tokens `prev` [..]."""
+        return self.markov_w2(self.markov_w1(prev))
+
+    def rope(self, n: int, dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        return rope_tables(self.inv_freq.to(self.fc.weight.device), self.rope_scale, n, dtype)
+
+    @property
+    def has_markov(self) -> bool:
+        return self.config.markov_rank > 0
+
+    def save(self, out_dir: str | Path, dtype=torch.bfloat16, extra_files: dict[str, str] | None = None) -> None:
+        """config.json + model.safetensors in the public layout."""
+        save_checkpoint(self, self.config.to_dict(), out_dir, dtype, extra_files)
+
+
+def load_dflash(path: str | Path, target=None, device=None, dtype=None) -> DFlashModel:
+    """A DFlash drafter from a directory with its config.json (`dflash_config.target_layer_ids`, `mask_token_id`,
+    `block_size`) and `model.safetensors` or `pytorch_model.bin`. Checked against `target` when given (width,
+    vocabulary, layer ids); a missing or unexpected weight is refused by name."""
+    p, raw, sd = read_checkpoint(path, "DFlash drafter")
+    try:
+        cfg = DFlashConfig.from_dict(raw)
+    except (KeyError, ValueError, TypeError) as e:
+        raise ModelNotFound(f"{p / 'config.json'} is not a DFlash config ({type(e).__name__}: {e})") from e
+    if "markov_w1.weight" in sd and cfg.markov_rank == 0:  # a DSpark file that names its rank by shape only
+        cfg.markov_rank = int(sd["markov_w1.weight"].shape[1])
+    model = DFlashModel(cfg)
+    load_strict(model, sd, p, "DFlash drafter")
+    if target is not None:
+        _check_against(cfg, target, p)
+    return place(model, path, target, device, dtype)
+
+
+def _check_against(cfg: DFlashConfig, target, where: Path) -> None:
+    if cfg.vocab_size != target.vocab_size:
+        raise ModelNotFound(f"the DFlash drafter in {where} has vocabulary {cfg.vocab_size}, the target "
+                            f"{target.vocab_size}: it was trained for another target")
+    if cfg.hidden_size != target.hidden_size:
+        raise ModelNotFound(f"the DFlash drafter in {where} has width {cfg.hidden_size}, the target "
+                            f"{target.hidden_size}: it shares the target's embedding and head, so it must match")
+    bad = [j for j in cfg.target_layer_ids if not 0 <= j < target.num_layers]
+    if bad:
+        raise ModelNotFound(f"the DFlash drafter in {where} reads target layers {list(cfg.target_layer_ids)}, but the "
+                            f"target has {target.num_layers} (0..{target.num_layers - 1})")
+    if not 0 <= cfg.mask_token_id < target.vocab_size:
+        raise ModelNotFound(f"the DFlash drafter in {where} has mask_token_id {cfg.mask_token_id}, outside the "
+                            f"target's vocabulary of {target.vocab_size}")
+
+
+class DFlashDrafter:
+    """The DFlash drafter behind speclab's drafter protocol (speclab/drafters/base.py)."""
+    name = "dflash"
+
+    def __init__(self, model: DFlashModel, target, block_size: int | None = None, markov: bool = True,
+                 tree_topk: int = 1, total_tokens: int = 16):
+        c = model.config
+        block_size = block_size or c.block_size
+        if block_size < 2 or tree_topk < 1 or total_tokens < 1:
+            raise ValueError(f"dflash needs block_size >= 2 (a block is the root and at least one mask), tree_topk and "
+                             f"total_tokens >= 1 (got {block_size}, {tree_topk}, {total_tokens})")
+        self.m, self.target, self.block_size = model, target, block_size
+        self.tree_topk, self.total_tokens = tree_topk, total_tokens
+        self.markov = bool(markov) and model.has_markov
+        self.layers = c.target_layer_ids
+        self.H, self.KV, self.D = c.num_attention_heads, c.num_key_value_heads, c.head_dim
+        self.scale = self.D ** -0.5
+        self.device, self.dtype = model.fc.weight.device, model.fc.weight.dtype
+        self.cos, self.sin = model.rope(max(c.max_position_embeddings, target.max_context) + block_size + 1, self.dtype)
+        self.mask_ids = torch.full((block_size - 1,), c.mask_token_id, dtype=torch.long, device=self.device)
+        self.cache: KVCache | None = None
+        self.known = 0  # context positions (features) in the cache
+        self.root = None  # the last committed token (the block's first row)
+        self.pending_feats = None
+
+    def _rope(self, start: int, n: int):
+        return self.cos[start : start + n][:, None], self.sin[start : start + n][:, None]  # [n, 1, D]
+
+    # -- protocol -------------------------------------------------------------------------------------------------
+    def reset(self, prompt_ids: torch.Tensor, prompt_features: torch.Tensor | None) -> None:
+        self.cache = KVCache(len(self.m.layers), self.KV, self.D, self.dtype, self.device)
+        self.known = 0
+        self.root = prompt_ids[-1:].to(self.device)
+        self.pending_feats = prompt_features if prompt_features is not None else \
+            torch.zeros(0, len(self.layers) * self.m.config.hidden_size, device=self.device, dtype=self.dtype)
+
+    @torch.inference_mode()
+    def catch_up(self, ids: torch.Tensor, features: torch.Tensor | None) -> None:
+        """The backlog's context keys and values (feature f_{t-1} of token x_t, at position t - 1) into every
+        layer's cache in one call: fc, hidden_norm and the k/v projections, nothing else."""
+        if ids.numel():
+            self.root = ids[-1:].to(self.device)
+            self.pending_feats = torch.cat([self.pending_feats, features.to(self.device, self.dtype)])
+        m = self.pending_feats.shape[0]
+        if m == 0:
+            return
+        with forward_clock:  # a drafter forward: counted in the model-call share like the target's
+            ctx = self.m.context(self.pending_feats)
+            self.pending_feats = self.pending_feats[:0]
+            cos, sin = self._rope(self.known, m)
+            self.cache.reserve(m)
+            end = self.known + m
+            for i in range(len(self.m.layers)):
+                self.cache.k[i, :, self.known:end], self.cache.v[i, :, self.known:end] = self.m.context_kv(i, ctx, cos, sin)
+            self.cache.length = self.known = end
+
+    @torch.inference_mode()
+    def block_logits(self, n_rows: int) -> torch.Tensor:
+        """One drafter forward of the block [root, mask x (n_rows - 1)] at positions known..: logits [n_rows - 1, V]
+        of the mask rows (before any Markov bias). Block keys and values go after the context and stay uncommitted."""
+        start = self.known
+        ids = torch.cat([self.root, self.mask_ids[: n_rows - 1]])
+        x = self.target.embed(ids).to(self.dtype) * self.m.config.input_embedding_scale
+        cos, sin = self._rope(start, n_rows)
+        self.cache.reserve(n_rows)
+        end = start + n_rows
+        for i in range(len(self.m.layers)):
+            q, k, v = self.m.block_qkv(i, x, cos, sin)
+            self.cache.k[i, :, start:end], self.cache.v[i, :, start:end] = k, v
+            o = F.scaled_dot_product_attention(q[None], self.cache.k[i : i + 1, :, :end], self.cache.v[i : i + 1, :, :end],
+                                               scale=self.scale, enable_gqa=self.H != self.KV)[0]
+            x = self.m.finish(i, x, o)
+        return self.target.lm_head(self.m.norm(x[1:])) * self.m.config.output_multiplier
+
+    @torch.inference_mode()
+    def propose(self, max_depth: int, sampling: Sampling, generator: torch.Generator | None = None) -> DraftTree:
+        n_rows = min(self.block_size, max_depth + 1)
+        if n_rows < 2 or self.root is None:
+            return DraftTree.empty(self.device)
+        with forward_clock:
+            logits = self.block_logits(n_rows)
+        if self.tree_topk > 1:
+            return self._tree(logits)
+        if not self.markov and sampling.greedy:  # independent rows: the whole block is one argmax
+            logp = torch.log_softmax(logits, -1)
+            lq, tokens = logp.max(-1)
+            return DraftTree.chain(tokens, lq.exp())
+        return self._left_to_right(logits, sampling, generator)
+
+    def _left_to_right(self, logits: torch.Tensor, sampling: Sampling, generator) -> DraftTree:
+        """Row by row: add the Markov bias of the token before (when on), then argmax, or draw from q_k (kept for
+        verification). Only the bias and the pick are sequential; the draft probabilities come after, in one op."""
+        prev, tokens, rows, dists = self.root, [], [], []
+        for k in range(logits.shape[0]):
+            row = logits[k : k + 1]
+            if self.markov:
+                row = row + self.m.markov_bias(prev).float()
+            if sampling.greedy:
+                prev = row.argmax(-1)
+            else:
+                dists.append(logits_to_probs(row, sampling))
+                prev = sample(dists[-1], generator).view(1).to(self.device)
+            tokens.append(prev)
+            rows.append(row)
+        tokens = torch.cat(tokens)
+        if dists:
+            q = torch.cat(dists)
+            return DraftTree.chain(tokens, q.gather(1, tokens[:, None])[:, 0], torch.cat([q, torch.zeros_like(q[:1])]))
+        return DraftTree.chain(tokens, torch.softmax(torch.cat(rows), -1).gather(1, tokens[:, None])[:, 0])
+
+    def _tree(self, logits: torch.Tensor) -> DraftTree:
+        """A tree from the rows' top-k (speclab.tree.dynamic_tree): depth d's children are row d's top tokens, with
+        the Markov bias of their parent's token when the head is on. No drafter call beyond the block's."""
+        def logp_after(row: int, parents: torch.Tensor) -> torch.Tensor:
+            lg = logits[row].expand(parents.numel(), -1)
+            return torch.log_softmax(lg + self.m.markov_bias(parents).float() if self.markov else lg, -1)
+
+        return dynamic_tree(logp_after(0, self.root)[0], lambda level, tokens, _: (logp_after(level, tokens), None),
+                            logits.shape[0], self.tree_topk, self.total_tokens, None)
+
+    def commit(self, tree: DraftTree, accepted: torch.Tensor) -> None:
+        """Nothing to keep: the block's keys and values sit past `known` and the next block overwrites them; the
+        accepted tokens come back in the next catch-up with the target's features."""
+        if self.cache is not None:
+            self.cache.crop(self.known)

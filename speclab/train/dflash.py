@@ -1,0 +1,251 @@
+"""Train a DFlash drafter (optionally with DSpark's Markov head) online from a frozen target.
+
+No feature dump: every batch of corpus windows goes through the frozen target first (no grad), which gives the
+context features of the chosen layers and its next-token distributions. Then, as DFlash trains:
+
+- random anchors start the blocks: block j is [x_{a_j}, mask x (B - 1)] at positions a_j .. a_j + B - 1, and its
+  row k predicts x_{a_j + k};
+- each block attends to the context features of positions < a_j and, bidirectionally, to its own rows; never to
+  another block (many blocks per window in one forward, one mask);
+- the loss of row k is the cross-entropy against the target's distribution at position a_j + k - 1 (its top 32
+  tokens; distillation: the drafter learns what verification compares it with), weighted exp(-(k - 1) / gamma);
+- the block size is drawn per step from 2..block_size, so every block size a user picks at decode time was seen.
+
+With a Markov head the same backbone is trained on both readouts, the base logits U and U + W1[x_{k-1}] W2 (the
+true previous token, teacher-forced): one drafter serves `dflash:markov=0` and `dflash:markov=1`, and the
+measured gain of the head is the head's alone. Everything runs in fp32 (bf16 backward is ~50x slower on these
+CPUs). The drafter's layers start as copies of the target's first layers (same shapes), its norms at one.
+"""
+from __future__ import annotations
+
+import json
+import math
+import time
+from dataclasses import asdict, dataclass, field
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from speclab.drafters.dflash import DFlashConfig, DFlashModel, default_layer_ids, load_dflash
+from speclab.progress import Progress
+from speclab.train.corpus import DOMAINS
+from speclab.train.lm import frozen_target_setup, lr_at, online_run, sample_windows, val_curve, val_windows
+
+
+@dataclass
+class DFlashTrainConfig:
+    target_dir: str
+    corpus_dir: str
+    out_dir: str
+    layer_ids: tuple[int, ...] | None = None  # target decoder layers; None = default_layer_ids(target depth)
+    num_layers: int = 2  # drafter depth (DSpark: a 2-layer drafter with the Markov head beats a 5-layer DFlash)
+    block_size: int = 16  # the largest block trained (and the config's default)
+    markov_rank: int = 64  # 0: no Markov head
+    gamma: float = 4.0  # loss weight exp(-(k - 1) / gamma) of block row k
+    rows: int = 512  # block rows per window (anchors = rows // block size of the step; blocks may overlap)
+    seq_len: int = 256
+    batch_size: int = 8
+    lr: float = 1.5e-3
+    min_lr: float = 5e-5
+    warmup_steps: int = 20
+    weight_decay: float = 0.0
+    max_minutes: float = 60.0
+    init_from: str | None = None  # a DFlash directory to resume from (optimizer moments restart)
+    eval_every_s: float = 600.0
+    eval_windows: int = 8
+    seed: int = 0
+    threads: int = 2
+    domain_weights: dict = field(default_factory=lambda: {"code": 0.3, "stories": 0.15, "literature": 0.3, "math": 0.25})
+
+
+def new_drafter(target, cfg: DFlashTrainConfig, mask_token_id: int) -> DFlashModel:
+    tc = target.config
+    L = tc.num_hidden_layers
+    c = DFlashConfig(hidden_size=tc.hidden_size, intermediate_size=tc.intermediate_size, num_hidden_layers=cfg.num_layers,
+                     num_attention_heads=tc.num_attention_heads, num_key_value_heads=tc.num_key_value_heads,
+                     head_dim=getattr(tc, "head_dim", None), vocab_size=tc.vocab_size,
+                     target_layer_ids=tuple(cfg.layer_ids or default_layer_ids(L)), mask_token_id=mask_token_id,
+                     block_size=cfg.block_size, num_target_layers=L, rms_norm_eps=tc.rms_norm_eps,
+                     max_position_embeddings=tc.max_position_embeddings, markov_rank=cfg.markov_rank,
+                     rope_theta=float((getattr(tc, "rope_parameters", None) or {}).get("rope_theta", 10000.0)))
+    m = DFlashModel(c)
+    layers = target.get_decoder().layers
+    for i, layer in enumerate(m.layers):  # start from the target's first layers (same shapes, Qwen3 names)
+        src = layers[min(i, len(layers) - 1)].state_dict()
+        missing, _ = layer.load_state_dict({k: v for k, v in src.items() if k in layer.state_dict()}, strict=False)
+        assert not missing, missing
+    if m.has_markov:
+        torch.nn.init.normal_(m.markov_w1.weight, std=1.0 / math.sqrt(cfg.markov_rank))
+        torch.nn.init.zeros_(m.markov_w2.weight)  # the head starts as no bias: training starts from plain DFlash
+    return m
+
+
+def pick_blocks(T: int, size: int, rows: int, rng: np.random.Generator) -> torch.Tensor:
+    """Sorted distinct anchors a (1 <= a <= T - size) for about rows // size blocks of `size` rows."""
+    n = max(1, min(rows // size, T - size))
+    return torch.from_numpy(np.sort(rng.choice(np.arange(1, T - size + 1), size=n, replace=False)))
+
+
+def block_forward(m: DFlashModel, embed_w: torch.Tensor, head_w: torch.Tensor, ids: torch.Tensor, feats: torch.Tensor,
+                  anchors: torch.Tensor, size: int) -> torch.Tensor:
+    """Base logits [Bw, nb, size - 1, V] of every block's mask rows, for windows ids [Bw, T] with the target's
+    features [Bw, T, F] (row t: the feature of token t) and blocks of `size` rows at `anchors` [nb]."""
+    Bw, T = ids.shape
+    nb = anchors.numel()
+    c = m.config
+    k_in = torch.arange(size)
+    pos = (anchors[:, None] + k_in[None]).flatten()  # [nb * size]
+    blk = ids[:, anchors][:, :, None].expand(Bw, nb, size).clone()
+    blk[:, :, 1:] = c.mask_token_id
+    x = F.embedding(blk.flatten(1), embed_w) * c.input_embedding_scale  # [Bw, R, H]
+    cos, sin = m.rope(T + size, torch.float32)
+    cq, sq = cos[pos][:, None], sin[pos][:, None]
+    cc, sc = cos[:T, None], sin[:T, None]
+    bid = torch.arange(nb).repeat_interleave(size)
+    see_ctx = torch.arange(T)[None, :] < anchors[bid][:, None]  # [R, T]: context strictly before the anchor
+    see_blk = bid[:, None] == bid[None, :]  # [R, R]: its own block, both ways
+    mask = torch.cat([see_ctx, see_blk], 1)
+    ctx = m.context(feats)
+    for i in range(len(m.layers)):
+        ck, cv = m.context_kv(i, ctx, cc, sc)
+        q, k, v = m.block_qkv(i, x, cq, sq)
+        o = F.scaled_dot_product_attention(q, torch.cat([ck, k], -2), torch.cat([cv, v], -2), attn_mask=mask,
+                                           scale=c.head_dim ** -0.5, enable_gqa=c.num_attention_heads != c.num_key_value_heads)
+        x = m.finish(i, x, o)
+    h = m.norm(x.view(Bw, nb, size, -1)[:, :, 1:])
+    return F.linear(h, head_w) * c.output_multiplier
+
+
+def block_loss(m: DFlashModel, logits: torch.Tensor, ids: torch.Tensor, target_top: tuple[torch.Tensor, torch.Tensor],
+               anchors: torch.Tensor, gamma: float) -> tuple[torch.Tensor, dict]:
+    """(loss, metrics): weighted soft cross-entropy of the base logits (and of base + Markov bias when the head is
+    there) against the target's distributions (their top tokens, `target_features`); per-row accuracy and the
+    greedy acceptance length implied by the leading matches of each block (bonus included), for each readout."""
+    size = logits.shape[2] + 1
+    k = torch.arange(1, size)
+    prev_pos = anchors[:, None] + k[None] - 1  # [nb, size - 1]: the position whose distribution row k must match
+    p, idx = target_top[0][:, prev_pos], target_top[1][:, prev_pos]  # [Bw, nb, size - 1, top]
+    top = idx[..., 0]
+    w = torch.exp(-(k - 1).float() / gamma)
+    readouts = {"base": logits}
+    if m.has_markov:
+        readouts["markov"] = logits + m.markov_bias(ids[:, prev_pos])
+    total, metrics = 0.0, {}
+    for name, lg in readouts.items():
+        lg = lg.float()
+        ce = lg.logsumexp(-1) - (p * lg.gather(-1, idx)).sum(-1)  # [Bw, nb, size - 1]
+        total = total + (ce * w).sum(-1).mean() / w.sum()
+        match = (lg.detach().argmax(-1) == top).float()
+        metrics[name] = {"loss": float(ce.detach().mean()), "acc": match.mean((0, 1)).tolist(),
+                         "tau": 1.0 + float(match.cumprod(-1).sum(-1).mean())}
+    return total, metrics
+
+
+def target_features(target, ids: torch.Tensor, layer_ids, top: int = 32):
+    """Context features (outputs of `layer_ids`: HF hidden_states[j + 1]) and the target's next-token distribution
+    as its `top` most likely tokens (probabilities renormalised over them, ids; the first is the argmax), no grad.
+    The top 32 carry nearly all the mass of the zoo target's distributions and make the loss a gather instead of
+    a product over the vocabulary (the loss was half of a step)."""
+    with torch.no_grad():
+        out = target(input_ids=ids, output_hidden_states=True)
+        feats = torch.cat([out.hidden_states[j + 1] for j in layer_ids], -1).float()
+        vals, idx = out.logits.float().topk(top, -1)
+    return feats, (torch.softmax(vals, -1), idx)
+
+
+@torch.no_grad()
+def evaluate(m, embed_w, head_w, target, data, cfg: DFlashTrainConfig) -> dict:
+    """Per domain, on validation windows with blocks of the full size every `block_size` positions: per-readout
+    loss, per-row accuracy and implied tau."""
+    m.eval()
+    res = {}
+    size = cfg.block_size
+    for d in DOMAINS:
+        ids = val_windows(data, d, cfg.eval_windows, cfg.seq_len)
+        feats, logp = target_features(target, ids, m.config.target_layer_ids)
+        anchors = torch.arange(1, cfg.seq_len - size + 1, size)
+        logits = block_forward(m, embed_w, head_w, ids, feats, anchors, size)
+        _, res[d] = block_loss(m, logits, ids, logp, anchors, cfg.gamma)
+    m.train()
+    return res
+
+
+def train_dflash(cfg: DFlashTrainConfig, log=print) -> dict:
+    tok, data, target, rng = frozen_target_setup(cfg)
+    mask_id = tok.convert_tokens_to_ids(tok.mask_token) if tok.mask_token else None
+    if mask_id is None:
+        raise ValueError(f"the tokenizer of {cfg.target_dir} has no mask token (DFlash drafts blocks of masks)")
+    embed_w = target.get_input_embeddings().weight
+    head_w = target.get_output_embeddings().weight
+    m = load_dflash(cfg.init_from).float().requires_grad_(True) if cfg.init_from else new_drafter(target, cfg, mask_id)
+    m.train()
+    params, opt, out, log_f = online_run(m, cfg)
+    n_params = sum(p.numel() for p in params)
+    budget = cfg.max_minutes * 60
+    log(f"dflash: {n_params / 1e6:.2f} M trainable params, {m.config.num_hidden_layers} layers, target layers "
+        f"{m.config.target_layer_ids}, blocks up to {cfg.block_size}, markov rank {m.config.markov_rank}, "
+        f"budget {cfg.max_minutes:.0f} min")
+    prog = Progress(int(budget), "train dflash (seconds)")
+    t0 = last_eval = time.time()
+    step = tokens = 0
+
+    def save():
+        card = json.dumps({"train_config": asdict(cfg), "steps": step, "tokens": tokens}, indent=1)
+        m.save(out / "model", extra_files={"train_config.json": card + "\n"})
+
+    while time.time() - t0 < budget:
+        lr = lr_at(step, (time.time() - t0) / budget, cfg)
+        for g in opt.param_groups:
+            g["lr"] = lr
+        ids = sample_windows(data, cfg.domain_weights, cfg, rng)  # [B, seq_len + 1]
+        feats, logp = target_features(target, ids, m.config.target_layer_ids)
+        size = int(rng.integers(2, cfg.block_size + 1))
+        anchors = pick_blocks(ids.shape[1], size, cfg.rows, rng)
+        logits = block_forward(m, embed_w, head_w, ids, feats, anchors, size)
+        loss, metrics = block_loss(m, logits, ids, logp, anchors, cfg.gamma)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        step += 1
+        tokens += ids.numel()
+        rec = {"step": step, "tokens": tokens, "block": size, "loss": float(loss), "metrics": metrics, "lr": lr,
+               "time_s": time.time() - t0}
+        last = metrics.get("markov", metrics["base"])
+        prog.update(min(int(time.time() - t0), int(budget)), step=step, loss=f"{float(loss):.3f}",
+                    acc1=f"{last['acc'][0]:.2f}", tok_s=f"{tokens / rec['time_s']:.0f}")
+        if time.time() - last_eval > cfg.eval_every_s:
+            rec["val"] = evaluate(m, embed_w, head_w, target, data, cfg)
+            log("\nstep %d val tau %s" % (step, " ".join(f"{d}={v[k]['tau']:.2f}" for d, v in rec["val"].items()
+                                                          for k in v)))
+            save()
+            last_eval = time.time()
+        log_f.write(json.dumps(rec) + "\n")
+        log_f.flush()
+    rec = {"step": step, "tokens": tokens, "time_s": time.time() - t0,
+           "val": evaluate(m, embed_w, head_w, target, data, cfg)}
+    log_f.write(json.dumps(rec) + "\n")
+    log_f.close()
+    save()
+    summary = {"params": n_params, "steps": step, "tokens": tokens, "minutes": (time.time() - t0) / 60,
+               "val": rec["val"], "config": asdict(cfg)}
+    (out / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
+    return summary
+
+
+def val_table(val: dict) -> str:
+    """Markdown: per domain and readout, the implied greedy tau of a full block and the accuracy of rows 1, 2, 4."""
+    rows = ["| domain | readout | tau (full block) | acc row 1 | acc row 2 | acc row 4 | loss |", "|---|---|---|---|---|---|---|"]
+    for d, v in val.items():
+        for name, r in v.items():
+            a = r["acc"]
+            rows.append(f"| {d} | {name} | {r['tau']:.2f} | {a[0]:.3f} | {a[1]:.3f} | {a[min(3, len(a) - 1)]:.3f} | "
+                        f"{r['loss']:.3f} |")
+    return "\n".join(rows)
+
+
+def curve_table(records: list[dict]) -> str:
+    """Markdown: tokens seen, minutes and per domain the implied tau (base / markov) at each validation."""
+    return val_curve(records, lambda d: f"{d} tau (base / markov)",
+                     lambda v: " / ".join(f"{x['tau']:.2f}" for x in v.values()))
