@@ -94,7 +94,8 @@ def test_cli_errors_are_clear_and_touch_nothing(model_dir, tmp_path):
 
 @pytest.fixture(scope="module")
 def bad_models(tmp_path_factory, model_dir):
-    """A small BERT (not a causal LM) and a draft whose weights do not match its config."""
+    """A small BERT (not a causal LM), a draft whose weights do not match its config, and a DFlash drafter that
+    fits the tiny target (so its own parameters are what is refused)."""
     from transformers import AutoTokenizer, BertConfig, BertForMaskedLM
     d = tmp_path_factory.mktemp("bad_models")
     bert = BertForMaskedLM(BertConfig(vocab_size=300, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
@@ -105,7 +106,13 @@ def bad_models(tmp_path_factory, model_dir):
     cfg = json.loads((d / "mismatched" / "config.json").read_text())
     cfg["intermediate_size"] *= 2
     (d / "mismatched" / "config.json").write_text(json.dumps(cfg))
-    return {"bert": d / "bert", "mismatched": d / "mismatched"}
+    from speclab.drafters.dflash import DFlashConfig, DFlashModel
+    t = json.loads((model_dir["qwen3"] / "config.json").read_text())
+    DFlashModel(DFlashConfig(hidden_size=t["hidden_size"], intermediate_size=t["intermediate_size"], num_hidden_layers=1,
+                             num_attention_heads=t["num_attention_heads"], num_key_value_heads=t["num_key_value_heads"],
+                             head_dim=t["head_dim"], vocab_size=t["vocab_size"], target_layer_ids=(0, 1),
+                             mask_token_id=2)).save(d / "dflash")
+    return {"bert": d / "bert", "mismatched": d / "mismatched", "dflash": d / "dflash"}
 
 
 FILES = {"empty": b"", "blank": b"\n  \n", "binary": bytes(range(256)) * 4,
@@ -146,8 +153,10 @@ BAD = [  # (case, argv, what the one line must say)
     ("dflash-missing", ["--method", "dflash", "--dflash", "{tmp}/nope"], "no DFlash drafter at"),
     ("dflash-other-target", ["--method", "dflash"], "it shares the target's embedding and head"),  # the zoo's, tiny target
     ("dflash-not-dflash", ["--method", "dflash", "--dflash", "{mismatched}"], "is not a DFlash config"),
-    ("dflash-block-size-1", ["--method", "dflash", "--block-size", "1"], "block_size must be an integer from 2 to"),
-    ("dflash-markov-2", ["--method", "dflash", "--markov", "2"], "markov must be an integer from 0 to 1 (got 2)"),
+    ("dflash-block-size-1", ["--method", "dflash", "--dflash", "{dflash}", "--block-size", "1"],
+     "block_size must be an integer from 2 to"),
+    ("dflash-markov-2", ["--method", "dflash", "--dflash", "{dflash}", "--markov", "2"],
+     "markov must be an integer from 0 to 1 (got 2)"),
 ]
 
 
@@ -158,7 +167,7 @@ def test_cli_refuses_bad_input_in_one_line(case, argv, says, model_dir, bad_mode
     for name, data in FILES.items():
         files[name] = tmp_path / f"{name}.jsonl"
         files[name].write_bytes(data)
-    argv = [x.format(tmp=tmp_path, bert=bad_models["bert"], mismatched=bad_models["mismatched"],
+    argv = [x.format(tmp=tmp_path, bert=bad_models["bert"], mismatched=bad_models["mismatched"], dflash=bad_models["dflash"],
                      **{f"file_{k}": v for k, v in files.items()}) for x in argv]
     db = tmp_path / "t.duckdb"
     base = ["generate", "--model", str(model_dir["qwen3"]), "--draft", str(model_dir["qwen3_draft"]),
