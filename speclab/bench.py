@@ -449,7 +449,6 @@ def block_costs(target: Target, dflash, block_sizes=(2, 4, 8, 16), context: int 
 
     from speclab.drafters.dflash import DFlashDrafter
     from speclab.sampling import Sampling
-    from speclab.target import crop_cache
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(3, target.vocab_size, (context + 1,), generator=g)
     feats = target.forward(ids, target.new_cache(), layers=dflash.config.target_layer_ids).features

@@ -78,7 +78,7 @@ def _dflash_check(p: dict, target) -> None:
 
 def _dflash_same_decode(p: dict) -> dict:
     """Without a tree (tree_topk 1) total_tokens plays no part."""
-    return {**p, "total_tokens": 16} if p["tree_topk"] == 1 else p
+    return {**p, "total_tokens": METHODS["dflash"].params["total_tokens"]} if p["tree_topk"] == 1 else p
 
 
 def _eagle3_bounds(target) -> dict:

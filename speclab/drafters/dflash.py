@@ -291,7 +291,8 @@ class DFlashDrafter:
         layer's cache in one call: fc, hidden_norm and the k/v projections, nothing else."""
         if ids.numel():
             self.root = ids[-1:].to(self.device)
-            self.pending_feats = torch.cat([self.pending_feats, features.to(self.device, self.dtype)])
+            features = features.to(self.device, self.dtype)
+            self.pending_feats = torch.cat([self.pending_feats, features]) if len(self.pending_feats) else features
         m = self.pending_feats.shape[0]
         if m == 0:
             return

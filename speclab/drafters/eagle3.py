@@ -279,8 +279,10 @@ class Eagle3Drafter:
         """The backlog (token x_t with the target's feature f_{t-1}, at position t - 1) into the cache in one call:
         keys and values only for all rows but the last (`kv_only`), which alone runs the rest of the layer."""
         if ids.numel():
-            self.pending_ids = torch.cat([self.pending_ids, ids.to(self.device)])
-            self.pending_feats = torch.cat([self.pending_feats, features.to(self.dtype)])
+            ids, features = ids.to(self.device), features.to(self.dtype)
+            if self.pending_ids.numel():  # a backlog from reset (the prompt) still waits
+                ids, features = torch.cat([self.pending_ids, ids]), torch.cat([self.pending_feats, features])
+            self.pending_ids, self.pending_feats = ids, features
         m = self.pending_ids.numel()
         if m == 0:
             return
