@@ -65,6 +65,7 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--draft", help="draft model for sps (default: the zoo draft)")
     p.add_argument("--eagle", help="EAGLE-3 drafter directory for eagle3 (public layout; default: the zoo's)")
     p.add_argument("--dflash", help="DFlash drafter directory for dflash (public layout; default: the zoo's)")
+    p.add_argument("--router-model", help="neural router directory for whiflash-neural (default: the zoo's)")
     p.add_argument("--device", default=None, help="cpu | cuda (default: cuda when present)")
     p.add_argument("--dtype", default=None, help="fp32 | bf16 | fp16 (default fp32 on CPU, bf16 on CUDA)")
     p.add_argument("--backend", default="auto", choices=["auto", "lean", "hf"],
@@ -72,7 +73,7 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                         "where it applies)")
 
 
-def load_models(a: argparse.Namespace, roles=("draft", "eagle3", "dflash"), log=None):
+def load_models(a: argparse.Namespace, roles=("draft", "eagle3", "dflash", "router"), log=None):
     """(target, drafter models by role) from the options of `add_model_args`: the roles asked for (those the
     methods at hand need), each from its option or the zoo."""
     from speclab import zoo
@@ -97,6 +98,11 @@ def load_models(a: argparse.Namespace, roles=("draft", "eagle3", "dflash"), log=
         path = getattr(a, "dflash", None) or zoo.default_dflash()
         log(f"loading DFlash drafter {path} ...")
         models["dflash"] = load_dflash(path, target)
+    if "router" in roles:
+        from speclab.routers import load_router
+        path = getattr(a, "router_model", None) or zoo.default_router()
+        log(f"loading neural router {path} ...")
+        models["router"] = load_router(path, target)
     return target, models
 
 

@@ -56,7 +56,7 @@ class RoundEvent:
     bonus_logp: torch.Tensor  # [n + 1] log target prob of the target's own token (correction / bonus) at every row
     timings_ms: dict[str, float]  # per phase (PHASES); "record" is complete once the event is yielded
     target_calls: int
-    backlog: int  # tokens the drafter caught up on this round
+    backlog: int  # tokens the round's drafter digested in its catch-up (the prompt too, on its first turn)
     pos0: int  # index (in generated tokens) of the first token committed this round
     decision: Decision | None = None  # the router's decision (None when the method has no drafter)
     elapsed_ms: float = 0.0  # the run's decode time so far: prefill + every phase of every round up to this one
@@ -207,6 +207,7 @@ def decode_rounds(target: Target, prompt_ids: torch.Tensor, drafters: dict[str, 
     gen = torch.Generator().manual_seed(sampling.seed) if sampling.seed is not None else None
     eos = torch.tensor(target.eos_ids or [-1])
     want_entropy, want_hidden = "entropy" in router.needs, "hidden" in router.needs
+    eager = getattr(router, "eager", False)
     record = record or bool(listeners)
     clock = PhaseClock(dev, sync=record)
     wall0 = time.perf_counter()
@@ -238,10 +239,10 @@ def decode_rounds(target: Target, prompt_ids: torch.Tensor, drafters: dict[str, 
         f = seq.feats[a:b]
         return f if cols[name] is None else f.index_select(1, cols[name])
 
-    seen = {}
+    seen, unread = {}, {}  # per drafter: tokens it has been handed; prompt tokens it holds undigested since reset
     for name, d in drafters.items():
         d.reset(seq.ids[:n_prompt], features(name, 0, n_prompt - 1))
-        seen[name] = n_prompt
+        seen[name], unread[name] = n_prompt, n_prompt - 1
     clock.lap("prefill")
     prefill_ms = clock.ms["prefill"]
     n_calls, model_s = target.calls - calls0, forward_clock.seconds - model0
@@ -265,13 +266,16 @@ def decode_rounds(target: Target, prompt_ids: torch.Tensor, drafters: dict[str, 
             name = decision.choice
         clock.lap("route")
 
-        # catch up: the chosen drafter digests every token committed since it last looked (lazily, only now)
+        # catch up: the chosen drafter digests every token committed since it last looked (lazily, only now;
+        # an eager router keeps every drafter current instead)
         backlog = 0
-        if name is not None:
-            s = seen[name]
-            backlog = seq.n - s
-            drafters[name].catch_up(seq.ids[s : seq.n], features(name, s - 1, seq.n - 1))
-            seen[name] = seq.n
+        for nm in (drafters if eager else [name] if name is not None else []):
+            s = seen[nm]
+            if nm == name:  # what it digests: tokens since it last looked, and the prompt on its first turn
+                backlog = seq.n - s + unread.pop(nm, 0)
+            drafters[nm].catch_up(seq.ids[s : seq.n], features(nm, s - 1, seq.n - 1))
+            seen[nm] = seq.n
+            unread.pop(nm, None)
         clock.lap("catchup")
 
         # draft

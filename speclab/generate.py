@@ -78,15 +78,15 @@ class Generation:
     """
 
     def __init__(self, target: Target, prompt: str | torch.Tensor, method: str = "ar", *, draft: Target | None = None,
-                 eagle3=None, dflash=None, max_new_tokens: int = 128, temperature: float = 0.0, top_k: int = 0,
+                 eagle3=None, dflash=None, router=None, max_new_tokens: int = 128, temperature: float = 0.0, top_k: int = 0,
                  top_p: float = 1.0, seed: int | None = None, deferred: bool = True, trace: TraceStore | None = None,
                  on_round: Callable[[RoundEvent], None] | None = None, prompt_id: str | None = None,
                  category: str | None = None, bench_id: str | None = None, **params):
-        models = {"draft": draft, "eagle3": eagle3, "dflash": dflash}
+        models = {"draft": draft, "eagle3": eagle3, "dflash": dflash, "router": router}
         req = check_generation(target, prompt, method, models, max_new_tokens, temperature, top_k, top_p, seed, params)
         self.target, self.method, self.trace, self.on_round = target, method, trace, on_round
         self.prompt_ids, self.params, sampling = req.prompt_ids, req.params, req.sampling
-        self.drafters, self.router = build_method(method, target, models, self.params)
+        self.drafters, self.router = build_method(method, target, models, self.params, category)
         self.kw = dict(max_new_tokens=req.max_new_tokens, sampling=sampling, deferred=deferred)
         self.result: GenerationResult | None = None
         self.run_id, self.writer = None, None
@@ -160,7 +160,7 @@ def model_ms(target: Target, res: DecodeResult) -> float | None:
 def generate(target: Target, prompt: str | torch.Tensor, method: str = "ar", **kw) -> GenerationResult:
     """Decode `prompt` with `method` ("ar", "sps", "pld", ...; see speclab.methods.METHODS) to the end.
 
-    Keyword arguments are those of `Generation`: draft, eagle3, dflash (the drafter models), max_new_tokens,
+    Keyword arguments are those of `Generation`: draft, eagle3, dflash, router (the drafter and router models), max_new_tokens,
     temperature (0 = greedy), top_k, top_p, seed, deferred, trace (a TraceStore), on_round (sees each RoundEvent
     live), prompt_id, category, bench_id, and the method's parameters (k, tree_topk, ...).
     """

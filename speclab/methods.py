@@ -5,7 +5,7 @@ one every round). AR is the method without drafters. New drafters and routers re
 everywhere without other changes.
 
 A method builds from the target and the drafter models it `needs`, by role: `draft` (a standalone draft LM,
-a `Target`), `eagle3` (an `Eagle3Model`) and `dflash` (a `DFlashModel`). A method *spec* names a method with some of its parameters fixed,
+a `Target`), `eagle3` (an `Eagle3Model`), `dflash` (a `DFlashModel`) and `router` (a `RouterMLP`). A method *spec* names a method with some of its parameters fixed,
 `name:param=value+param=value` (`eagle3:tree_topk=1` is the EAGLE-3 chain): the bench and the CLI take specs, and a
 run's `method` column keeps the spec, so variants of one method stay apart in every table.
 """
@@ -37,6 +37,7 @@ EAGLE3_GPU_PRESET = {"depth": 8, "tree_topk": 10, "total_tokens": 60}  # EAGLE-3
 DFLASH_GPU_PRESET = {"block_size": 16}  # DFlash's evaluations
 
 ROLES = {"draft": "a draft model (--draft PATH, or the zoo's default draft)",
+         "router": "a neural router (--router-model PATH, or the zoo's router)",
          "eagle3": "an EAGLE-3 drafter (--eagle PATH, or the zoo's default EAGLE-3 drafter)",
          "dflash": "a DFlash drafter (--dflash PATH, or the zoo's default DFlash drafter)"}
 
@@ -65,6 +66,36 @@ def _dflash(target, models, block_size=6, markov=1, tree_topk=1, total_tokens=16
     from speclab.drafters.dflash import DFlashDrafter
     return ({"dflash": DFlashDrafter(models["dflash"], target, block_size=block_size, markov=bool(markov),
                                      tree_topk=tree_topk, total_tokens=total_tokens)}, FixedRouter("dflash"))
+
+
+def _whiflash(policy: str):
+    """WhiFlash: EAGLE-3 and DFlash under one router, each drafter configured as its standalone method (the
+    paper's Table 7); `threshold` None = calibrated (speclab.routers.default_threshold); `eager` = 1 keeps both
+    drafters caught up every round (the naive scheme lazy catch-up is measured against)."""
+    def build(target, models, threshold=None, eager=0, depth=2, tree_topk=2, total_tokens=8, block_size=6, markov=1,
+              category=None):
+        from speclab.routers import EntropyRouter, NeuralRouter, default_threshold
+        drafters = {**_eagle3(target, models, depth, tree_topk, total_tokens)[0],
+                    **_dflash(target, models, block_size, markov)[0]}
+        mlp = models.get("router") if policy == "neural" else None
+        if threshold is None:
+            threshold = default_threshold(policy, category, target.name, mlp)
+        router = NeuralRouter(mlp, threshold, eager) if policy == "neural" else EntropyRouter(threshold, eager)
+        return drafters, router
+    return build
+
+
+def _whiflash_bounds(target) -> dict:
+    return {"eager": Bound(0, 1), **_eagle3_bounds(target), **{k: v for k, v in _dflash_bounds(target).items()
+                                                               if k in ("block_size", "markov")}}
+
+
+def _whiflash_check(p: dict, target) -> None:
+    _eagle3_check(p, target)
+
+
+WHIFLASH_PARAMS = {"threshold": None, "eager": 0, "depth": 2, "tree_topk": 2, "total_tokens": 8, "block_size": 6,
+                   "markov": 1}
 
 
 def _dflash_bounds(target) -> dict:
@@ -146,6 +177,16 @@ METHODS: dict[str, Method] = {
                      {"block_size": 6, "markov": 1, "tree_topk": 1, "total_tokens": 16}, needs=("dflash",),
                      bounds=_dflash_bounds, check=_dflash_check, gpu_params=DFLASH_GPU_PRESET,
                      same_decode=_dflash_same_decode, grid="markov=0,1;block_size=2,3,4,5,6,8,10,12,16"),
+    "whiflash-entropy": Method("whiflash-entropy", "WhiFlash-Entropy: EAGLE-3 when the target's last entropy > "
+                               "threshold (nats), else DFlash; threshold from data/zoo/calibration.json unless given; "
+                               "eager = 1 keeps both drafters caught up every round", _whiflash("entropy"),
+                               dict(WHIFLASH_PARAMS), needs=("eagle3", "dflash"), bounds=_whiflash_bounds,
+                               check=_whiflash_check, gpu_params={**EAGLE3_GPU_PRESET, **DFLASH_GPU_PRESET}),
+    "whiflash-neural": Method("whiflash-neural", "WhiFlash-Neural: EAGLE-3 when the router MLP's predicted "
+                              "AL_eagle3 - AL_dflash on the target's hidden state > threshold, else DFlash; threshold "
+                              "calibrated (or the router's hardware-aware one) unless given", _whiflash("neural"),
+                              dict(WHIFLASH_PARAMS), needs=("eagle3", "dflash", "router"), bounds=_whiflash_bounds,
+                              check=_whiflash_check, gpu_params={**EAGLE3_GPU_PRESET, **DFLASH_GPU_PRESET}),
 }
 
 
@@ -179,11 +220,18 @@ def method_params(spec: str, given: dict, target) -> dict:
     given = {**given, **fixed}
     bounds = m.bounds(target) if m.bounds else {}
     defaults = {**m.params, **(m.gpu_params if getattr(target.device, "type", "cpu") == "cuda" else {})}
-    out = {k: check_number(k, given[k] if given.get(k) is not None else v, type(v), bounds.get(k, Bound()))
-           for k, v in defaults.items()}
+    out = {k: _param(k, given.get(k), v, bounds.get(k, Bound())) for k, v in defaults.items()}
     if m.check:
         m.check(out, target)
     return out
+
+
+def _param(name: str, value, default, bound: Bound):
+    """One parameter: the given value (or the default), checked. A None default is an optional float (a router's
+    threshold: None = calibrated)."""
+    if default is None:
+        return None if value is None or value == "" else check_number(name, value, float, bound)
+    return check_number(name, default if value is None else value, type(default), bound)
 
 
 def check_models(spec: str, models: dict) -> None:
@@ -193,9 +241,10 @@ def check_models(spec: str, models: dict) -> None:
             raise InvalidInput(f"method '{spec}' needs {ROLES[role]}")
 
 
-def build_method(spec: str, target, models: dict, params: dict):
-    """(drafters by name, router) of a method; AR has no drafter and no router."""
+def build_method(spec: str, target, models: dict, params: dict, category: str | None = None):
+    """(drafters by name, router) of a method; AR has no drafter and no router. A routed method picks its
+    calibrated threshold for `category` (the prompt's, when known)."""
     m = get_method(spec)
     if m.build is None:
         return {}, None
-    return m.build(target, models, **params)
+    return m.build(target, models, **params, **({"category": category} if "threshold" in m.params else {}))

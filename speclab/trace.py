@@ -33,7 +33,7 @@ import torch
 from speclab.engine import PHASES
 from speclab.errors import TraceError
 
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS meta (key VARCHAR PRIMARY KEY, value VARCHAR);
@@ -60,13 +60,22 @@ CREATE TABLE IF NOT EXISTS draft_nodes (
     draft_prob DOUBLE, target_prob DOUBLE, accepted BOOLEAN);
 CREATE TABLE IF NOT EXISTS router_decisions (
     run_id BIGINT, round INTEGER, policy VARCHAR, signal DOUBLE, threshold DOUBLE, choice VARCHAR);
+CREATE TABLE IF NOT EXISTS profile_sets (bench_id VARCHAR, params_json VARCHAR, prompts INTEGER);
+CREATE TABLE IF NOT EXISTS profiles (
+    bench_id VARCHAR, prompt_id VARCHAR, category VARCHAR, pos INTEGER, drafter VARCHAR, accepted INTEGER,
+    width INTEGER, draft_ms DOUBLE);
+CREATE TABLE IF NOT EXISTS profile_positions (
+    bench_id VARCHAR, prompt_id VARCHAR, category VARCHAR, pos INTEGER, token_id INTEGER, entropy DOUBLE,
+    prompt_tokens INTEGER, max_new_tokens INTEGER, hidden FLOAT[]);
 """
 # columns added since schema 1 (a version-1 file opened for writing gets them; its old rows keep NULLs)
 MIGRATIONS = {2: ["runs ADD COLUMN IF NOT EXISTS prefill_ms DOUBLE", "runs ADD COLUMN IF NOT EXISTS wall_s DOUBLE",
                   "runs ADD COLUMN IF NOT EXISTS model_ms DOUBLE", "runs ADD COLUMN IF NOT EXISTS diverges_at INTEGER",
                   "runs ADD COLUMN IF NOT EXISTS top2_gap DOUBLE", "runs ADD COLUMN IF NOT EXISTS tie_tolerance DOUBLE",
-                  "rounds ADD COLUMN IF NOT EXISTS t_record_ms DOUBLE"]}
-TABLES = ("meta", "runs", "rounds", "tokens", "draft_nodes", "router_decisions", "benches")
+                  "rounds ADD COLUMN IF NOT EXISTS t_record_ms DOUBLE"],
+              3: []}  # schema 3 only adds tables (the profiles of speclab.replay), made by SCHEMA itself
+TABLES = ("meta", "runs", "rounds", "tokens", "draft_nodes", "router_decisions", "benches", "profile_sets", "profiles",
+          "profile_positions")
 
 
 def _connect(path: str, read_only: bool):
@@ -248,6 +257,16 @@ class TraceStore:
             cur = self.con.cursor()
         try:
             return cur.execute(sql, params or []).df()
+        finally:
+            cur.close()
+
+    def query_arrow(self, sql: str, params: list | None = None):
+        """A query's result as an Arrow table (list columns such as profile hidden states without pandas)."""
+        self.drain()
+        with self._lock:
+            cur = self.con.cursor()
+        try:
+            return cur.execute(sql, params or []).fetch_arrow_table()
         finally:
             cur.close()
 

@@ -30,7 +30,11 @@ def verify(tree: DraftTree, target_logits: torch.Tensor, sampling: Sampling,
 
 
 def verify_greedy(tree: DraftTree, target_logits: torch.Tensor) -> Verdict:
-    target_argmax = target_logits.argmax(-1)  # [n + 1]
+    return verify_tokens(tree, target_logits.argmax(-1))
+
+
+def verify_tokens(tree: DraftTree, target_argmax: torch.Tensor) -> Verdict:
+    """Greedy verification from the target's token at every row [n + 1] (replay passes the AR sequence's)."""
     if len(tree) == 0:
         return Verdict(tree.tokens, int(target_argmax[0]))
     if tree.is_chain:  # accept length = the cumulative product of matches (gpt-fast), no ancestor matrix

@@ -18,7 +18,7 @@ def _model(name: str) -> Path:
     p = zoo_dir() / name
     if not (p / "config.json").exists():
         raise ModelNotFound(f"the zoo model '{name}' is missing at {p}; re-create the zoo with `speclab zoo build`, "
-                            "or name a model with --model / --draft / --eagle / --dflash")
+                            "or name a model with --model / --draft / --eagle / --dflash / --router-model")
     return p
 
 
@@ -36,6 +36,10 @@ def default_eagle3() -> Path:
 
 def default_dflash() -> Path:
     return _model("dflash")
+
+
+def default_router() -> Path:
+    return _model("router")
 
 
 def tokenizer_dir() -> Path:
