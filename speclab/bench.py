@@ -439,6 +439,50 @@ def catchup_costs(target: Target, eagle, backlogs=(1, 4, 16, 64), context: int =
 
 
 @torch.inference_mode()
+def switch_costs(target: Target, models: dict, contexts=(64, 128, 256, 512), backlogs=(1, 8, 16, 32, 64, 128),
+                 reps: int = 7):
+    """WhiFlash's Table 4 here: EAGLE-3's KV-only catch-up of a backlog (`catchup_costs`) as a share of one round's
+    latency at that context: EAGLE-3 drafting with its CPU defaults + the target's verification of the tree
+    (median over `reps`). Contexts x backlogs that do not fit the context window are skipped."""
+    import pandas as pd
+
+    from speclab.methods import build_method, method_params
+    from speclab.sampling import Sampling
+    from speclab.tree import tree_attention_mask, tree_position_ids
+
+    eagle = models["eagle3"]
+    rows = []
+    g = torch.Generator().manual_seed(1)
+    for c in contexts:
+        fits = [b for b in backlogs if c + b + 1 <= target.max_context]
+        if not fits:
+            continue
+        ids = torch.randint(2, target.vocab_size, (c + 1,), generator=g)
+        drafters, _ = build_method("eagle3", target, models, method_params("eagle3", {}, target))
+        d = drafters["eagle3"]
+        cache = target.new_cache()
+        feats = target.forward(ids[:c], cache, layers=d.layers).features
+        d.reset(ids, feats)
+        d.catch_up(ids[:0], None)
+        times = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            tree = d.propose(64, Sampling(), None)
+            mask = tree_attention_mask(tree.ancestors, c, target.dtype, with_root=True)
+            pos = tree_position_ids(tree.depth, c, True)
+            target.forward(torch.cat([ids[c:], tree.tokens]), cache, pos, mask)
+            crop_cache(cache, c)
+            d.commit(tree, tree.tokens[:0])
+            times.append((time.perf_counter() - t0) * 1e3)
+        round_ms = float(np.median(times))
+        cu = catchup_costs(target, eagle, backlogs=fits, context=c, reps=reps)
+        for x in cu.itertuples():
+            rows.append({"context": c, "backlog": x.backlog, "catchup_ms": x.kv_only_ms, "round_ms": round_ms,
+                         "share_of_round": x.kv_only_ms / round_ms})
+    return pd.DataFrame(rows)
+
+
+@torch.inference_mode()
 def block_costs(target: Target, dflash, block_sizes=(2, 4, 8, 16), context: int = 200, reps: int = 15,
                 calls: int = 10):
     """What a DFlash block costs on this machine, per block size (median ms, interleaved): one drafter call

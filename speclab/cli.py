@@ -25,6 +25,17 @@ def _positive_ints(text: str, option: str) -> list[int]:
     return vals
 
 
+def _positive_int(text: str) -> int:
+    """argparse type: a positive integer (argparse prints its one-line usage error otherwise)."""
+    try:
+        v = int(text)
+    except ValueError:
+        v = 0
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer (got {text!r})")
+    return v
+
+
 def _read_prompts(path: str) -> list[dict]:
     """Prompts from a file: JSON Lines (field prompt / turns / question / text / problem) or one prompt per line.
     Every record is checked before anything is decoded; a bad one is reported by its line number."""
@@ -125,7 +136,8 @@ def cmd_generate(a: argparse.Namespace) -> int:
     try:
         target, models = load_models(a, roles=method.needs)
         params = {"k": a.k, "tree_topk": a.tree_topk, "stop_prob": a.stop_prob, "depth": a.depth,
-                  "total_tokens": a.total_tokens, "block_size": a.block_size, "markov": a.markov}
+                  "total_tokens": a.total_tokens, "block_size": a.block_size, "markov": a.markov,
+                  "threshold": a.threshold, "eager": a.eager}
         for p in prompts:  # every prompt and parameter checked against the models before anything is decoded
             try:
                 check_generation(target, p["prompt"], a.method, models, a.max_new_tokens, a.temperature, a.top_k,
@@ -355,6 +367,24 @@ def cmd_train(a: argparse.Namespace) -> int:
         print(json.dumps({k: summary[k] for k in ("params", "steps", "tokens", "minutes")}, indent=1))
         print(val_table(summary["val"]))
         return 0
+    if a.what == "router":
+        from speclab.target import Target
+        from speclab.drafters.dflash import load_dflash
+        from speclab.drafters.eagle3 import load_eagle3
+        from speclab.train.router import RouterTrainConfig, curve_table, train_router
+        cfg = RouterTrainConfig(corpus_dir=corpus, out_dir=a.out, sequences=a.sequences, seed=a.seed,
+                                lr=a.lr or 1e-3, new_tokens=a.new_tokens, cost_prompts=a.cost_prompts)
+        target = Target.load(a.teacher or zoo.default_target(), device="cpu", dtype="fp32")
+        models = {"eagle3": load_eagle3(a.eagle or zoo.default_eagle3(), target),
+                  "dflash": load_dflash(a.dflash or zoo.default_dflash(), target)}
+        summary = train_router(cfg, target, models, log=lambda s: print(s, file=sys.stderr, flush=True))
+        print(json.dumps({k: summary[k] for k in ("collect_minutes", "heldout", "al_profiled")}, indent=1))
+        print(f"hardware-aware threshold: {summary['hardware_threshold']['threshold']:.3f} "
+              f"({json.dumps(summary['hardware_threshold'])})")
+        print(curve_table(summary["curve"]))
+        return 0
+    if a.minutes is None:
+        raise SpeclabError(f"train {a.what} needs --minutes (its wall-clock budget)")
     if a.what == "target":
         cfg = TrainConfig(corpus_dir=corpus, tokenizer_dir=str(zoo.tokenizer_dir()), out_dir=a.out, shape=TARGET_SHAPE,
                           lr=a.lr or 1.5e-3, max_minutes=a.minutes, seed=a.seed, init_from=a.init_from)
@@ -364,6 +394,218 @@ def cmd_train(a: argparse.Namespace) -> int:
                           max_minutes=a.minutes, seed=a.seed, init_from=a.init_from)
     summary = train_lm(cfg)
     print(json.dumps({k: summary[k] for k in ("params", "steps", "tokens", "minutes", "val")}, indent=1))
+    return 0
+
+
+def _bench_store(a: argparse.Namespace):
+    """The bench's trace (opened for writing: profiles and live runs go in) and the bench id (default: latest)."""
+    from speclab.routing import bench_info, latest_bench
+    from speclab.trace import TraceStore
+
+    if not Path(a.db).exists():
+        raise SpeclabError(f"no trace database at {a.db}: run `speclab bench` first (with ar, eagle3 and dflash)")
+    store = TraceStore(a.db)
+    bench_id = a.bench or latest_bench(store)
+    bench_info(store, bench_id)
+    return store, bench_id
+
+
+def _routing_setup(a: argparse.Namespace, store, bench_id: str, need_mlp: bool):
+    """Profiles (made when missing), the cost model fitted to the bench and the neural router when needed."""
+    from speclab.replay import fit_costs
+    from speclab.routing import get_profiles
+
+    loaded = {}
+
+    def load():
+        if not loaded:
+            loaded["m"] = load_models(a, roles=("eagle3", "dflash", "router") if need_mlp else ("eagle3", "dflash"))
+        return loaded["m"]
+
+    cost = fit_costs(store, bench_id)  # before any model loads: a bench without the drafters' rounds fails fast
+    profiles = get_profiles(store, bench_id, load, log=lambda s: print(s, file=sys.stderr))
+    mlp = load()[1]["router"] if need_mlp else None
+    return profiles, cost, mlp, load
+
+
+def cmd_profile(a: argparse.Namespace) -> int:
+    from speclab.routing import profile_bench
+
+    store, bench_id = _bench_store(a)
+    with store:
+        target, models = load_models(a, roles=("eagle3", "dflash"))
+        profs = profile_bench(store, bench_id, target, models, log=lambda s: print(s, file=sys.stderr))
+        import pandas as pd
+        df = pd.DataFrame([{"prompt_id": p.prompt_id, "category": p.category, "tokens": p.n,
+                            "eagle3_accepted": p.accepted[0].mean(), "dflash_accepted": p.accepted[1].mean(),
+                            "eagle3_better": (p.accepted[0] > p.accepted[1]).mean(),
+                            "dflash_better": (p.accepted[1] > p.accepted[0]).mean()} for p in profs])
+        print(df.groupby("category").mean(numeric_only=True).to_markdown(floatfmt=".3f"))
+    print(f"\nprofiles of bench {bench_id}: tables profiles / profile_positions in {a.db}")
+    return 0
+
+
+def cmd_sweep(a: argparse.Namespace) -> int:
+    import pandas as pd
+
+    from speclab.routing import parse_thresholds, run_live, live_table, sweep
+    from speclab.viz import sweep_figure, write_html_report
+
+    grid = parse_thresholds(a.grid)
+    live_pts = parse_thresholds(a.live) if a.live else []
+    if a.router not in ("entropy", "neural"):
+        raise SpeclabError(f"--router must be entropy or neural (got {a.router!r})")
+    store, bench_id = _bench_store(a)
+    with store:
+        profiles, cost, mlp, load = _routing_setup(a, store, bench_id, a.router == "neural")
+        import time
+        t0 = time.perf_counter()
+        sw = sweep(profiles, cost, a.router, grid, mlp)
+        replay_s = time.perf_counter() - t0
+        method = f"whiflash-{a.router}"
+        live = pd.DataFrame()
+        if live_pts:
+            specs = [f"{method}:threshold={t:g}" for t in live_pts]
+            target, models = load()
+            run_live(store, bench_id, target, models, specs, log=lambda s: print(s, file=sys.stderr))
+            lt = live_table(store, bench_id)
+            lt = lt[lt.method.isin(specs)].copy()
+            lt["threshold"] = lt.method.str.split("=").str[-1].astype(float)
+            pts = sweep(profiles, cost, a.router, live_pts, mlp)
+            live = lt.merge(pts[["category", "threshold", "al", "tokens_per_s"]], on=["category", "threshold"],
+                            suffixes=("", "_replay"))
+            live["model_error"] = live.tokens_per_s_replay / live.tokens_per_s - 1
+    wide_tps = sw.pivot_table(index="threshold", columns="category", values="tokens_per_s").reset_index()
+    wide_al = sw.pivot_table(index="threshold", columns="category", values="al").reset_index()
+    n_prompts = len(profiles)
+    text = [f"# {method} threshold sweep on bench `{bench_id}`", "",
+            f"Replayed from profiles: {len(grid)} thresholds x {n_prompts} prompts in {replay_s:.2f} s. Tokens/s from "
+            f"the cost model fitted to the bench's live rounds ({cost.rounds_fitted} rounds, {cost.runs_fitted} runs).",
+            "", "## Modeled tokens/s per category", "", wide_tps.to_markdown(index=False, floatfmt=".2f"), "",
+            "## AL (tokens per round) per category", "", wide_al.to_markdown(index=False, floatfmt=".3f")]
+    if len(live):
+        cols = ["threshold", "category", "al", "al_replay", "tokens_per_s", "tokens_per_s_replay", "model_error"]
+        text += ["", "## Live runs at chosen thresholds (same bench) vs replay", "",
+                 live[cols].sort_values(["threshold", "category"]).to_markdown(index=False, floatfmt=".3f")]
+    md = "\n".join(text)
+    print(md)
+    Path(a.report).parent.mkdir(parents=True, exist_ok=True)
+    figs = [sweep_figure(sw, live if len(live) else None, "tokens_per_s",
+                         f"{method}: tokens/s by threshold (lines: replay + cost model; diamonds: live)"),
+            sweep_figure(sw, live if len(live) else None, "al", f"{method}: AL by threshold")]
+    print(f"\nplot: {write_html_report(a.report, f'{method} threshold sweep', figs, md)}")
+    return 0
+
+
+def cmd_calibrate(a: argparse.Namespace) -> int:
+    from speclab.routers import Calibration, calibration_path, load_calibration
+    from speclab.routing import best_thresholds, parse_thresholds, sweep
+    from speclab.viz import sweep_figure, write_html_report
+
+    routers = [r.strip() for r in a.router.split(",") if r.strip()]
+    bad = [r for r in routers if r not in ("entropy", "neural")]
+    if bad or not routers:
+        raise SpeclabError(f"--router must be entropy, neural or both, comma-separated (got {a.router!r})")
+    grids = {"entropy": parse_thresholds(a.entropy_grid), "neural": parse_thresholds(a.neural_grid)}
+    out = Path(a.out) if a.out else calibration_path()
+    store, bench_id = _bench_store(a)
+    with store:
+        profiles, cost, mlp, load = _routing_setup(a, store, bench_id, "neural" in routers)
+        target = load()[0]
+        cal = load_calibration(out) if out.exists() else Calibration()
+        if cal.target and cal.target != target.name:
+            cal = Calibration()
+        cal.target = target.name
+        figs, text = [], []
+        for r in routers:
+            sw = sweep(profiles, cost, r, grids[r], mlp)
+            best = best_thresholds(sw)
+            cal.thresholds[r] = best
+            top = sw.loc[sw.groupby("category").tokens_per_s.idxmax()]
+            text += [f"## {r}: best threshold per category (modeled tokens/s)", "",
+                     top[["category", "threshold", "al", "tokens_per_s", "switches", "eagle3_share"]]
+                     .to_markdown(index=False, floatfmt=".3f"), ""]
+            figs.append(sweep_figure(sw, None, "tokens_per_s", f"whiflash-{r}: modeled tokens/s by threshold"))
+        cal.info = {"bench": bench_id, "db": str(a.db), "prompts": len(profiles), "grids": {r: grids[r] for r in routers},
+                    "cost_model": cost.__dict__, "command": "speclab calibrate " + " ".join(sys.argv[2:])}
+        out.parent.mkdir(parents=True, exist_ok=True)
+        cal.save(out)
+    md = "\n".join(text)
+    print(md)
+    print(f"wrote {out}")
+    Path(a.report).parent.mkdir(parents=True, exist_ok=True)
+    print(f"plot: {write_html_report(a.report, 'WhiFlash calibration', figs, md)}")
+    return 0
+
+
+def cmd_routing(a: argparse.Namespace) -> int:
+    import pandas as pd
+
+    from speclab import viz
+    from speclab.replay import model_error
+    from speclab.routing import (lazy_vs_eager, live_vs_replay, routing_table, switch_backlog, switch_table, wide)
+
+    store, bench_id = _bench_store(a)
+    with store:
+        profiles, cost, mlp, _ = _routing_setup(a, store, bench_id, True)
+        sb = switch_backlog(store, bench_id)
+        table = routing_table(store, bench_id, profiles, cost, sb)
+        agree = live_vs_replay(store, bench_id, profiles, mlp)
+        err = model_error(cost, store, bench_id)
+        sw = switch_table(store, bench_id)
+        le = lazy_vs_eager(store, bench_id)
+        pid = a.prompt_id or profiles[0].prompt_id
+        prof = store.query("SELECT pos, drafter, accepted FROM profiles WHERE bench_id = ? AND prompt_id = ? "
+                           "ORDER BY drafter, pos", [bench_id, pid])
+    fmt = dict(index=False, floatfmt=".2f")
+    tps = table.pivot_table(index="method", columns="category", values="tokens_per_s", sort=False)
+    md = [f"# WhiFlash on bench `{bench_id}`", "",
+          "AL = tokens per round; speedup = tokens/s over AR's in the same bench. Live rows: the bench's traced runs. "
+          "Oracle ALs: replayed from profiles; Oracle-Task/Prompt speedups: the bench's live eagle3/dflash runs picked "
+          "in hindsight; oracle-token-time: modeled (cost model), not measured.", "",
+          "## AL and speedup per category", "", wide(table).to_markdown(**fmt), "",
+          "## Tokens/s per category", "", tps.reset_index().to_markdown(**fmt), "",
+          "## Live vs replay (routed runs)", "",
+          (f"{int(agree.identical.sum())} of {len(agree)} routed runs replay identically (every round's drafter, "
+           f"accept length and committed tokens); rounds agreeing overall: {agree.rounds_agreeing.mean():.4f}"
+           if len(agree) else "no routed runs in this bench"), "",
+          "## Cost model", "", cost.table().to_markdown(index=False, floatfmt=".3f"), "",
+          f"prefill ms = {cost.prefill0:.2f} + {cost.prefill1:.3f} x prompt tokens; fitted to {cost.rounds_fitted} "
+          f"rounds of {cost.runs_fitted} runs", "", "Modeled vs measured decode time of the live runs:", "",
+          err.to_markdown(index=False, floatfmt=".3f"), ""]
+    if len(sw):
+        md += ["## Switch cost (live: rounds whose drafter differs from the previous round's)", "",
+               sw.to_markdown(index=False, floatfmt=".3f"), ""]
+    if len(le):
+        md += ["## Lazy vs eager catch-up", "", le.to_markdown(index=False, floatfmt=".3f"), ""]
+    text = "\n".join(md)
+    print(text)
+    figs = [viz.bench_bars(table.rename(columns={"method": "method"}), "al", "AL (tokens per round) per category"),
+            viz.bench_bars(table[table.source != "profiles"], "speedup", "Speedup over AR per category"),
+            viz.volatility_figure(prof, f"Intra-sequence volatility: prompt {pid} (from its profile)")]
+    Path(a.report).parent.mkdir(parents=True, exist_ok=True)
+    print(f"\nplot: {viz.write_html_report(a.report, f'WhiFlash on bench {bench_id}', figs, text)}")
+    return 0
+
+
+def cmd_switch_costs(a: argparse.Namespace) -> int:
+    from speclab.bench import switch_costs
+    from speclab.viz import lines_figure, write_html_report
+
+    backlogs = _positive_ints(a.backlog, "--backlog")
+    contexts = _positive_ints(a.context, "--context")
+    target, models = load_models(a, roles=("eagle3", "dflash"))
+    df = switch_costs(target, models, contexts=contexts, backlogs=backlogs, reps=a.reps)
+    wide_t = df.pivot_table(index="context", columns="backlog", values="share_of_round").reset_index()
+    table = df.to_markdown(index=False, floatfmt=".3f")
+    text = ("EAGLE-3 catch-up (KV-only prefill) of a backlog as a share of a WhiFlash round's latency (EAGLE-3 "
+            "drafting + verification) at that context\n\n" + wide_t.to_markdown(index=False, floatfmt=".3f")
+            + "\n\n" + table)
+    print(text)
+    Path(a.report).parent.mkdir(parents=True, exist_ok=True)
+    fig = lines_figure(df.assign(context=df.context.astype(str) + " tokens"), "backlog", "share_of_round", "context",
+                       "Switch cost as a share of round latency", x_title="backlog tokens", y_title="share of round")
+    print(f"\nplot: {write_html_report(a.report, 'WhiFlash switch cost', [fig], text)}")
     return 0
 
 
@@ -397,6 +639,10 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--total-tokens", type=int, default=None, help="eagle3, dflash: draft nodes kept from the expanded "
                    "tree")
     g.add_argument("--block-size", type=int, default=None, help="dflash: block rows (the root + block_size - 1 masks)")
+    g.add_argument("--threshold", type=float, default=None, help="whiflash-*: the routing threshold (entropy: nats; "
+                   "neural: predicted AL_eagle3 - AL_dflash); default: calibrated (data/zoo/calibration.json)")
+    g.add_argument("--eager", type=int, default=None, help="whiflash-*: 1 = catch both drafters up every round (the "
+                   "naive scheme); 0 = lazily, at a switch (default)")
     g.add_argument("--markov", type=int, default=None, help="dflash: 1 = use DSpark's Markov head when the drafter has "
                    "one, 0 = the plain parallel readout")
     g.add_argument("--stop-prob", type=float, default=None,
@@ -443,6 +689,56 @@ def main(argv: list[str] | None = None) -> int:
     add_model_args(cc)
     cc.set_defaults(fn=cmd_catchup_costs)
 
+    rd = dict(db="traces/bench.duckdb")
+
+    pr = sub.add_parser("profile", help="counterfactual acceptance profiles of EAGLE-3 and DFlash at every position of "
+                        "a bench's AR outputs (greedy), for replay, oracles, sweeps and calibration")
+    pr.add_argument("--bench", help="bench id (default: the latest finished bench in --db)")
+    pr.add_argument("--db", default=rd["db"])
+    add_model_args(pr)
+    pr.set_defaults(fn=cmd_profile)
+
+    sw = sub.add_parser("sweep", help="a WhiFlash router's threshold sweep on a bench: by replay of its profiles "
+                        "(instant) and live at chosen thresholds")
+    sw.add_argument("--router", required=True, help="entropy | neural")
+    sw.add_argument("--grid", default="0:4:0.1", help="thresholds: start:stop:step or a comma-separated list")
+    sw.add_argument("--live", default="", help="thresholds to also run live on the bench's prompts (into the bench)")
+    sw.add_argument("--bench", help="bench id (default: the latest finished bench in --db)")
+    sw.add_argument("--db", default=rd["db"])
+    sw.add_argument("--report", default="reports/sweep.html")
+    add_model_args(sw)
+    sw.set_defaults(fn=cmd_sweep)
+
+    ca = sub.add_parser("calibrate", help="the best threshold per category (and a global one) of the WhiFlash "
+                        "routers by replay on a bench, written to data/zoo/calibration.json")
+    ca.add_argument("--router", default="entropy,neural", help="entropy, neural or both (comma-separated)")
+    ca.add_argument("--entropy-grid", default="0:4:0.05")
+    ca.add_argument("--neural-grid", default="-2:3:0.05")
+    ca.add_argument("--out", help="calibration file (default: data/zoo/calibration.json)")
+    ca.add_argument("--bench", help="bench id (default: the latest finished bench in --db)")
+    ca.add_argument("--db", default=rd["db"])
+    ca.add_argument("--report", default="reports/calibration.html")
+    add_model_args(ca)
+    ca.set_defaults(fn=cmd_calibrate)
+
+    ro = sub.add_parser("routing", help="WhiFlash's Table 1 on a bench (EAGLE-3, DFlash, oracles, routers: AL and "
+                        "speedup per category), live vs replay, cost-model error, switch cost, lazy vs eager")
+    ro.add_argument("--bench", help="bench id (default: the latest finished bench in --db)")
+    ro.add_argument("--db", default=rd["db"])
+    ro.add_argument("--prompt-id", help="the sequence of the volatility figure (default: the first profiled)")
+    ro.add_argument("--report", default="reports/routing.html")
+    add_model_args(ro)
+    ro.set_defaults(fn=cmd_routing)
+
+    sc = sub.add_parser("switch-costs", help="EAGLE-3 catch-up at a switch as a share of round latency, by context "
+                        "and backlog (WhiFlash Table 4)")
+    sc.add_argument("--context", default="64,128,256,512", help="tokens already in the caches (comma-separated)")
+    sc.add_argument("--backlog", default="1,8,16,32,64,128", help="backlog lengths (comma-separated)")
+    sc.add_argument("--reps", type=int, default=7, help="interleaved repetitions; the median is shown")
+    sc.add_argument("--report", default="reports/switch_costs.html")
+    add_model_args(sc)
+    sc.set_defaults(fn=cmd_switch_costs)
+
     bc = sub.add_parser("block-costs", help="ms per DFlash block: drafter call, Markov head, verification, by block "
                         "size")
     add_model_args(bc)
@@ -480,11 +776,18 @@ def main(argv: list[str] | None = None) -> int:
     add_model_args(b)
     b.set_defaults(fn=cmd_bench)
 
-    t = sub.add_parser("train", help="train the zoo target, distil the zoo draft, or train an EAGLE-3 or DFlash "
-                       "drafter online from the frozen target (long)")
-    t.add_argument("what", choices=["target", "draft", "eagle3", "dflash"])
+    t = sub.add_parser("train", help="train the zoo target, distil the zoo draft, train an EAGLE-3 or DFlash "
+                       "drafter online from the frozen target, or WhiFlash's neural router from profiles (long)")
+    t.add_argument("what", choices=["target", "draft", "eagle3", "dflash", "router"])
     t.add_argument("--out", required=True, help="run directory (checkpoints in OUT/model, log in OUT/train_log.jsonl)")
-    t.add_argument("--minutes", type=float, required=True, help="wall-clock budget; the LR schedule follows it")
+    t.add_argument("--minutes", type=float, help="wall-clock budget; the LR schedule follows it (not for router)")
+    t.add_argument("--sequences", type=_positive_int, default=240, help="router: corpus prompts profiled (their "
+                   "greedy continuations give the (h_t, Delta AL) pairs; a fifth held out)")
+    t.add_argument("--new-tokens", type=_positive_int, default=96, help="router: tokens generated per prompt")
+    t.add_argument("--cost-prompts", type=_positive_int, default=6, help="router: prompts decoded live to fit the "
+                   "cost model of the hardware-aware threshold")
+    t.add_argument("--eagle", help="router: the EAGLE-3 drafter (default: the zoo's)")
+    t.add_argument("--dflash", help="router: the DFlash drafter (default: the zoo's)")
     t.add_argument("--teacher", help="draft, eagle3, dflash: the target to learn from (default: the zoo target)")
     t.add_argument("--ttt-steps", type=int, default=3, help="eagle3: training-time-test steps (unrolled on its own "
                    "outputs)")

@@ -9,7 +9,9 @@ from pathlib import Path
 import plotly.graph_objects as go
 
 METHOD_COLORS = {"ar": "#7f7f7f", "sps": "#1f77b4", "pld": "#2ca02c", "eagle3": "#9467bd", "dflash": "#d62728",
-                 "hf_assisted": "#aec7e8", "hf_pld": "#98df8a"}
+                 "hf_assisted": "#aec7e8", "hf_pld": "#98df8a", "whiflash-entropy": "#ff7f0e",
+                 "whiflash-neural": "#8c564b", "oracle-task": "#c7c7c7", "oracle-prompt": "#a0a0a0",
+                 "oracle-token": "#404040"}
 
 
 def _color(method: str) -> str | None:
@@ -193,4 +195,28 @@ def phase_breakdown(rounds) -> go.Figure:
         fig.add_bar(name=p, x=means.index, y=means[f"t_{p}_ms"])
     fig.update_layout(title="Time per round by phase (ms)", barmode="stack", template="plotly_white", height=340,
                       yaxis_title="ms per round")
+    return fig
+
+
+def volatility_figure(prof, title: str = "") -> go.Figure:
+    """WhiFlash's Figure 2 from a profile (rows: pos, drafter, accepted): how many draft tokens each drafter would
+    get accepted by a round starting at every position of one sequence."""
+    fig = go.Figure()
+    for name, g in prof.groupby("drafter", sort=False):
+        fig.add_scatter(name=name, x=g["pos"], y=g["accepted"], mode="lines", line_shape="hv",
+                        line_color=_color(name), hovertemplate="position %{x}: %{y} accepted")
+    fig.update_layout(title=title or "Accepted draft tokens of a round starting at each position",
+                      xaxis_title="position in the output (tokens)", yaxis_title="accepted draft tokens",
+                      template="plotly_white", height=380)
+    return fig
+
+
+def sweep_figure(sw, live=None, y: str = "tokens_per_s", title: str = "") -> go.Figure:
+    """Threshold sweeps: one replayed line per category (y against threshold), live runs as markers on top."""
+    fig = lines_figure(sw, "threshold", y, "category", title or f"{y} by routing threshold (replay)",
+                       x_title="threshold", y_title=y)
+    if live is not None and len(live):
+        for cat, g in live.groupby("category", sort=False):
+            fig.add_scatter(name=f"{cat} (live)", x=g["threshold"], y=g[y], mode="markers",
+                            marker=dict(size=11, symbol="diamond-open"), hovertemplate="live: %{y:.2f}")
     return fig

@@ -1,0 +1,328 @@
+"""WhiFlash's evaluation on a bench: its profiles, threshold sweeps by replay (and live), calibration, and the
+per-category table of the paper's Table 1 (drafters, oracles, routers), with the switch-cost and lazy-vs-eager
+tables. Everything reads a bench in the trace (`speclab bench`) and the bench's profiles (`speclab.replay`).
+
+- AL (tau, `speclab.metrics`): tokens committed per round. Tokens/s: tokens / decode time, pooled per category.
+- Live figures come from the bench's traced runs; oracle ALs from the profiles (under greedy decoding the replay
+  of a policy is what a live run of it does, `live_vs_replay` checks it on the bench's own routed runs).
+- Oracle-Task and Oracle-Prompt pick, in hindsight, the drafter with the best value *of the column's metric*
+  (AL for the AL column, measured tokens/s for the speed column) per category or per prompt. Oracle-Token's AL
+  is the max-AL dynamic programme; its min-time variant is only modeled (the cost model), so it is shown apart.
+"""
+from __future__ import annotations
+
+import json
+import math
+
+import numpy as np
+import pandas as pd
+import torch
+
+from speclab import replay
+from speclab.errors import InvalidInput
+from speclab.metrics import tau, tokens_per_s
+from speclab.progress import Progress
+from speclab.routers import AR, PARALLEL
+
+ROUTED = ("whiflash-entropy", "whiflash-neural")
+
+
+def bench_info(store, bench_id: str) -> pd.Series:
+    b = store.query("SELECT * FROM benches WHERE bench_id = ?", [bench_id])
+    if b.empty:
+        known = store.query("SELECT bench_id FROM benches ORDER BY started_at DESC LIMIT 5").bench_id.tolist()
+        raise InvalidInput(f"no bench {bench_id!r} in {store.path} (latest: {', '.join(known) or 'none'})")
+    return b.iloc[0]
+
+
+def latest_bench(store) -> str:
+    b = store.query("SELECT bench_id FROM benches WHERE status = 'done' ORDER BY started_at DESC LIMIT 1")
+    if b.empty:
+        raise InvalidInput(f"no finished bench in {store.path}: run `speclab bench` first (with ar, eagle3, dflash)")
+    return str(b.bench_id.iloc[0])
+
+
+def profile_bench(store, bench_id: str, target, models: dict, params: dict | None = None, log=print):
+    """Profile both drafters on every prompt of the bench (its AR run's output is the sequence), save them in the
+    trace and return them."""
+    from speclab.bench import BenchConfig, format_prompt
+    from speclab.methods import build_method, method_params
+    from speclab.suites import load_suite
+
+    b = bench_info(store, bench_id)
+    cfg = BenchConfig(**{k: v for k, v in json.loads(b.config_json).items() if k in BenchConfig.__dataclass_fields__})
+    ar = store.query("SELECT run_id, prompt_id, category FROM runs WHERE bench_id = ? AND method = 'ar' AND "
+                     "status = 'done'", [bench_id])
+    if ar.empty:
+        raise InvalidInput(f"bench {bench_id} has no finished traced AR run: its output is what profiles replay")
+    for t in store.query("SELECT DISTINCT params_json FROM runs WHERE bench_id = ?", [bench_id]).params_json:
+        replay.check_greedy(json.loads(t or "{}").get("temperature", 0.0))
+    params = method_params("whiflash-entropy", params or {}, target)
+    drafters, _ = build_method("whiflash-entropy", target, models, params)
+    rows = {str(r["prompt_id"]): r for r in load_suite(cfg.suite, cfg.limit)}
+    prog = Progress(len(ar), f"profile bench {bench_id}")
+    out = []
+    for i, r in enumerate(ar.itertuples()):
+        row = rows.get(str(r.prompt_id))
+        if row is None:
+            raise InvalidInput(f"prompt {r.prompt_id} of bench {bench_id} is no longer in suite {cfg.suite}")
+        toks = store.query("SELECT token_id FROM tokens WHERE run_id = ? ORDER BY pos", [int(r.run_id)]).token_id
+        out.append(replay.profile_sequence(target, drafters, format_prompt(target, row),
+                                           torch.tensor(toks.to_numpy(np.int64)), cfg.max_new_tokens,
+                                           str(r.prompt_id), r.category))
+        prog.update(i + 1)
+    replay.save_profiles(store, bench_id, out, {k: v for k, v in params.items() if k not in ("threshold", "eager")})
+    return out
+
+
+def get_profiles(store, bench_id: str, load=None, log=print):
+    """The bench's profiles, made first (with the models from `load()`) when there are none."""
+    try:
+        return replay.load_profiles(store, bench_id)[0]
+    except InvalidInput:
+        if load is None:
+            raise
+    target, models = load()
+    return profile_bench(store, bench_id, target, models, log=log)
+
+
+# -- policies ------------------------------------------------------------------------------------------------------
+def threshold_policy(router: str, grid, mlp=None):
+    """label -> (Profile -> choices [K, N], thresholds) for replay_table."""
+    grid = [float(x) for x in grid]
+    if router == "entropy":
+        return {"whiflash-entropy": (lambda p: replay.entropy_choice(p, grid), grid)}
+    if router == "neural":
+        if mlp is None:
+            raise InvalidInput("a neural sweep needs the neural router (--router-model, or the zoo's)")
+        return {"whiflash-neural": (lambda p: replay.signal_choice(replay.neural_signal(p, mlp), grid), grid)}
+    raise InvalidInput(f"--router must be entropy or neural (got {router!r})")
+
+
+def parse_thresholds(text: str) -> list[float]:
+    """'0.5,1,2' or 'start:stop:step' (stop included) -> thresholds; InvalidInput otherwise."""
+    try:
+        if ":" in text:
+            a, b, s = (float(x) for x in text.split(":"))
+            if s <= 0 or b < a or (b - a) / s > 10000:
+                raise ValueError
+            vals = list(np.round(np.arange(a, b + s / 2, s), 10))
+        else:
+            vals = [float(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        vals = []
+    if not vals or not all(math.isfinite(v) for v in vals):
+        raise InvalidInput(f"--grid must be thresholds separated by commas or start:stop:step (got {text!r})")
+    return vals
+
+
+def with_all(df: pd.DataFrame) -> pd.DataFrame:
+    """Rows once per category and once more under category 'all'."""
+    return pd.concat([df, df.assign(category="all")], ignore_index=True)
+
+
+def sweep(profiles, cost, router: str, grid, mlp=None) -> pd.DataFrame:
+    """Replayed AL and modeled tokens/s per (category, threshold), 'all' pooling every prompt."""
+    t = replay.replay_table(profiles, threshold_policy(router, grid, mlp), cost)
+    return replay.summarize(with_all(t)).rename(columns={"value": "threshold"})
+
+
+def best_thresholds(sw: pd.DataFrame) -> dict:
+    """Per category the threshold of the highest modeled tokens/s ('*' = the best single threshold over all)."""
+    best = sw.loc[sw.groupby("category").tokens_per_s.idxmax()]
+    return {("*" if c == "all" else c): float(t) for c, t in zip(best.category, best.threshold)}
+
+
+def single_drafters(profiles, cost) -> pd.DataFrame:
+    pol = {name: (lambda p, n=name: replay.fixed_choice(p, n), [None]) for name in replay.DRAFTERS}
+    return replay.summarize(with_all(replay.replay_table(profiles, pol, cost)))
+
+
+# -- oracles -------------------------------------------------------------------------------------------------------
+def oracles(profiles, cost=None, switch_backlog: float = 16.0) -> pd.DataFrame:
+    """AL per category (and 'all') of each drafter alone, Oracle-Task, Oracle-Prompt and Oracle-Token (max AL; and
+    min modeled time when a cost model is given), all from the profiles."""
+    pol = {name: (lambda p, n=name: replay.fixed_choice(p, n), [None]) for name in replay.DRAFTERS}
+    pol["oracle-token"] = (replay.oracle_max_al, [None])
+    if cost is not None:
+        pol["oracle-token-time"] = (lambda p: replay.oracle_min_time(p, cost, switch_backlog), [None])
+    t = replay.replay_table(profiles, pol, cost)
+    single = t[t.policy.isin(replay.DRAFTERS)]
+    # Oracle-Prompt: per prompt the drafter with the fewest rounds; Oracle-Task: per category the fewest in total
+    per_prompt = single.loc[single.groupby("prompt_id").rounds.idxmin()].assign(policy="oracle-prompt")
+    by_cat = single.groupby(["category", "policy"]).rounds.sum().reset_index()
+    best_cat = by_cat.loc[by_cat.groupby("category").rounds.idxmin()]
+    per_task = single.merge(best_cat[["category", "policy"]], on=["category", "policy"]).assign(policy="oracle-task")
+    rows = pd.concat([t, per_prompt, per_task], ignore_index=True)
+    out = replay.summarize(with_all(rows), by=("policy", "category"))
+    # Oracle-Task over 'all' is the per-category choice pooled, not one drafter for everything
+    return out
+
+
+def oracle_speed(store, bench_id: str) -> pd.DataFrame:
+    """Oracle-Task and Oracle-Prompt tokens/s from the bench's live eagle3 and dflash runs (hindsight best)."""
+    r = store.query("SELECT method, prompt_id, category, new_tokens, elapsed_s, rounds FROM runs WHERE bench_id = ? "
+                    "AND status = 'done' AND method IN (?, ?)", [bench_id, AR, PARALLEL])
+    if r.empty:
+        return pd.DataFrame(columns=["policy", "category", "tokens_per_s"])
+    prompt = r.loc[r.groupby("prompt_id").elapsed_s.idxmin()]
+    cat = r.groupby(["category", "method"]).agg(t=("new_tokens", "sum"), s=("elapsed_s", "sum")).reset_index()
+    cat["tps"] = cat.t / cat.s
+    best = cat.loc[cat.groupby("category").tps.idxmax()]
+    task = r.merge(best[["category", "method"]], on=["category", "method"])
+    rows = []
+    for label, df in (("oracle-prompt", prompt), ("oracle-task", task)):
+        for c, g in with_all(df).groupby("category"):
+            rows.append({"policy": label, "category": c, "tokens_per_s": tokens_per_s(g.new_tokens.sum(), g.elapsed_s.sum())})
+    return pd.DataFrame(rows)
+
+
+# -- the table -----------------------------------------------------------------------------------------------------
+def live_table(store, bench_id: str) -> pd.DataFrame:
+    """AL and tokens/s per (method, category) of the bench's traced runs, 'all' pooled, speedup vs AR."""
+    r = store.query("SELECT method, category, new_tokens, rounds, elapsed_s FROM runs WHERE bench_id = ? AND "
+                    "status = 'done' AND rounds IS NOT NULL", [bench_id])
+    g = with_all(r).groupby(["method", "category"]).agg(tokens=("new_tokens", "sum"), rounds=("rounds", "sum"),
+                                                        s=("elapsed_s", "sum"), prompts=("new_tokens", "size"))
+    g["al"] = [tau(t, n) for t, n in zip(g.tokens, g.rounds)]
+    g["tokens_per_s"] = [tokens_per_s(t, s) for t, s in zip(g.tokens, g.s)]
+    g = g.reset_index()
+    ar = g[g.method == "ar"].set_index("category").tokens_per_s
+    g["speedup"] = g.tokens_per_s / g.category.map(ar)
+    return g
+
+
+def routing_table(store, bench_id: str, profiles, cost, switch_backlog: float = 16.0) -> pd.DataFrame:
+    """The paper's Table 1 on a bench: rows = EAGLE-3, DFlash, the oracles and the bench's WhiFlash methods; per
+    category AL and speedup (tokens/s over AR's, same bench)."""
+    live = live_table(store, bench_id)
+    orc = oracles(profiles, cost, switch_backlog)
+    spd = oracle_speed(store, bench_id)
+    ar = live[live.method == "ar"].set_index("category").tokens_per_s
+    rows = []
+    methods = [AR, PARALLEL] + sorted(m for m in live.method.unique() if m.startswith("whiflash"))
+    for m in methods:
+        for x in live[live.method == m].itertuples():
+            rows.append({"method": m, "category": x.category, "al": x.al, "tokens_per_s": x.tokens_per_s,
+                         "speedup": x.speedup, "source": "live"})
+    for label in ("oracle-task", "oracle-prompt", "oracle-token", "oracle-token-time"):
+        for x in orc[orc.policy == label].itertuples():
+            tps = spd[(spd.policy == label) & (spd.category == x.category)].tokens_per_s
+            modeled = label == "oracle-token-time"
+            t = float(tps.iloc[0]) if len(tps) else (x.tokens_per_s if modeled else math.nan)
+            rows.append({"method": label, "category": x.category, "al": x.al, "tokens_per_s": t,
+                         "speedup": t / ar.get(x.category, math.nan),
+                         "source": "modeled" if modeled else ("profiles + live" if len(tps) else "profiles")})
+    return pd.DataFrame(rows)
+
+
+def wide(table: pd.DataFrame, cols=("al", "speedup")) -> pd.DataFrame:
+    """Rows = methods, columns = (category, metric): the paper's layout."""
+    w = table.pivot_table(index="method", columns="category", values=list(cols), sort=False)
+    w = w.swaplevel(0, 1, axis=1).sort_index(axis=1, level=0, sort_remaining=False)
+    order = [m for m in table.method.unique()]
+    w = w.reindex(order)
+    w.columns = [f"{c} {m}" for c, m in w.columns]
+    return w.reset_index()
+
+
+def live_vs_replay(store, bench_id: str, profiles, mlp=None) -> pd.DataFrame:
+    """For every routed live run of the bench: its policy and threshold replayed on the prompt's profile; whether
+    every round's drafter, accept length and committed tokens agree."""
+    runs = store.query("SELECT run_id, method, prompt_id, category FROM runs WHERE bench_id = ? AND status = 'done' "
+                       "AND router IN ('entropy', 'neural')", [bench_id])
+    by_prompt = {p.prompt_id: p for p in profiles}
+    rows = []
+    for r in runs.itertuples():
+        p = by_prompt.get(str(r.prompt_id))
+        if p is None:
+            continue
+        live = store.query("SELECT x.round, x.drafter, x.n_accepted, x.committed, d.policy, d.threshold FROM rounds x "
+                           "JOIN router_decisions d USING (run_id, round) WHERE run_id = ? ORDER BY round", [int(r.run_id)])
+        thr = float(live.threshold.iloc[0])
+        pol = live.policy.iloc[0]
+        if pol == "neural":
+            if mlp is None:
+                continue
+            choice = replay.signal_choice(replay.neural_signal(p, mlp), [thr])
+        else:
+            choice = replay.entropy_choice(p, [thr])
+        eager = "eager=1" in r.method
+        w = replay.walk(p, choice, eager).one(0)
+        n = min(len(w), len(live))
+        same = (len(w) == len(live)) and bool((w.drafter.to_numpy()[:n] == live.drafter.to_numpy()[:n]).all()
+                                               and (w.n_accepted.to_numpy()[:n] == live.n_accepted.to_numpy()[:n]).all()
+                                               and (w.committed.to_numpy()[:n] == live.committed.to_numpy()[:n]).all())
+        agree = float(np.mean((w.n_accepted.to_numpy()[:n] == live.n_accepted.to_numpy()[:n])
+                              & (w.drafter.to_numpy()[:n] == live.drafter.to_numpy()[:n]))) if n else math.nan
+        rows.append({"run_id": int(r.run_id), "method": r.method, "prompt_id": r.prompt_id, "threshold": thr,
+                     "live_rounds": len(live), "replay_rounds": len(w), "identical": same, "rounds_agreeing": agree})
+    return pd.DataFrame(rows)
+
+
+# -- switching -----------------------------------------------------------------------------------------------------
+def switch_table(store, bench_id: str, edges=(1, 8, 16, 32, 64, 128, 10 ** 9)) -> pd.DataFrame:
+    """Live switch cost: rounds whose drafter differs from the previous round's, by backlog bucket: the catch-up
+    time as a share of that round's latency (the paper's Table 4, measured in real routed runs)."""
+    df = store.query("""
+        SELECT * FROM (SELECT x.*, lag(x.drafter) OVER (PARTITION BY x.run_id ORDER BY x.round) AS prev,
+                              x.t_route_ms + x.t_catchup_ms + x.t_draft_ms + x.t_verify_ms + x.t_commit_ms
+                              + coalesce(x.t_record_ms, 0) AS round_ms
+                       FROM rounds x JOIN runs r USING (run_id)
+                       WHERE r.bench_id = ? AND r.router IN ('entropy', 'neural') AND r.method NOT LIKE '%eager=1%')
+        WHERE prev IS NOT NULL AND prev <> drafter""", [bench_id])
+    if df.empty:
+        return pd.DataFrame()
+    df["bucket"] = pd.cut(df.backlog, list(edges), right=False)
+    g = df.groupby(["drafter", "bucket"], observed=True).agg(switches=("backlog", "size"),
+                                                             mean_backlog=("backlog", "mean"),
+                                                             catchup_ms=("t_catchup_ms", "mean"),
+                                                             round_ms=("round_ms", "mean")).reset_index()
+    g["share_of_round"] = g.catchup_ms / g.round_ms
+    g["bucket"] = g.bucket.astype(str)
+    return g
+
+
+def lazy_vs_eager(store, bench_id: str) -> pd.DataFrame:
+    """tokens/s of each routed method lazily and eagerly (the same spec with eager=1), per category and 'all'."""
+    live = live_table(store, bench_id)
+    rows = []
+    for m in live.method.unique():
+        if m.startswith("whiflash") and "eager=1" in m:
+            lazy = m.replace("eager=1", "").replace(":+", ":").rstrip(":+")
+            for x in live[live.method == m].itertuples():
+                l = live[(live.method == lazy) & (live.category == x.category)]
+                if len(l):
+                    rows.append({"lazy": lazy, "eager": m, "category": x.category, "lazy_tokens_per_s": float(l.tokens_per_s.iloc[0]),
+                                 "eager_tokens_per_s": x.tokens_per_s, "lazy_gain": float(l.tokens_per_s.iloc[0]) / x.tokens_per_s - 1,
+                                 "al_lazy": float(l.al.iloc[0]), "al_eager": x.al})
+    return pd.DataFrame(rows)
+
+
+def switch_backlog(store, bench_id: str, default: float = 16.0) -> float:
+    t = switch_table(store, bench_id)
+    return float((t.mean_backlog * t.switches).sum() / t.switches.sum()) if len(t) else default
+
+
+def run_live(store, bench_id: str, target, models: dict, specs: list[str], log=print) -> None:
+    """Decode the bench's prompts with more method specs (routers at chosen thresholds), traced into the same bench
+    (after one untraced warm-up decode), so they sit beside its other runs in every table."""
+    from speclab.bench import BenchConfig, format_prompt
+    from speclab.generate import generate
+    from speclab.suites import load_suite
+
+    b = bench_info(store, bench_id)
+    cfg = BenchConfig(**{k: v for k, v in json.loads(b.config_json).items() if k in BenchConfig.__dataclass_fields__})
+    done = set(store.query("SELECT prompt_id FROM runs WHERE bench_id = ? AND method = 'ar'", [bench_id]).prompt_id)
+    rows = [r for r in load_suite(cfg.suite, cfg.limit) if r["prompt_id"] in done]
+    generate(target, format_prompt(target, rows[0]), specs[0], **models, max_new_tokens=8)
+    prog = Progress(len(rows) * len(specs), f"live runs in bench {bench_id}")
+    i = 0
+    for r in rows:
+        ids = format_prompt(target, r)
+        for spec in specs:
+            generate(target, ids, spec, **models, max_new_tokens=cfg.max_new_tokens, trace=store,
+                     prompt_id=r["prompt_id"], category=r["category"], bench_id=bench_id)
+            i += 1
+            prog.update(i, method=spec)
+    store.drain()

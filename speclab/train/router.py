@@ -1,0 +1,200 @@
+"""Train WhiFlash-Neural's router: an MLP on the target's final hidden state h_t predicting
+Delta AL_t = AL_eagle3 - AL_dflash (WhiFlash 3.3.2).
+
+Data: (h_t, Delta AL_t) pairs from counterfactual profiles (`speclab.replay.profile_sequence`) of the target's
+own greedy continuations of prompts cut from the training splits of all four zoo domains, mixed evenly (the
+paper's task-agnostic corpus). Sequences are split into train and held-out before training, so the held-out
+correlation is on sequences the router never saw. MSE, AdamW, one cosine schedule.
+
+The default threshold is hardware-aware (`speclab.replay.hardware_threshold`): from a cost model fitted to live
+rounds of EAGLE-3, DFlash and a switching WhiFlash-Entropy run measured here on a few of the same prompts.
+"""
+from __future__ import annotations
+
+import json
+import math
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from speclab.progress import Progress
+
+
+@dataclass
+class RouterTrainConfig:
+    corpus_dir: str
+    out_dir: str
+    sequences: int = 240  # prompts profiled (train + held out)
+    prompt_tokens: int = 48
+    new_tokens: int = 96
+    heldout: float = 0.2  # share of sequences held out
+    epochs: int = 40
+    batch_size: int = 512
+    lr: float = 1e-3
+    weight_decay: float = 0.01
+    dropout: float = 0.1
+    cost_prompts: int = 6  # prompts decoded live to fit the cost model behind the hardware-aware threshold
+    seed: int = 0
+    threads: int = 2
+    domain_weights: dict = field(default_factory=lambda: {"code": 1.0, "stories": 1.0, "literature": 1.0, "math": 1.0})
+
+
+def corpus_prompts(data: dict, cfg: RouterTrainConfig, rng: np.random.Generator) -> list[tuple[str, torch.Tensor]]:
+    """(domain, prompt ids) cut at random from the domains' training splits, domains drawn by their weights."""
+    doms = list(cfg.domain_weights)
+    p = np.array([cfg.domain_weights[d] for d in doms], float)
+    out = []
+    for i in rng.choice(len(doms), size=cfg.sequences, p=p / p.sum()):
+        arr = data[doms[i]]["train"]
+        s = int(rng.integers(0, len(arr) - cfg.prompt_tokens))
+        out.append((doms[i], torch.from_numpy(arr[s : s + cfg.prompt_tokens].astype(np.int64))))
+    return out
+
+
+def collect(target, models: dict, prompts, cfg: RouterTrainConfig, cache: Path, log=print) -> dict:
+    """Profiles of every prompt's greedy continuation -> pairs {hidden [n, d], delta [n], seq [n], domain [n]};
+    saved to `cache` every 10 sequences and resumed from it."""
+    from speclab.engine import decode
+    from speclab.methods import build_method, method_params
+    from speclab.replay import profile_sequence
+
+    done = torch.load(cache) if cache.exists() else {"hidden": [], "delta": [], "seq": [], "domain": [], "al": [],
+                                                     "entropy": []}
+    start = len(done["al"])
+    if start:
+        log(f"router data: resuming after {start} sequences ({cache})")
+    drafters, _ = build_method("whiflash-entropy", target, models, method_params("whiflash-entropy", {}, target))
+    prog = Progress(len(prompts), "profile sequences")
+    prog.update(start)
+    for i in range(start, len(prompts)):
+        dom, ids = prompts[i]
+        out = decode(target, ids, max_new_tokens=cfg.new_tokens, stop_on_eos=False).new_ids
+        p = profile_sequence(target, drafters, ids, out, cfg.new_tokens, f"train-{i}", dom)
+        done["hidden"].append(p.hidden.to(torch.float16))
+        done["delta"].append(torch.from_numpy((p.accepted[0] - p.accepted[1]).astype(np.float32)))
+        done["seq"].append(torch.full((p.n,), i))
+        done["domain"].append(dom)
+        done["al"].append(p.accepted.mean(1) + 1)
+        done["entropy"].append(torch.from_numpy(p.entropy))
+        prog.update(i + 1, pairs=sum(len(x) for x in done["delta"]))
+        if (i + 1) % 10 == 0 or i + 1 == len(prompts):
+            torch.save(done, str(cache) + ".tmp")
+            Path(str(cache) + ".tmp").replace(cache)
+    return done
+
+
+def pearson(a: np.ndarray, b: np.ndarray) -> float:
+    a, b = a - a.mean(), b - b.mean()
+    den = math.sqrt(float((a * a).sum() * (b * b).sum()))
+    return float((a * b).sum() / den) if den else math.nan
+
+
+def fit(data: dict, cfg: RouterTrainConfig, hidden_size: int, log=print):
+    """Train the MLP on the pairs; -> (RouterMLP, per-epoch records, held-out metrics)."""
+    from speclab.routers import RouterConfig, RouterMLP
+
+    torch.manual_seed(cfg.seed)
+    h = torch.cat(data["hidden"]).float()
+    y = torch.cat(data["delta"])
+    seq = torch.cat(data["seq"])
+    n_seq = int(seq.max()) + 1
+    held = torch.from_numpy(np.random.default_rng(cfg.seed).permutation(n_seq)[: max(1, int(n_seq * cfg.heldout))])
+    val = torch.isin(seq, held)
+    ht, yt, hv, yv = h[~val], y[~val], h[val], y[val]
+    m = RouterMLP(RouterConfig(hidden_size, max(hidden_size // 8, 1), cfg.dropout))
+    opt = torch.optim.AdamW(m.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+    steps = cfg.epochs * math.ceil(len(yt) / cfg.batch_size)
+    sched = torch.optim.lr_scheduler.OneCycleLR(opt, cfg.lr, total_steps=steps, pct_start=0.05)
+    prog = Progress(cfg.epochs, "train router (epochs)")
+    records = []
+    for ep in range(cfg.epochs):
+        m.train()
+        perm = torch.randperm(len(yt))
+        tot = 0.0
+        for b in range(0, len(yt), cfg.batch_size):
+            idx = perm[b : b + cfg.batch_size]
+            loss = torch.nn.functional.mse_loss(m(ht[idx]), yt[idx])
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            sched.step()
+            tot += float(loss) * len(idx)
+        m.eval()
+        with torch.no_grad():
+            pv = m(hv)
+        rec = {"epoch": ep + 1, "train_mse": tot / len(yt), "val_mse": float(((pv - yv) ** 2).mean()),
+               "val_corr": pearson(pv.numpy(), yv.numpy())}
+        records.append(rec)
+        prog.update(ep + 1, mse=f"{rec['train_mse']:.3f}", val=f"{rec['val_mse']:.3f}", corr=f"{rec['val_corr']:.3f}")
+    with torch.no_grad():
+        pv = m(hv).numpy()
+    yvn = yv.numpy()
+    heldout = {"pairs_train": int(len(yt)), "pairs_heldout": int(len(yv)), "sequences": n_seq,
+               "sequences_heldout": int(len(held)), "mse": float(((pv - yvn) ** 2).mean()),
+               "mse_predict_mean": float(((yt.mean().item() - yvn) ** 2).mean()), "corr": pearson(pv, yvn),
+               "sign_agreement": float(((pv > 0) == (yvn > 0)).mean()), "delta_mean": float(yvn.mean()),
+               "delta_std": float(yvn.std())}
+    return m, records, heldout
+
+
+def measure_costs(target, models: dict, prompts, cfg: RouterTrainConfig, data: dict, log=print):
+    """A cost model fitted to live rounds here: EAGLE-3, DFlash and WhiFlash-Entropy at the median training entropy
+    (so it switches) on `cost_prompts` prompts, traced to an in-memory store. -> (CostModel, mean switch backlog)."""
+    from speclab.generate import generate
+    from speclab.replay import fit_costs
+    from speclab.trace import TraceStore
+
+    store = TraceStore(":memory:")
+    thr = float(torch.cat(data["entropy"]).nanmedian())
+    prog = Progress(cfg.cost_prompts * 3, "measure round costs")
+    done = 0
+    for i in range(cfg.cost_prompts):
+        ids = prompts[i][1]
+        for spec in ("eagle3", "dflash", f"whiflash-entropy:threshold={thr}"):
+            generate(target, ids, spec, **models, max_new_tokens=cfg.new_tokens, trace=store, bench_id="router-costs")
+            done += 1
+            prog.update(done)
+    cost = fit_costs(store, "router-costs")
+    sw = store.query("""SELECT avg(backlog) AS b FROM (SELECT backlog, drafter, lag(drafter) OVER (PARTITION BY run_id
+                        ORDER BY round) AS prev FROM rounds) WHERE prev IS NOT NULL AND prev <> drafter""")
+    store.close()
+    return cost, float(sw.b.iloc[0]) if len(sw) and sw.b.iloc[0] == sw.b.iloc[0] else 16.0
+
+
+def train_router(cfg: RouterTrainConfig, target, models: dict, log=print) -> dict:
+    from speclab.replay import DRAFTERS, hardware_threshold
+    from speclab.train.lm import tokenize_corpus
+
+    torch.set_num_threads(cfg.threads)
+    out = Path(cfg.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    data_c = tokenize_corpus(Path(cfg.corpus_dir), target.tokenizer, Path(cfg.corpus_dir) / ".tokens")
+    prompts = corpus_prompts(data_c, cfg, np.random.default_rng(cfg.seed))
+    t0 = time.time()
+    pairs = collect(target, models, prompts, cfg, out / "pairs.pt", log)
+    collect_min = (time.time() - t0) / 60
+    m, records, heldout = fit(pairs, cfg, target.hidden_size, log)
+    al = np.stack(pairs["al"]).mean(0)
+    cost, switch_backlog = measure_costs(target, models, prompts, cfg, pairs, log)
+    hw = hardware_threshold(cost, float(al[DRAFTERS.index("dflash")]), switch_backlog)
+    m.config.target, m.config.hardware_threshold, m.config.derivation = target.name, hw["threshold"], hw
+    summary = {"train_config": asdict(cfg), "collect_minutes": collect_min, "heldout": heldout,
+               "al_profiled": dict(zip(DRAFTERS, map(float, al))), "hardware_threshold": hw,
+               "cost_model": asdict(cost), "curve": records}
+    m.save(out / "model", extra={})
+    (out / "model" / "train_summary.json").write_text(json.dumps(summary, indent=1) + "\n")
+    with open(out / "model" / "train_log.jsonl", "w") as f:
+        for r in records:
+            f.write(json.dumps(r) + "\n")
+    return summary
+
+
+def curve_table(records: list[dict], every: int = 5) -> str:
+    lines = ["| epoch | train MSE | held-out MSE | held-out corr |", "|---|---|---|---|"]
+    for r in records:
+        if r["epoch"] % every == 0 or r["epoch"] == 1:
+            lines.append(f"| {r['epoch']} | {r['train_mse']:.3f} | {r['val_mse']:.3f} | {r['val_corr']:.3f} |")
+    return "\n".join(lines)

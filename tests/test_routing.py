@@ -1,0 +1,250 @@
+"""WhiFlash routing: routed greedy output equals AR for every policy (lazy and eager), replay equals live, lazy and
+eager catch-up draft alike, the oracles are ordered, routed sampling keeps the target distribution, calibration is
+used by default, and the cost model recovers known costs."""
+import json
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import PROMPTS
+from speclab import replay
+from speclab.engine import decode
+from speclab.errors import InvalidInput
+from speclab.generate import generate
+from speclab.methods import build_method, method_params
+from speclab.routers import (Calibration, EntropyRouter, NeuralRouter, RouterConfig, RouterMLP, ScheduleRouter,
+                             load_router)
+from speclab.routing import oracles
+from speclab.sampling import Sampling
+
+
+@pytest.fixture(scope="module")
+def models(deep):
+    """Trained tiny EAGLE-3 and DFlash drafters (they agree with the target often, so rounds accept drafts) and a
+    random neural router."""
+    import test_dflash
+    import test_eagle3
+    torch.manual_seed(3)
+    mlp = RouterMLP(RouterConfig(deep.hidden_size, max(deep.hidden_size // 8, 1), 0.0)).eval()
+    return {"eagle3": test_eagle3.train_tiny(deep), "dflash": test_dflash.train_tiny(deep), "router": mlp}
+
+
+def entropies(target, prompt: str, n: int = 40) -> np.ndarray:
+    """The target's next-token entropies along its greedy continuation of `prompt`."""
+    ids = _ids(target, prompt)
+    seq = torch.cat([ids, torch.tensor(generate(target, ids, "ar", max_new_tokens=n).token_ids)])
+    logp = torch.log_softmax(target.forward(seq, target.new_cache()).logits, -1)
+    return (-(logp.exp() * logp).sum(-1)).numpy()
+
+
+def profile(target, models, ids, out, n):
+    drafters, _ = build_method("whiflash-entropy", target, models, method_params("whiflash-entropy", {}, target))
+    return replay.profile_sequence(target, drafters, ids, torch.tensor(out.token_ids), n)
+
+
+def _ids(target, prompt):
+    return torch.tensor(target.tokenizer(prompt, add_special_tokens=False)["input_ids"])
+
+
+def policies(deep):
+    """Thresholds that route both ways on these prompts: the quartiles of the target's entropies."""
+    e = np.concatenate([entropies(deep, p) for p in PROMPTS[:2]])
+    return [float(x) for x in np.quantile(e, [0.25, 0.5, 0.75])]
+
+
+@pytest.fixture(scope="module")
+def thresholds(deep):
+    return policies(deep)
+
+
+@pytest.mark.parametrize("eager", [0, 1], ids=["lazy", "eager"])
+@pytest.mark.parametrize("deferred", [True, False], ids=["deferred", "not-deferred"])
+def test_routed_greedy_equals_ar(deep, models, thresholds, eager, deferred):
+    switched = 0
+    for p in PROMPTS[:3]:
+        ar = generate(deep, p, "ar", max_new_tokens=40)
+        runs = [("whiflash-entropy", t) for t in thresholds + [-1.0, 1e9]] + [("whiflash-neural", t) for t in (-0.5, 0.0, 0.5)]
+        for method, t in runs:
+            evs = []
+            res = generate(deep, p, method, **models, threshold=t, eager=eager, deferred=deferred, max_new_tokens=40,
+                           on_round=evs.append)
+            assert res.token_ids == ar.token_ids, (p, method, t)
+            switched += sum(a.drafter != b.drafter for a, b in zip(evs, evs[1:]))
+        sched = ScheduleRouter(["eagle3", "dflash", "dflash", "eagle3"] * 20, eager=bool(eager))
+        drafters, _ = build_method("whiflash-entropy", deep, models, method_params("whiflash-entropy", {}, deep))
+        res = decode(deep, _ids(deep, p), drafters, sched, max_new_tokens=40, deferred=deferred)
+        assert res.new_ids.tolist() == ar.token_ids
+    assert switched > 20  # the routers really switch
+
+
+def _live_rounds(target, models, ids, spec, n):
+    evs = []
+    res = generate(target, ids, spec, **models, max_new_tokens=n, on_round=evs.append)
+    return res, [(e.drafter, e.n_accepted, len(e.committed), e.backlog) for e in evs]
+
+
+def test_replay_equals_live(deep, models, thresholds):
+    """Every round's drafter, accept length, committed tokens and catch-up backlog, at several thresholds of both
+    policies (lazy and eager) on several prompts, equal the replay of the prompt's profile."""
+    n, checked, accepted = 40, 0, 0
+    for p in PROMPTS[:3]:
+        ids = _ids(deep, p)
+        ar = generate(deep, ids, "ar", max_new_tokens=n)
+        prof = profile(deep, models, ids, ar, n)
+        pred = replay.neural_signal(prof, models["router"])
+        for spec, choice, eager in (
+                [(f"whiflash-entropy:threshold={t}", replay.entropy_choice(prof, [t]), False) for t in thresholds]
+                + [(f"whiflash-entropy:threshold={thresholds[1]}+eager=1", replay.entropy_choice(prof, [thresholds[1]]), True)]
+                + [(f"whiflash-neural:threshold={t}", replay.signal_choice(pred, [t]), False)
+                   for t in np.quantile(pred, [0.3, 0.7])]):
+            res, live = _live_rounds(deep, models, ids, spec, n)
+            w = replay.walk(prof, choice, eager).one(0)
+            rep = [(d, int(a), int(c), int(b)) for d, a, c, b in zip(w.drafter, w.n_accepted, w.committed, w.backlog)]
+            assert rep == live, (p, spec)
+            assert res.token_ids == prof.tokens.tolist()
+            checked += 1
+            accepted += int(w.n_accepted.sum())
+    assert checked == 18 and accepted > 50
+
+
+def test_lazy_and_eager_catch_up_draft_alike(deep, models, thresholds):
+    for p in PROMPTS[:3]:
+        trees = {}
+        for eager in (0, 1):
+            evs = []
+            generate(deep, p, "whiflash-entropy", **models, threshold=thresholds[1], eager=eager, max_new_tokens=40,
+                     on_round=evs.append)
+            trees[eager] = [(e.drafter, e.tree.tokens.tolist(), e.tree.parents.tolist(), e.backlog) for e in evs]
+        assert [t[:3] for t in trees[0]] == [t[:3] for t in trees[1]]
+        assert sum(t[3] for t in trees[0]) > sum(t[3] for t in trees[1])  # lazy digests more at once, less often
+
+
+def test_oracles_are_ordered(deep, models):
+    """On the same profiles: Oracle-Token (max AL) >= Oracle-Prompt >= Oracle-Task >= each drafter alone, per
+    category and overall; Oracle-Token beats every threshold policy too."""
+    profs = []
+    for i, p in enumerate(PROMPTS):
+        ids = _ids(deep, p)
+        ar = generate(deep, ids, "ar", max_new_tokens=40)
+        pr = profile(deep, models, ids, ar, 40)
+        pr.prompt_id, pr.category = str(i), "a" if i < 2 else "b"
+        profs.append(pr)
+    t = oracles(profs).set_index(["policy", "category"]).al
+    for c in ("a", "b", "all"):
+        assert t["oracle-token", c] >= t["oracle-prompt", c] >= t["oracle-task", c] >= max(t["eagle3", c], t["dflash", c])
+    assert t["oracle-token", "all"] > max(t["eagle3", "all"], t["dflash", "all"])  # strictly: the drafters differ
+    sw = replay.summarize(replay.replay_table(profs, {"e": (lambda p: replay.entropy_choice(p, np.linspace(0, 6, 25)),
+                                                            list(np.linspace(0, 6, 25)))}), by=("value",))
+    assert t["oracle-token", "all"] >= sw.al.max()
+
+
+def test_routed_sampling_keeps_target_distribution(tiny_v8):
+    """Routed decoding under sampling (entropy and neural routers that switch between an EAGLE-3 and a DFlash
+    drafter within a decode): the first two sampled tokens follow the target's exact joint distribution. Power:
+    a sample of the joint at temperature 0.7 is told apart by the same test."""
+    import test_dflash
+    import test_eagle3
+    from test_sampling import N_RUNS, PROMPT, V, chi2_p, exact_joint, told_apart
+    from speclab.drafters.dflash import DFlashDrafter
+    from speclab.drafters.eagle3 import Eagle3Drafter
+
+    target = tiny_v8
+    want = exact_joint(target, PROMPT, Sampling(1.0))
+    torch.manual_seed(0)
+    mlp = RouterMLP(RouterConfig(target.hidden_size, 4, 0.0)).eval()
+    # thresholds that split the signals of the positions after the prompt and one more token (any next token)
+    after = torch.stack([torch.cat([PROMPT, torch.tensor([v])]) for v in range(V)])
+    outs = [target.forward(x, target.new_cache(), hidden=True) for x in after]
+    logp = torch.log_softmax(torch.stack([o.logits[-1] for o in outs]), -1)
+    ent = -(logp.exp() * logp).sum(-1)
+    with torch.no_grad():
+        pred = mlp(torch.stack([o.hidden[-1] for o in outs]))
+    for router in (EntropyRouter(float(ent.median())), NeuralRouter(mlp, float(pred.median()))):
+        drafters = {"eagle3": Eagle3Drafter(test_eagle3.random_drafter(target, 2), target, depth=2, top_k=1),
+                    "dflash": DFlashDrafter(test_dflash.random_drafter(target, 4, mask_id=V - 1), target, block_size=3,
+                                            markov=False)}
+        counts, used = np.zeros(V * V), set()
+        for seed in range(N_RUNS):
+            res = decode(target, PROMPT, drafters, router, max_new_tokens=3,
+                         listeners=(lambda ev: used.add(ev.drafter),), sampling=Sampling(1.0, seed=seed))
+            a, b = res.new_ids.tolist()[:2]
+            counts[a * V + b] += 1
+        assert used == {"eagle3", "dflash"}
+        assert chi2_p(counts, want) > 1e-3, router.policy
+    assert told_apart(exact_joint(target, PROMPT, Sampling(0.7)), want)
+
+
+def test_replay_is_greedy_only():
+    with pytest.raises(InvalidInput, match="greedy-only"):
+        replay.check_greedy(0.7)
+    replay.check_greedy(0.0)
+
+
+def test_calibrated_threshold_by_category(deep, models, tmp_path, monkeypatch):
+    monkeypatch.setenv("SPECLAB_ZOO", str(tmp_path))
+    Calibration({"entropy": {"code": 0.25, "*": 2.5}, "neural": {"*": -0.75}}, deep.name).save(tmp_path / "calibration.json")
+
+    def thr(method, category, **kw):
+        evs = []
+        generate(deep, PROMPTS[0], method, **models, category=category, max_new_tokens=4, on_round=evs.append, **kw)
+        return evs[0].decision.threshold
+
+    assert thr("whiflash-entropy", "code") == 0.25
+    assert thr("whiflash-entropy", "stories") == 2.5  # not calibrated: the global one
+    assert thr("whiflash-entropy", None) == 2.5
+    assert thr("whiflash-entropy", "code", threshold=1.5) == 1.5  # a given threshold wins
+    assert thr("whiflash-neural", "code") == -0.75
+    Calibration({"entropy": {"*": 9.0}}, "another-target").save(tmp_path / "calibration.json")
+    from speclab.routers import ENTROPY_FALLBACK
+    assert thr("whiflash-entropy", "code") == ENTROPY_FALLBACK  # calibrated for another target: not used
+    (tmp_path / "calibration.json").write_text("{oops")
+    with pytest.raises(InvalidInput, match="not a speclab calibration file"):
+        thr("whiflash-entropy", "code")
+
+
+def test_router_checkpoint_round_trip(deep, tmp_path):
+    torch.manual_seed(0)
+    m = RouterMLP(RouterConfig(deep.hidden_size, 8, 0.1, hardware_threshold=0.4)).eval()
+    m.save(tmp_path / "r")
+    back = load_router(tmp_path / "r", deep)
+    h = torch.randn(5, deep.hidden_size)
+    assert torch.allclose(m(h), back(h)) and back.config.hardware_threshold == 0.4
+    small = RouterMLP(RouterConfig(deep.hidden_size + 1, 8))
+    small.save(tmp_path / "s")
+    with pytest.raises(InvalidInput, match="hidden states of size"):
+        load_router(tmp_path / "s", deep)
+
+
+def test_cost_model_recovers_known_costs(tmp_path):
+    """Rounds whose phases follow known linear costs (plus noise) give back those costs."""
+    import pyarrow as pa
+    from speclab.trace import TraceStore
+
+    rng = np.random.default_rng(0)
+    truth = dict(draft=[3.0, 7.0], v0=5.0, v1=0.5, c0=[0.4, 0.2], c1=[0.05, 0.02], other=[0.3, 0.3], p0=4.0, p1=0.8)
+    with TraceStore(tmp_path / "c.duckdb") as s:
+        s.append_row("benches", bench_id="b", suite="x", methods="x", config_json="{}", device="cpu", status="done")
+        for run in range(40):
+            P = int(rng.integers(5, 60))
+            rid = s.start_run(method="m", bench_id="b", prompt_tokens=P, prompt_id=str(run))
+            n = 30
+            d = rng.integers(0, 2, n)
+            w = np.where(d == 0, rng.integers(1, 9, n), rng.integers(3, 7, n))
+            back = rng.integers(1, 80, n)
+            noise = lambda: rng.normal(0, 0.01, n)
+            s.append({"rounds": pa.table({
+                "run_id": np.full(n, rid), "round": np.arange(n, dtype=np.int32),
+                "drafter": np.array(replay.DRAFTERS)[d], "n_drafted": w.astype(np.int32),
+                "n_accepted": np.zeros(n, np.int32), "committed": np.ones(n, np.int32),
+                "t_draft_ms": np.take(truth["draft"], d) + noise(), "t_verify_ms": truth["v0"] + truth["v1"] * (w + 1) + noise(),
+                "t_catchup_ms": np.take(truth["c0"], d) + np.take(truth["c1"], d) * back + noise(),
+                "t_route_ms": np.take(truth["other"], d) + noise(), "t_commit_ms": np.zeros(n), "t_record_ms": np.zeros(n),
+                "backlog": back.astype(np.int32)})})
+            s.finish_run(rid, "done", prefill_ms=truth["p0"] + truth["p1"] * P, elapsed_s=1.0, new_tokens=n, rounds=n)
+        s.drain()
+        c = replay.fit_costs(s, "b")
+    assert np.allclose(c.draft, truth["draft"], atol=0.02) and abs(c.verify1 - truth["v1"]) < 0.01
+    assert np.allclose(c.catchup1, truth["c1"], atol=0.002) and np.allclose(c.catchup0, truth["c0"], atol=0.05)
+    assert abs(c.prefill1 - truth["p1"]) < 1e-6 and abs(c.prefill0 - truth["p0"]) < 1e-4
