@@ -2,7 +2,7 @@
 # Both create/reuse .venv and install what they need (scripts/setup.sh).
 PY := .venv/bin/python
 
-.PHONY: setup run demo test bench bench-quick
+.PHONY: setup run demo test bench bench-quick whiflash
 
 setup:
 	@bash scripts/setup.sh
@@ -19,7 +19,17 @@ test:
 
 # Benchmarks on the zoo (README "Benchmarks"): report in reports/bench.md + .html, rows in traces/bench.duckdb
 bench: setup
-	$(PY) -m speclab.cli bench --suite zoo --methods ar,sps,pld,eagle3,dflash,dflash:markov=0 --limit 8 --max-new-tokens 128
+	$(PY) -m speclab.cli bench --suite zoo --methods ar,sps,pld,eagle3,dflash,dflash:markov=0,whiflash-entropy,whiflash-neural --limit 8 --max-new-tokens 128
 
 bench-quick: setup
-	$(PY) -m speclab.cli bench --suite zoo --methods ar,sps,pld,eagle3,dflash --quick
+	$(PY) -m speclab.cli bench --suite zoo --methods ar,sps,pld,eagle3,dflash,whiflash-entropy --quick
+
+# WhiFlash on the zoo (README "Routing"): calibrate on held-out prompts, then the per-category table, sweeps, switch costs
+whiflash: setup
+	$(PY) -m speclab.cli bench --suite zoo-calibration --methods ar,eagle3,dflash --limit 8 --max-new-tokens 128 --no-peers --no-untraced --db traces/calibration.duckdb --report reports/calibration_bench.md
+	$(PY) -m speclab.cli calibrate --db traces/calibration.duckdb
+	$(PY) -m speclab.cli bench --suite zoo --methods ar,eagle3,dflash,whiflash-entropy,whiflash-neural,whiflash-entropy:eager=1 --limit 8 --max-new-tokens 128 --no-peers --no-untraced --db traces/routing.duckdb --report reports/routing_bench.md
+	$(PY) -m speclab.cli routing --db traces/routing.duckdb
+	$(PY) -m speclab.cli sweep --router neural --grid=-2:3:0.25 --db traces/routing.duckdb --report reports/sweep_neural.html
+	$(PY) -m speclab.cli sweep --router entropy --grid 0:4:0.25 --db traces/routing.duckdb --report reports/sweep_entropy.html
+	$(PY) -m speclab.cli switch-costs

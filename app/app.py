@@ -55,7 +55,7 @@ class Lab:
             raise gr.Error(str(e))
         cols = {m: {"spans": [], "tokens": 0, "rounds": 0, "calls": 0, "s": 0.0, "last_round": None} for m in methods}
         iters = {m: iter(g) for m, g in gens.items()}
-        legend = viz.legend_html([m for m in methods if METHODS[m].build], shade)
+        legend = viz.legend_html(list(dict.fromkeys(d for g in gens.values() for d in g.drafters)), shade)
         last = 0.0
         while iters:
             for m in list(iters):

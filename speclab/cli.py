@@ -373,7 +373,8 @@ def cmd_train(a: argparse.Namespace) -> int:
         from speclab.drafters.eagle3 import load_eagle3
         from speclab.train.router import RouterTrainConfig, curve_table, train_router
         cfg = RouterTrainConfig(corpus_dir=corpus, out_dir=a.out, sequences=a.sequences, seed=a.seed,
-                                lr=a.lr or 1e-3, new_tokens=a.new_tokens, cost_prompts=a.cost_prompts)
+                                lr=a.lr or 1e-3, new_tokens=a.new_tokens, cost_prompts=a.cost_prompts,
+                                epochs=a.epochs)
         target = Target.load(a.teacher or zoo.default_target(), device="cpu", dtype="fp32")
         models = {"eagle3": load_eagle3(a.eagle or zoo.default_eagle3(), target),
                   "dflash": load_dflash(a.dflash or zoo.default_dflash(), target)}
@@ -422,17 +423,21 @@ def _routing_setup(a: argparse.Namespace, store, bench_id: str, need_mlp: bool):
             loaded["m"] = load_models(a, roles=("eagle3", "dflash", "router") if need_mlp else ("eagle3", "dflash"))
         return loaded["m"]
 
+    from speclab.routing import check_profilable
+
     cost = fit_costs(store, bench_id)  # before any model loads: a bench without the drafters' rounds fails fast
+    check_profilable(store, bench_id)
     profiles = get_profiles(store, bench_id, load, log=lambda s: print(s, file=sys.stderr))
     mlp = load()[1]["router"] if need_mlp else None
     return profiles, cost, mlp, load
 
 
 def cmd_profile(a: argparse.Namespace) -> int:
-    from speclab.routing import profile_bench
+    from speclab.routing import check_profilable, profile_bench
 
     store, bench_id = _bench_store(a)
     with store:
+        check_profilable(store, bench_id)
         target, models = load_models(a, roles=("eagle3", "dflash"))
         profs = profile_bench(store, bench_id, target, models, log=lambda s: print(s, file=sys.stderr))
         import pandas as pd
@@ -513,9 +518,9 @@ def cmd_calibrate(a: argparse.Namespace) -> int:
         profiles, cost, mlp, load = _routing_setup(a, store, bench_id, "neural" in routers)
         target = load()[0]
         cal = load_calibration(out) if out.exists() else Calibration()
-        if cal.target and cal.target != target.name:
+        if cal.target and cal.target != target.fingerprint:
             cal = Calibration()
-        cal.target = target.name
+        cal.target = target.fingerprint
         figs, text = [], []
         for r in routers:
             sw = sweep(profiles, cost, r, grids[r], mlp)
@@ -547,7 +552,8 @@ def cmd_routing(a: argparse.Namespace) -> int:
 
     store, bench_id = _bench_store(a)
     with store:
-        profiles, cost, mlp, _ = _routing_setup(a, store, bench_id, True)
+        neural = bool(len(store.query("SELECT 1 FROM runs WHERE bench_id = ? AND router = 'neural' LIMIT 1", [bench_id])))
+        profiles, cost, mlp, _ = _routing_setup(a, store, bench_id, neural)
         sb = switch_backlog(store, bench_id)
         table = routing_table(store, bench_id, profiles, cost, sb)
         agree = live_vs_replay(store, bench_id, profiles, mlp)
@@ -784,6 +790,8 @@ def main(argv: list[str] | None = None) -> int:
     t.add_argument("--sequences", type=_positive_int, default=240, help="router: corpus prompts profiled (their "
                    "greedy continuations give the (h_t, Delta AL) pairs; a fifth held out)")
     t.add_argument("--new-tokens", type=_positive_int, default=96, help="router: tokens generated per prompt")
+    t.add_argument("--epochs", type=_positive_int, default=12, help="router: passes over the pairs (the profiles "
+                   "are collected once and reused from OUT/pairs.pt when the run is repeated)")
     t.add_argument("--cost-prompts", type=_positive_int, default=6, help="router: prompts decoded live to fit the "
                    "cost model of the hardware-aware threshold")
     t.add_argument("--eagle", help="router: the EAGLE-3 drafter (default: the zoo's)")

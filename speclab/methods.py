@@ -79,7 +79,7 @@ def _whiflash(policy: str):
                     **_dflash(target, models, block_size, markov)[0]}
         mlp = models.get("router") if policy == "neural" else None
         if threshold is None:
-            threshold = default_threshold(policy, category, target.name, mlp)
+            threshold = default_threshold(policy, category, target.fingerprint, mlp)
         router = NeuralRouter(mlp, threshold, eager) if policy == "neural" else EntropyRouter(threshold, eager)
         return drafters, router
     return build

@@ -248,14 +248,16 @@ class CostModel:
 
 
 def live_rounds(store, bench_id: str) -> pd.DataFrame:
-    """Every traced round of the bench's runs whose drafter is EAGLE-3 or DFlash (any method), with its run."""
+    """Every traced round of the bench's runs whose drafter is EAGLE-3 or DFlash (any method but eager ones, whose
+    catch-up phase also holds the idle drafter's work), with its run."""
     return store.query(f"""
-        SELECT r.run_id, u.method, u.prompt_id, u.category, u.prompt_tokens, u.elapsed_s, u.prefill_ms, x.round,
+        SELECT x.run_id, u.method, u.prompt_id, u.category, u.prompt_tokens, u.elapsed_s, u.prefill_ms, x.round,
                x.drafter, x.n_drafted, x.committed, x.n_accepted, x.backlog, x.t_draft_ms, x.t_verify_ms,
                x.t_catchup_ms, x.t_route_ms + x.t_commit_ms + coalesce(x.t_record_ms, 0) AS t_other_ms
-        FROM rounds x JOIN runs r USING (run_id) JOIN runs u USING (run_id)
+        FROM rounds x JOIN runs u USING (run_id)
         WHERE u.bench_id = ? AND u.status = 'done' AND x.drafter IN ('{AR}', '{PARALLEL}')
-        ORDER BY r.run_id, x.round""", [bench_id])
+              AND u.method NOT LIKE '%eager=1%'
+        ORDER BY x.run_id, x.round""", [bench_id])
 
 
 def fit_costs(store, bench_id: str) -> CostModel:
@@ -296,17 +298,20 @@ def model_error(cost: CostModel, store, bench_id: str) -> pd.DataFrame:
                                      measured_s=("elapsed_s", "sum"), modeled_s=("modeled_s", "sum")).reset_index()
 
 
-def hardware_threshold(cost: CostModel, al_par: float, switch_backlog: float) -> dict:
+def hardware_threshold(cost: CostModel, al_par: float, switch_backlog: float, widths: tuple[float, float],
+                       stay_backlog: tuple[float, float] = (2.0, 2.0)) -> dict:
     """tau_neural from measured latencies (WhiFlash 3.3.2: switch only when the predicted gain outweighs the
     cost). A round commits AL tokens; EAGLE-3's round pays off when (AL_par + Delta) / T_ar > AL_par / T_par, i.e.
-    Delta > AL_par * (T_ar - T_par) / T_par; a switch adds EAGLE-3's catch-up of the typical switch backlog to T_ar.
+    Delta > AL_par * (T_ar - T_par) / T_par, where a drafter's round time T is the cost model's at its mean tree
+    width and usual catch-up (`stay_backlog`), and a switch adds EAGLE-3's catch-up of the mean switch backlog.
     Returns the threshold with the numbers it came from."""
-    t = [cost.draft[i] + cost.verify0 + cost.verify1 * 1 + cost.other[i] for i in range(len(DRAFTERS))]
     a, d = DRAFTERS.index(AR), DRAFTERS.index(PARALLEL)
-    t_ar_switch = t[a] + cost.switch_ms(a, switch_backlog)
-    return {"threshold": al_par * (t_ar_switch - t[d]) / t[d], "al_dflash": al_par, "t_eagle3_ms": t[a],
-            "t_dflash_ms": t[d], "switch_backlog": switch_backlog, "switch_ms": cost.switch_ms(a, switch_backlog),
-            "rule": "AL_dflash * (T_eagle3 + switch - T_dflash) / T_dflash (round times without verification width)"}
+    t = [float(cost.round_ms(i, widths[i], stay_backlog[i])) for i in range(len(DRAFTERS))]
+    switch = cost.switch_ms(a, switch_backlog) - cost.switch_ms(a, stay_backlog[a])
+    return {"threshold": al_par * (t[a] + switch - t[d]) / t[d], "al_dflash": al_par, "t_eagle3_ms": t[a],
+            "t_dflash_ms": t[d], "width_eagle3": widths[a], "width_dflash": widths[d],
+            "switch_backlog": switch_backlog, "switch_ms": switch,
+            "rule": "AL_dflash * (T_eagle3 + switch - T_dflash) / T_dflash"}
 
 
 # -- oracles -----------------------------------------------------------------------------------------------------

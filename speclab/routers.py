@@ -97,7 +97,7 @@ class RouterConfig:
     hidden_size: int  # d of the target's final hidden state
     width: int  # d / 8 (WhiFlash Appendix A)
     dropout: float = 0.1
-    target: str = ""  # the target it was trained for
+    target: str = ""  # the fingerprint of the target it was trained for (Target.fingerprint)
     hardware_threshold: float = 0.0  # tau_neural derived from measured latencies (speclab.replay.hardware_threshold)
     derivation: dict = field(default_factory=dict)  # the numbers that threshold came from
 
@@ -129,6 +129,10 @@ def load_router(path: str | Path, target=None) -> RouterMLP:
     m = RouterMLP(RouterConfig(**known))
     load_strict(m, {k: v.float() for k, v in state.items()}, where, "neural router")
     if target is not None:
+        if m.config.target and m.config.target != target.fingerprint:
+            raise InvalidInput(f"the neural router at {path} was trained for another target (fingerprint "
+                               f"{m.config.target}, this one's is {target.fingerprint}): train one for this target "
+                               "(speclab train router)")
         if target.hidden_size != m.config.hidden_size:
             raise InvalidInput(f"the neural router at {path} reads hidden states of size {m.config.hidden_size}, "
                                f"the target's are {target.hidden_size}: train one for this target "
@@ -168,17 +172,18 @@ class ScheduleRouter:
 # -- calibration -----------------------------------------------------------------------------------------------
 @dataclass
 class Calibration:
-    """Thresholds per policy: {policy: {category: threshold, "*": global}} for one target (`speclab calibrate`)."""
+    """Thresholds per policy: {policy: {category: threshold, "*": global}} for one target (its `Target.fingerprint`;
+    `speclab calibrate`)."""
     thresholds: dict = field(default_factory=dict)
     target: str = ""
     info: dict = field(default_factory=dict)  # how it was made (bench, grid, cost model, command)
 
-    def threshold(self, policy: str, category: str | None, target_name: str | None = None) -> float | None:
-        if target_name is not None and self.target and target_name != self.target:
+    def threshold(self, policy: str, category: str | None, target: str | None = None) -> float | None:
+        if target is not None and self.target and target != self.target:
             return None  # calibrated for another target
         per = self.thresholds.get(policy, {})
         v = per.get(category) if category is not None else None
-        return per.get("*") if v is None else v
+        return per.get("*") if v is None else v  # (target: the fingerprint of the target asking)
 
     def save(self, path: str | Path) -> None:
         Path(path).write_text(json.dumps({"target": self.target, "thresholds": self.thresholds, "info": self.info},
@@ -205,11 +210,11 @@ def load_calibration(path: str | Path | None = None) -> Calibration:
         raise InvalidInput(f"{p} is not a speclab calibration file ({type(e).__name__}: {e})") from e
 
 
-def default_threshold(policy: str, category: str | None, target_name: str | None = None,
+def default_threshold(policy: str, category: str | None, target: str | None = None,
                       mlp: RouterMLP | None = None) -> float:
     """The threshold a router uses when none is given: calibrated (category, then global), else the neural
     router's hardware-aware one, else ENTROPY_FALLBACK."""
-    v = load_calibration().threshold(policy, category, target_name)
+    v = load_calibration().threshold(policy, category, target)
     if v is not None:
         return v
     return mlp.config.hardware_threshold if policy == "neural" and mlp is not None else ENTROPY_FALLBACK

@@ -42,12 +42,10 @@ def latest_bench(store) -> str:
     return str(b.bench_id.iloc[0])
 
 
-def profile_bench(store, bench_id: str, target, models: dict, params: dict | None = None, log=print):
-    """Profile both drafters on every prompt of the bench (its AR run's output is the sequence), save them in the
-    trace and return them."""
-    from speclab.bench import BenchConfig, format_prompt
-    from speclab.methods import build_method, method_params
-    from speclab.suites import load_suite
+def check_profilable(store, bench_id: str):
+    """(the bench's config, its finished traced AR runs); InvalidInput when it cannot be profiled (no AR run to
+    replay, or sampled runs: replay is greedy-only). Cheap: call it before loading models."""
+    from speclab.bench import BenchConfig
 
     b = bench_info(store, bench_id)
     cfg = BenchConfig(**{k: v for k, v in json.loads(b.config_json).items() if k in BenchConfig.__dataclass_fields__})
@@ -57,6 +55,17 @@ def profile_bench(store, bench_id: str, target, models: dict, params: dict | Non
         raise InvalidInput(f"bench {bench_id} has no finished traced AR run: its output is what profiles replay")
     for t in store.query("SELECT DISTINCT params_json FROM runs WHERE bench_id = ?", [bench_id]).params_json:
         replay.check_greedy(json.loads(t or "{}").get("temperature", 0.0))
+    return cfg, ar
+
+
+def profile_bench(store, bench_id: str, target, models: dict, params: dict | None = None, log=print):
+    """Profile both drafters on every prompt of the bench (its AR run's output is the sequence), save them in the
+    trace and return them."""
+    from speclab.bench import format_prompt
+    from speclab.methods import build_method, method_params
+    from speclab.suites import load_suite
+
+    cfg, ar = check_profilable(store, bench_id)
     params = method_params("whiflash-entropy", params or {}, target)
     drafters, _ = build_method("whiflash-entropy", target, models, params)
     rows = {str(r["prompt_id"]): r for r in load_suite(cfg.suite, cfg.limit)}

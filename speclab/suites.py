@@ -2,7 +2,8 @@
 
 Spec-Bench categories (mt_bench, translation, summarization, qa, math_reasoning, rag), and domain suites
 that fit the zoo: code (HumanEval, MBPP), math (GSM8K test, MATH-500), stories and literature (zoo
-validation slices), plus `zoo` (all four zoo domains) and `demo`.
+validation slices), plus `zoo` (all four zoo domains), `zoo-calibration` (more prompts of the same domains,
+held out from `zoo`: for calibrating routers) and `demo`.
 """
 from __future__ import annotations
 
@@ -48,8 +49,8 @@ def _math() -> list[dict]:
     return [x for pair in zip(gsm, m500) for x in pair]
 
 
-def _zoo_domain(domain: str | None) -> list[dict]:
-    rows = _jsonl(PROMPTS / "zoo_domains.jsonl")
+def _zoo_domain(domain: str | None, file: str = "zoo_domains.jsonl") -> list[dict]:
+    rows = _jsonl(PROMPTS / file)
     return [{"prompt_id": r["id"], "category": r["category"], "prompt": r["prompt"], "chat": False}
             for r in rows if domain is None or r["category"] == domain]
 
@@ -62,6 +63,7 @@ SUITES = {
     "stories": lambda: _zoo_domain("stories"),
     "literature": lambda: _zoo_domain("literature"),
     "zoo": lambda: _zoo_domain(None),
+    "zoo-calibration": lambda: _zoo_domain(None, "zoo_calibration.jsonl"),  # held out from `zoo`: for calibration
     "demo": lambda: [{"prompt_id": r["id"], "category": r["category"], "prompt": r["prompt"], "chat": False}
                      for r in _jsonl(PROMPTS / "demo.jsonl")],
 }

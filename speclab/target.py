@@ -146,6 +146,17 @@ class Target:
         return cls(model, tok, name=str(name_or_path), backend=backend)
 
     @property
+    def fingerprint(self) -> str:
+        """Which model this is, wherever its files lie and in any dtype: a hash of its shape and of a few of its
+        embedding weights (rounded), for files made for one target (routing calibrations)."""
+        import hashlib
+        import json
+        c = self.config
+        shape = [c.model_type, self.vocab_size, self.hidden_size, self.num_layers, int(c.intermediate_size)]
+        w = self.model.get_input_embeddings().weight[:4, :16].detach().float().cpu().numpy().round(2)
+        return hashlib.sha1((json.dumps(shape) + w.tobytes().hex()).encode()).hexdigest()[:16]
+
+    @property
     def decoder(self):
         """The transformers base model (embeddings, decoder layers, final norm)."""
         return self.model.get_decoder()

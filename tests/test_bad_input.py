@@ -112,13 +112,19 @@ def bad_models(tmp_path_factory, model_dir):
                              num_attention_heads=t["num_attention_heads"], num_key_value_heads=t["num_key_value_heads"],
                              head_dim=t["head_dim"], vocab_size=t["vocab_size"], target_layer_ids=(0, 1),
                              mask_token_id=2)).save(d / "dflash")
-    return {"bert": d / "bert", "mismatched": d / "mismatched", "dflash": d / "dflash"}
+    from speclab.drafters.eagle3 import Eagle3Config, Eagle3Model
+    Eagle3Model(Eagle3Config(hidden_size=t["hidden_size"], intermediate_size=t["intermediate_size"],
+                             num_attention_heads=t["num_attention_heads"], num_key_value_heads=t["num_key_value_heads"],
+                             head_dim=t["head_dim"], vocab_size=t["vocab_size"], draft_vocab_size=t["vocab_size"],
+                             target_hidden_size=t["hidden_size"], layer_ids=(1, 1, 1))).save(d / "eagle3")
+    return {"bert": d / "bert", "mismatched": d / "mismatched", "dflash": d / "dflash", "eagle3": d / "eagle3"}
 
 
 FILES = {"empty": b"", "blank": b"\n  \n", "binary": bytes(range(256)) * 4,
          "bad_json": b'{"prompt": "a"}\n{oops\n', "no_field": b'{"prompt": "a"}\n{"id": 3}\n',
          "empty_prompt": b'{"prompt": "a"}\n\n{"prompt": "  "}\n'}
 
+WF = ["--eagle", "{eagle3}", "--dflash", "{dflash}"]  # drafters that fit the tiny target
 BAD = [  # (case, argv, what the one line must say)
     ("temperature-nan", ["--temperature", "nan"], "temperature must be a finite number of at least 0 (got nan)"),
     ("temperature-negative", ["--temperature", "-1"], "temperature must be a finite number of at least 0 (got -1.0)"),
@@ -157,6 +163,13 @@ BAD = [  # (case, argv, what the one line must say)
      "block_size must be an integer from 2 to"),
     ("dflash-markov-2", ["--method", "dflash", "--dflash", "{dflash}", "--markov", "2"],
      "markov must be an integer from 0 to 1 (got 2)"),
+    ("whiflash-threshold-nan", ["--method", "whiflash-entropy", *WF, "--threshold", "nan"],
+     "threshold must be a finite number (got nan)"),
+    ("whiflash-spec-threshold-abc", ["--method", "whiflash-entropy:threshold=abc", *WF],
+     "threshold must be a finite number (got 'abc')"),
+    ("whiflash-eager-2", ["--method", "whiflash-entropy", *WF, "--eager", "2"], "eager must be an integer from 0 to 1 (got 2)"),
+    ("whiflash-router-missing", ["--method", "whiflash-neural", *WF, "--router-model", "{tmp}/nope"], "no neural router at"),
+    ("whiflash-router-other-target", ["--method", "whiflash-neural", *WF], "reads hidden states of size 512"),  # the zoo's
 ]
 
 
@@ -168,7 +181,7 @@ def test_cli_refuses_bad_input_in_one_line(case, argv, says, model_dir, bad_mode
         files[name] = tmp_path / f"{name}.jsonl"
         files[name].write_bytes(data)
     argv = [x.format(tmp=tmp_path, bert=bad_models["bert"], mismatched=bad_models["mismatched"], dflash=bad_models["dflash"],
-                     **{f"file_{k}": v for k, v in files.items()}) for x in argv]
+                     eagle3=bad_models["eagle3"], **{f"file_{k}": v for k, v in files.items()}) for x in argv]
     db = tmp_path / "t.duckdb"
     base = ["generate", "--model", str(model_dir["qwen3"]), "--draft", str(model_dir["qwen3_draft"]),
             "--max-new-tokens", "8", "--db", str(db)] + ([] if "--prompts" in argv else ["--prompt", PROMPTS[0]])

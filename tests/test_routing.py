@@ -184,7 +184,7 @@ def test_replay_is_greedy_only():
 
 def test_calibrated_threshold_by_category(deep, models, tmp_path, monkeypatch):
     monkeypatch.setenv("SPECLAB_ZOO", str(tmp_path))
-    Calibration({"entropy": {"code": 0.25, "*": 2.5}, "neural": {"*": -0.75}}, deep.name).save(tmp_path / "calibration.json")
+    Calibration({"entropy": {"code": 0.25, "*": 2.5}, "neural": {"*": -0.75}}, deep.fingerprint).save(tmp_path / "calibration.json")
 
     def thr(method, category, **kw):
         evs = []
@@ -248,3 +248,34 @@ def test_cost_model_recovers_known_costs(tmp_path):
     assert np.allclose(c.draft, truth["draft"], atol=0.02) and abs(c.verify1 - truth["v1"]) < 0.01
     assert np.allclose(c.catchup1, truth["c1"], atol=0.002) and np.allclose(c.catchup0, truth["c0"], atol=0.05)
     assert abs(c.prefill1 - truth["p1"]) < 1e-6 and abs(c.prefill0 - truth["p0"]) < 1e-4
+
+
+ROUTING_BAD = [  # (case, argv after the command, what the one line must say)
+    ("sweep-router", ["sweep", "--router", "bogus"], "--router must be entropy or neural"),
+    ("sweep-grid", ["sweep", "--router", "entropy", "--grid", "a:b"], "--grid must be thresholds"),
+    ("sweep-grid-step", ["sweep", "--router", "entropy", "--grid", "0:1:0"], "--grid must be thresholds"),
+    ("sweep-live", ["sweep", "--router", "entropy", "--live", "x"], "--grid must be thresholds"),
+    ("sweep-no-db", ["sweep", "--router", "entropy", "--db", "{tmp}/nope.duckdb"], "no trace database at"),
+    ("calibrate-router", ["calibrate", "--router", "entropy,foo"], "--router must be entropy, neural or both"),
+    ("routing-no-bench", ["routing", "--bench", "nope"], "no bench 'nope'"),
+    ("routing-no-rounds", ["routing"], "has no traced rounds of both eagle3 and dflash"),
+    ("profile-no-ar", ["profile"], "has no finished traced AR run"),
+]
+
+
+@pytest.mark.parametrize("case,argv,says", ROUTING_BAD, ids=[c[0] for c in ROUTING_BAD])
+def test_routing_cli_refuses_bad_input_in_one_line(case, argv, says, tmp_path, capsys):
+    """Before any model loads: one line naming what is wrong; the trace keeps its rows."""
+    from speclab.cli import main
+    from speclab.trace import TraceStore
+    db = tmp_path / "t.duckdb"
+    with TraceStore(db) as s:
+        s.append_row("benches", bench_id="b1", suite="zoo", methods="ar", config_json="{}", device="cpu", status="done")
+    argv = [x.format(tmp=tmp_path) for x in argv]
+    rc = main(argv + ([] if "--db" in argv else ["--db", str(db)]))
+    out, err = capsys.readouterr()
+    lines = [ln for ln in err.splitlines() if ln.startswith("speclab: error:")]
+    assert rc == 2 and len(lines) == 1 and says in lines[0], (rc, err)
+    assert "loading" not in err and out == ""
+    with TraceStore(db, read_only=True) as s:
+        assert len(s.query("SELECT * FROM benches")) == 1
