@@ -472,9 +472,11 @@ def switch_costs(target: Target, models: dict, contexts=(64, 128, 256, 512), bac
             pos = tree_position_ids(tree.depth, c, True)
             target.forward(torch.cat([ids[c:], tree.tokens]), cache, pos, mask)
             crop_cache(cache, c)
-            d.commit(tree, tree.tokens[:0])
+            d.cache.crop(d.known)  # drop the draft nodes, keep the root's state: every repetition drafts the same tree
             times.append((time.perf_counter() - t0) * 1e3)
         round_ms = float(np.median(times))
+        if not len(tree):
+            raise RuntimeError("switch_costs: the EAGLE-3 drafter proposed no tree to verify")
         cu = catchup_costs(target, eagle, backlogs=fits, context=c, reps=reps)
         for x in cu.itertuples():
             rows.append({"context": c, "backlog": x.backlog, "catchup_ms": x.kv_only_ms, "round_ms": round_ms,

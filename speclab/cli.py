@@ -521,7 +521,10 @@ def cmd_calibrate(a: argparse.Namespace) -> int:
         if cal.target and cal.target != target.fingerprint:
             cal = Calibration()
         cal.target = target.fingerprint
-        figs, text = [], []
+        from speclab.routing import single_drafters
+        ref = single_drafters(profiles, cost)
+        figs, text = [], ["## For reference: each drafter alone (replayed, modeled tokens/s)", "",
+                          ref[["policy", "category", "al", "tokens_per_s"]].to_markdown(index=False, floatfmt=".3f"), ""]
         for r in routers:
             sw = sweep(profiles, cost, r, grids[r], mlp)
             best = best_thresholds(sw)
@@ -531,7 +534,8 @@ def cmd_calibrate(a: argparse.Namespace) -> int:
                      top[["category", "threshold", "al", "tokens_per_s", "switches", "eagle3_share"]]
                      .to_markdown(index=False, floatfmt=".3f"), ""]
             figs.append(sweep_figure(sw, None, "tokens_per_s", f"whiflash-{r}: modeled tokens/s by threshold"))
-        cal.info = {"bench": bench_id, "db": str(a.db), "prompts": len(profiles), "grids": {r: grids[r] for r in routers},
+        cal.info = {"bench": bench_id, "db": str(a.db), "prompts": len(profiles),
+                    "grids": {r: getattr(a, f"{r}_grid") for r in routers},
                     "cost_model": cost.__dict__, "command": "speclab calibrate " + " ".join(sys.argv[2:])}
         out.parent.mkdir(parents=True, exist_ok=True)
         cal.save(out)

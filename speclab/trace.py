@@ -266,7 +266,8 @@ class TraceStore:
         with self._lock:
             cur = self.con.cursor()
         try:
-            return cur.execute(sql, params or []).fetch_arrow_table()
+            rel = cur.sql(sql, params=params or None)
+            return rel.to_arrow_table() if hasattr(rel, "to_arrow_table") else rel.arrow()  # duckdb 2 / 1
         finally:
             cur.close()
 

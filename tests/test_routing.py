@@ -121,7 +121,7 @@ def test_lazy_and_eager_catch_up_draft_alike(deep, models, thresholds):
         assert sum(t[3] for t in trees[0]) > sum(t[3] for t in trees[1])  # lazy digests more at once, less often
 
 
-def test_oracles_are_ordered(deep, models):
+def test_oracles_are_ordered(deep, models, tmp_path):
     """On the same profiles: Oracle-Token (max AL) >= Oracle-Prompt >= Oracle-Task >= each drafter alone, per
     category and overall; Oracle-Token beats every threshold policy too."""
     profs = []
@@ -131,6 +131,14 @@ def test_oracles_are_ordered(deep, models):
         pr = profile(deep, models, ids, ar, 40)
         pr.prompt_id, pr.category = str(i), "a" if i < 2 else "b"
         profs.append(pr)
+    from speclab.trace import TraceStore
+    with TraceStore(tmp_path / "p.duckdb") as store:  # profiles survive the trace: the same arrays come back
+        replay.save_profiles(store, "b", profs, {"x": 1})
+        back, params = replay.load_profiles(store, "b")
+    assert params == {"x": 1} and [b.prompt_id for b in back] == [p.prompt_id for p in profs]
+    for a, b in zip(profs, back):
+        assert (a.accepted == b.accepted).all() and (a.width == b.width).all() and (a.tokens == b.tokens).all()
+        assert torch.equal(a.hidden, b.hidden) and np.allclose(a.entropy, b.entropy) and a.category == b.category
     t = oracles(profs).set_index(["policy", "category"]).al
     for c in ("a", "b", "all"):
         assert t["oracle-token", c] >= t["oracle-prompt", c] >= t["oracle-task", c] >= max(t["eagle3", c], t["dflash", c])
