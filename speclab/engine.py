@@ -154,7 +154,7 @@ def feature_layers(target: Target, drafters: dict[str, Drafter]) -> tuple[int, .
     return tuple(layers)
 
 
-def _columns(wanted: tuple[int, ...], layers: tuple[int, ...], d: int, device) -> torch.Tensor | None:
+def feature_columns(wanted: tuple[int, ...], layers: tuple[int, ...], d: int, device) -> torch.Tensor | None:
     """Column index of a drafter's layers in the concatenated features (None: it wants them all, in order, or none)."""
     if not wanted or tuple(wanted) == layers:
         return None
@@ -230,7 +230,7 @@ def decode_rounds(target: Target, prompt_ids: torch.Tensor, drafters: dict[str, 
             sig_logits, sig_hidden = out.logits[-2:-1], out.hidden[-2:-1] if want_hidden else None
     if layers and (n_prompt > 1 or not deferred):
         seq.set_features(0, out.features)
-    cols = {name: _columns(getattr(d, "layers", ()), layers, d_model, dev) for name, d in drafters.items()}
+    cols = {name: feature_columns(getattr(d, "layers", ()), layers, d_model, dev) for name, d in drafters.items()}
 
     def features(name: str, a: int, b: int) -> torch.Tensor | None:
         """The target's features of tokens a..b-1, the columns of drafter `name`'s layers."""

@@ -32,7 +32,7 @@ import numpy as np
 import pandas as pd
 import torch
 
-from speclab.engine import entropy, feature_layers
+from speclab.engine import entropy, feature_columns, feature_layers
 from speclab.errors import InvalidInput
 from speclab.routers import AR, PARALLEL, pick
 from speclab.sampling import Sampling
@@ -112,11 +112,9 @@ def profile_sequence(target: Target, drafters: dict, prompt_ids: torch.Tensor, t
 
 
 def _columns(drafter, layers: tuple[int, ...], d: int, feats: torch.Tensor) -> torch.Tensor:
-    """The drafter's own layers' columns of the features (as the engine hands them)."""
-    want = tuple(getattr(drafter, "layers", ()))
-    if want == layers:
-        return feats
-    return torch.cat([feats[:, layers.index(i) * d : (layers.index(i) + 1) * d] for i in want], 1)
+    """The drafter's own layers' columns of the features, as the engine hands them (`engine.feature_columns`)."""
+    idx = feature_columns(tuple(getattr(drafter, "layers", ())), layers, d, feats.device)
+    return feats if idx is None else feats.index_select(1, idx)
 
 
 # -- replay ------------------------------------------------------------------------------------------------------
