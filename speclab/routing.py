@@ -4,7 +4,7 @@ tables. Everything reads a bench in the trace (`speclab bench`) and the bench's 
 
 - AL (tau, `speclab.metrics`): tokens committed per round. Tokens/s: tokens / decode time, pooled per category.
 - Live figures come from the bench's traced runs; oracle ALs from the profiles (under greedy decoding the replay
-  of a policy is what a live run of it does, `live_vs_replay` checks it on the bench's own routed runs).
+  of a policy is what a live run of it does, `replayed_runs` checks it on the bench's own runs).
 - Oracle-Task and Oracle-Prompt pick, in hindsight, the drafter with the best value *of the column's metric*
   (AL for the AL column, measured tokens/s for the speed column) per category or per prompt. Oracle-Token's AL
   is the max-AL dynamic programme; its min-time variant is only modeled (the cost model), so it is shown apart.
@@ -201,11 +201,10 @@ def live_table(store, bench_id: str) -> pd.DataFrame:
     return g
 
 
-def routing_table(store, bench_id: str, profiles, cost, switch_backlog: float = 16.0) -> pd.DataFrame:
-    """The paper's Table 1 on a bench: rows = EAGLE-3, DFlash, the oracles and the bench's WhiFlash methods; per
-    category AL and speedup (tokens/s over AR's, same bench)."""
+def routing_table(store, bench_id: str, orc: pd.DataFrame) -> pd.DataFrame:
+    """The paper's Table 1 on a bench: rows = EAGLE-3, DFlash, the oracles (`oracles` of the bench's profiles) and
+    the bench's WhiFlash methods; per category AL and speedup (tokens/s over AR's, same bench)."""
     live = live_table(store, bench_id)
-    orc = oracles(profiles, cost, switch_backlog)
     spd = oracle_speed(store, bench_id)
     ar = live[live.method == "ar"].set_index("category").tokens_per_s
     rows = []
@@ -235,37 +234,51 @@ def wide(table: pd.DataFrame, cols=("al", "speedup")) -> pd.DataFrame:
     return w.reset_index()
 
 
-def live_vs_replay(store, bench_id: str, profiles, mlp=None) -> pd.DataFrame:
-    """For every routed live run of the bench: its policy and threshold replayed on the prompt's profile; whether
-    every round's drafter, accept length and committed tokens agree."""
-    runs = store.query("SELECT run_id, method, prompt_id, category FROM runs WHERE bench_id = ? AND status = 'done' "
-                       "AND router IN ('entropy', 'neural')", [bench_id])
+def replayed_runs(store, bench_id: str, profiles, cost=None, mlp=None) -> pd.DataFrame:
+    """Every live run of the bench drafted by EAGLE-3 / DFlash alone or routed between them, replayed on its
+    prompt's profile with its own policy and threshold (from `router_decisions`): whether every round's drafter,
+    accept length and committed tokens agree with the live run, and the run's modeled decode time."""
+    runs = store.query("SELECT run_id, method, prompt_id, category, router, new_tokens FROM runs WHERE bench_id = ? "
+                       "AND status = 'done' AND (router IN ('entropy', 'neural') OR method IN (?, ?))",
+                       [bench_id, AR, PARALLEL])
     by_prompt = {p.prompt_id: p for p in profiles}
     rows = []
     for r in runs.itertuples():
         p = by_prompt.get(str(r.prompt_id))
-        if p is None:
+        if p is None or (r.router == "neural" and mlp is None):
             continue
-        live = store.query("SELECT x.round, x.drafter, x.n_accepted, x.committed, d.policy, d.threshold FROM rounds x "
+        live = store.query("SELECT x.round, x.drafter, x.n_accepted, x.committed, d.threshold FROM rounds x "
                            "JOIN router_decisions d USING (run_id, round) WHERE run_id = ? ORDER BY round", [int(r.run_id)])
-        thr = float(live.threshold.iloc[0])
-        pol = live.policy.iloc[0]
-        if pol == "neural":
-            if mlp is None:
-                continue
+        thr = float(live.threshold.iloc[0]) if len(live) else math.nan
+        if r.router == "neural":
             choice = replay.signal_choice(replay.neural_signal(p, mlp), [thr])
-        else:
+        elif r.router == "entropy":
             choice = replay.entropy_choice(p, [thr])
-        eager = "eager=1" in r.method
-        w = replay.walk(p, choice, eager).one(0)
+        else:
+            choice = replay.fixed_choice(p, r.method)
+        walk = replay.walk(p, choice, "eager=1" in r.method)
+        w = walk.one(0)
         n = min(len(w), len(live))
-        same = (len(w) == len(live)) and bool((w.drafter.to_numpy()[:n] == live.drafter.to_numpy()[:n]).all()
-                                               and (w.n_accepted.to_numpy()[:n] == live.n_accepted.to_numpy()[:n]).all()
-                                               and (w.committed.to_numpy()[:n] == live.committed.to_numpy()[:n]).all())
-        agree = float(np.mean((w.n_accepted.to_numpy()[:n] == live.n_accepted.to_numpy()[:n])
-                              & (w.drafter.to_numpy()[:n] == live.drafter.to_numpy()[:n]))) if n else math.nan
-        rows.append({"run_id": int(r.run_id), "method": r.method, "prompt_id": r.prompt_id, "threshold": thr,
-                     "live_rounds": len(live), "replay_rounds": len(w), "identical": same, "rounds_agreeing": agree})
+        cols = ("drafter", "n_accepted", "committed")
+        match = np.ones(n, bool)
+        for c in cols:
+            match &= w[c].to_numpy()[:n] == live[c].to_numpy()[:n]
+        rows.append({"run_id": int(r.run_id), "method": r.method, "category": r.category, "prompt_id": r.prompt_id,
+                     "routed": r.router in ("entropy", "neural"), "threshold": thr, "live_rounds": len(live),
+                     "replay_rounds": len(w), "identical": len(w) == len(live) and bool(match.all()),
+                     "rounds_agreeing": float(match.mean()) if n else math.nan, "tokens": p.n,
+                     "modeled_s": float(cost.walk_ms(p, walk)[0]) / 1e3 if cost is not None else math.nan})
+    return pd.DataFrame(rows)
+
+
+def modeled_table(replayed: pd.DataFrame, oracle: pd.DataFrame) -> pd.DataFrame:
+    """Modeled tokens/s per (method, category) under one cost model: the bench's runs as replayed (no run-to-run
+    timing noise: every method pays the same per-phase costs), and the oracles."""
+    rows = []
+    for (m, c), g in with_all(replayed).groupby(["method", "category"]):
+        rows.append({"method": m, "category": c, "modeled_tokens_per_s": tokens_per_s(g.tokens.sum(), g.modeled_s.sum())})
+    for x in oracle[oracle.policy.str.startswith("oracle")].itertuples():
+        rows.append({"method": x.policy, "category": x.category, "modeled_tokens_per_s": x.tokens_per_s})
     return pd.DataFrame(rows)
 
 

@@ -287,3 +287,37 @@ def test_routing_cli_refuses_bad_input_in_one_line(case, argv, says, tmp_path, c
     assert "loading" not in err and out == ""
     with TraceStore(db, read_only=True) as s:
         assert len(s.query("SELECT * FROM benches")) == 1
+
+
+def test_bench_pipeline_profiles_replays_calibrates(deep, models, thresholds, tmp_path):
+    """A real bench (tiny models, zoo prompts) through the whole routing path: profiles into the trace and back,
+    the cost model, every live run replayed identically, Table 1, a sweep with its best thresholds, switch costs
+    and lazy vs eager."""
+    from speclab.bench import BenchConfig, run_bench
+    from speclab.routing import (best_thresholds, get_profiles, lazy_vs_eager, modeled_table, profile_bench,
+                                 replayed_runs, routing_table, sweep, switch_table, wide)
+    from speclab.trace import TraceStore
+
+    t = thresholds[1]
+    specs = ["ar", "eagle3", "dflash", f"whiflash-entropy:threshold={t}", f"whiflash-entropy:threshold={t}+eager=1",
+             "whiflash-neural:threshold=0"]
+    with TraceStore(tmp_path / "b.duckdb") as store:
+        bench = run_bench(BenchConfig(suite="zoo", methods=specs, limit=1, max_new_tokens=24, peers=False,
+                                      untraced=False), deep, models, store, log=lambda s: None)
+        made = profile_bench(store, bench, deep, models)
+        profs = get_profiles(store, bench)  # read back from the trace
+        assert [p.prompt_id for p in profs] == sorted(p.prompt_id for p in made) and len(profs) == 4
+        cost = replay.fit_costs(store, bench)
+        rep = replayed_runs(store, bench, profs, cost, models["router"])
+        assert len(rep) == 4 * 5 and rep.identical.all() and (rep.modeled_s > 0).all()
+        orc = oracles(profs, cost)
+        table = routing_table(store, bench, orc)
+        assert {"eagle3", "dflash", "oracle-token", specs[3]} <= set(table.method) and len(wide(table)) == table.method.nunique()
+        mt = modeled_table(rep, orc)
+        assert set(mt.category) == {"code", "stories", "literature", "math", "all"}
+        sw = sweep(profs, cost, "entropy", [0.0, t, 99.0])
+        best = best_thresholds(sw)
+        assert set(best) == {"*", "code", "stories", "literature", "math"}
+        le = lazy_vs_eager(store, bench)
+        assert set(le.lazy) == {specs[3]} and (le.al_lazy == le.al_eager).all()
+        assert isinstance(switch_table(store, bench), type(le))
