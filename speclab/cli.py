@@ -571,6 +571,13 @@ def cmd_routing(a: argparse.Namespace) -> int:
         pid = a.prompt_id or profiles[0].prompt_id
         prof = store.query("SELECT pos, drafter, accepted FROM profiles WHERE bench_id = ? AND prompt_id = ? "
                            "ORDER BY drafter, pos", [bench_id, pid])
+        routed = store.query("SELECT run_id, method FROM runs WHERE bench_id = ? AND prompt_id = ? AND router IN "
+                             "('neural', 'entropy') AND status = 'done' ORDER BY router DESC, run_id", [bench_id, pid])
+        rr = None
+        if len(routed):
+            from speclab.routing import router_rounds
+            rr = router_rounds(store, int(routed.run_id.iloc[0]), next(p for p in profiles if p.prompt_id == pid))
+            rr_title = f"{routed.method.iloc[0]} on prompt {pid}: router signal, choices and accept lengths"
     fmt = dict(index=False, floatfmt=".2f")
     tps = table.pivot_table(index="method", columns="category", values="tokens_per_s", sort=False)
     md = [f"# WhiFlash on bench `{bench_id}`", "",
@@ -601,6 +608,8 @@ def cmd_routing(a: argparse.Namespace) -> int:
     figs = [viz.bench_bars(table.rename(columns={"method": "method"}), "al", "AL (tokens per round) per category"),
             viz.bench_bars(table[table.source != "profiles"], "speedup", "Speedup over AR per category"),
             viz.volatility_figure(prof, f"Intra-sequence volatility: prompt {pid} (from its profile)")]
+    if rr is not None:
+        figs.append(viz.router_figure(rr, rr_title))
     Path(a.report).parent.mkdir(parents=True, exist_ok=True)
     print(f"\nplot: {viz.write_html_report(a.report, f'WhiFlash on bench {bench_id}', figs, text)}")
     return 0

@@ -282,6 +282,22 @@ def modeled_table(replayed: pd.DataFrame, oracle: pd.DataFrame) -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
+def router_rounds(store, run_id: int, profile=None) -> pd.DataFrame:
+    """A routed run round by round: position, the router's signal, threshold and choice, accepted length, backlog,
+    catch-up time, whether the drafter switched, and (given the prompt's greedy profile) what each drafter would
+    have had accepted in a round starting there."""
+    rr = store.query("""
+        SELECT x.round, d.signal, d.threshold, d.choice, x.n_accepted, x.backlog, x.t_catchup_ms AS catchup_ms,
+               coalesce(lag(x.drafter) OVER (ORDER BY x.round) <> x.drafter, false) AS switch,
+               (SELECT min(t.pos) FROM tokens t WHERE t.run_id = x.run_id AND t.round = x.round) AS pos
+        FROM rounds x JOIN router_decisions d USING (run_id, round) WHERE x.run_id = ? ORDER BY x.round""", [run_id])
+    if profile is not None:
+        g = rr.pos.clip(upper=profile.n - 1).to_numpy()
+        for i, name in enumerate(replay.DRAFTERS):
+            rr[f"{name}_would_accept"] = np.minimum(profile.accepted[i][g], profile.n - g)
+    return rr
+
+
 # -- switching -----------------------------------------------------------------------------------------------------
 def switch_table(store, bench_id: str, edges=(1, 8, 16, 32, 64, 128, 10 ** 9)) -> pd.DataFrame:
     """Live switch cost: rounds whose drafter differs from the previous round's, by backlog bucket: the catch-up

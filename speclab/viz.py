@@ -220,3 +220,34 @@ def sweep_figure(sw, live=None, y: str = "tokens_per_s", title: str = "") -> go.
             fig.add_scatter(name=f"{cat} (live)", x=g["threshold"], y=g[y], mode="markers",
                             marker=dict(size=11, symbol="diamond-open"), hovertemplate="live: %{y:.2f}")
     return fig
+
+
+def router_figure(rr, title: str = "") -> go.Figure:
+    """One routed run, round by round (rows of `speclab.routing.router_rounds`). Top: the router's signal (entropy
+    or predicted Delta AL) with its threshold, markers coloured by the drafter chosen, switches annotated with
+    their backlog and catch-up time. Bottom: the accepted length of the round and, where a profile exists (greedy),
+    what each drafter would have had accepted there: the rounds where the router chose wrong stand out."""
+    from plotly.subplots import make_subplots
+    fig = make_subplots(rows=2, cols=1, shared_xaxes=True, vertical_spacing=0.08, row_heights=[0.55, 0.45])
+    fig.add_scatter(x=rr["round"], y=rr["signal"], mode="lines", line_color="#999", name="signal", row=1, col=1,
+                    hovertemplate="round %{x}: signal %{y:.3f}")
+    fig.add_scatter(x=rr["round"], y=rr["threshold"], mode="lines", line=dict(dash="dash", color="#444"),
+                    name="threshold", row=1, col=1)
+    for name, g in rr.groupby("choice", sort=False):
+        text = [f"switch: backlog {b}, catch-up {c:.2f} ms" if s else "" for b, c, s in
+                zip(g["backlog"], g["catchup_ms"], g["switch"])]
+        fig.add_scatter(x=g["round"], y=g["signal"], mode="markers", name=f"chose {name}", text=text,
+                        marker=dict(color=_color(name), size=[10 if s else 6 for s in g["switch"]],
+                                    symbol=["diamond" if s else "circle" for s in g["switch"]]),
+                        hovertemplate="round %{x}: %{y:.3f} %{text}", row=1, col=1)
+    fig.add_bar(x=rr["round"], y=rr["n_accepted"], name="accepted (chosen)", marker_color="#cfcfcf", row=2, col=1)
+    for name in ("eagle3", "dflash"):
+        col = f"{name}_would_accept"
+        if col in rr and rr[col].notna().any():
+            fig.add_scatter(x=rr["round"], y=rr[col], mode="lines", line_shape="hvh", line_color=_color(name),
+                            name=f"{name} would accept", row=2, col=1)
+    fig.update_yaxes(title_text="signal", row=1, col=1)
+    fig.update_yaxes(title_text="accepted drafts", row=2, col=1)
+    fig.update_xaxes(title_text="round", row=2, col=1)
+    fig.update_layout(title=title or "Router decisions", template="plotly_white", height=520, barmode="overlay")
+    return fig

@@ -321,3 +321,12 @@ def test_bench_pipeline_profiles_replays_calibrates(deep, models, thresholds, tm
         le = lazy_vs_eager(store, bench)
         assert set(le.lazy) == {specs[3]} and (le.al_lazy == le.al_eager).all()
         assert isinstance(switch_table(store, bench), type(le))
+        from speclab import viz
+        from speclab.routing import router_rounds
+        run = store.query("SELECT run_id, prompt_id FROM runs WHERE method = ?", [specs[5]]).iloc[0]
+        rr = router_rounds(store, int(run.run_id), next(p for p in profs if p.prompt_id == run.prompt_id))
+        # greedy: what the chosen drafter "would" have had accepted is what it had accepted, every round
+        chosen = [r[f"{r.choice}_would_accept"] for _, r in rr.iterrows()]
+        assert chosen == rr.n_accepted.tolist() and rr.pos.iloc[0] == 0 and not rr.switch.iloc[0]
+        fig = viz.router_figure(rr)
+        assert {t.name for t in fig.data} >= {"signal", "threshold", "eagle3 would accept", "dflash would accept"}
