@@ -716,13 +716,17 @@ def main(argv: list[str] | None = None) -> int:
     add_model_args(cc)
     cc.set_defaults(fn=cmd_catchup_costs)
 
-    rd = dict(db="traces/bench.duckdb")
+    def bench_args(p, report: str | None = None) -> None:
+        """The options of the commands that read a bench (profile, sweep, calibrate, routing)."""
+        p.add_argument("--bench", help="bench id (default: the latest finished bench in --db)")
+        p.add_argument("--db", default="traces/bench.duckdb")
+        if report:
+            p.add_argument("--report", default=report)
+        add_model_args(p)
 
     pr = sub.add_parser("profile", help="counterfactual acceptance profiles of EAGLE-3 and DFlash at every position of "
                         "a bench's AR outputs (greedy), for replay, oracles, sweeps and calibration")
-    pr.add_argument("--bench", help="bench id (default: the latest finished bench in --db)")
-    pr.add_argument("--db", default=rd["db"])
-    add_model_args(pr)
+    bench_args(pr)
     pr.set_defaults(fn=cmd_profile)
 
     sw = sub.add_parser("sweep", help="a WhiFlash router's threshold sweep on a bench: by replay of its profiles "
@@ -730,10 +734,7 @@ def main(argv: list[str] | None = None) -> int:
     sw.add_argument("--router", required=True, help="entropy | neural")
     sw.add_argument("--grid", default="0:4:0.1", help="thresholds: start:stop:step or a comma-separated list")
     sw.add_argument("--live", default="", help="thresholds to also run live on the bench's prompts (into the bench)")
-    sw.add_argument("--bench", help="bench id (default: the latest finished bench in --db)")
-    sw.add_argument("--db", default=rd["db"])
-    sw.add_argument("--report", default="reports/sweep.html")
-    add_model_args(sw)
+    bench_args(sw, "reports/sweep.html")
     sw.set_defaults(fn=cmd_sweep)
 
     ca = sub.add_parser("calibrate", help="the best threshold per category (and a global one) of the WhiFlash "
@@ -742,19 +743,13 @@ def main(argv: list[str] | None = None) -> int:
     ca.add_argument("--entropy-grid", default="0:4:0.05")
     ca.add_argument("--neural-grid", default="-2:3:0.05")
     ca.add_argument("--out", help="calibration file (default: data/zoo/calibration.json)")
-    ca.add_argument("--bench", help="bench id (default: the latest finished bench in --db)")
-    ca.add_argument("--db", default=rd["db"])
-    ca.add_argument("--report", default="reports/calibration.html")
-    add_model_args(ca)
+    bench_args(ca, "reports/calibration.html")
     ca.set_defaults(fn=cmd_calibrate)
 
     ro = sub.add_parser("routing", help="WhiFlash's Table 1 on a bench (EAGLE-3, DFlash, oracles, routers: AL and "
                         "speedup per category), live vs replay, cost-model error, switch cost, lazy vs eager")
-    ro.add_argument("--bench", help="bench id (default: the latest finished bench in --db)")
-    ro.add_argument("--db", default=rd["db"])
     ro.add_argument("--prompt-id", help="the sequence of the volatility figure (default: the first profiled)")
-    ro.add_argument("--report", default="reports/routing.html")
-    add_model_args(ro)
+    bench_args(ro, "reports/routing.html")
     ro.set_defaults(fn=cmd_routing)
 
     sc = sub.add_parser("switch-costs", help="EAGLE-3 catch-up at a switch as a share of round latency, by context "

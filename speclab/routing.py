@@ -188,17 +188,13 @@ def oracle_speed(store, bench_id: str) -> pd.DataFrame:
 
 # -- the table -----------------------------------------------------------------------------------------------------
 def live_table(store, bench_id: str) -> pd.DataFrame:
-    """AL and tokens/s per (method, category) of the bench's traced runs, 'all' pooled, speedup vs AR."""
-    r = store.query("SELECT method, category, new_tokens, rounds, elapsed_s FROM runs WHERE bench_id = ? AND "
-                    "status = 'done' AND rounds IS NOT NULL", [bench_id])
-    g = with_all(r).groupby(["method", "category"]).agg(tokens=("new_tokens", "sum"), rounds=("rounds", "sum"),
-                                                        s=("elapsed_s", "sum"), prompts=("new_tokens", "size"))
-    g["al"] = [tau(t, n) for t, n in zip(g.tokens, g.rounds)]
-    g["tokens_per_s"] = [tokens_per_s(t, s) for t, s in zip(g.tokens, g.s)]
-    g = g.reset_index()
-    ar = g[g.method == "ar"].set_index("category").tokens_per_s
-    g["speedup"] = g.tokens_per_s / g.category.map(ar)
-    return g
+    """AL (tau) and tokens/s per (method, category) of the bench's traced runs, 'all' pooled, speedup vs AR: the
+    bench's own tables (`speclab.bench`), which use the metric definitions of `speclab.metrics`."""
+    from speclab.bench import bench_overall, bench_table
+    t = pd.concat([bench_overall(store, bench_id).assign(category="all"), bench_table(store, bench_id)],
+                  ignore_index=True)
+    return t[t.tau.notna()].rename(columns={"tau": "al"})[["method", "category", "prompts", "al", "tokens_per_s",
+                                                         "speedup"]].reset_index(drop=True)
 
 
 def routing_table(store, bench_id: str, orc: pd.DataFrame) -> pd.DataFrame:
