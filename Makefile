@@ -8,7 +8,7 @@ setup:
 	@bash scripts/setup.sh
 
 run: setup
-	$(PY) -m speclab.cli app
+	$(PY) -m app
 
 demo: setup
 	$(PY) -m speclab.cli generate --prompts data/prompts/demo.jsonl --method sps --max-new-tokens 64

@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 from speclab.errors import SpeclabError
+from speclab.models import add_model_args, load_models
 
 DEFAULT_DB = "traces/speclab.duckdb"
 
@@ -68,53 +69,6 @@ def _read_prompts(path: str) -> list[dict]:
     if not rows:
         raise SpeclabError(f"{p} holds no prompt (it is empty or blank)")
     return rows
-
-
-def add_model_args(p: argparse.ArgumentParser) -> None:
-    """The target/draft options every model-loading command shares (the app too)."""
-    p.add_argument("--model", help="target model directory or cached hub name (default: the zoo target)")
-    p.add_argument("--draft", help="draft model for sps (default: the zoo draft)")
-    p.add_argument("--eagle", help="EAGLE-3 drafter directory for eagle3 (public layout; default: the zoo's)")
-    p.add_argument("--dflash", help="DFlash drafter directory for dflash (public layout; default: the zoo's)")
-    p.add_argument("--router-model", help="neural router directory for whiflash-neural (default: the zoo's)")
-    p.add_argument("--device", default=None, help="cpu | cuda (default: cuda when present)")
-    p.add_argument("--dtype", default=None, help="fp32 | bf16 | fp16 (default fp32 on CPU, bf16 on CUDA)")
-    p.add_argument("--backend", default="auto", choices=["auto", "lean", "hf"],
-                   help="forward pass: speclab's lean forward (Llama family) or the transformers one (default: lean "
-                        "where it applies)")
-
-
-def load_models(a: argparse.Namespace, roles=("draft", "eagle3", "dflash", "router"), log=None):
-    """(target, drafter models by role) from the options of `add_model_args`: the roles asked for (those the
-    methods at hand need), each from its option or the zoo."""
-    from speclab import zoo
-    from speclab.target import Target
-
-    log = log or (lambda s: print(s, file=sys.stderr, flush=True))
-    path = a.model or zoo.default_target()
-    log(f"loading target {path} ...")
-    target = Target.load(path, device=a.device, dtype=a.dtype, backend=a.backend)
-    models = {}
-    if "draft" in roles:
-        path = a.draft or zoo.default_draft()
-        log(f"loading draft {path} ...")
-        models["draft"] = Target.load(path, device=a.device, dtype=a.dtype, backend=a.backend)
-    if "eagle3" in roles:
-        from speclab.drafters.eagle3 import load_eagle3
-        path = getattr(a, "eagle", None) or zoo.default_eagle3()
-        log(f"loading EAGLE-3 drafter {path} ...")
-        models["eagle3"] = load_eagle3(path, target)
-    if "dflash" in roles:
-        from speclab.drafters.dflash import load_dflash
-        path = getattr(a, "dflash", None) or zoo.default_dflash()
-        log(f"loading DFlash drafter {path} ...")
-        models["dflash"] = load_dflash(path, target)
-    if "router" in roles:
-        from speclab.routers import load_router
-        path = getattr(a, "router_model", None) or zoo.default_router()
-        log(f"loading neural router {path} ...")
-        models["router"] = load_router(path, target)
-    return target, models
 
 
 def cmd_generate(a: argparse.Namespace) -> int:
@@ -503,7 +457,8 @@ def cmd_sweep(a: argparse.Namespace) -> int:
 
 
 def cmd_calibrate(a: argparse.Namespace) -> int:
-    from speclab.routers import Calibration, calibration_path, load_calibration
+    from speclab.calibration import save_thresholds
+    from speclab.routers import calibration_path
     from speclab.routing import best_thresholds, parse_thresholds, sweep
     from speclab.viz import sweep_figure, write_html_report
 
@@ -517,28 +472,24 @@ def cmd_calibrate(a: argparse.Namespace) -> int:
     with store:
         profiles, cost, mlp, load = _routing_setup(a, store, bench_id, "neural" in routers)
         target = load()[0]
-        cal = load_calibration(out) if out.exists() else Calibration()
-        if cal.target and cal.target != target.fingerprint:
-            cal = Calibration()
-        cal.target = target.fingerprint
         from speclab.routing import single_drafters
         ref = single_drafters(profiles, cost)
         figs, text = [], ["## For reference: each drafter alone (replayed, modeled tokens/s)", "",
                           ref[["policy", "category", "al", "tokens_per_s"]].to_markdown(index=False, floatfmt=".3f"), ""]
+        best = {}
         for r in routers:
             sw = sweep(profiles, cost, r, grids[r], mlp)
-            best = best_thresholds(sw)
-            cal.thresholds[r] = best
+            best[r] = best_thresholds(sw)
             top = sw.loc[sw.groupby("category").tokens_per_s.idxmax()]
             text += [f"## {r}: best threshold per category (modeled tokens/s)", "",
                      top[["category", "threshold", "al", "tokens_per_s", "switches", "eagle3_share"]]
                      .to_markdown(index=False, floatfmt=".3f"), ""]
             figs.append(sweep_figure(sw, None, "tokens_per_s", f"whiflash-{r}: modeled tokens/s by threshold"))
-        cal.info = {"bench": bench_id, "db": str(a.db), "prompts": len(profiles),
-                    "grids": {r: getattr(a, f"{r}_grid") for r in routers},
-                    "cost_model": cost.__dict__, "command": "speclab calibrate " + " ".join(sys.argv[2:])}
-        out.parent.mkdir(parents=True, exist_ok=True)
-        cal.save(out)
+        info = {"bench": bench_id, "db": str(a.db), "prompts": len(profiles),
+                "grids": {r: getattr(a, f"{r}_grid") for r in routers},
+                "cost_model": cost.__dict__, "command": "speclab calibrate " + " ".join(sys.argv[2:])}
+        for r in routers:
+            save_thresholds(r, best[r], target.fingerprint, info, out)
     md = "\n".join(text)
     print(md)
     print(f"wrote {out}")
@@ -639,16 +590,12 @@ def cmd_switch_costs(a: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     if argv is None:
         argv = sys.argv[1:]
-    if argv[:1] == ["app"]:  # the Gradio app lives in app/ (thin over the package): hand it the rest
+    if argv[:1] == ["app"]:  # the Gradio app is its own program (app/ imports speclab, never the reverse)
+        import os
         from speclab.zoo import REPO_ROOT
-        sys.path.insert(0, str(REPO_ROOT))
-        from app.app import main as app_main
-        try:
-            app_main(argv[1:])
-        except SpeclabError as e:
-            print(f"speclab: error: {e}", file=sys.stderr)
-            return 2
-        return 0
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")]))}
+        sys.stdout.flush()
+        os.execve(sys.executable, [sys.executable, "-m", "app", *argv[1:]], env)
     ap = argparse.ArgumentParser(prog="speclab", description="speculative decoding laboratory")
     sub = ap.add_subparsers(dest="cmd", required=True)
     sub.add_parser("app", help="the Gradio app (side-by-side decoding, trees, trace explorer); --help for options")

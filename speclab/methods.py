@@ -85,9 +85,12 @@ def _whiflash(policy: str):
     return build
 
 
-def _whiflash_bounds(target) -> dict:
-    return {"eager": Bound(0, 1), **_eagle3_bounds(target), **{k: v for k, v in _dflash_bounds(target).items()
-                                                               if k in ("block_size", "markov")}}
+def _whiflash_bounds(policy: str):
+    def bounds(target) -> dict:
+        from speclab.routers import threshold_bound
+        return {"threshold": threshold_bound(policy, target.vocab_size), "eager": Bound(0, 1), **_eagle3_bounds(target),
+                **{k: v for k, v in _dflash_bounds(target).items() if k in ("block_size", "markov")}}
+    return bounds
 
 
 def _whiflash_check(p: dict, target) -> None:
@@ -180,12 +183,12 @@ METHODS: dict[str, Method] = {
     "whiflash-entropy": Method("whiflash-entropy", "WhiFlash-Entropy: EAGLE-3 when the target's last entropy > "
                                "threshold (nats), else DFlash; threshold from data/zoo/calibration.json unless given; "
                                "eager = 1 keeps both drafters caught up every round", _whiflash("entropy"),
-                               dict(WHIFLASH_PARAMS), needs=("eagle3", "dflash"), bounds=_whiflash_bounds,
+                               dict(WHIFLASH_PARAMS), needs=("eagle3", "dflash"), bounds=_whiflash_bounds("entropy"),
                                check=_whiflash_check, gpu_params={**EAGLE3_GPU_PRESET, **DFLASH_GPU_PRESET}),
     "whiflash-neural": Method("whiflash-neural", "WhiFlash-Neural: EAGLE-3 when the router MLP's predicted "
                               "AL_eagle3 - AL_dflash on the target's hidden state > threshold, else DFlash; threshold "
                               "calibrated (or the router's hardware-aware one) unless given", _whiflash("neural"),
-                              dict(WHIFLASH_PARAMS), needs=("eagle3", "dflash", "router"), bounds=_whiflash_bounds,
+                              dict(WHIFLASH_PARAMS), needs=("eagle3", "dflash", "router"), bounds=_whiflash_bounds("neural"),
                               check=_whiflash_check, gpu_params={**EAGLE3_GPU_PRESET, **DFLASH_GPU_PRESET}),
 }
 

@@ -1,8 +1,26 @@
-"""A small progress line with rate and ETA for long work (training, sweeps, benchmarks)."""
+"""A small progress line with rate and ETA for long work (training, sweeps, benchmarks).
+
+A caller that shows progress elsewhere (the app's progress bar) listens with `listen(fn)`: every Progress
+updated inside that block (in the same thread) also calls fn(label, done, total, eta_s), unthrottled.
+"""
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import sys
 import time
+
+_listener: contextvars.ContextVar = contextvars.ContextVar("speclab_progress_listener", default=None)
+
+
+@contextlib.contextmanager
+def listen(fn):
+    """Within the block, every Progress update also goes to fn(label, done, total, eta_s)."""
+    token = _listener.set(fn)
+    try:
+        yield
+    finally:
+        _listener.reset(token)
 
 
 class Progress:
@@ -15,6 +33,10 @@ class Progress:
 
     def update(self, done: int, **info) -> None:
         now = time.time()
+        fn = _listener.get()
+        if fn is not None:
+            rate = done / (now - self.t0) if now > self.t0 else 0.0
+            fn(self.label, done, self.total, (self.total - done) / rate if rate > 0 else float("nan"))
         if now - self._last < self.min_interval_s and done < self.total:
             return
         self._last = now

@@ -190,9 +190,27 @@ class Calibration:
                                          indent=1) + "\n")
 
 
+CALIBRATION_ENV = "SPECLAB_CALIBRATION"  # another calibration file for every router of the process (tests, the app)
+
+
 def calibration_path() -> Path:
+    """The calibration file routers read and `speclab calibrate` / the app write: $SPECLAB_CALIBRATION, else the
+    zoo's."""
+    import os
+    if os.environ.get(CALIBRATION_ENV):
+        return Path(os.environ[CALIBRATION_ENV])
     from speclab.zoo import zoo_dir
     return zoo_dir() / "calibration.json"
+
+
+def threshold_bound(policy: str, vocab_size: int):
+    """The thresholds that can split a policy's signals: entropy in nats from 0 to ln V (no distribution over V
+    tokens has more); a predicted Delta AL within +-NEURAL_RANGE tokens a round."""
+    from speclab.checks import Bound
+    return Bound(0.0, round(math.log(vocab_size), 3)) if policy == "entropy" else Bound(-NEURAL_RANGE, NEURAL_RANGE)
+
+
+NEURAL_RANGE = 32.0  # a Delta AL beyond this many tokens a round is past any draft shape speclab verifies cheaply
 
 
 def load_calibration(path: str | Path | None = None) -> Calibration:

@@ -287,7 +287,26 @@ def router_rounds(store, run_id: int, profile=None) -> pd.DataFrame:
                coalesce(lag(x.drafter) OVER (ORDER BY x.round) <> x.drafter, false) AS switch,
                (SELECT min(t.pos) FROM tokens t WHERE t.run_id = x.run_id AND t.round = x.round) AS pos
         FROM rounds x JOIN router_decisions d USING (run_id, round) WHERE x.run_id = ? ORDER BY x.round""", [run_id])
-    if profile is not None:
+    return with_counterfactual(rr, profile)
+
+
+def event_rounds(evs) -> pd.DataFrame:
+    """`router_rounds` of a run still decoding, from its RoundEvents (the live view's source)."""
+    d = [e.decision for e in evs]
+    drafter = [e.drafter for e in evs]
+    return pd.DataFrame({
+        "round": [e.round for e in evs], "signal": [x.signal if x else math.nan for x in d],
+        "threshold": [x.threshold if x else math.nan for x in d], "choice": [x.choice if x else None for x in d],
+        "n_accepted": [e.n_accepted for e in evs], "backlog": [e.backlog for e in evs],
+        "catchup_ms": [e.timings_ms.get("catchup", 0.0) for e in evs],
+        "switch": [i > 0 and a != b for i, (a, b) in enumerate(zip([None] + drafter, drafter))],
+        "pos": [e.pos0 for e in evs]})
+
+
+def with_counterfactual(rr: pd.DataFrame, profile=None) -> pd.DataFrame:
+    """Add, per round, what each drafter would have had accepted in a round starting at its position (from the
+    sequence's greedy profile; the columns stay absent without one)."""
+    if profile is not None and len(rr):
         g = rr.pos.clip(upper=profile.n - 1).to_numpy()
         for i, name in enumerate(replay.DRAFTERS):
             rr[f"{name}_would_accept"] = np.minimum(profile.accepted[i][g], profile.n - g)
@@ -338,9 +357,11 @@ def switch_backlog(store, bench_id: str, default: float = 16.0) -> float:
     return float((t.mean_backlog * t.switches).sum() / t.switches.sum()) if len(t) else default
 
 
-def run_live(store, bench_id: str, target, models: dict, specs: list[str], log=print) -> None:
-    """Decode the bench's prompts with more method specs (routers at chosen thresholds), traced into the same bench
-    (after one untraced warm-up decode), so they sit beside its other runs in every table."""
+def run_live(store, bench_id: str, target, models: dict, specs: list[str], log=print,
+             prompt_ids: list[str] | None = None) -> None:
+    """Decode the bench's prompts (or those of `prompt_ids`) with more method specs (routers at chosen thresholds),
+    traced into the same bench (after one untraced warm-up decode), so they sit beside its other runs in every
+    table."""
     from speclab.bench import BenchConfig, format_prompt
     from speclab.generate import generate
     from speclab.suites import load_suite
@@ -348,7 +369,10 @@ def run_live(store, bench_id: str, target, models: dict, specs: list[str], log=p
     b = bench_info(store, bench_id)
     cfg = BenchConfig(**{k: v for k, v in json.loads(b.config_json).items() if k in BenchConfig.__dataclass_fields__})
     done = set(store.query("SELECT prompt_id FROM runs WHERE bench_id = ? AND method = 'ar'", [bench_id]).prompt_id)
-    rows = [r for r in load_suite(cfg.suite, cfg.limit) if r["prompt_id"] in done]
+    rows = [r for r in load_suite(cfg.suite, cfg.limit) if r["prompt_id"] in done
+            and (prompt_ids is None or r["prompt_id"] in prompt_ids)]
+    if not rows:
+        raise InvalidInput(f"bench {bench_id} has none of these prompts with a finished AR run")
     generate(target, format_prompt(target, rows[0]), specs[0], **models, max_new_tokens=8)
     prog = Progress(len(rows) * len(specs), f"live runs in bench {bench_id}")
     i = 0

@@ -405,6 +405,16 @@ def token_columns(evs, text: np.ndarray) -> dict[str, np.ndarray]:
         "draft_prob": draft_prob, "target_prob": target_prob, "entropy": ent}
 
 
+def decision_columns(evs) -> dict[str, np.ndarray]:
+    """Per committed token of these RoundEvents, its round's router decision: drafter chosen, signal, threshold
+    (what the token view shows on hover for routed runs)."""
+    m = np.array([e.committed.numel() for e in evs])
+    d = [e.decision for e in evs]
+    return {"drafter": np.repeat(np.array([x.choice if x else None for x in d], dtype=object), m),
+            "signal": np.repeat(np.array([x.signal if x else np.nan for x in d], np.float64), m),
+            "threshold": np.repeat(np.array([x.threshold if x else np.nan for x in d], np.float64), m)}
+
+
 def _nullable(v: np.ndarray) -> pa.Array:
     """Float column with NaN stored as NULL."""
     return pa.array(v, mask=np.isnan(v))

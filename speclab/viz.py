@@ -76,6 +76,7 @@ TARGET_BG = "#e8e8e8"
 DRAFTER_RGB = {"sps": (31, 119, 180), "pld": (44, 160, 44), "eagle3": (148, 103, 189), "dflash": (214, 39, 40)}
 _FALLBACK_RGB = [(255, 127, 14), (140, 86, 75), (227, 119, 194), (23, 190, 207)]
 TOKEN_COLUMNS = ("pos", "round", "text", "source", "depth", "draft_prob", "target_prob", "entropy")
+ROUTER_COLUMNS = ("drafter", "signal", "threshold")  # per token, the round's router decision (routed runs)
 
 
 def drafter_rgb(name: str) -> tuple[int, int, int]:
@@ -89,10 +90,13 @@ def _fmt(v) -> str:
 def token_spans(cols: dict, first_round_seen: int | None = None, shade: str = "depth") -> list[str]:
     """One <span> per token from per-token columns (TOKEN_COLUMNS): background = who produced it (drafter colour,
     or grey for the target's own token), opacity = draft depth or draft probability; a bar marks round starts;
-    hovering shows round, depth, draft p, target p and entropy."""
+    hovering shows round, drafter, depth, draft p, target p, entropy and, for routed runs (columns `drafter`,
+    `signal` and `threshold`: the round's router decision), the router's choice, signal and threshold."""
     out = []
     prev = first_round_seen
-    for pos, rnd, text, src, depth, dp, tp, ent in zip(*(cols[c] for c in TOKEN_COLUMNS)):
+    n = len(cols["pos"])
+    routed = zip(*(cols[c] for c in ROUTER_COLUMNS)) if all(c in cols for c in ROUTER_COLUMNS) else [None] * n
+    for (pos, rnd, text, src, depth, dp, tp, ent), rd in zip(zip(*(cols[c] for c in TOKEN_COLUMNS)), routed):
         if src == "target":
             bg = TARGET_BG
         else:
@@ -102,6 +106,8 @@ def token_spans(cols: dict, first_round_seen: int | None = None, shade: str = "d
         edge = "border-left:2px solid #444;" if rnd != prev else ""
         prev = rnd
         tip = f"#{pos} round {rnd} · {src} · depth {depth} · draft p {_fmt(dp)} · target p {_fmt(tp)} · entropy {_fmt(ent)}"
+        if rd is not None and rd[0] and rd[1] == rd[1]:  # a routed round (fixed routers have no signal)
+            tip += f" · router chose {rd[0]}: signal {_fmt(rd[1])} vs threshold {_fmt(rd[2])}"
         out.append(f'<span class="tok" data-src="{html.escape(str(src))}" title="{html.escape(tip)}" '
                    f'style="background:{bg};{edge}">{html.escape(str(text))}</span>')
     return out
@@ -250,4 +256,46 @@ def router_figure(rr, title: str = "") -> go.Figure:
     fig.update_yaxes(title_text="accepted drafts", row=2, col=1)
     fig.update_xaxes(title_text="round", row=2, col=1)
     fig.update_layout(title=title or "Router decisions", template="plotly_white", height=520, barmode="overlay")
+    return fig
+
+
+def calibration_figure(curve, refs, threshold: float, point: dict, best: dict, router: str, category: str) -> go.Figure:
+    """A router's threshold calibration for one category: replayed AL (top) and modeled tokens/s (bottom) against
+    the threshold (rows of `speclab.routing.sweep`), each drafter alone and the oracles as horizontal reference
+    lines (`speclab.routing.oracles`), the chosen threshold as a vertical line with its exact replay, the
+    calibrated optimum (the highest modeled tokens/s) as a star."""
+    from plotly.subplots import make_subplots
+    fig = make_subplots(rows=2, cols=1, shared_xaxes=True, vertical_spacing=0.07,
+                        subplot_titles=("AL (tokens per round)", "modeled tokens/s"))
+    c = curve[curve.category == category].sort_values("threshold")
+    r = refs[refs.category == category]
+    named = set()  # reference lines already in the legend
+    for row, y in ((1, "al"), (2, "tokens_per_s")):
+        fig.add_scatter(x=c["threshold"], y=c[y], mode="lines", name=f"whiflash-{router}", showlegend=row == 1,
+                        line=dict(color=_color(f"whiflash-{router}"), width=3), row=row, col=1,
+                        customdata=c[["eagle3_share", "switches"]].to_numpy(),
+                        hovertemplate="threshold %{x:.2f}: %{y:.3f}<br>EAGLE-3 share %{customdata[0]:.2f}, "
+                                      "%{customdata[1]} switches<extra></extra>")
+        for ref in r.itertuples():
+            v = getattr(ref, y)
+            if v == v:
+                fig.add_scatter(x=[c["threshold"].min(), c["threshold"].max()], y=[v, v], mode="lines",
+                                name=ref.policy, legendgroup=ref.policy, showlegend=ref.policy not in named,
+                                line=dict(color=_color(ref.policy) or "#404040", dash="dot" if "oracle" in ref.policy
+                                          else "dash", width=1.5), row=row, col=1,
+                                hovertemplate=f"{ref.policy}: %{{y:.3f}}<extra></extra>")
+                named.add(ref.policy)
+        fig.add_scatter(x=[best["threshold"]], y=[best[y]], mode="markers", name="calibrated optimum",
+                        showlegend=row == 1, marker=dict(symbol="star", size=16, color="#e6b800",
+                                                         line=dict(color="#444", width=1)), row=row, col=1,
+                        hovertemplate="optimum %{x:.2f}: %{y:.3f}<extra></extra>")
+        fig.add_scatter(x=[threshold], y=[point[y]], mode="markers", name="chosen threshold", showlegend=row == 1,
+                        marker=dict(symbol="diamond", size=12, color="#111"), row=row, col=1,
+                        hovertemplate="chosen %{x:.2f}: %{y:.3f}<extra></extra>")
+        fig.add_vline(x=threshold, line=dict(color="#111", width=1, dash="dot"), row=row, col=1)
+    signal = "entropy (nats)" if router == "entropy" else "predicted Delta AL (tokens)"
+    fig.update_xaxes(title_text=f"threshold on {signal}: EAGLE-3 above, DFlash below", row=2, col=1)
+    fig.update_layout(title=f"whiflash-{router} on {category}: threshold {threshold:.2f} -> AL {point['al']:.3f}, "
+                            f"{point['tokens_per_s']:.1f} tokens/s (optimum {best['threshold']:.2f}: "
+                            f"{best['tokens_per_s']:.1f})", template="plotly_white", height=560)
     return fig

@@ -1,104 +1,171 @@
-"""The app in a real browser (Debian's chromium driven by Playwright): a side-by-side decode on the zoo with
-shaded tokens, the draft tree and charts, a SQL query, and a writing query refused. Screenshots go to
+"""The app in a real browser (Debian's chromium driven by Playwright), on the zoo: a routed side-by-side decode
+(tokens of both drafters, the router plot with counterfactuals), per-method parameters, bad input answered in
+one message, a reopened routed run, the explorer refreshed without a click, the calibration tab (replay slider,
+save, confirm live), two sessions decoding at once, and the probe that measures streaming. Screenshots go to
 tests/artifacts/ (git-ignored)."""
+import json
 import os
+import re
 import shutil
-import socket
-import subprocess
-import sys
 import time
 
 import pytest
 
+from app.probe import CHROMIUM_ARGS, TAP, choose_methods, free_port, probe_once, start_app
 from speclab.zoo import REPO_ROOT
 
 CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
 ART = REPO_ROOT / "tests" / "artifacts"
+STORY = "Once upon a time, there was a little girl named"
 if not os.path.exists(CHROMIUM):
     if os.environ.get("CI"):
         raise RuntimeError("chromium is missing: `make test` installs Debian's chromium (scripts/setup.sh)")
     pytest.skip("Debian's chromium is not installed (make test installs it)", allow_module_level=True)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
-def app_url(tmp_path_factory):
-    port = _free_port()
-    db = tmp_path_factory.mktemp("app") / "app.duckdb"
-    log = open(tmp_path_factory.mktemp("applog") / "app.log", "w+")
-    proc = subprocess.Popen([sys.executable, "-m", "speclab.cli", "app", "--db", str(db), "--port", str(port)],
-                            stdout=log, stderr=subprocess.STDOUT, cwd=REPO_ROOT)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.time() + 180
-    while time.time() < deadline:
-        log.seek(0)
-        if url in log.read():
-            break
-        if proc.poll() is not None:
-            log.seek(0)
-            raise RuntimeError(f"the app exited:\n{log.read()}")
-        time.sleep(0.5)
-    else:
-        proc.kill()
-        raise RuntimeError("the app did not print its URL within 180 s")
-    yield url
+def app(tmp_path_factory):
+    """The app on the zoo with a scratch trace and a scratch calibration file (the zoo's stays untouched)."""
+    tmp = tmp_path_factory.mktemp("app")
+    port = free_port()
+    proc = start_app(tmp / "app.duckdb", port, tmp / "app.log", ["--calibration", str(tmp / "calibration.json")])
+    yield {"url": f"http://127.0.0.1:{port}", "calibration": tmp / "calibration.json"}
     proc.terminate()
     proc.wait(timeout=30)
 
 
 @pytest.fixture(scope="module")
-def page(app_url):
+def browser(app):
     from playwright.sync_api import sync_playwright
 
     ART.mkdir(parents=True, exist_ok=True)
     with sync_playwright() as p:
-        browser = p.chromium.launch(executable_path=CHROMIUM, args=[
-            "--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update",
-            "--disable-sync", "--no-first-run", "--disable-quic"])
-        pg = browser.new_page(viewport={"width": 1400, "height": 1000})
-        pg.goto(app_url)
-        pg.wait_for_selector("#prompt textarea", timeout=60000)
-        yield pg
-        browser.close()
+        b = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+        yield b
+        b.close()
 
 
-def test_side_by_side_decode_shades_tokens(page):
-    page.fill("#prompt textarea", "def fibonacci(n):\n")
-    page.fill("#max_new input[type=number]", "32")
-    page.keyboard.press("Enter")
-    page.fill("#topk input[type=number]", "2")
-    page.keyboard.press("Enter")
+def open_page(browser, url):
+    pg = browser.new_page(viewport={"width": 1400, "height": 1000})
+    pg.add_init_script(TAP)
+    pg.goto(url)
+    pg.wait_for_selector("#prompt textarea", timeout=60000)
+    return pg
+
+
+@pytest.fixture(scope="module")
+def page(browser, app):
+    pg = open_page(browser, app["url"])
+    yield pg
+    pg.close()
+
+
+def wait_done(page, timeout_s=240):
+    page.wait_for_function("document.querySelector('#status').innerText.startsWith('done')", timeout=timeout_s * 1000)
+    return page.locator("#status").inner_text()
+
+
+def decode(page, prompt, methods, tokens):
+    page.fill("#prompt textarea", prompt)
+    choose_methods(page, methods)
+    page.fill("#max_new input", str(tokens))
+    page.keyboard.press("Tab")
     page.click("#run")
-    page.wait_for_function("document.querySelector('#status').innerText.includes('done')", timeout=180000)
-    assert page.locator("#col0 .tok").count() > 0  # ar
-    assert page.locator("#col1 .tok[data-src=sps]").count() > 0  # accepted drafts are shaded as the drafter's
-    assert page.locator("#col1 .tok[data-src=target]").count() > 0  # and the target's tokens as the target's
-    assert "round" in page.locator("#col1 .tok").first.get_attribute("title")  # hover details
-    assert "speedup" in page.locator("#col1 .speclab-stats").inner_text()
-    assert "sps equals AR" in page.locator("#status").inner_text()  # greedy beside AR: equality is checked
-    page.screenshot(path=str(ART / "side_by_side.png"), full_page=True)
+    return wait_done(page)
 
 
-def test_tree_and_charts_render(page):
-    page.get_by_role("tab", name="Rounds & trees").click()
-    page.wait_for_selector("#tree .js-plotly-plot", timeout=60000)
-    for el in ("#per_round", "#per_pos", "#phases"):
-        page.wait_for_selector(f"{el} .js-plotly-plot", timeout=60000)
-    assert page.locator("#tree .scatterlayer .point").count() >= 2  # root + nodes
-    page.screenshot(path=str(ART / "rounds_and_trees.png"), full_page=True)
+def visible(page, selector: str) -> bool:
+    """Whether the element shows (Gradio may render an element id twice, or not at all while hidden)."""
+    loc = page.locator(selector)
+    return loc.count() > 0 and loc.first.is_visible()
 
 
-def test_sql_box_reads_and_refuses_writes(page):
+def svg_texts(page, selector: str) -> list[str]:
+    """Texts of SVG elements (plotly titles, legend entries: innerText is for HTML only)."""
+    return page.locator(selector).evaluate_all("els => els.map(e => e.textContent)")
+
+
+def error_toast(page, says: str) -> str:
+    """Gradio shows a raised gr.Error as a toast: wait for one saying `says`, return its text, close it."""
+    toast = page.locator(".toast-body").filter(has_text=says).first
+    toast.wait_for(timeout=30000)
+    text = toast.inner_text()
+    page.locator(".toast-body .toast-close").first.click()
+    return text
+
+
+def test_routed_side_by_side_colours_drafters_and_plots_the_router(page):
+    status = decode(page, STORY, ["ar", "eagle3", "dflash", "whiflash-entropy"], 48)
+    assert "whiflash-entropy equals AR" in status and "eagle3 equals AR" in status  # greedy: lossless, checked
+    routed = page.locator("#col3")
+    assert routed.locator(".tok[data-src=eagle3]").count() > 0 and routed.locator(".tok[data-src=dflash]").count() > 0
+    tip = routed.locator(".tok[data-src=dflash]").first.get_attribute("title")
+    assert re.search(r"round \d+ · dflash · depth 1 · draft p [\d.]+ · target p [\d.]+ · entropy [\d.]+ · router chose "
+                     r"dflash: signal [\d.]+ vs threshold [\d.]+", tip), tip
+    assert page.locator("#col1 .tok[data-src=eagle3]").count() > 0 and page.locator("#col0 .tok[data-src=target]").count() == 48
+    assert "switches" in page.locator("#head3").inner_text() and "speedup" in page.locator("#head1").inner_text()
+    page.wait_for_selector("#router3 .js-plotly-plot", timeout=30000)
+    legend = svg_texts(page, "#router3 .legendtext")
+    assert {"signal", "threshold", "eagle3 would accept", "dflash would accept"} <= set(legend), legend
+    assert not visible(page, "#router0")  # AR has no router
+    assert "eagle3: accepted draft" in page.locator("#legend").inner_text()
+    page.screenshot(path=str(ART / "side_by_side_routed.png"), full_page=True)
+
+
+def test_method_parameters_show_only_for_chosen_methods(page):
+    choose_methods(page, ["ar", "whiflash-entropy"])
+    page.wait_for_timeout(300)
+    assert visible(page, "#params-whiflash-entropy") and not visible(page, "#params-sps")
+    choose_methods(page, ["ar", "sps"])
+    page.locator("#params-sps").first.wait_for(state="visible", timeout=10000)
+    assert not visible(page, "#params-whiflash-entropy")
+
+
+def test_bad_input_gets_one_clear_message_and_starts_no_run(page):
+    runs_before = _runs(page)
+    page.fill("#prompt textarea", STORY)
+    choose_methods(page, ["ar", "whiflash-entropy"])
+    page.fill("#p-whiflash-entropy-threshold textarea, #p-whiflash-entropy-threshold input", "99")
+    page.click("#run")
+    assert "(got '99')" in error_toast(page, "threshold must be a finite number from 0 to")
+    page.fill("#p-whiflash-entropy-threshold textarea, #p-whiflash-entropy-threshold input", "")
+    choose_methods(page, [])
+    page.click("#run")
+    error_toast(page, "Choose at least one method")
+    choose_methods(page, ["ar"])
+    page.fill("#prompt textarea", "   ")
+    page.click("#run")
+    error_toast(page, "The prompt is empty")
+    page.fill("#prompt textarea", "x" * 20001)
+    page.click("#run")
+    error_toast(page, "The prompt is too long")
+    page.fill("#prompt textarea", STORY)
+    page.fill("#max_new input", "0")
+    page.keyboard.press("Tab")
+    page.click("#run")
+    error_toast(page, "max_new_tokens must be an integer of at least 1")
+    assert _runs(page) == runs_before  # nothing started, nothing half-written
+    page.get_by_role("tab", name="Side by side").click()
+
+
+def _runs(page) -> int:
+    """Runs in the trace, read through the SQL box (its message counts the rows)."""
     page.get_by_role("tab", name="Trace explorer").click()
+    tag = f"n{time.time_ns()}"  # the message echoes the query: wait for this one's
+    page.fill("#sql textarea", f"SELECT run_id AS {tag} FROM runs")
+    page.click("#sql_run")
+    page.wait_for_function(f"document.querySelector('#sql_msg').innerText.includes('{tag}')", timeout=30000)
+    n = int(page.locator("#sql_msg").inner_text().split()[0])
+    page.get_by_role("tab", name="Side by side").click()
+    return n
+
+
+def test_explorer_lists_new_runs_without_a_click_and_keeps_sql_read_only(page):
+    page.get_by_role("tab", name="Trace explorer").click()
+    page.wait_for_function("document.querySelector('#runs').innerText.includes('whiflash-entropy')", timeout=30000)
     page.fill("#sql textarea", "SELECT method, count(*) AS n FROM runs GROUP BY method ORDER BY method")
     page.click("#sql_run")
-    page.wait_for_function("document.querySelector('#sql_msg').innerText.includes('row')", timeout=30000)
-    assert "3 row(s)" in page.locator("#sql_msg").inner_text()
+    page.wait_for_function("document.querySelector('#sql_msg').innerText.includes('4 row(s)')", timeout=30000)
     page.fill("#sql textarea", "DELETE FROM runs")
     page.click("#sql_run")
     page.wait_for_function("document.querySelector('#sql_msg').innerText.includes('Refused')", timeout=30000)
@@ -107,3 +174,82 @@ def test_sql_box_reads_and_refuses_writes(page):
     page.click("#sql_run")
     page.wait_for_function("document.querySelector('#sql_msg').innerText.includes('disabled')", timeout=30000)
     page.screenshot(path=str(ART / "trace_explorer.png"), full_page=True)
+
+
+def test_reopened_routed_run_shows_tokens_tree_and_router(page):
+    rid = re.search(r"whiflash-entropy run (\d+)", page.locator("#status").inner_text()).group(1)
+    page.get_by_role("tab", name="Rounds & trees").click()
+    page.fill("#run_pick input", str(rid))
+    page.keyboard.press("Enter")
+    page.wait_for_selector("#run_router .js-plotly-plot", timeout=60000)
+    page.wait_for_selector("#tree .js-plotly-plot", timeout=60000)
+    assert page.locator("#run_html .tok[data-src=dflash]").count() > 0
+    assert "router chose" in page.locator("#run_html .tok[data-src=eagle3]").first.get_attribute("title")
+    for el in ("#per_round", "#per_pos", "#phases"):
+        page.wait_for_selector(f"{el} .js-plotly-plot", timeout=60000)
+    page.screenshot(path=str(ART / "rounds_and_trees_routed.png"), full_page=True)
+
+
+def test_calibration_replays_saves_and_confirms_live(page, app):
+    page.get_by_role("tab", name="Calibration").click()
+    page.fill("#cal_limit input", "1")
+    page.fill("#cal_max_new input", "16")
+    page.locator("#cal_router").get_by_text("entropy").click()
+    page.click("#cal_profile")
+    page.wait_for_function("document.querySelector('#cal_status').innerText.includes('profiled')", timeout=300000)
+    assert "4 prompts profiled (made now)" in page.locator("#cal_status").inner_text()
+    page.wait_for_selector("#cal_plot .js-plotly-plot", timeout=30000)
+    title = svg_texts(page, "#cal_plot .gtitle")[0]
+    page.fill("#cal_threshold input[type=number]", "2.5")
+    page.keyboard.press("Enter")
+    page.wait_for_function("document.querySelector('#cal_point').innerText.includes('threshold 2.50')", timeout=30000)
+    page.wait_for_function(f"document.querySelector('#cal_plot .gtitle').textContent !== {json.dumps(title)}",
+                           timeout=30000)
+    assert "threshold 2.50" in svg_texts(page, "#cal_plot .gtitle")[0]
+    legend = set(svg_texts(page, "#cal_plot .legendtext"))
+    assert {"whiflash-entropy", "eagle3", "dflash", "oracle-token", "calibrated optimum", "chosen threshold"} <= legend
+    page.screenshot(path=str(ART / "calibration.png"), full_page=True)
+    page.click("#cal_save")
+    page.wait_for_function("document.querySelector('#cal_saved').innerText.includes('saved')", timeout=30000)
+    saved = json.loads(app["calibration"].read_text())
+    assert saved["thresholds"]["entropy"]["*"] == 2.5
+    page.fill("#cal_n input", "1")
+    page.click("#cal_confirm")
+    page.wait_for_function("document.querySelector('#cal_live_msg').innerText.includes('measured')", timeout=300000)
+    assert "tokens/s measured" in page.locator("#cal_live_msg").inner_text()
+    page.fill("#cal_limit input", "0")
+    page.click("#cal_profile")
+    error_toast(page, "prompts per category must be an integer from 1 to 64")
+    page.screenshot(path=str(ART / "calibration_confirmed.png"), full_page=True)
+    page.get_by_role("tab", name="Side by side").click()
+
+
+def test_two_sessions_decode_at_once(browser, app):
+    a, b = open_page(browser, app["url"]), open_page(browser, app["url"])
+    for pg, prompt in ((a, STORY), (b, "def fibonacci(n):\n")):
+        pg.fill("#prompt textarea", prompt)
+        choose_methods(pg, ["ar", "pld"])
+        pg.fill("#max_new input", "24")
+        pg.keyboard.press("Tab")
+    a.click("#run")
+    b.click("#run")
+    runs = [set(map(int, re.findall(r"run (\d+)", wait_done(pg)))) for pg in (a, b)]
+    assert len(runs[0]) == len(runs[1]) == 2 and not runs[0] & runs[1]
+    ids = ",".join(map(str, runs[0] | runs[1]))
+    a.get_by_role("tab", name="Trace explorer").click()
+    a.fill("#sql textarea", f"SELECT run_id FROM runs WHERE run_id IN ({ids}) AND status = 'done'")
+    a.click("#sql_run")
+    a.wait_for_function("document.querySelector('#sql_msg').innerText.includes('status')", timeout=30000)
+    assert a.locator("#sql_msg").inner_text().startswith("4 row(s)")
+    b.screenshot(path=str(ART / "second_session.png"), full_page=True)
+    a.close()
+    b.close()
+
+
+def test_probe_measures_first_tokens_and_bytes_per_update(browser, app):
+    pg = open_page(browser, app["url"])
+    pg.fill("#prompt textarea", STORY)
+    row = probe_once(pg, ["ar", "eagle3"], 24)
+    pg.close()
+    assert row["first_tokens_ms"] > 0 and row["updates"] >= 1
+    assert 0 < row["bytes_per_update_mean"] <= row["bytes_per_update_max"] <= row["bytes_streamed"]

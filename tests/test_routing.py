@@ -15,7 +15,7 @@ from speclab.errors import InvalidInput
 from speclab.generate import generate
 from speclab.methods import build_method, method_params
 from speclab.routers import (Calibration, EntropyRouter, NeuralRouter, RouterConfig, RouterMLP, ScheduleRouter,
-                             load_router)
+                             load_router, threshold_bound)
 from speclab.routing import oracles
 from speclab.sampling import Sampling
 
@@ -65,7 +65,9 @@ def test_routed_greedy_equals_ar(deep, models, thresholds, eager, deferred):
     switched = 0
     for p in PROMPTS[:3]:
         ar = generate(deep, p, "ar", max_new_tokens=40)
-        runs = [("whiflash-entropy", t) for t in thresholds + [-1.0, 1e9]] + [("whiflash-neural", t) for t in (-0.5, 0.0, 0.5)]
+        # and the ends of the entropy range: 0 (EAGLE-3 whenever the target is unsure at all), ln V (always DFlash)
+        ends = [threshold_bound("entropy", deep.vocab_size).lo, threshold_bound("entropy", deep.vocab_size).hi]
+        runs = [("whiflash-entropy", t) for t in thresholds + ends] + [("whiflash-neural", t) for t in (-0.5, 0.0, 0.5)]
         for method, t in runs:
             evs = []
             res = generate(deep, p, method, **models, threshold=t, eager=eager, deferred=deferred, max_new_tokens=40,
@@ -330,3 +332,62 @@ def test_bench_pipeline_profiles_replays_calibrates(deep, models, thresholds, tm
         assert chosen == rr.n_accepted.tolist() and rr.pos.iloc[0] == 0 and not rr.switch.iloc[0]
         fig = viz.router_figure(rr)
         assert {t.name for t in fig.data} >= {"signal", "threshold", "eagle3 would accept", "dflash would accept"}
+
+
+def test_calibrator_replays_saves_and_confirms_live(deep, models, thresholds, tmp_path, monkeypatch):
+    """The app's calibration path on a real tiny bench: the bench and profiles made once and then reused, the
+    replay at any threshold equal to the sweep's, the figure, save (what routers then use) and a live
+    confirmation whose AL equals the replayed one (greedy)."""
+    from speclab import viz
+    from speclab.calibration import Calibrator, check_threshold, save_thresholds
+    from speclab.routers import default_threshold
+    from speclab.trace import TraceStore
+
+    monkeypatch.setenv("SPECLAB_CALIBRATION", str(tmp_path / "cal.json"))
+    with TraceStore(tmp_path / "c.duckdb") as store:
+        with pytest.raises(InvalidInput, match="prompts per category must be"):  # checked before any model work
+            Calibrator.prepare(store, deep, models, "zoo", 0, 16)
+        with pytest.raises(InvalidInput, match="unknown suite"):
+            Calibrator.prepare(store, deep, models, "nope", 1, 16)
+        assert store.query("SELECT count(*) AS n FROM benches").n[0] == 0
+        cal = Calibrator.prepare(store, deep, models, "zoo", 1, 16, log=lambda s: None)
+        again = Calibrator.prepare(store, deep, models, "zoo", 1, 16, log=lambda s: None)
+        assert not cal.reused and again.reused and again.bench_id == cal.bench_id and len(again.profiles) == 4
+        assert cal.categories == ["code", "literature", "math", "stories", "all"]
+        t = thresholds[1]
+        point = cal.at("entropy", t, "code")
+        from speclab.routing import sweep
+        same = sweep(cal.profiles, cal.cost, "entropy", [t])
+        assert point["al"] == same[same.category == "code"].al.iloc[0]
+        best = cal.best("entropy", "all")
+        assert best["tokens_per_s"] == cal.curve("entropy").query("category == 'all'").tokens_per_s.max()
+        refs = cal.references()
+        assert {"eagle3", "dflash", "oracle-token", "oracle-prompt"} <= set(refs.policy)
+        fig = viz.calibration_figure(cal.curve("entropy"), refs, t, point, best, "entropy", "code")
+        assert {"whiflash-entropy", "calibrated optimum", "chosen threshold", "eagle3", "oracle-token"} <= \
+            {d.name for d in fig.data}
+        with pytest.raises(InvalidInput, match="category must be one of"):
+            cal.at("entropy", t, "poetry")
+        with pytest.raises(InvalidInput, match="threshold must be a finite number from 0 to"):
+            check_threshold("entropy", -1, deep.vocab_size)
+        save_thresholds("entropy", {"code": 0.5, "all": 0.75}, deep.fingerprint, {"test": True})
+        assert default_threshold("entropy", "code", deep.fingerprint) == 0.5
+        assert default_threshold("entropy", "math", deep.fingerprint) == 0.75  # 'all' is the global '*'
+        live = cal.confirm(deep, models, "entropy", t, "code", 1, log=lambda s: None)
+        assert live.prompts[0] == 1 and live.al_live[0] == pytest.approx(live.al_replay[0])
+        assert live.tokens_per_s_live[0] > 0
+
+
+def test_live_router_rounds_equal_the_trace(deep, models, thresholds, tmp_path):
+    """The app's live router view (from RoundEvents) shows what the trace keeps for the run."""
+    from speclab.routing import event_rounds, router_rounds
+    from speclab.trace import TraceStore
+
+    with TraceStore(tmp_path / "r.duckdb") as store:
+        evs = []
+        res = generate(deep, PROMPTS[0], "whiflash-entropy", **models, threshold=thresholds[1], max_new_tokens=32,
+                       trace=store, on_round=evs.append)
+        store.drain()
+        live, traced = event_rounds(evs), router_rounds(store, res.run_id)
+    cols = ["round", "signal", "threshold", "choice", "n_accepted", "backlog", "switch", "pos"]
+    assert live[cols].astype(str).equals(traced[cols].astype(str)) and live.switch.any()

@@ -1,0 +1,157 @@
+"""Calibration: pick a prompt suite and a router; the suite's bench and profiles are reused from the trace or
+made (with progress); a threshold slider replays instantly (AL and modeled tokens/s against the threshold, the
+drafters alone and the oracles as reference lines, the optimum starred); "Save" writes the threshold to the
+calibration file the routers read; "Confirm live" decodes a few prompts at it and sets the measured tokens/s
+beside the modeled ones. All of it is `speclab.calibration`."""
+from __future__ import annotations
+
+import math
+
+import gradio as gr
+
+from app.lab import MODELS, Lab
+from speclab import viz
+from speclab.calibration import ROUTERS, Calibrator, check_threshold, grid, save_thresholds
+from speclab.errors import SpeclabError
+from speclab.progress import listen
+from speclab.routers import calibration_path
+from speclab.suites import SUITES
+from speclab.zoo import display_path
+
+
+class Calibration:
+    def __init__(self, lab: Lab):
+        self.lab = lab
+
+    def _cal(self, bench_id) -> Calibrator:
+        cal = self.lab.calibrators.get(bench_id)
+        if cal is None:
+            raise gr.Error("Profile a suite first (button 'Profile').")
+        return cal
+
+    def profile(self, suite, limit, max_new, router, progress=gr.Progress()):
+        """Reuse or make the suite's bench and profiles; returns the bench id, categories, slider and plot."""
+        lab = self.lab
+        if suite not in SUITES:
+            raise gr.Error(f"Unknown prompt suite {suite!r}.")
+        if router not in ROUTERS:
+            raise gr.Error(f"Choose a router ({', '.join(ROUTERS)}).")
+
+        def step(label, done, total, eta):
+            progress((done, total), desc=f"{label} · ETA {eta:.0f} s" if math.isfinite(eta) else label)
+        try:
+            with listen(step):
+                cal = Calibrator.prepare(lab.store, lab.target, lab.models, suite, limit, max_new,
+                                         log=lambda s: print(f"speclab app: {s}", flush=True))
+        except SpeclabError as e:
+            raise gr.Error(str(e))
+        lab.calibrators[cal.bench_id] = cal
+        cats = cal.categories
+        how = "reused from the trace" if cal.reused else "made now"
+        msg = (f"bench `{cal.bench_id}` · {len(cal.profiles)} prompts profiled ({how}) · cost model fitted to "
+               f"{cal.cost.rounds_fitted} live rounds")
+        t, slider = self._start(cal, router, "all")
+        return (cal.bench_id, msg, gr.update(choices=cats, value="all"), slider,
+                *self.replot(cal.bench_id, router, "all", t))
+
+    def _start(self, cal: Calibrator, router: str, category: str):
+        a, b, s = grid(router)[0], grid(router)[-1], 0.05
+        t = float(cal.best(router, category)["threshold"])
+        return t, gr.update(minimum=a, maximum=b, step=s, value=t, interactive=True)
+
+    def switch(self, bench_id, router, category):
+        """A new router or category: the slider starts at its optimum."""
+        if not bench_id:
+            return gr.update(), gr.update(), ""
+        cal = self._cal(bench_id)
+        try:
+            t, slider = self._start(cal, router, category)
+            return (slider, *self.replot(bench_id, router, category, t))
+        except SpeclabError as e:
+            raise gr.Error(str(e))
+
+    def replot(self, bench_id, router, category, threshold):
+        """The exact replay at the slider's threshold (instant: profiles are in memory)."""
+        if not bench_id:
+            return gr.update(), ""
+        cal = self._cal(bench_id)
+        try:
+            t = check_threshold(router, threshold, self.lab.target.vocab_size)
+            point, best = cal.at(router, t, category), cal.best(router, category)
+            fig = viz.calibration_figure(cal.curve(router), cal.references(), t, point, best, router, category)
+        except SpeclabError as e:
+            raise gr.Error(str(e))
+        text = (f"**whiflash-{router} · {category} · threshold {t:.2f}**: AL {point['al']:.3f}, modeled "
+                f"{point['tokens_per_s']:.1f} tokens/s, EAGLE-3 in {point['eagle3_share']:.0%} of rounds, "
+                f"{int(point['switches'])} switches · optimum {best['threshold']:.2f} "
+                f"({best['tokens_per_s']:.1f} tokens/s)")
+        return fig, text
+
+    def save(self, bench_id, router, category, threshold):
+        cal = self._cal(bench_id)
+        try:
+            t = check_threshold(router, threshold, self.lab.target.vocab_size)
+            cal.check_category(category)
+            saved = save_thresholds(router, {category: t}, self.lab.target.fingerprint,
+                                    {"app": {"bench": bench_id, "router": router, "category": category}})
+        except SpeclabError as e:
+            raise gr.Error(str(e))
+        key = "*" if category == "all" else category
+        return (f"saved: whiflash-{router} threshold **{saved.thresholds[router][key]:g}** for "
+                f"{'every category without its own' if key == '*' else category} in "
+                f"`{display_path(calibration_path())}` (used by runs from now on)")
+
+    def confirm(self, bench_id, router, category, threshold, prompts, progress=gr.Progress()):
+        cal = self._cal(bench_id)
+        try:
+            t = check_threshold(router, threshold, self.lab.target.vocab_size)
+            if prompts is None or not 1 <= int(prompts) <= 16:
+                raise gr.Error(f"Prompts to confirm must be 1 to 16 (got {prompts}).")
+
+            def step(label, done, total, eta):
+                progress((done, total), desc=label)
+            with listen(step):
+                df = cal.confirm(self.lab.target, self.lab.models, router, t, category, int(prompts),
+                                 log=lambda s: print(f"speclab app: {s}", flush=True))
+        except SpeclabError as e:
+            raise gr.Error(str(e))
+        r = df.iloc[0]
+        msg = (f"live at threshold {t:.2f} on {int(r.prompts)} prompt(s) of {category}: "
+               f"**{r.tokens_per_s_live:.1f} tokens/s measured** vs {r.tokens_per_s_modeled:.1f} modeled "
+               f"({r.model_error:+.1%}); AL {r.al_live:.3f} live vs {r.al_replay:.3f} replayed")
+        return df.round(3), msg
+
+
+def build(lab: Lab) -> None:
+    c = Calibration(lab)
+    bench = gr.State(None)
+    with gr.Row():
+        suite = gr.Dropdown(list(SUITES), value="zoo-calibration", label="Prompt suite", elem_id="cal_suite")
+        limit = gr.Number(2, label="prompts per category (1-64)", precision=0, elem_id="cal_limit")
+        max_new = gr.Number(64, label="max new tokens (8-1024)", precision=0, elem_id="cal_max_new")
+        router = gr.Radio(list(ROUTERS), value="neural", label="router", elem_id="cal_router")
+        go = gr.Button("Profile", variant="primary", elem_id="cal_profile")
+    status = gr.Markdown("Profile a suite: its bench (AR, EAGLE-3, DFlash) and profiles are reused from the trace "
+                         "when there are some for these settings.", elem_id="cal_status")
+    with gr.Row():
+        category = gr.Dropdown([], label="category", elem_id="cal_category")
+        threshold = gr.Slider(-3, 6, value=0, step=0.05, label="threshold", interactive=False, elem_id="cal_threshold")
+    point = gr.Markdown("", elem_id="cal_point")
+    plot = gr.Plot(label="Calibration", elem_id="cal_plot")
+    with gr.Row():
+        save = gr.Button("Save threshold", elem_id="cal_save")
+        n_live = gr.Number(2, label="prompts to confirm (1-16)", precision=0, elem_id="cal_n")
+        confirm = gr.Button("Confirm live", elem_id="cal_confirm")
+    saved = gr.Markdown("", elem_id="cal_saved")
+    live_msg = gr.Markdown("", elem_id="cal_live_msg")
+    live = gr.Dataframe(label="Live vs modeled", interactive=False, elem_id="cal_live")
+
+    go.click(c.profile, [suite, limit, max_new, router], [bench, status, category, threshold, plot, point],
+             concurrency_id=MODELS, concurrency_limit=1)
+    router.change(c.switch, [bench, router, category], [threshold, plot, point])
+    category.input(c.switch, [bench, router, category], [threshold, plot, point])
+    threshold.change(c.replot, [bench, router, category, threshold], [plot, point], trigger_mode="always_last",
+                     show_progress="hidden")
+    save.click(c.save, [bench, router, category, threshold], saved)
+    confirm.click(c.confirm, [bench, router, category, threshold, n_live], [live, live_msg], concurrency_id=MODELS,
+                  concurrency_limit=1)

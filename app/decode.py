@@ -1,0 +1,246 @@
+"""Side by side: the chosen methods decode one prompt interleaved round by round, streamed to the page.
+
+Each method has its own parameters (shown only while it is chosen). Tokens are coloured by the drafter that
+drafted them; a routed run also gets a live router plot (signal against threshold, choices, accepted lengths)
+and, when greedy, the counterfactual accept lengths of both drafters once it ends.
+
+Streaming stays light: updates are throttled (STREAM_EVERY_S), a column's token HTML only ever grows (Gradio
+sends the appended part, not the whole column), its stats header is a separate small component, and router
+plots refresh at most every ROUTER_EVERY_S.
+"""
+from __future__ import annotations
+
+import time
+
+import gradio as gr
+import torch
+
+from app.lab import MODELS, Lab
+from speclab import replay, viz
+from speclab.equality import first_divergence
+from speclab.errors import SpeclabError
+from speclab.generate import Generation, check_generation
+from speclab.methods import METHODS, method_params
+from speclab.metrics import tau, tokens_per_s
+from speclab.routing import event_rounds, with_counterfactual
+from speclab.suites import SUITES, load_suite
+from speclab.trace import decision_columns, token_columns
+
+STREAM_EVERY_S = 0.25  # at most four page updates a second while decoding
+ROUTER_EVERY_S = 2.0  # router plots are whole figures (~10 KB, and costly to draw): refreshed less often, not in
+# the first update (which carries only tokens, so they show at once)
+MAX_COLUMNS = 4
+MAX_PROMPT_CHARS = 20000  # beyond this a prompt cannot fit any context speclab decodes in
+DEFAULT_METHODS = ("ar", "eagle3", "dflash", "whiflash-neural")
+CSS = (".speclab-head{min-height:20px}.speclab-toks{white-space:pre-wrap;font-family:monospace;font-size:13px;"
+       "line-height:1.7;border:1px solid #ddd;border-radius:6px;padding:6px;min-height:80px}")
+
+
+def routed(gen: Generation) -> bool:
+    return gen.router is not None and gen.router.policy != "fixed"
+
+
+class Column:
+    """One method's live view: its token spans (append-only), counters and round events."""
+
+    def __init__(self, gen: Generation):
+        self.gen, self.spans, self.events = gen, [], []
+        self.tokens = self.rounds = self.calls = 0
+        self.s, self.last_round, self.profile = 0.0, None, None
+
+    def add(self, ev, text, shade: str) -> None:
+        cols = token_columns([ev], text)
+        if routed(self.gen):
+            cols.update(decision_columns([ev]))
+        self.spans += viz.token_spans(cols, self.last_round, shade)
+        self.events.append(ev)
+        self.last_round = ev.round
+        self.tokens += ev.committed.numel()
+        self.rounds += 1
+        self.calls += ev.target_calls
+        self.s = ev.elapsed_ms / 1e3
+
+    def stats(self, ar_tps: float | None) -> dict:
+        tps = tokens_per_s(self.tokens, self.s) if self.s else 0.0
+        out = {"tok/s": f"{tps:.1f}", "tau": f"{tau(self.tokens, self.rounds):.2f}", "rounds": self.rounds,
+               "target calls": self.calls}
+        if ar_tps:
+            out["speedup"] = f"{tps / ar_tps:.2f}x"
+        if routed(self.gen) and self.events:
+            rr = event_rounds(self.events)
+            out["switches"] = int(rr.switch.sum())
+            out["EAGLE-3 rounds"] = f"{(rr.choice == 'eagle3').mean():.0%}"
+        return out
+
+    def router_plot(self, method: str):
+        rr = with_counterfactual(event_rounds(self.events), self.profile)
+        note = "" if self.profile is not None else " (counterfactuals: greedy runs, once decoded)"
+        return viz.router_figure(rr, f"{method}: router signal vs threshold per round{note}")
+
+
+def build(lab: Lab) -> dict:
+    """The tab's components and events (inside a gr.Blocks); returns the components other tabs wire to."""
+    bounds = {m: (METHODS[m].bounds(lab.target) if METHODS[m].bounds else {}) for m in METHODS}
+    with gr.Row():
+        prompt = gr.Textbox(label="Prompt", lines=4, elem_id="prompt", scale=3)
+        with gr.Column(scale=1):
+            suite = gr.Dropdown(list(SUITES), value="demo", label="Prompt set", elem_id="suite")
+            pick = gr.Dropdown([], label="Pick a prompt", elem_id="pick")
+    chosen = gr.CheckboxGroup(list(METHODS), value=[m for m in DEFAULT_METHODS if m in METHODS],
+                              label=f"Methods (up to {MAX_COLUMNS} side by side)", elem_id="methods")
+    keys, widgets, groups = [], [], {}
+    with gr.Row(equal_height=False):
+        for name, m in METHODS.items():
+            if not m.params:
+                continue
+            defaults = method_params(name, {}, lab.target)
+            with gr.Group(visible=name in DEFAULT_METHODS, elem_id=f"params-{name}") as groups[name]:
+                gr.Markdown(f"**{name}**", elem_classes=["speclab-params"])
+                with gr.Row():
+                    for p, default in m.params.items():
+                        label = f"{p} ({_range(bounds[name].get(p))})"
+                        if default is None:  # an optional float (a router's threshold): empty = calibrated
+                            w = gr.Textbox("", label=f"{label}, empty = calibrated", elem_id=f"p-{name}-{p}",
+                                           min_width=160)
+                        else:
+                            w = gr.Number(defaults[p], label=label, elem_id=f"p-{name}-{p}", min_width=110,
+                                          precision=0 if isinstance(default, int) else None)
+                        widgets.append(w)
+                        keys.append((name, p))
+    with gr.Row():
+        deferred = gr.Checkbox(True, label="deferred bonus token")
+        max_new = gr.Number(96, label="max new tokens", precision=0, elem_id="max_new")
+        temperature = gr.Number(0.0, label="temperature (0 = greedy)", elem_id="temperature")
+        seed = gr.Number(0, label="seed", precision=0, elem_id="seed")
+        shade = gr.Radio(["depth", "draft_prob"], value="depth", label="shade by", elem_id="shade")
+    run = gr.Button("Decode side by side", variant="primary", elem_id="run")
+    status = gr.Markdown("", elem_id="status")
+    legend = gr.HTML("", elem_id="legend")
+    heads, toks = [], []
+    with gr.Row(equal_height=False):
+        for i in range(MAX_COLUMNS):
+            with gr.Column(min_width=200):
+                heads.append(gr.HTML("", visible=False, elem_id=f"head{i}", elem_classes=["speclab-head"]))
+                toks.append(gr.HTML("", visible=False, elem_id=f"col{i}", elem_classes=["speclab-toks"]))
+    plots = [gr.Plot(visible=False, elem_id=f"router{i}", label="Router") for i in range(MAX_COLUMNS)]
+
+    decoder = SideBySide(lab, keys)
+    suite.change(lambda s: gr.update(choices=_prompts(s), value=None), suite, pick)
+    pick.change(lambda p: p or gr.update(), pick, prompt)
+    chosen.change(lambda ms: [gr.update(visible=n in (ms or [])) for n in groups], chosen, list(groups.values()))
+    event = run.click(decoder.decode, [prompt, chosen, max_new, temperature, seed, deferred, shade, *widgets],
+                      [status, legend, *heads, *toks, *plots], concurrency_id=MODELS, concurrency_limit=1,
+                      api_name="decode")
+    return {"run": event, "suite": suite, "pick": pick, "prompts": _prompts}
+
+
+def _range(b) -> str:
+    if b is None or (b.lo is None and b.hi is None):
+        return "any"
+    if b.hi is None:
+        return f">= {b.lo:g}"
+    return f"{b.lo:g} to {b.hi:g}" + (" excl." if b.hi_open else "")
+
+
+def _prompts(suite: str) -> list:
+    return [(r["prompt"][:80], r["prompt"]) for r in load_suite(suite, 6)]
+
+
+class SideBySide:
+    def __init__(self, lab: Lab, keys: list[tuple[str, str]]):
+        self.lab, self.keys = lab, keys
+
+    def _check(self, prompt, methods, max_new, temperature, seed, values) -> dict[str, dict]:
+        """Every input checked before any run starts (a run row exists only for decodes that can go ahead)."""
+        if not methods:
+            raise gr.Error("Choose at least one method.")
+        if len(methods) > MAX_COLUMNS:
+            raise gr.Error(f"Choose at most {MAX_COLUMNS} methods (got {len(methods)}).")
+        if not prompt or not str(prompt).strip():
+            raise gr.Error("The prompt is empty.")
+        if len(prompt) > MAX_PROMPT_CHARS:
+            raise gr.Error(f"The prompt is too long ({len(prompt)} characters; at most {MAX_PROMPT_CHARS}).")
+        params = {m: {} for m in methods}
+        for (m, p), v in zip(self.keys, values):
+            if m in params:
+                params[m][p] = v
+        try:
+            for m in methods:
+                check_generation(self.lab.target, prompt, m, self.lab.models, max_new, temperature, seed=seed,
+                                 params=params[m])
+        except SpeclabError as e:
+            raise gr.Error(f"{m}: {e}" if m else str(e))
+        return params
+
+    def decode(self, prompt, methods, max_new, temperature, seed, deferred, shade, *values):
+        """Generator for the Decode button: the methods interleaved round by round, streamed."""
+        lab = self.lab
+        methods = list(dict.fromkeys(methods or []))
+        params = self._check(prompt, methods, max_new, temperature, seed, values)
+        gens = {m: Generation(lab.target, prompt, m, **lab.models, max_new_tokens=max_new, temperature=temperature,
+                              seed=seed, deferred=bool(deferred), trace=lab.store, **params[m]) for m in methods}
+        cols = {m: Column(g) for m, g in gens.items()}
+        iters = {m: iter(g) for m, g in gens.items()}
+        legend = viz.legend_html(list(dict.fromkeys(d for g in gens.values() for d in g.drafters)), shade)
+        last, last_plot = 0.0, time.perf_counter()
+        first = True
+        greedy = not temperature or float(temperature) == 0  # counterfactuals (a profile) exist for greedy runs only
+        late = [m for m in methods if routed(gens[m]) and greedy and set(replay.DRAFTERS) <= set(gens[m].drafters)]
+        while iters:
+            for m in list(iters):
+                try:
+                    cols[m].add(next(iters[m]), lab.text, shade)
+                except StopIteration:
+                    del iters[m]
+                    cols[m].s = gens[m].result.elapsed_s  # the run's decode time, as in the trace
+            now = time.perf_counter()
+            if now - last > STREAM_EVERY_S or not iters:
+                plots = now - last_plot > ROUTER_EVERY_S or not iters
+                last, last_plot = now, (now if plots else last_plot)
+                if iters:
+                    status = "decoding: " + ", ".join(f"{m} {cols[m].tokens} tokens" for m in methods)
+                else:
+                    done = ", ".join(f"{m} run {g.run_id}" for m, g in gens.items()) + self._equality_note(gens, temperature)
+                    status = (f"decoded: {done} · computing counterfactual accept lengths of {', '.join(late)} ..."
+                              if late else f"done: {done}")
+                yield self._update(methods, cols, status, legend if first else gr.skip(), plots, first)
+                first = False
+        if late:
+            for m in late:
+                g = gens[m]
+                cols[m].profile = replay.profile_sequence(lab.target, g.drafters, g.prompt_ids,
+                                                          torch.tensor(g.result.token_ids), int(max_new))
+            yield self._update(methods, cols, f"done: {done}", gr.skip(), True, False)
+
+    def _update(self, methods, cols, status, legend, plots: bool, first: bool) -> list:
+        ar = cols.get("ar")
+        ar_tps = tokens_per_s(ar.tokens, ar.s) if ar and ar.s else None
+        heads, toks, figs = [], [], []
+        for i in range(MAX_COLUMNS):
+            if i >= len(methods):
+                off = gr.update(value="", visible=False) if first else gr.skip()
+                heads.append(off)
+                toks.append(off)
+                figs.append(gr.update(visible=False) if first else gr.skip())
+                continue
+            m, c = methods[i], cols[methods[i]]
+            heads.append(gr.update(value=viz.stats_header(m, c.stats(ar_tps)), visible=True))
+            toks.append(gr.update(value="".join(c.spans), visible=True))
+            if not routed(c.gen):
+                figs.append(gr.update(visible=False) if first else gr.skip())
+            else:
+                figs.append(gr.update(value=c.router_plot(m), visible=True) if plots and c.events else gr.skip())
+        return [status, legend, *heads, *toks, *figs]
+
+    def _equality_note(self, gens, temperature) -> str:
+        """Greedy runs beside AR: where an output differs, the first position and the target's top-2 logit gap."""
+        ar = gens.get("ar")
+        if ar is None or (temperature and float(temperature) > 0) or ar.result is None:
+            return ""
+        notes = []
+        for m, g in gens.items():
+            if m == "ar":
+                continue
+            div = first_divergence(self.lab.target, g.prompt_ids, ar.result.token_ids, g.result.token_ids)
+            notes.append(f"{m} {div.describe()}" if div else f"{m} equals AR")
+        return " · " + "; ".join(notes) if notes else ""

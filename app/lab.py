@@ -1,0 +1,43 @@
+"""What every tab and browser session shares: the target, the drafter models by role, the trace and the token
+texts. Model work (decoding, profiling, live confirmation) runs one event at a time (`MODELS`, the event
+queue's concurrency group): sessions queue for it and each finishes with its own runs in the trace."""
+from __future__ import annotations
+
+import gradio as gr
+
+from speclab.target import Target
+from speclab.trace import TraceStore, vocab_text
+from speclab.zoo import display_path
+
+MODELS = "models"  # concurrency id of every event that runs a model
+
+
+class Lab:
+    def __init__(self, target: Target, models: dict, store: TraceStore):
+        self.target, self.models, self.store = target, models, store  # drafter models by role (speclab.methods)
+        self.text = vocab_text(target.tokenizer)
+        self.calibrators: dict = {}  # bench id -> speclab.calibration.Calibrator (profiles loaded once)
+
+    def header(self) -> str:
+        roles = " · ".join(f"{role} `{display_path(getattr(m, 'name', '-'))}`" for role, m in self.models.items())
+        return (f"# speclab · speculative decoding lab\ntarget `{display_path(self.target.name)}` · {roles} · "
+                f"trace `{display_path(self.store.path)}` · {self.target.device.type}")
+
+    def warm_up(self) -> None:
+        """Decode a few tokens with every method once, untraced, so the first decode a user asks for streams its
+        first tokens at once (cold, the first call of each code path costs most of a second on CPU)."""
+        from speclab.generate import generate
+        from speclab.methods import METHODS
+        for name, m in METHODS.items():
+            if all(self.models.get(role) is not None for role in m.needs):
+                generate(self.target, "The", name, **self.models, max_new_tokens=4)
+
+    def run_choices(self) -> list[str]:
+        return [str(r) for r in self.store.query("SELECT run_id FROM runs ORDER BY run_id DESC LIMIT 200").run_id]
+
+
+def run_id_of(value) -> int:
+    try:
+        return int(str(value).strip())
+    except ValueError:
+        raise gr.Error(f"'{value}' is not a run id.")

@@ -1,0 +1,171 @@
+"""Calibrating a router on a prompt suite, interactively (the app's calibration tab; `speclab calibrate` is the
+batch form): find or run the suite's bench (AR for the sequences to profile, EAGLE-3 and DFlash for the cost
+model), profile it, replay any threshold instantly, save the chosen one to the calibration file the routers read,
+and confirm it live.
+
+A `Calibrator` holds one bench's profiles and cost model; every replay goes through `speclab.routing` (the sweep,
+the single drafters and the oracles of the routing report), so the figures here are the report's.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+
+import numpy as np
+import pandas as pd
+
+from speclab import replay, routing
+from speclab.errors import InvalidInput
+from speclab.routers import Calibration, calibration_path, load_calibration, threshold_bound
+
+BENCH_METHODS = ["ar", "eagle3", "dflash"]
+ROUTERS = ("entropy", "neural")
+GRIDS = {"entropy": (0.0, 6.0, 0.05), "neural": (-3.0, 3.0, 0.05)}  # start, stop, step of the replayed curve
+REFERENCES = ("eagle3", "dflash", "oracle-task", "oracle-prompt", "oracle-token", "oracle-token-time")
+
+
+def check_router(router: str) -> str:
+    if router not in ROUTERS:
+        raise InvalidInput(f"router must be one of {', '.join(ROUTERS)} (got {router!r})")
+    return router
+
+
+def check_threshold(router: str, threshold, vocab_size: int) -> float:
+    from speclab.checks import check_number
+    return check_number("threshold", threshold, float, threshold_bound(check_router(router), vocab_size))
+
+
+def grid(router: str) -> list[float]:
+    a, b, s = GRIDS[check_router(router)]
+    return [round(float(x), 10) for x in np.arange(a, b + s / 2, s)]
+
+
+def find_bench(store, suite: str, limit: int, max_new_tokens: int) -> str | None:
+    """The latest finished bench of `suite` with these settings whose methods include AR, EAGLE-3 and DFlash."""
+    b = store.query("SELECT bench_id, methods, config_json FROM benches WHERE suite = ? AND status = 'done' "
+                    "ORDER BY started_at DESC", [suite])
+    for bench_id, methods, cfg in zip(b.bench_id, b.methods, b.config_json):
+        c = json.loads(cfg)
+        if set(BENCH_METHODS) <= set(methods.split(",")) and c.get("limit") == limit and \
+                c.get("max_new_tokens") == max_new_tokens:
+            return str(bench_id)
+    return None
+
+
+def check_suite(suite: str, limit: int) -> list[dict]:
+    from speclab.suites import load_suite
+    rows = load_suite(suite, limit)
+    if not rows:
+        raise InvalidInput(f"suite '{suite}' has no prompts: nothing to calibrate on")
+    return rows
+
+
+@dataclass
+class Calibrator:
+    """One bench's profiles and fitted cost model, with the replayed curves cached per router."""
+    store: object
+    bench_id: str
+    profiles: list
+    cost: replay.CostModel
+    mlp: object = None  # the neural router's MLP (neural curves need it)
+    reused: bool = False  # profiles came from the trace, not made now
+    curves: dict = field(default_factory=dict)
+
+    @classmethod
+    def prepare(cls, store, target, models: dict, suite: str, limit: int, max_new_tokens: int, log=print):
+        """Reuse the trace's bench of this suite and these settings (and its profiles), or run and profile one.
+        Every input is checked before any model work."""
+        from speclab.bench import BenchConfig, run_bench
+        from speclab.checks import Bound, check_number
+
+        limit = check_number("prompts per category", limit, int, Bound(1, 64))
+        max_new_tokens = check_number("max new tokens", max_new_tokens, int, Bound(8, 1024))
+        check_suite(suite, limit)
+        bench_id = find_bench(store, suite, limit, max_new_tokens)
+        reused = bench_id is not None
+        if bench_id is None:
+            log(f"running bench of {', '.join(BENCH_METHODS)} on {suite} ...")
+            cfg = BenchConfig(suite=suite, methods=list(BENCH_METHODS), limit=limit, max_new_tokens=max_new_tokens,
+                              peers=False, untraced=False)
+            bench_id = run_bench(cfg, target, models, store, log=log)
+            store.drain()
+        try:
+            profiles = replay.load_profiles(store, bench_id)[0]
+        except InvalidInput:
+            reused = False
+            log(f"profiling bench {bench_id} ...")
+            profiles = routing.profile_bench(store, bench_id, target, models, log=log)
+        return cls(store, bench_id, profiles, replay.fit_costs(store, bench_id), models.get("router"), reused)
+
+    @property
+    def categories(self) -> list[str]:
+        return sorted({p.category for p in self.profiles if p.category}) + ["all"]
+
+    def check_category(self, category: str) -> str:
+        if category not in self.categories:
+            raise InvalidInput(f"category must be one of {', '.join(self.categories)} (got {category!r})")
+        return category
+
+    def curve(self, router: str) -> pd.DataFrame:
+        """AL and modeled tokens/s per (category, threshold) over the router's grid (replayed once, then cached)."""
+        if router not in self.curves:
+            if router == "neural" and self.mlp is None:
+                raise InvalidInput("a neural calibration needs the neural router (--router-model, or the zoo's)")
+            self.curves[router] = routing.sweep(self.profiles, self.cost, check_router(router), grid(router), self.mlp)
+        return self.curves[router]
+
+    def references(self) -> pd.DataFrame:
+        """Each drafter alone and the oracles, per category: AL and modeled tokens/s (the routing report's)."""
+        if "refs" not in self.curves:
+            orc = routing.oracles(self.profiles, self.cost, routing.switch_backlog(self.store, self.bench_id))
+            self.curves["refs"] = orc[orc.policy.isin(REFERENCES)]
+        return self.curves["refs"]
+
+    def at(self, router: str, threshold: float, category: str) -> dict:
+        """The exact replay at one threshold (not the grid's nearest point) for one category."""
+        sw = routing.sweep(self.profiles, self.cost, check_router(router), [float(threshold)], self.mlp)
+        return sw[sw.category == self.check_category(category)].iloc[0].to_dict()
+
+    def best(self, router: str, category: str) -> dict:
+        c = self.curve(router)
+        c = c[c.category == self.check_category(category)]
+        return c.loc[c.tokens_per_s.idxmax()].to_dict()
+
+    def confirm(self, target, models: dict, router: str, threshold: float, category: str, prompts: int,
+                log=print) -> pd.DataFrame:
+        """Decode `prompts` of the bench's prompts of `category` live at `threshold` (traced into the bench) and
+        set measured AL and tokens/s beside the replayed / modeled ones for the same prompts."""
+        spec = f"whiflash-{check_router(router)}:threshold={float(threshold):g}"
+        cat = self.check_category(category)
+        chosen = [p for p in self.profiles if cat == "all" or p.category == cat][:prompts]
+        routing.run_live(self.store, self.bench_id, target, models, [spec], log=log,
+                         prompt_ids=[p.prompt_id for p in chosen])
+        ids = [p.prompt_id for p in chosen]
+        q = ",".join("?" * len(ids))
+        runs = self.store.query(f"""SELECT run_id, new_tokens, rounds, elapsed_s FROM runs WHERE bench_id = ? AND
+                                    method = ? AND status = 'done' AND prompt_id IN ({q}) ORDER BY run_id DESC
+                                    LIMIT ?""", [self.bench_id, spec, *ids, len(ids)])
+        from speclab.metrics import tau, tokens_per_s
+        sw = routing.sweep(chosen, self.cost, router, [float(threshold)], self.mlp)
+        modeled = sw[sw.category == "all"].iloc[0]
+        measured_tps = tokens_per_s(runs.new_tokens.sum(), runs.elapsed_s.sum())
+        return pd.DataFrame([{"threshold": float(threshold), "category": cat, "prompts": len(runs),
+                              "al_live": tau(runs.new_tokens.sum(), runs.rounds.sum()), "al_replay": modeled.al,
+                              "tokens_per_s_live": measured_tps, "tokens_per_s_modeled": modeled.tokens_per_s,
+                              "model_error": modeled.tokens_per_s / measured_tps - 1 if measured_tps else np.nan}])
+
+
+def save_thresholds(router: str, thresholds: dict, fingerprint: str, info: dict, path=None) -> Calibration:
+    """Write `thresholds` ({category, or '*' / 'all' for the global one: value}) for `router` into the calibration file (the routers' one by
+    default), keeping the other entries; a file calibrated for another target starts afresh."""
+    from pathlib import Path
+    out = Path(path) if path else calibration_path()
+    cal = load_calibration(out) if out.exists() else Calibration()
+    if cal.target and cal.target != fingerprint:
+        cal = Calibration()
+    cal.target = fingerprint
+    cal.thresholds.setdefault(router, {}).update({("*" if k == "all" else str(k)): float(v) for k, v in thresholds.items()})
+    cal.info = {**cal.info, **info}
+    out.parent.mkdir(parents=True, exist_ok=True)
+    cal.save(out)
+    return cal

@@ -1,0 +1,53 @@
+"""The target and the drafter models by role (`speclab.methods.ROLES`), loaded from command-line options or the
+zoo: shared by the CLI and the app."""
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def add_model_args(p: argparse.ArgumentParser) -> None:
+    """The model options every model-loading command shares (the CLI's and the app's)."""
+    p.add_argument("--model", help="target model directory or cached hub name (default: the zoo target)")
+    p.add_argument("--draft", help="draft model for sps (default: the zoo draft)")
+    p.add_argument("--eagle", help="EAGLE-3 drafter directory for eagle3 (public layout; default: the zoo's)")
+    p.add_argument("--dflash", help="DFlash drafter directory for dflash (public layout; default: the zoo's)")
+    p.add_argument("--router-model", help="neural router directory for whiflash-neural (default: the zoo's)")
+    p.add_argument("--device", default=None, help="cpu | cuda (default: cuda when present)")
+    p.add_argument("--dtype", default=None, help="fp32 | bf16 | fp16 (default fp32 on CPU, bf16 on CUDA)")
+    p.add_argument("--backend", default="auto", choices=["auto", "lean", "hf"],
+                   help="forward pass: speclab's lean forward (Llama family) or the transformers one (default: lean "
+                        "where it applies)")
+
+
+def load_models(a: argparse.Namespace, roles=("draft", "eagle3", "dflash", "router"), log=None):
+    """(target, drafter models by role) from the options of `add_model_args`: the roles asked for (those the
+    methods at hand need), each from its option or the zoo."""
+    from speclab import zoo
+    from speclab.target import Target
+
+    log = log or (lambda s: print(s, file=sys.stderr, flush=True))
+    path = a.model or zoo.default_target()
+    log(f"loading target {path} ...")
+    target = Target.load(path, device=a.device, dtype=a.dtype, backend=a.backend)
+    models = {}
+    if "draft" in roles:
+        path = a.draft or zoo.default_draft()
+        log(f"loading draft {path} ...")
+        models["draft"] = Target.load(path, device=a.device, dtype=a.dtype, backend=a.backend)
+    if "eagle3" in roles:
+        from speclab.drafters.eagle3 import load_eagle3
+        path = getattr(a, "eagle", None) or zoo.default_eagle3()
+        log(f"loading EAGLE-3 drafter {path} ...")
+        models["eagle3"] = load_eagle3(path, target)
+    if "dflash" in roles:
+        from speclab.drafters.dflash import load_dflash
+        path = getattr(a, "dflash", None) or zoo.default_dflash()
+        log(f"loading DFlash drafter {path} ...")
+        models["dflash"] = load_dflash(path, target)
+    if "router" in roles:
+        from speclab.routers import load_router
+        path = getattr(a, "router_model", None) or zoo.default_router()
+        log(f"loading neural router {path} ...")
+        models["router"] = load_router(path, target)
+    return target, models
