@@ -2,7 +2,7 @@
 # Both create/reuse .venv and install what they need (scripts/setup.sh).
 PY := .venv/bin/python
 
-.PHONY: setup run demo test bench bench-quick whiflash
+.PHONY: setup run demo test bench bench-quick whiflash app-probe
 
 setup:
 	@bash scripts/setup.sh
@@ -12,6 +12,11 @@ run: setup
 
 demo: setup
 	$(PY) -m speclab.cli generate --prompts data/prompts/demo.jsonl --method sps --max-new-tokens 64
+
+# The app measured in a real browser (first tokens, bytes per update): README "The app"
+app-probe:
+	@bash scripts/setup.sh test
+	$(PY) -m app.probe --methods ar,eagle3,dflash,whiflash-neural --tokens 256 --repeats 3
 
 test:
 	@bash scripts/setup.sh test

@@ -186,30 +186,36 @@ class SideBySide:
         first = True
         greedy = not temperature or float(temperature) == 0  # counterfactuals (a profile) exist for greedy runs only
         late = [m for m in methods if routed(gens[m]) and greedy and set(replay.DRAFTERS) <= set(gens[m].drafters)]
-        while iters:
-            for m in list(iters):
-                try:
-                    cols[m].add(next(iters[m]), lab.text, shade)
-                except StopIteration:
-                    del iters[m]
-                    cols[m].s = gens[m].result.elapsed_s  # the run's decode time, as in the trace
-            now = time.perf_counter()
-            if now - last > STREAM_EVERY_S or not iters:
-                plots = now - last_plot > ROUTER_EVERY_S or not iters
-                last, last_plot = now, (now if plots else last_plot)
-                if iters:
-                    status = "decoding: " + ", ".join(f"{m} {cols[m].tokens} tokens" for m in methods)
-                else:
-                    done = ", ".join(f"{m} run {g.run_id}" for m, g in gens.items()) + self._equality_note(gens, temperature)
-                    status = (f"decoded: {done} · computing counterfactual accept lengths of {', '.join(late)} ..."
-                              if late else f"done: {done}")
-                yield self._update(methods, cols, status, legend if first else gr.skip(), plots, first)
-                first = False
+        try:
+            while iters:
+                for m in list(iters):
+                    try:
+                        cols[m].add(next(iters[m]), lab.text, shade)
+                    except StopIteration:
+                        del iters[m]
+                        cols[m].s = gens[m].result.elapsed_s  # the run's decode time, as in the trace
+                now = time.perf_counter()
+                if now - last > STREAM_EVERY_S or not iters:
+                    plots = now - last_plot > ROUTER_EVERY_S or not iters
+                    last, last_plot = now, (now if plots else last_plot)
+                    if iters:
+                        status = "decoding: " + ", ".join(f"{m} {cols[m].tokens} tokens" for m in methods)
+                    else:
+                        done = (", ".join(f"{m} run {g.run_id}" for m, g in gens.items())
+                                + self._equality_note(gens, temperature))
+                        status = (f"decoded: {done} · computing counterfactual accept lengths of {', '.join(late)} ..."
+                                  if late else f"done: {done}")
+                    yield self._update(methods, cols, status, legend if first else gr.skip(), plots, first)
+                    first = False
+        finally:  # a page closed mid-decode: its unfinished runs are marked cancelled in the trace now
+            for it in iters.values():
+                it.close()
         if late:
             for m in late:
                 g = gens[m]
-                cols[m].profile = replay.profile_sequence(lab.target, g.drafters, g.prompt_ids,
-                                                          torch.tensor(g.result.token_ids), int(max_new))
+                cols[m].profile = replay.profile_sequence(  # at the run's round starts: what the plot shows
+                    lab.target, g.drafters, g.prompt_ids, torch.tensor(g.result.token_ids), int(max_new),
+                    positions=[ev.pos0 for ev in cols[m].events])
             yield self._update(methods, cols, f"done: {done}", gr.skip(), True, False)
 
     def _update(self, methods, cols, status, legend, plots: bool, first: bool) -> list:

@@ -1,7 +1,8 @@
 """Measure the app as a user meets it, in a real browser (Debian's chromium through Playwright): for a side-by-side
 decode of some methods, the latency from pressing the button to the first streamed tokens on the page, the
 number of streamed updates and the bytes each update carried (every server-sent message the page received on
-Gradio's event stream, counted in the page), and the decode's wall time. Prints a table (and --json).
+Gradio's event stream, counted in the page), the page's main-thread tasks over 50 ms meanwhile (what makes a
+page sluggish) and the decode's wall time. Prints a table (and --json).
 
     python -m app.probe                       # starts the app on the zoo, 4 methods x 256 tokens, 3 repeats
     python -m app.probe --url http://127.0.0.1:7860 --methods ar,eagle3 --tokens 64
@@ -50,8 +51,11 @@ TAP = """(() => {
 })();"""
 
 WATCH = """() => {
-  window.__probe = {click: null, first: null};
+  window.__probe = {click: null, first: null, long: []};
   window.__sse = [];
+  // main-thread tasks over 50 ms while the decode streams: what makes a page feel sluggish
+  new PerformanceObserver(l => l.getEntries().forEach(e => window.__probe.long.push(e.duration)))
+    .observe({type: 'longtask'});
   document.querySelector('#run').addEventListener('click', () => { window.__probe.click = performance.now(); },
                                                   {capture: true, once: true});
   const obs = new MutationObserver(() => {
@@ -112,11 +116,16 @@ def probe_once(page, methods: list[str], tokens: int, timeout_s: float = 600) ->
     page.wait_for_timeout(300)
     timing, sse = page.evaluate("window.__probe"), page.evaluate("window.__sse")
     updates = [m["bytes"] for m in sse if m["generating"]]
+    q = max(1, len(updates) // 4)  # streamed text only grows by appends: late updates are no bigger than early ones
+    early, late = updates[:q], updates[-q:]
     return {"methods": ",".join(methods), "tokens": tokens,
             "first_tokens_ms": round(timing["first"] - timing["click"], 1), "updates": len(updates),
             "bytes_per_update_mean": round(sum(updates) / max(1, len(updates))),
-            "bytes_per_update_max": max(updates, default=0), "bytes_streamed": sum(m["bytes"] for m in sse),
-            "wall_s": round(wall, 2)}
+            "bytes_per_update_max": max(updates, default=0),
+            "late_vs_early_update_bytes": round((sum(late) / len(late)) / (sum(early) / len(early)), 2) if updates else None,
+            "bytes_streamed": sum(m["bytes"] for m in sse),
+            "long_tasks": len(timing["long"]), "longest_task_ms": round(max(timing["long"], default=0.0)),
+            "long_task_ms_total": round(sum(timing["long"])), "wall_s": round(wall, 2)}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -98,7 +98,8 @@ class Runs:
             return pd.DataFrame(), f"**Refused:** {e}"
         ran = " ".join(str(query).split())
         ran = (ran[:100] + " ...") if len(ran) > 100 else ran
-        return df, f"{len(df)} row(s)" + (" (first 1000 shown)" if truncated else "") + f" · `{ran.replace('`', chr(39))}`"
+        shown = " (first 1000 shown)" if truncated else ""
+        return df, f"{len(df)} row(s){shown} · `{ran.replace('`', chr(39))}`"  # the query echoed: which result this is
 
 
 def build_rounds(lab: Lab, runs: Runs, shade) -> dict:

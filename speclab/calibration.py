@@ -156,15 +156,17 @@ class Calibrator:
 
 
 def save_thresholds(router: str, thresholds: dict, fingerprint: str, info: dict, path=None) -> Calibration:
-    """Write `thresholds` ({category, or '*' / 'all' for the global one: value}) for `router` into the calibration file (the routers' one by
-    default), keeping the other entries; a file calibrated for another target starts afresh."""
+    """Write `thresholds` ({category, or '*' / 'all' for the global one: value}) for `router` into the calibration
+    file (the routers' one by default), keeping the other entries; a file calibrated for another target starts
+    afresh."""
     from pathlib import Path
     out = Path(path) if path else calibration_path()
     cal = load_calibration(out) if out.exists() else Calibration()
     if cal.target and cal.target != fingerprint:
         cal = Calibration()
     cal.target = fingerprint
-    cal.thresholds.setdefault(router, {}).update({("*" if k == "all" else str(k)): float(v) for k, v in thresholds.items()})
+    per = cal.thresholds.setdefault(router, {})
+    per.update({("*" if k == "all" else str(k)): float(v) for k, v in thresholds.items()})
     cal.info = {**cal.info, **info}
     out.parent.mkdir(parents=True, exist_ok=True)
     cal.save(out)

@@ -70,9 +70,12 @@ def check_greedy(temperature: float) -> None:
 
 @torch.inference_mode()
 def profile_sequence(target: Target, drafters: dict, prompt_ids: torch.Tensor, tokens: torch.Tensor,
-                     max_new_tokens: int, prompt_id: str = "", category: str | None = None) -> Profile:
+                     max_new_tokens: int, prompt_id: str = "", category: str | None = None,
+                     positions=None) -> Profile:
     """Run every drafter (EAGLE-3 and DFlash, built by a whiflash method) at every position of the AR output
-    `tokens` of `prompt_ids`, exactly as a round starting there would (catch-up, propose with the room left)."""
+    `tokens` of `prompt_ids`, exactly as a round starting there would (catch-up, propose with the room left).
+    With `positions`, only there (a run's round starts, for its router view): the drafters catch up on the
+    rest in one go, as lazily as a live run; `accepted` and `width` are -1 elsewhere (not for replay)."""
     prompt_ids, tokens = prompt_ids.cpu().long().flatten(), tokens.cpu().long().flatten()
     P, N = prompt_ids.numel(), tokens.numel()
     ids = torch.cat([prompt_ids, tokens])
@@ -85,8 +88,10 @@ def profile_sequence(target: Target, drafters: dict, prompt_ids: torch.Tensor, t
         ent[0] = math.nan
     truth = torch.full((max_new_tokens + 1,), -1, dtype=torch.long)
     truth[:N] = tokens  # the target's token at the row of depth j from a root at g: tokens[g + j] (-1 past the end)
-    acc = np.zeros((len(DRAFTERS), N), np.int64)
-    width = np.zeros((len(DRAFTERS), N), np.int64)
+    fill = 0 if positions is None else -1
+    acc = np.full((len(DRAFTERS), N), fill, np.int64)
+    width = np.full((len(DRAFTERS), N), fill, np.int64)
+    todo = np.ones(N, bool) if positions is None else np.isin(np.arange(N), np.asarray(list(positions), np.int64))
     ms = np.zeros((len(DRAFTERS), N))
     greedy = Sampling()
     for i, name in enumerate(DRAFTERS):
@@ -94,12 +99,13 @@ def profile_sequence(target: Target, drafters: dict, prompt_ids: torch.Tensor, t
         cols = _columns(d, layers, target.hidden_size, out.features)
         d.reset(ids[:P], cols[: P - 1])
         seen = P
-        for g in range(N):
+        for g in np.flatnonzero(todo).tolist():
             n = P + g
             d.catch_up(ids[seen:n], cols[seen - 1 : n - 1])
             seen = n
             room = max_new_tokens - g - 1
-            if room <= 0:
+            if room <= 0:  # no room to draft: a round there is the target's step alone
+                acc[i, g] = width[i, g] = 0
                 continue
             t0 = time.perf_counter()
             tree = d.propose(room, greedy, None)

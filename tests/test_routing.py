@@ -391,3 +391,11 @@ def test_live_router_rounds_equal_the_trace(deep, models, thresholds, tmp_path):
         live, traced = event_rounds(evs), router_rounds(store, res.run_id)
     cols = ["round", "signal", "threshold", "choice", "n_accepted", "backlog", "switch", "pos"]
     assert live[cols].astype(str).equals(traced[cols].astype(str)) and live.switch.any()
+    # the counterfactuals at the round starts only (the app's router view) are the full profile's there
+    ids = _ids(deep, PROMPTS[0])
+    full = profile(deep, models, ids, res, 32)
+    drafters, _ = build_method("whiflash-entropy", deep, models, method_params("whiflash-entropy", {}, deep))
+    starts = live.pos.tolist()
+    part = replay.profile_sequence(deep, drafters, ids, torch.tensor(res.token_ids), 32, positions=starts)
+    assert (part.accepted[:, starts] == full.accepted[:, starts]).all()
+    assert (np.delete(part.accepted, starts, axis=1) == -1).all()
