@@ -9,10 +9,10 @@ import math
 
 import gradio as gr
 
-from app.lab import MODELS, Lab
+from app.lab import MODELS, Lab, answers
 from speclab import viz
 from speclab.calibration import ROUTERS, Calibrator, check_threshold, grid, save_thresholds
-from speclab.errors import SpeclabError
+from speclab.errors import InvalidInput
 from speclab.progress import listen
 from speclab.routers import calibration_path
 from speclab.suites import SUITES
@@ -26,25 +26,23 @@ class Calibration:
     def _cal(self, bench_id) -> Calibrator:
         cal = self.lab.calibrators.get(bench_id)
         if cal is None:
-            raise gr.Error("Profile a suite first (button 'Profile').")
+            raise InvalidInput("profile a suite first (button 'Profile')")
         return cal
 
+    @answers(6)
     def profile(self, suite, limit, max_new, router, progress=gr.Progress()):
         """Reuse or make the suite's bench and profiles; returns the bench id, categories, slider and plot."""
         lab = self.lab
         if suite not in SUITES:
-            raise gr.Error(f"Unknown prompt suite {suite!r}.")
+            raise InvalidInput(f"unknown prompt suite {suite!r}")
         if router not in ROUTERS:
-            raise gr.Error(f"Choose a router ({', '.join(ROUTERS)}).")
+            raise InvalidInput(f"choose a router ({', '.join(ROUTERS)})")
 
         def step(label, done, total, eta):
             progress((done, total), desc=f"{label} · ETA {eta:.0f} s" if math.isfinite(eta) else label)
-        try:
-            with listen(step):
-                cal = Calibrator.prepare(lab.store, lab.target, lab.models, suite, limit, max_new,
-                                         log=lambda s: print(f"speclab app: {s}", flush=True))
-        except SpeclabError as e:
-            raise gr.Error(str(e))
+        with listen(step):
+            cal = Calibrator.prepare(lab.store, lab.target, lab.models, suite, limit, max_new,
+                                     log=lambda s: print(f"speclab app: {s}", flush=True))
         lab.calibrators[cal.bench_id] = cal
         cats = cal.categories
         how = "reused from the trace" if cal.reused else "made now"
@@ -59,62 +57,53 @@ class Calibration:
         t = float(cal.best(router, category)["threshold"])
         return t, gr.update(minimum=a, maximum=b, step=s, value=t, interactive=True)
 
+    @answers(3)
     def switch(self, bench_id, router, category):
         """A new router or category: the slider starts at its optimum."""
         if not bench_id:
             return gr.update(), gr.update(), ""
-        cal = self._cal(bench_id)
-        try:
-            t, slider = self._start(cal, router, category)
-            return (slider, *self.replot(bench_id, router, category, t))
-        except SpeclabError as e:
-            raise gr.Error(str(e))
+        t, slider = self._start(self._cal(bench_id), router, category)
+        return (slider, *self.replot(bench_id, router, category, t))
 
+    @answers(2)
     def replot(self, bench_id, router, category, threshold):
         """The exact replay at the slider's threshold (instant: profiles are in memory)."""
         if not bench_id:
             return gr.update(), ""
         cal = self._cal(bench_id)
-        try:
-            t = check_threshold(router, threshold, self.lab.target.vocab_size)
-            point, best = cal.at(router, t, category), cal.best(router, category)
-            fig = viz.calibration_figure(cal.curve(router), cal.references(), t, point, best, router, category)
-        except SpeclabError as e:
-            raise gr.Error(str(e))
+        t = check_threshold(router, threshold, self.lab.target.vocab_size)
+        point, best = cal.at(router, t, category), cal.best(router, category)
+        fig = viz.calibration_figure(cal.curve(router), cal.references(), t, point, best, router, category)
         text = (f"**whiflash-{router} · {category} · threshold {t:.2f}**: AL {point['al']:.3f}, modeled "
                 f"{point['tokens_per_s']:.1f} tokens/s, EAGLE-3 in {point['eagle3_share']:.0%} of rounds, "
                 f"{int(point['switches'])} switches · optimum {best['threshold']:.2f} "
                 f"({best['tokens_per_s']:.1f} tokens/s)")
         return fig, text
 
+    @answers(1)
     def save(self, bench_id, router, category, threshold):
         cal = self._cal(bench_id)
-        try:
-            t = check_threshold(router, threshold, self.lab.target.vocab_size)
-            cal.check_category(category)
-            saved = save_thresholds(router, {category: t}, self.lab.target.fingerprint,
-                                    {"app": {"bench": bench_id, "router": router, "category": category}})
-        except SpeclabError as e:
-            raise gr.Error(str(e))
+        t = check_threshold(router, threshold, self.lab.target.vocab_size)
+        cal.check_category(category)
+        saved = save_thresholds(router, {category: t}, self.lab.target.fingerprint,
+                                {"app": {"bench": bench_id, "router": router, "category": category}})
         key = "*" if category == "all" else category
         return (f"saved: whiflash-{router} threshold **{saved.thresholds[router][key]:g}** for "
                 f"{'every category without its own' if key == '*' else category} in "
                 f"`{display_path(calibration_path())}` (used by runs from now on)")
 
+    @answers(2)
     def confirm(self, bench_id, router, category, threshold, prompts, progress=gr.Progress()):
+        from speclab.checks import Bound, check_number
         cal = self._cal(bench_id)
-        try:
-            t = check_threshold(router, threshold, self.lab.target.vocab_size)
-            if prompts is None or not 1 <= int(prompts) <= 16:
-                raise gr.Error(f"Prompts to confirm must be 1 to 16 (got {prompts}).")
+        t = check_threshold(router, threshold, self.lab.target.vocab_size)
+        prompts = check_number("prompts to confirm", prompts, int, Bound(1, 16))
 
-            def step(label, done, total, eta):
-                progress((done, total), desc=label)
-            with listen(step):
-                df = cal.confirm(self.lab.target, self.lab.models, router, t, category, int(prompts),
-                                 log=lambda s: print(f"speclab app: {s}", flush=True))
-        except SpeclabError as e:
-            raise gr.Error(str(e))
+        def step(label, done, total, eta):
+            progress((done, total), desc=label)
+        with listen(step):
+            df = cal.confirm(self.lab.target, self.lab.models, router, t, category, prompts,
+                             log=lambda s: print(f"speclab app: {s}", flush=True))
         r = df.iloc[0]
         msg = (f"live at threshold {t:.2f} on {int(r.prompts)} prompt(s) of {category}: "
                f"**{r.tokens_per_s_live:.1f} tokens/s measured** vs {r.tokens_per_s_modeled:.1f} modeled "

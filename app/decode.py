@@ -15,10 +15,10 @@ import time
 import gradio as gr
 import torch
 
-from app.lab import MODELS, Lab
+from app.lab import MODELS, Lab, answers
 from speclab import replay, viz
 from speclab.equality import first_divergence
-from speclab.errors import SpeclabError
+from speclab.errors import InvalidInput, SpeclabError
 from speclab.generate import Generation, check_generation
 from speclab.methods import METHODS, method_params
 from speclab.metrics import tau, tokens_per_s
@@ -153,25 +153,27 @@ class SideBySide:
     def _check(self, prompt, methods, max_new, temperature, seed, values) -> dict[str, dict]:
         """Every input checked before any run starts (a run row exists only for decodes that can go ahead)."""
         if not methods:
-            raise gr.Error("Choose at least one method.")
+            raise InvalidInput("choose at least one method")
         if len(methods) > MAX_COLUMNS:
-            raise gr.Error(f"Choose at most {MAX_COLUMNS} methods (got {len(methods)}).")
+            raise InvalidInput(f"choose at most {MAX_COLUMNS} methods (got {len(methods)})")
         if not prompt or not str(prompt).strip():
-            raise gr.Error("The prompt is empty.")
+            raise InvalidInput("the prompt is empty")
         if len(prompt) > MAX_PROMPT_CHARS:
-            raise gr.Error(f"The prompt is too long ({len(prompt)} characters; at most {MAX_PROMPT_CHARS}).")
+            raise InvalidInput(f"the prompt is too long ({len(prompt)} characters; at most {MAX_PROMPT_CHARS})")
         params = {m: {} for m in methods}
         for (m, p), v in zip(self.keys, values):
             if m in params:
                 params[m][p] = v
-        try:
-            for m in methods:
+        check_generation(self.lab.target, prompt, "ar", {}, max_new, temperature, seed=seed)  # the shared inputs
+        for m in methods:  # then each method's parameters, named in the message
+            try:
                 check_generation(self.lab.target, prompt, m, self.lab.models, max_new, temperature, seed=seed,
                                  params=params[m])
-        except SpeclabError as e:
-            raise gr.Error(f"{m}: {e}" if m else str(e))
+            except SpeclabError as e:
+                raise InvalidInput(f"{m}: {e}") from e
         return params
 
+    @answers(3 + 3 * MAX_COLUMNS)
     def decode(self, prompt, methods, max_new, temperature, seed, deferred, shade, *values):
         """Generator for the Decode button: the methods interleaved round by round, streamed."""
         lab = self.lab

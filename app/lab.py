@@ -3,8 +3,12 @@ texts. Model work (decoding, profiling, live confirmation) runs one event at a t
 queue's concurrency group): sessions queue for it and each finishes with its own runs in the trace."""
 from __future__ import annotations
 
+import functools
+import inspect
+
 import gradio as gr
 
+from speclab.errors import InvalidInput, SpeclabError
 from speclab.target import Target
 from speclab.trace import TraceStore, vocab_text
 from speclab.zoo import display_path
@@ -40,4 +44,33 @@ def run_id_of(value) -> int:
     try:
         return int(str(value).strip())
     except ValueError:
-        raise gr.Error(f"'{value}' is not a run id.")
+        raise InvalidInput(f"'{value}' is not a run id")
+
+
+def answers(n_outputs: int):
+    """A handler's bad input (any SpeclabError: every check in speclab and the app raises one) becomes one
+    warning toast with its message, and every output keeps what it shows: nothing is blanked or marked failed,
+    so a typo never loses a decode or a calibration on the page. Works for generators (streams) too."""
+    def keep():
+        return gr.skip() if n_outputs == 1 else [gr.skip()] * n_outputs
+
+    def wrap(fn):
+        if inspect.isgeneratorfunction(fn):
+            @functools.wraps(fn)
+            def stream(*args, **kw):
+                try:
+                    yield from fn(*args, **kw)
+                except SpeclabError as e:
+                    gr.Warning(str(e))
+                    yield keep()
+            return stream
+
+        @functools.wraps(fn)
+        def call(*args, **kw):
+            try:
+                return fn(*args, **kw)
+            except SpeclabError as e:
+                gr.Warning(str(e))
+                return keep()
+        return call
+    return wrap

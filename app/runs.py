@@ -6,7 +6,7 @@ from __future__ import annotations
 import gradio as gr
 import pandas as pd
 
-from app.lab import Lab, run_id_of
+from app.lab import Lab, answers, run_id_of
 from speclab import replay, viz
 from speclab.errors import InvalidInput, SpeclabError
 from speclab.methods import METHODS
@@ -22,12 +22,13 @@ class Runs:
     def __init__(self, lab: Lab):
         self.lab = lab
 
+    @answers(7)
     def view(self, run_id, shade="depth"):
         """Token HTML, round slider range and charts of one run (and of the runs decoded with it)."""
         store, rid = self.lab.store, run_id_of(run_id)
         runs = store.query("SELECT * FROM runs WHERE run_id = ?", [rid])
         if runs.empty:
-            raise gr.Error(f"No run {run_id} in the trace.")
+            raise InvalidInput(f"no run {run_id} in the trace")
         r = runs.iloc[0]
         toks = store.query("""SELECT t.*, d.choice AS drafter, d.signal, d.threshold FROM tokens t
                               LEFT JOIN router_decisions d USING (run_id, round) WHERE t.run_id = ? ORDER BY t.pos""",
@@ -69,6 +70,7 @@ class Runs:
         rr = router_rounds(self.lab.store, int(r.run_id), profile)
         return gr.update(visible=True, value=viz.router_figure(rr, f"run {r.run_id} · {r.method}: router per round"))
 
+    @answers(1)
     def tree(self, run_id, rnd):
         rid = run_id_of(run_id)
         nodes = self.lab.store.draft_nodes(rid, int(rnd))

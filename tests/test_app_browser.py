@@ -86,7 +86,7 @@ def svg_texts(page, selector: str) -> list[str]:
 
 
 def error_toast(page, says: str) -> str:
-    """Gradio shows a raised gr.Error as a toast: wait for one saying `says`, return its text, close it."""
+    """Bad input is answered in a toast: wait for one saying `says`, return its text, close it."""
     toast = page.locator(".toast-body").filter(has_text=says).first
     toast.wait_for(timeout=30000)
     text = toast.inner_text()
@@ -128,23 +128,25 @@ def test_bad_input_gets_one_clear_message_and_starts_no_run(page):
     choose_methods(page, ["ar", "whiflash-entropy"])
     page.fill("#p-whiflash-entropy-threshold textarea, #p-whiflash-entropy-threshold input", "99")
     page.click("#run")
-    assert "(got '99')" in error_toast(page, "threshold must be a finite number from 0 to")
+    assert "(got '99')" in error_toast(page, "whiflash-entropy: threshold must be a finite number from 0 to")
     page.fill("#p-whiflash-entropy-threshold textarea, #p-whiflash-entropy-threshold input", "")
     choose_methods(page, [])
     page.click("#run")
-    error_toast(page, "Choose at least one method")
+    error_toast(page, "choose at least one method")
     choose_methods(page, ["ar"])
     page.fill("#prompt textarea", "   ")
     page.click("#run")
-    error_toast(page, "The prompt is empty")
+    error_toast(page, "the prompt is empty")
     page.fill("#prompt textarea", "x" * 20001)
     page.click("#run")
-    error_toast(page, "The prompt is too long")
+    error_toast(page, "the prompt is too long")
     page.fill("#prompt textarea", STORY)
     page.fill("#max_new input", "0")
     page.keyboard.press("Tab")
     page.click("#run")
     error_toast(page, "max_new_tokens must be an integer of at least 1")
+    # the earlier decode is still on the page: bad input blanks nothing
+    assert page.locator("#col3 .tok").count() > 0 and page.locator("#status").inner_text().startswith("done")
     assert _runs(page) == runs_before  # nothing started, nothing half-written
     page.get_by_role("tab", name="Side by side").click()
 
@@ -221,6 +223,8 @@ def test_calibration_replays_saves_and_confirms_live(page, app):
     page.fill("#cal_limit input", "0")
     page.click("#cal_profile")
     error_toast(page, "prompts per category must be an integer from 1 to 64")
+    assert page.locator("#cal_plot .js-plotly-plot").count() == 1  # what was shown stays
+    assert "profiled" in page.locator("#cal_status").inner_text()
     page.screenshot(path=str(ART / "calibration_confirmed.png"), full_page=True)
     page.get_by_role("tab", name="Side by side").click()
 

@@ -56,3 +56,30 @@ def test_tree_and_round_charts_from_trace(traced):
     pos = position_acceptance(store, [rid])
     pos["method"] = "sps"
     assert list(viz.position_acceptance(pos).data[0].x) == [1, 2, 3]
+
+
+def test_router_details_on_hover_only_for_routed_rounds(traced):
+    """A token's hover names its round's router decision when the router compared a signal (fixed routers have
+    none); the live columns (`decision_columns`) are the trace's router_decisions, token by token."""
+    import math
+
+    from speclab.trace import decision_columns
+    store, runs = traced
+    toks = store.query("""SELECT t.*, d.choice AS drafter, d.signal, d.threshold FROM tokens t
+                          JOIN router_decisions d USING (run_id, round) WHERE t.run_id = ? ORDER BY t.pos""",
+                       [runs["sps"]])
+    cols = {c: toks[c].tolist() for c in (*viz.TOKEN_COLUMNS, *viz.ROUTER_COLUMNS)}
+    assert len(toks) and not any("router chose" in s for s in viz.token_spans(cols))  # fixed: no signal
+    cols["signal"] = [0.5] * len(toks)
+    cols["threshold"] = [1.25] * len(toks)
+    spans = viz.token_spans(cols)
+    assert all("router chose sps: signal 0.50 vs threshold 1.25" in s for s in spans)
+
+    class Ev:  # what decision_columns reads of a RoundEvent
+        def __init__(self, n, decision):
+            import torch
+            self.committed, self.decision = torch.zeros(n), decision
+    from speclab.routers import Decision
+    d = decision_columns([Ev(2, Decision("eagle3", "entropy", 2.0, 1.0)), Ev(1, None)])
+    assert d["drafter"].tolist() == ["eagle3", "eagle3", None] and d["signal"][:2].tolist() == [2.0, 2.0]
+    assert math.isnan(d["threshold"][2])
