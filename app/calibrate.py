@@ -6,6 +6,7 @@ beside the modeled ones. All of it is `speclab.calibration`."""
 from __future__ import annotations
 
 import math
+import time
 
 import gradio as gr
 
@@ -72,12 +73,14 @@ class Calibration:
             return gr.update(), ""
         cal = self._cal(bench_id)
         t = check_threshold(router, threshold, self.lab.target.vocab_size)
+        t0 = time.perf_counter()
         point, best = cal.at(router, t, category), cal.best(router, category)
         fig = viz.calibration_figure(cal.curve(router), cal.references(), t, point, best, router, category)
+        ms = (time.perf_counter() - t0) * 1e3
         text = (f"**whiflash-{router} · {category} · threshold {t:.2f}**: AL {point['al']:.3f}, modeled "
                 f"{point['tokens_per_s']:.1f} tokens/s, EAGLE-3 in {point['eagle3_share']:.0%} of rounds, "
                 f"{int(point['switches'])} switches · optimum {best['threshold']:.2f} "
-                f"({best['tokens_per_s']:.1f} tokens/s)")
+                f"({best['tokens_per_s']:.1f} tokens/s) · replayed and drawn in {ms:.0f} ms")
         return fig, text
 
     @answers(1)
