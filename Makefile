@@ -2,7 +2,7 @@
 # Both create/reuse .venv and install what they need (scripts/setup.sh).
 PY := .venv/bin/python
 
-.PHONY: setup run demo test bench bench-quick whiflash app-probe
+.PHONY: setup run demo test bench bench-quick whiflash app-probe lab
 
 setup:
 	@bash scripts/setup.sh
@@ -12,6 +12,10 @@ run: setup
 
 demo: setup
 	$(PY) -m speclab.cli generate --prompts data/prompts/demo.jsonl --method sps --max-new-tokens 64
+
+# The notebooks in JupyterLab (README "Notebooks"); the tests execute them top to bottom
+lab: setup
+	$(PY) -m jupyter lab --notebook-dir=notebooks --ServerApp.ip=127.0.0.1
 
 # The app measured in a real browser (first tokens, bytes per update): README "The app"
 app-probe:

@@ -2,7 +2,8 @@
 # Create or reuse .venv and install speclab with the right torch build; the pip part re-runs only when the
 # dependency list changes. CPU machines get the CPU build of torch 2.13.0 (served from this image's local
 # wheel folder): the multi-gigabyte CUDA stack is never pulled on a machine without an NVIDIA GPU.
-# `setup.sh test` also makes sure Debian's chromium is there for the app's browser tests.
+# `setup.sh test` also makes sure Debian's chromium is there for the app's browser tests. The notebooks' tools
+# (JupyterLab, ipywidgets, the kernel and nbclient) come with every set-up: `make lab` and the tests use them.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -25,7 +26,7 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
       echo "speclab setup: warning: the torch that was installed is a CUDA build (no CPU wheel was found locally)" >&2
     fi
   fi
-  python -m pip install -q -e ".[test]" 2>&1 | quiet
+  python -m pip install -q -e ".[test,lab]" 2>&1 | quiet
   python -c "import torch, transformers, duckdb, gradio, speclab; print('speclab setup: torch', torch.__version__, '| transformers', transformers.__version__, '| duckdb', duckdb.__version__, '| gradio', gradio.__version__)"
   echo "$want" > "$stamp"
 fi

@@ -60,6 +60,7 @@ class RoundEvent:
     pos0: int  # index (in generated tokens) of the first token committed this round
     decision: Decision | None = None  # the router's decision (None when the method has no drafter)
     elapsed_ms: float = 0.0  # the run's decode time so far: prefill + every phase of every round up to this one
+    logits: torch.Tensor | None = None  # [n + 1, V] the verification logits, kept only with keep_logits (inspection)
 
     @property
     def n_accepted(self) -> int:
@@ -192,11 +193,13 @@ def decode_rounds(target: Target, prompt_ids: torch.Tensor, drafters: dict[str, 
                   router: Router | None = None, max_new_tokens: int = 128, sampling: Sampling | None = None,
                   deferred: bool = True, stop_on_eos: bool = True,
                   listeners: tuple[Callable[[RoundEvent], None], ...] = (),
-                  record: bool = True) -> Iterator[RoundEvent | None]:
+                  record: bool = True, keep_logits: bool = False) -> Iterator[RoundEvent | None]:
     """The decode loop as a generator: one item per round (its RoundEvent, or None when not `record`ing), and
     the DecodeResult as its return value. Listeners are called inside the round (timed as "record"). Several
     decodes can be interleaved round by round (the app's side-by-side view); their time counts only the
-    rounds' own phases, never the time the consumer holds a round."""
+    rounds' own phases, never the time the consumer holds a round. `keep_logits` leaves each round's
+    verification logits on its RoundEvent (for inspecting a round: the anatomy notebook), off by default
+    (a traced run holds its events until they are written)."""
     drafters = drafters or {}
     sampling = sampling or Sampling()
     router = router or FixedRouter(next(iter(drafters), None))
@@ -341,6 +344,8 @@ def decode_rounds(target: Target, prompt_ids: torch.Tensor, drafters: dict[str, 
         if record:
             ev = round_event(rnd, name, tree, accepted, new, logits, verdict.bonus, clock.ms, calls, backlog, pos0,
                              decision)
+            if keep_logits:
+                ev.logits = logits
             for fn in listeners:
                 fn(ev)
             clock.lap("record")

@@ -74,20 +74,21 @@ class Generation:
     `for ev in Generation(...)` drives it round by round (several can be interleaved, as the app's
     side-by-side view does); `.result` holds the GenerationResult at the end. With `trace`, the run row is
     `running` until the end, `failed` on an exception, `interrupted` on Ctrl-C, `cancelled` if the consumer
-    stops early. Every parameter is checked before any model work (`speclab.checks`).
+    stops early. Every parameter is checked before any model work (`speclab.checks`). `keep_logits` keeps each
+    round's verification logits on its RoundEvent (for inspecting rounds).
     """
 
     def __init__(self, target: Target, prompt: str | torch.Tensor, method: str = "ar", *, draft: Target | None = None,
                  eagle3=None, dflash=None, router=None, max_new_tokens: int = 128, temperature: float = 0.0, top_k: int = 0,
                  top_p: float = 1.0, seed: int | None = None, deferred: bool = True, trace: TraceStore | None = None,
                  on_round: Callable[[RoundEvent], None] | None = None, prompt_id: str | None = None,
-                 category: str | None = None, bench_id: str | None = None, **params):
+                 category: str | None = None, bench_id: str | None = None, keep_logits: bool = False, **params):
         models = {"draft": draft, "eagle3": eagle3, "dflash": dflash, "router": router}
         req = check_generation(target, prompt, method, models, max_new_tokens, temperature, top_k, top_p, seed, params)
         self.target, self.method, self.trace, self.on_round = target, method, trace, on_round
         self.prompt_ids, self.params, sampling = req.prompt_ids, req.params, req.sampling
         self.drafters, self.router = build_method(method, target, models, self.params, category)
-        self.kw = dict(max_new_tokens=req.max_new_tokens, sampling=sampling, deferred=deferred)
+        self.kw = dict(max_new_tokens=req.max_new_tokens, sampling=sampling, deferred=deferred, keep_logits=keep_logits)
         self.result: GenerationResult | None = None
         self.run_id, self.writer = None, None
         if trace is not None:
@@ -104,8 +105,9 @@ class Generation:
 
     @property
     def record(self) -> bool:
-        """Whether RoundEvents are built (traced or watched); otherwise the engine's fast path yields None."""
-        return self.writer is not None or self.on_round is not None
+        """Whether RoundEvents are built (traced, watched or kept for inspection); otherwise the engine's fast path
+        yields None."""
+        return self.writer is not None or self.on_round is not None or self.kw["keep_logits"]
 
     def __iter__(self) -> Iterator[RoundEvent | None]:
         rounds = decode_rounds(self.target, self.prompt_ids, self.drafters, self.router,

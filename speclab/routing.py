@@ -95,6 +95,23 @@ def get_profiles(store, bench_id: str, load=None, log=print):
     return profile_bench(store, bench_id, target, models, log=log)
 
 
+def signals_table(profiles, mlp=None) -> pd.DataFrame:
+    """Per profiled position: the signals a router sees there (the target's entropy; the neural router's predicted
+    Delta AL with `mlp`), what each drafter would have had accepted, the true Delta AL (= AL_eagle3 - AL_dflash,
+    WhiFlash 3.3.2) and the winner ('eagle3', 'dflash' or 'tie')."""
+    rows = []
+    for p in profiles:
+        e, d = (p.accepted[replay.DRAFTERS.index(n)].astype(float) for n in (AR, PARALLEL))
+        df = pd.DataFrame({"prompt_id": p.prompt_id, "category": p.category, "pos": np.arange(p.n), "entropy": p.entropy,
+                           f"{AR}_accepted": e, f"{PARALLEL}_accepted": d, "delta_al": e - d})
+        if mlp is not None:
+            df["predicted"] = replay.neural_signal(p, mlp)
+        rows.append(df)
+    out = pd.concat(rows, ignore_index=True)
+    out["winner"] = np.select([out.delta_al > 0, out.delta_al < 0], [AR, PARALLEL], "tie")
+    return out
+
+
 # -- policies ------------------------------------------------------------------------------------------------------
 def threshold_policy(router: str, grid, mlp=None):
     """label -> (Profile -> choices [K, N], thresholds) for replay_table."""

@@ -76,8 +76,7 @@ def verify_sampling(tree: DraftTree, target_probs: torch.Tensor, generator: torc
                 nxt = c
                 break
             if q is not None:
-                resid = (p - q).clamp_(min=0)
-                p = resid / resid.sum() if float(resid.sum()) > 0 else p
+                p = residual(p, q)
             else:
                 p = p.clone()
                 p[x] = 0
@@ -87,3 +86,26 @@ def verify_sampling(tree: DraftTree, target_probs: torch.Tensor, generator: torc
         accepted.append(nxt)
         node = nxt
         p = target_probs[node + 1]
+
+
+def residual(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """What the target samples from after rejecting a draft drawn from q: norm(max(p - q, 0)) (p itself when q
+    covers p everywhere, the zero-mass case)."""
+    resid = (p - q).clamp(min=0)
+    return resid / resid.sum() if float(resid.sum()) > 0 else p
+
+
+def greedy_table(tree: DraftTree, target_logits: torch.Tensor):
+    """Why each node of a greedy round was accepted or not (a DataFrame, one row per node): its token and draft
+    probability, the target's probability of it and the target's own argmax at its parent's row, whether they
+    match, and whether the node is on the accepted path (every node from the root to it matches)."""
+    import pandas as pd
+    probs = torch.softmax(target_logits.float(), -1)
+    rows = tree.parents + 1
+    top = target_logits.argmax(-1)
+    accepted = torch.zeros(len(tree), dtype=torch.bool)
+    accepted[verify_greedy(tree, target_logits).accepted.cpu()] = True
+    return pd.DataFrame({"node": range(len(tree)), "parent": tree.parents.tolist(), "depth": tree.depth.tolist(),
+                         "token_id": tree.tokens.tolist(), "draft_p": tree.draft_probs.float().tolist(),
+                         "target_p": probs[rows, tree.tokens].tolist(), "target_argmax": top[rows].tolist(),
+                         "match": (tree.tokens == top[rows]).tolist(), "accepted": accepted.tolist()})

@@ -73,6 +73,7 @@ def write_html_report(path: str | Path, title: str, figs: list[go.Figure], text:
 # ---- tokens: per-token acceptance shading ----
 
 TARGET_BG = "#e8e8e8"
+DRAFTER_COLORS = {"target": "#9e9e9e", "tie": "#bbbbbb"}  # non-method groups in histograms
 DRAFTER_RGB = {"sps": (31, 119, 180), "pld": (44, 160, 44), "eagle3": (148, 103, 189), "dflash": (214, 39, 40)}
 _FALLBACK_RGB = [(255, 127, 14), (140, 86, 75), (227, 119, 194), (23, 190, 207)]
 TOKEN_COLUMNS = ("pos", "round", "text", "source", "depth", "draft_prob", "target_prob", "entropy")
@@ -298,4 +299,66 @@ def calibration_figure(curve, refs, threshold: float, point: dict, best: dict, r
     fig.update_layout(title=f"whiflash-{router} on {category}: threshold {threshold:.2f} -> AL {point['al']:.3f}, "
                             f"{point['tokens_per_s']:.1f} tokens/s (optimum {best['threshold']:.2f}: "
                             f"{best['tokens_per_s']:.1f})", template="plotly_white", height=560)
+    return fig
+
+
+# ---- inside one round (the anatomy notebook) ----
+
+def tree_mask_figure(tree, labels: list[str] | None = None, title: str = "") -> go.Figure:
+    """The verification's tree attention mask as an image: row i (the root, then node i - 1) may attend to column
+    j when j is the root or an ancestor of the node (itself included); committed context, always visible, is
+    left out."""
+    import torch
+
+    from speclab.tree import tree_attention_mask
+    m = tree_attention_mask(tree.ancestors.cpu(), 0, torch.float32, True)
+    allowed = (m.reshape(m.shape[-2], m.shape[-1]) == 0).int().numpy()
+    labels = labels or ["root"] + [f"node {i}" for i in range(len(tree))]
+    fig = go.Figure(go.Heatmap(z=allowed, x=labels, y=labels, colorscale=[[0, "#f4f4f4"], [1, "#2ca02c"]],
+                               showscale=False, xgap=1, ygap=1,
+                               hovertemplate="%{y} attends to %{x}: %{z}<extra></extra>"))
+    fig.update_layout(title=title or "Tree attention mask (green: may attend)", yaxis_autorange="reversed",
+                      xaxis_title="key (root, draft nodes)", yaxis_title="query row", template="plotly_white",
+                      height=120 + 32 * len(labels), width=160 + 40 * len(labels))
+    return fig
+
+
+def distributions_figure(dists: dict, labels, top: int = 20, title: str = "") -> go.Figure:
+    """Several distributions over the vocabulary (name -> probabilities [V]) on their `top` most likely tokens
+    under the first one, as grouped bars (target p, draft q, the residual norm(max(p - q, 0)))."""
+    import numpy as np
+    first = np.asarray(next(iter(dists.values())), dtype=float)
+    idx = np.argsort(-first)[:top]
+    names = [repr(str(labels[i]))[1:-1] for i in idx]
+    fig = go.Figure()
+    for name, p in dists.items():
+        fig.add_bar(name=name, x=names, y=np.asarray(p, dtype=float)[idx])
+    fig.update_layout(title=title or "Distributions", barmode="group", yaxis_title="probability",
+                      template="plotly_white", height=380)
+    return fig
+
+
+def histograms(df, x: str, group: str, title: str = "", x_title: str | None = None) -> go.Figure:
+    """Overlaid histograms of `x`, one per value of `group`, each normalised to shares (a router's signal where
+    each drafter would win, from `speclab.routing.signals_table`; the entropy of tokens by who produced them)."""
+    fig = go.Figure()
+    for name, g in df[df[x].notna()].groupby(group, sort=True):
+        fig.add_histogram(x=g[x], name=f"{name} ({len(g)})", histnorm="probability", opacity=0.6, nbinsx=40,
+                          marker_color=_color(str(name)) or DRAFTER_COLORS.get(str(name)))
+    fig.update_layout(title=title or f"{x} by {group}", barmode="overlay", xaxis_title=x_title or x,
+                      yaxis_title="share", legend_title=group, template="plotly_white", height=380)
+    return fig
+
+
+def prediction_figure(sig, title: str = "") -> go.Figure:
+    """The neural router's predicted Delta AL against the true one (rows of `signals_table` with `predicted`), the
+    diagonal for reference, one colour per category."""
+    fig = go.Figure()
+    for cat, g in sig[sig.predicted.notna()].groupby("category", sort=True):
+        fig.add_scatter(x=g["delta_al"], y=g["predicted"], mode="markers", name=str(cat), opacity=0.5,
+                        marker=dict(size=5), hovertemplate="true %{x:.0f}, predicted %{y:.2f}<extra></extra>")
+    lo, hi = float(sig.delta_al.min()), float(sig.delta_al.max())
+    fig.add_scatter(x=[lo, hi], y=[lo, hi], mode="lines", name="predicted = true", line=dict(dash="dot", color="#444"))
+    fig.update_layout(title=title or "Neural router: predicted vs true Delta AL", xaxis_title="true Delta AL "
+                      "(AL_eagle3 - AL_dflash)", yaxis_title="predicted Delta AL", template="plotly_white", height=420)
     return fig
