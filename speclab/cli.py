@@ -587,6 +587,31 @@ def cmd_switch_costs(a: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_kernels_bench(a: argparse.Namespace) -> int:
+    import pandas as pd
+    import torch
+
+    from kernels import bench
+    from speclab.progress import Progress
+    from speclab.viz import bench_bars, write_html_report
+
+    device = a.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise SpeclabError("--device cuda: no CUDA device here")
+    if device != "cuda":
+        print(f"speclab kernels-bench: no GPU ({device}): Triton runs here only in interpreter mode (correctness "
+              "tests, not speed), so only the torch twins are timed")
+    prog = Progress(sum(len(s) for s in bench.SIZES.values()), "kernels-bench")
+    df = pd.DataFrame(bench.run(device, a.reps, on_step=lambda i, n, op: prog.update(i, op=op)))
+    print(df.to_markdown(index=False))
+    long = df.melt(id_vars=["op", "size"], value_vars=["torch_us", "triton_us"], var_name="method", value_name="us")
+    long = long[long.us.notna()].assign(category=lambda d: d.op + " " + d["size"])
+    Path(a.report).parent.mkdir(parents=True, exist_ok=True)
+    fig = bench_bars(long, "us", f"Median microseconds per call on {device} (lower is better)")
+    print(f"\nplot: {write_html_report(a.report, 'speclab kernels-bench', [fig], df.to_markdown(index=False))}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     if argv is None:
         argv = sys.argv[1:]
@@ -598,6 +623,12 @@ def main(argv: list[str] | None = None) -> int:
         os.execve(sys.executable, [sys.executable, "-m", "app", *argv[1:]], env)
     ap = argparse.ArgumentParser(prog="speclab", description="speculative decoding laboratory")
     sub = ap.add_subparsers(dest="cmd", required=True)
+    kb = sub.add_parser("kernels-bench", help="the small hot ops: torch twin vs Triton kernel per op and size "
+                                               "(Triton timed only on CUDA)")
+    kb.add_argument("--device", choices=["cpu", "cuda"], help="default: cuda when present")
+    kb.add_argument("--reps", type=_positive_int, default=50)
+    kb.add_argument("--report", default="reports/kernels.html")
+    kb.set_defaults(fn=cmd_kernels_bench)
     sub.add_parser("app", help="the Gradio app (side-by-side decoding, trees, trace explorer); --help for options")
 
     g = sub.add_parser("generate", help="decode prompts with a method; trace to DuckDB")

@@ -29,6 +29,7 @@ from typing import Callable, Iterator
 
 import torch
 
+from kernels import ops as kernel_ops
 from speclab.drafters.base import Drafter
 from speclab.errors import InvalidInput
 from speclab.metrics import tokens_per_s
@@ -70,14 +71,15 @@ class RoundEvent:
 def round_event(rnd, name, tree, accepted, new, logits, bonus, timings, calls, backlog, pos0, decision) -> RoundEvent:
     """What the listeners need, in five tensor ops over the verification logits (no host sync, no per-token
     work); `token_columns` derives the per-token figures from it, in batches."""
-    logp = torch.log_softmax(logits.float(), -1)
-    return RoundEvent(rnd, name, tree, accepted, new, logp[tree.parents + 1, tree.tokens], entropy(logp),
-                      logp[:, bonus], timings, calls, backlog, pos0, decision)
+    lse, ent = kernel_ops.softmax_entropy(logits)  # one pass over the vocabulary (a Triton kernel on CUDA)
+    rows = tree.parents + 1
+    return RoundEvent(rnd, name, tree, accepted, new, logits[rows, tree.tokens].float() - lse[rows], ent,
+                      logits[:, bonus].float() - lse, timings, calls, backlog, pos0, decision)
 
 
-def entropy(logp: torch.Tensor) -> torch.Tensor:
-    """Entropy (nats) of every row of log-probabilities [..., V]."""
-    return -torch.linalg.vecdot(logp.exp(), logp)
+def entropy(logits: torch.Tensor) -> torch.Tensor:
+    """Entropy (nats, T = 1) of every row of logits [..., V] (`kernels.ops.softmax_entropy`)."""
+    return kernel_ops.softmax_entropy(logits.reshape(-1, logits.shape[-1]))[1].reshape(logits.shape[:-1])
 
 
 @dataclass
@@ -261,7 +263,7 @@ def decode_rounds(target: Target, prompt_ids: torch.Tensor, drafters: dict[str, 
         # route: the router picks the drafter of this round from the signals of the last committed token
         decision, name = None, None
         if drafters:
-            signals = Signals(rnd, float(entropy(torch.log_softmax(sig_logits.float(), -1))[0])
+            signals = Signals(rnd, float(entropy(sig_logits)[0])
                               if want_entropy and sig_logits is not None else math.nan,
                               sig_hidden[0] if want_hidden and sig_hidden is not None else None,
                               history_acc[-HISTORY:], history_drafters[-HISTORY:])

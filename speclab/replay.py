@@ -82,7 +82,7 @@ def profile_sequence(target: Target, drafters: dict, prompt_ids: torch.Tensor, t
     layers = feature_layers(target, drafters)
     out = target.forward(ids[: P + N - 1].to(target.device), target.new_cache(), layers=layers, hidden=True)
     rows = torch.arange(P - 2, P + N - 2)  # row r drew token r + 1: a round at g sees the row that drew x_{P+g-1}
-    ent = entropy(torch.log_softmax(out.logits.float(), -1))[rows.clamp(min=0)].cpu().numpy().astype(np.float64)
+    ent = entropy(out.logits)[rows.clamp(min=0)].cpu().numpy().astype(np.float64)
     hid = out.hidden[rows.clamp(min=0)].float().cpu()
     if P == 1:
         ent[0] = math.nan

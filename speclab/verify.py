@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kernels import ops as kernel_ops
 from speclab.sampling import Sampling, logits_to_probs, sample
 from speclab.tree import DraftTree
 
@@ -40,20 +41,20 @@ def verify_tokens(tree: DraftTree, target_argmax: torch.Tensor) -> Verdict:
     if tree.is_chain:  # accept length = the cumulative product of matches (gpt-fast), no ancestor matrix
         n_acc = int((tree.tokens == target_argmax[:-1]).cumprod(0).sum())
         return Verdict(torch.arange(n_acc, device=tree.tokens.device), int(target_argmax[n_acc]))
-    match = tree.tokens == target_argmax[tree.parents + 1]
-    alive = ~(tree.ancestors & ~match[None, :]).any(1)  # every node on the path matches
-    score = torch.where(alive, tree.depth, torch.zeros_like(tree.depth))
-    best = int(score.argmax())  # first deepest alive node (ties: proposal order)
-    if not bool(alive[best]):
-        return Verdict(tree.tokens[:0], int(target_argmax[0]))
-    accepted = tree.ancestors[best].nonzero().flatten()  # topological order = root side first
-    return Verdict(accepted, int(target_argmax[best + 1]))
+    # the first deepest node whose whole path matches (kernels.ops: one Triton kernel on CUDA)
+    best, bonus, on_path = kernel_ops.greedy_accept(tree.tokens, tree.parents, target_argmax,
+                                                    None if tree.tokens.is_cuda else tree.ancestors)
+    return Verdict(on_path.nonzero().flatten(), bonus)  # topological order = root side first
 
 
 def verify_sampling(tree: DraftTree, target_probs: torch.Tensor, generator: torch.Generator | None) -> Verdict:
     """Recursive rejection sampling. Sampled drafts (tree.draft_dists given): accept x with min(1, p(x)/q(x)),
     else p <- norm(max(p - q, 0)) and try the next sibling (all siblings drawn i.i.d. from q).
-    Deterministic drafts: accept x with p(x), else p <- p with x removed, renormalised."""
+    Deterministic drafts: accept x with p(x), else p <- p with x removed, renormalised. A chain (one candidate
+    per node) takes all its tests at once (`kernels.ops.sampling_accept`), with the same uniforms in the same
+    order as the recursion."""
+    if tree.is_chain:
+        return _verify_sampled_chain(tree, target_probs, generator)
     parents = tree.parents.tolist()
     tokens = tree.tokens.tolist()
     children: dict[int, list[int]] = {}
@@ -86,6 +87,20 @@ def verify_sampling(tree: DraftTree, target_probs: torch.Tensor, generator: torc
         accepted.append(nxt)
         node = nxt
         p = target_probs[node + 1]
+
+
+def _verify_sampled_chain(tree: DraftTree, target_probs: torch.Tensor, generator) -> Verdict:
+    n = len(tree)
+    u = torch.rand(n + 1, generator=generator)  # as the recursion draws them: one per candidate test
+    if n == 0:
+        return Verdict(tree.tokens, int(sample(target_probs[0], generator)))
+    p = target_probs[:n]
+    q = tree.draft_dists[:n].to(p.device) if tree.sampled else \
+        torch.nn.functional.one_hot(tree.tokens.to(p.device), p.shape[-1]).to(p.dtype)  # a point mass at x
+    accept, resid = kernel_ops.sampling_accept(p, q, tree.tokens.to(p.device), u[:n].to(p.device))
+    a = int(accept.long().cumprod(0).sum())  # the first rejection ends the path
+    return Verdict(torch.arange(a, device=tree.tokens.device), int(sample(target_probs[n] if a == n else resid[a],
+                                                                          generator)))
 
 
 def residual(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:

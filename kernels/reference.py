@@ -1,0 +1,57 @@
+"""The torch twins: what every kernel must compute, written plainly (and what runs wherever there is no GPU)."""
+from __future__ import annotations
+
+import torch
+
+
+def softmax_entropy(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows of logits [R, V] (any float dtype) -> (logsumexp [R], entropy in nats [R]), in fp32. The log-probability
+    of token t in row r is logits[r, t] - lse[r]; the entropy is lse - sum_t p_t * logits_t."""
+    x = logits.float()
+    lse = torch.logsumexp(x, -1)
+    p = torch.exp(x - lse[:, None])
+    return lse, lse - (p * x).sum(-1)
+
+
+def greedy_accept(tokens: torch.Tensor, parents: torch.Tensor, target_argmax: torch.Tensor,
+                  ancestors: torch.Tensor | None = None):
+    """Greedy acceptance of a draft tree: node i (token tokens[i], parent parents[i], -1 = the root; parents come
+    before children) matches when its token is the target's argmax at its parent's row
+    (target_argmax[parents[i] + 1]); it is alive when it and every ancestor match. Returns (best: the first deepest
+    alive node, -1 if none; bonus: the target's token after it; on_path [n] bool: the nodes from the root to best).
+    `ancestors` ([n, n] bool, ancestors[i, j]: j is on the path to i, i included), when the caller has it, makes
+    this a few tensor ops; without it the tree is walked level by level."""
+    n = tokens.numel()
+    match = tokens == target_argmax[parents + 1]
+    if ancestors is None:
+        ancestors = ancestor_mask(parents)
+    alive = ~(ancestors & ~match[None, :]).any(1)
+    score = torch.where(alive, ancestors.sum(1), torch.zeros_like(parents))
+    best = int(score.argmax()) if n and bool(alive.any()) else -1  # argmax: the first of the deepest
+    on_path = ancestors[best] if best >= 0 else torch.zeros(n, dtype=torch.bool, device=tokens.device)
+    return best, int(target_argmax[best + 1]), on_path
+
+
+def ancestor_mask(parents: torch.Tensor) -> torch.Tensor:
+    """[n, n] bool: [i, j] = node j is on the path from the root to node i (i included), one level per step."""
+    n = parents.numel()
+    idx = torch.arange(n, device=parents.device)
+    anc = idx[:, None] == idx[None, :]
+    up = parents.clone()
+    while bool((up >= 0).any()):  # add each node's ancestors one level further up
+        has = up >= 0
+        anc[idx[has], up[has]] = True
+        up = torch.where(has, parents[up.clamp(min=0)], up)
+    return anc
+
+
+def sampling_accept(p: torch.Tensor, q: torch.Tensor, x: torch.Tensor, u: torch.Tensor):
+    """Speculative-sampling tests for a batch of positions: row b drafted token x[b] from q[b]; it is accepted when
+    u[b] < min(1, p[b, x] / q[b, x]). Returns (accept [B] bool, residual [B, V] = norm(max(p - q, 0)), p itself
+    where that has no mass)."""
+    rows = torch.arange(p.shape[0], device=p.device)
+    px, qx = p[rows, x].float(), q[rows, x].float()
+    accept = u < torch.clamp(px / qx.clamp(min=1e-30), max=1.0)
+    r = (p.float() - q.float()).clamp(min=0)
+    s = r.sum(-1, keepdim=True)
+    return accept, torch.where(s > 0, r / s.clamp(min=1e-30), p.float())
