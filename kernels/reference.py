@@ -8,9 +8,9 @@ def softmax_entropy(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Rows of logits [R, V] (any float dtype) -> (logsumexp [R], entropy in nats [R]), in fp32. The log-probability
     of token t in row r is logits[r, t] - lse[r]; the entropy is lse - sum_t p_t * logits_t."""
     x = logits.float()
-    lse = torch.logsumexp(x, -1)
-    p = torch.exp(x - lse[:, None])
-    return lse, lse - (p * x).sum(-1)
+    logp = torch.log_softmax(x, -1)  # torch's fused kernel: the cheapest way on CPU
+    # max(logp) = max(x) - lse, and max(logp) >= -ln V, so this is as exact as logsumexp without a third pass
+    return x.amax(-1) - logp.amax(-1), -torch.linalg.vecdot(logp.exp(), logp)
 
 
 def greedy_accept(tokens: torch.Tensor, parents: torch.Tensor, target_argmax: torch.Tensor,
