@@ -22,7 +22,7 @@ from speclab.trace import TraceStore
 
 def build_app(lab: Lab) -> gr.Blocks:
     r = runs.Runs(lab)
-    with gr.Blocks(title="speclab") as demo:
+    with gr.Blocks(title="speclab", analytics_enabled=False) as demo:  # no calls home: the lab runs offline
         gr.Markdown(lab.header(), elem_id="header")
         with gr.Tab("Side by side"):
             side = decode.build(lab)
