@@ -12,7 +12,7 @@ import gradio as gr
 
 from app.lab import MODELS, Lab, answers
 from speclab import viz
-from speclab.calibration import ROUTERS, Calibrator, check_threshold, grid, save_thresholds
+from speclab.calibration import GRIDS, ROUTERS, Calibrator, check_threshold, grid, save_thresholds
 from speclab.errors import InvalidInput
 from speclab.progress import listen
 from speclab.routers import calibration_path
@@ -54,9 +54,9 @@ class Calibration:
                 *self.replot(cal.bench_id, router, "all", t))
 
     def _start(self, cal: Calibrator, router: str, category: str):
-        a, b, s = grid(router)[0], grid(router)[-1], 0.05
+        g = grid(router)
         t = float(cal.best(router, category)["threshold"])
-        return t, gr.update(minimum=a, maximum=b, step=s, value=t, interactive=True)
+        return t, gr.update(minimum=g[0], maximum=g[-1], step=GRIDS[router][2], value=t, interactive=True)
 
     @answers(3)
     def switch(self, bench_id, router, category):

@@ -45,7 +45,7 @@ class Column:
 
     def __init__(self, gen: Generation):
         self.gen, self.spans, self.events = gen, [], []
-        self.tokens = self.rounds = self.calls = 0
+        self.tokens = self.rounds = self.calls = self.switches = self.eagle3_rounds = 0
         self.s, self.last_round, self.profile = 0.0, None, None
 
     def add(self, ev, text, shade: str) -> None:
@@ -53,6 +53,8 @@ class Column:
         if routed(self.gen):
             cols.update(decision_columns([ev]))
         self.spans += viz.token_spans(cols, self.last_round, shade)
+        self.switches += bool(self.events) and ev.drafter != self.events[-1].drafter
+        self.eagle3_rounds += ev.decision is not None and ev.decision.choice == "eagle3"
         self.events.append(ev)
         self.last_round = ev.round
         self.tokens += ev.committed.numel()
@@ -66,10 +68,9 @@ class Column:
                "target calls": self.calls}
         if ar_tps:
             out["speedup"] = f"{tps / ar_tps:.2f}x"
-        if routed(self.gen) and self.events:
-            rr = event_rounds(self.events)
-            out["switches"] = int(rr.switch.sum())
-            out["EAGLE-3 rounds"] = f"{(rr.choice == 'eagle3').mean():.0%}"
+        if routed(self.gen) and self.rounds:  # counted as rounds arrive: no table rebuilt per update
+            out["switches"] = self.switches
+            out["EAGLE-3 rounds"] = f"{self.eagle3_rounds / self.rounds:.0%}"
         return out
 
     def router_plot(self, method: str):

@@ -54,10 +54,7 @@ def greedy_accept(tokens: torch.Tensor, parents: torch.Tensor, target_argmax: to
                   ancestors: torch.Tensor | None = None):
     """(best node, bonus token, on_path mask) of a draft tree under greedy verification (reference.greedy_accept;
     the torch twin uses `ancestors` when given, the kernel does not need it)."""
-    if backend(tokens) == "triton":
-        from kernels import triton_ops
-        return triton_ops.greedy_accept(tokens, parents, target_argmax)
-    return reference.greedy_accept(tokens, parents, target_argmax, ancestors)
+    return _impl(tokens).greedy_accept(tokens, parents, target_argmax, ancestors)
 
 
 def sampling_accept(p: torch.Tensor, q: torch.Tensor, x: torch.Tensor, u: torch.Tensor):

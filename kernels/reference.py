@@ -51,7 +51,12 @@ def sampling_accept(p: torch.Tensor, q: torch.Tensor, x: torch.Tensor, u: torch.
     where that has no mass)."""
     rows = torch.arange(p.shape[0], device=p.device)
     px, qx = p[rows, x].float(), q[rows, x].float()
-    accept = u < torch.clamp(px / qx.clamp(min=1e-30), max=1.0)
+    return u < torch.clamp(px / qx.clamp(min=1e-30), max=1.0), residual(p, q)
+
+
+def residual(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """What the target samples from after rejecting a draft drawn from q, per row of [..., V]: norm(max(p - q, 0)),
+    and p itself where q covers p everywhere (no mass left)."""
     r = (p.float() - q.float()).clamp(min=0)
     s = r.sum(-1, keepdim=True)
-    return accept, torch.where(s > 0, r / s.clamp(min=1e-30), p.float())
+    return torch.where(s > 0, r / s.clamp(min=1e-30), p.float())

@@ -111,7 +111,8 @@ def softmax_entropy(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return lse, ent
 
 
-def greedy_accept(tokens: torch.Tensor, parents: torch.Tensor, target_argmax: torch.Tensor):
+def greedy_accept(tokens: torch.Tensor, parents: torch.Tensor, target_argmax: torch.Tensor, ancestors=None):
+    """(`ancestors` is for the twin's sake: the kernel walks the tree itself.)"""
     n, dev = tokens.numel(), tokens.device
     alive = torch.empty(max(n, 1), dtype=torch.int32, device=dev)
     depth = torch.empty(max(n, 1), dtype=torch.int32, device=dev)

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from kernels import ops as kernel_ops
+from kernels.reference import residual  # norm(max(p - q, 0)): one definition, the kernels' twin
 from speclab.sampling import Sampling, logits_to_probs, sample
 from speclab.tree import DraftTree
 
@@ -101,13 +102,6 @@ def _verify_sampled_chain(tree: DraftTree, target_probs: torch.Tensor, generator
     a = int(accept.long().cumprod(0).sum())  # the first rejection ends the path
     return Verdict(torch.arange(a, device=tree.tokens.device), int(sample(target_probs[n] if a == n else resid[a],
                                                                           generator)))
-
-
-def residual(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
-    """What the target samples from after rejecting a draft drawn from q: norm(max(p - q, 0)) (p itself when q
-    covers p everywhere, the zero-mass case)."""
-    resid = (p - q).clamp(min=0)
-    return resid / resid.sum() if float(resid.sum()) > 0 else p
 
 
 def greedy_table(tree: DraftTree, target_logits: torch.Tensor):

@@ -74,6 +74,20 @@ def decode(page, prompt, methods, tokens):
     return wait_done(page)
 
 
+def wait_text(page, selector: str, text: str, timeout_s: float = 30) -> str:
+    """Wait until the element's text contains `text`; return that text."""
+    page.wait_for_function(f"document.querySelector({json.dumps(selector)}).innerText.includes({json.dumps(text)})",
+                           timeout=timeout_s * 1000)
+    return page.locator(selector).inner_text()
+
+
+def sql(page, query: str, expect: str) -> str:
+    """Run a query in the explorer's SQL box and wait for a message containing `expect`; return the message."""
+    page.fill("#sql textarea", query)
+    page.click("#sql_run")
+    return wait_text(page, "#sql_msg", expect)
+
+
 def visible(page, selector: str) -> bool:
     """Whether the element shows (Gradio may render an element id twice, or not at all while hidden)."""
     loc = page.locator(selector)
@@ -155,27 +169,17 @@ def _runs(page) -> int:
     """Runs in the trace, read through the SQL box (its message counts the rows)."""
     page.get_by_role("tab", name="Trace explorer").click()
     tag = f"n{time.time_ns()}"  # the message echoes the query: wait for this one's
-    page.fill("#sql textarea", f"SELECT run_id AS {tag} FROM runs")
-    page.click("#sql_run")
-    page.wait_for_function(f"document.querySelector('#sql_msg').innerText.includes('{tag}')", timeout=30000)
-    n = int(page.locator("#sql_msg").inner_text().split()[0])
+    n = int(sql(page, f"SELECT run_id AS {tag} FROM runs", tag).split()[0])
     page.get_by_role("tab", name="Side by side").click()
     return n
 
 
 def test_explorer_lists_new_runs_without_a_click_and_keeps_sql_read_only(page):
     page.get_by_role("tab", name="Trace explorer").click()
-    page.wait_for_function("document.querySelector('#runs').innerText.includes('whiflash-entropy')", timeout=30000)
-    page.fill("#sql textarea", "SELECT method, count(*) AS n FROM runs GROUP BY method ORDER BY method")
-    page.click("#sql_run")
-    page.wait_for_function("document.querySelector('#sql_msg').innerText.includes('4 row(s)')", timeout=30000)
-    page.fill("#sql textarea", "DELETE FROM runs")
-    page.click("#sql_run")
-    page.wait_for_function("document.querySelector('#sql_msg').innerText.includes('Refused')", timeout=30000)
-    assert "single read-only SELECT" in page.locator("#sql_msg").inner_text()
-    page.fill("#sql textarea", "SELECT * FROM read_csv('/etc/passwd')")
-    page.click("#sql_run")
-    page.wait_for_function("document.querySelector('#sql_msg').innerText.includes('disabled')", timeout=30000)
+    wait_text(page, "#runs", "whiflash-entropy")
+    sql(page, "SELECT method, count(*) AS n FROM runs GROUP BY method ORDER BY method", "4 row(s)")
+    assert "single read-only SELECT" in sql(page, "DELETE FROM runs", "Refused")
+    sql(page, "SELECT * FROM read_csv('/etc/passwd')", "disabled")
     page.screenshot(path=str(ART / "trace_explorer.png"), full_page=True)
 
 
@@ -199,13 +203,13 @@ def test_calibration_replays_saves_and_confirms_live(page, app):
     page.fill("#cal_max_new input", "16")
     page.locator("#cal_router").get_by_text("entropy").click()
     page.click("#cal_profile")
-    page.wait_for_function("document.querySelector('#cal_status').innerText.includes('profiled')", timeout=300000)
+    wait_text(page, "#cal_status", "profiled", 300)
     assert "4 prompts profiled (made now)" in page.locator("#cal_status").inner_text()
     page.wait_for_selector("#cal_plot .js-plotly-plot", timeout=30000)
     title = svg_texts(page, "#cal_plot .gtitle")[0]
     page.fill("#cal_threshold input[type=number]", "2.5")
     page.keyboard.press("Enter")
-    page.wait_for_function("document.querySelector('#cal_point').innerText.includes('threshold 2.50')", timeout=30000)
+    wait_text(page, "#cal_point", "threshold 2.50")
     page.wait_for_function(f"document.querySelector('#cal_plot .gtitle').textContent !== {json.dumps(title)}",
                            timeout=30000)
     assert "threshold 2.50" in svg_texts(page, "#cal_plot .gtitle")[0]
@@ -213,12 +217,12 @@ def test_calibration_replays_saves_and_confirms_live(page, app):
     assert {"whiflash-entropy", "eagle3", "dflash", "oracle-token", "calibrated optimum", "chosen threshold"} <= legend
     page.screenshot(path=str(ART / "calibration.png"), full_page=True)
     page.click("#cal_save")
-    page.wait_for_function("document.querySelector('#cal_saved').innerText.includes('saved')", timeout=30000)
+    wait_text(page, "#cal_saved", "saved")
     saved = json.loads(app["calibration"].read_text())
     assert saved["thresholds"]["entropy"]["*"] == 2.5
     page.fill("#cal_n input", "1")
     page.click("#cal_confirm")
-    page.wait_for_function("document.querySelector('#cal_live_msg').innerText.includes('measured')", timeout=300000)
+    wait_text(page, "#cal_live_msg", "measured", 300)
     assert "tokens/s measured" in page.locator("#cal_live_msg").inner_text()
     page.fill("#cal_limit input", "0")
     page.click("#cal_profile")
@@ -242,10 +246,8 @@ def test_two_sessions_decode_at_once(browser, app):
     assert len(runs[0]) == len(runs[1]) == 2 and not runs[0] & runs[1]
     ids = ",".join(map(str, runs[0] | runs[1]))
     a.get_by_role("tab", name="Trace explorer").click()
-    a.fill("#sql textarea", f"SELECT run_id FROM runs WHERE run_id IN ({ids}) AND status = 'done'")
-    a.click("#sql_run")
-    a.wait_for_function("document.querySelector('#sql_msg').innerText.includes('status')", timeout=30000)
-    assert a.locator("#sql_msg").inner_text().startswith("4 row(s)")
+    done = sql(a, f"SELECT run_id FROM runs WHERE run_id IN ({ids}) AND status = 'done'", "status")
+    assert done.startswith("4 row(s)")
     b.screenshot(path=str(ART / "second_session.png"), full_page=True)
     a.close()
     b.close()
