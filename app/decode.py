@@ -17,7 +17,7 @@ import torch
 
 from app.lab import MODELS, Lab, answers
 from speclab import replay, viz
-from speclab.equality import first_divergence
+from speclab.equality import first_divergence, kind_of
 from speclab.errors import InvalidInput, SpeclabError
 from speclab.generate import Generation, check_generation
 from speclab.methods import METHODS, method_params
@@ -246,10 +246,14 @@ class SideBySide:
         ar = gens.get("ar")
         if ar is None or (temperature and float(temperature) > 0) or ar.result is None:
             return ""
-        notes = []
+        notes, groups = [], []
         for m, g in gens.items():
             if m == "ar":
                 continue
             div = first_divergence(self.lab.target, g.prompt_ids, ar.result.token_ids, g.result.token_ids)
-            notes.append(f"{m} {div.describe()}" if div else f"{m} equals AR")
-        return " · " + "; ".join(notes) if notes else ""
+            notes.append(f"{m} equals AR" if div is None else f"{m} {div.describe()}")
+            groups.append(kind_of(div))
+            if div is not None and g.run_id is not None:  # kept on the run row, as the bench does
+                self.lab.store.record_divergence(g.run_id, div)
+        summary = ", ".join(f"{groups.count(k)} {k}" for k in ("equal", "near-tie", "bug") if groups.count(k))
+        return f" · vs AR: {summary}: " + "; ".join(notes) if notes else ""

@@ -9,6 +9,7 @@ import inspect
 import gradio as gr
 
 from speclab.errors import InvalidInput, SpeclabError
+from speclab.precision import precision_label
 from speclab.target import Target
 from speclab.trace import TraceStore, vocab_text
 from speclab.zoo import display_path
@@ -25,7 +26,7 @@ class Lab:
     def header(self) -> str:
         roles = " · ".join(f"{role} `{display_path(getattr(m, 'name', '-'))}`" for role, m in self.models.items())
         return (f"# speclab · speculative decoding lab\ntarget `{display_path(self.target.name)}` · {roles} · "
-                f"trace `{display_path(self.store.path)}` · {self.target.device.type}")
+                f"trace `{display_path(self.store.path)}` · {self.target.device.type} · {precision_label(self.target)}")
 
     def warm_up(self) -> None:
         """Decode a few tokens with every method once, untraced, so the first decode a user asks for streams its

@@ -24,10 +24,11 @@ import torch
 
 from speclab.errors import InvalidInput
 from speclab.equality import first_divergence, output_hash
-from speclab.generate import encode_prompt, generate, model_ms
+from speclab.generate import encode_prompt, generate, model_ms, run_device
 from speclab.methods import get_method, parse_spec
 from speclab.metrics import tau, tokens_per_s
 from speclab.progress import Progress
+from speclab.sampling import Sampling
 from speclab.suites import load_suite
 from speclab.target import Target, crop_cache
 from speclab.trace import TraceStore
@@ -118,7 +119,7 @@ def run_bench(cfg: BenchConfig, target: Target, models: dict, store: TraceStore,
     def run_untraced(m, r, ids):
         res = generate(target, ids, m, **models, max_new_tokens=cfg.max_new_tokens, **params(m))
         rid = store.start_run(method=f"{m}-untraced", target=target.name, params=params(m), prompt_id=r["prompt_id"],
-                              category=r["category"], device=str(target.device), bench_id=bench_id,
+                              category=r["category"], **run_device(target), bench_id=bench_id,
                               prompt_tokens=ids.numel())
         store.finish_run(rid, "done", new_tokens=len(res.token_ids), elapsed_s=res.elapsed_s, wall_s=res.decode.wall_s,
                          prefill_ms=res.decode.prefill_ms, model_ms=model_ms(target, res.decode),
@@ -131,7 +132,9 @@ def run_bench(cfg: BenchConfig, target: Target, models: dict, store: TraceStore,
         peer_params = {"k": k, "stop_prob": cfg.stop_prob} if p == "hf_assisted" else {"k": k}
         rid = store.start_run(method=p, target=target.name, drafters=draft.name if p == "hf_assisted" else None,
                               params=peer_params, prompt_id=r["prompt_id"], category=r["category"],
-                              device=str(target.device), bench_id=bench_id, prompt_tokens=ids.numel())
+                              **{**run_device(target), "logits_dtype": str(target.dtype).replace("torch.", ""),
+                                 "exact": False},  # transformers' own forward and head
+                              bench_id=bench_id, prompt_tokens=ids.numel())
         store.finish_run(rid, "done", new_tokens=out.numel(), elapsed_s=secs, output_hash=output_hash(out.tolist()),
                          output_text=target.tokenizer.decode(out.tolist(), skip_special_tokens=True))
         return rid, out.tolist()
@@ -182,8 +185,7 @@ def record_divergences(store: TraceStore, target: Target, prompt_ids: torch.Tens
     for m, (rid, ids) in outputs.items():
         div = first_divergence(target, prompt_ids, ar[1], ids) if ar and m != "ar" else None
         if div is not None:
-            store.execute("UPDATE runs SET diverges_at = ?, top2_gap = ?, tie_tolerance = ? WHERE run_id = ?",
-                          [div.pos, None if div.top2_gap != div.top2_gap else div.top2_gap, div.tolerance, rid])
+            store.record_divergence(rid, div)
 
 
 # ---- results: one query per question, all from the trace ----
@@ -195,12 +197,10 @@ def bench_table(store: TraceStore, bench_id: str):
         WITH s AS (SELECT * FROM ({RUN_SUMS_SQL}) WHERE bench_id = ?),
         per AS (SELECT category, method, count(*) AS prompts, sum(new_tokens) AS tokens, {RATIOS}
                 FROM s GROUP BY ALL),
-        ar AS (SELECT category, tokens_per_s AS ar_tps FROM per WHERE method = 'ar'),
-        eq AS (SELECT s.category, s.method, avg(CASE WHEN s.output_hash = a.output_hash THEN 1.0 ELSE 0.0 END) AS equal_to_ar
-               FROM s JOIN s a ON a.method = 'ar' AND a.prompt_id = s.prompt_id GROUP BY ALL)
+        ar AS (SELECT category, tokens_per_s AS ar_tps FROM per WHERE method = 'ar')
         SELECT per.category, per.method, prompts, tokens, tau, acceptance_rate, tokens_per_s,
-               tokens_per_s / ar.ar_tps AS speedup, draft_time_share, target_calls_per_token, equal_to_ar
-        FROM per JOIN ar USING (category) JOIN eq USING (category, method)
+               tokens_per_s / ar.ar_tps AS speedup, draft_time_share, target_calls_per_token, equal_to_ar, near_tie, bug
+        FROM per JOIN ar USING (category)
         ORDER BY category, per.method""", [bench_id])
 
 
@@ -209,11 +209,9 @@ def bench_overall(store: TraceStore, bench_id: str):
     from speclab.metrics import RATIOS, RUN_SUMS_SQL
     return store.query(f"""
         WITH s AS (SELECT * FROM ({RUN_SUMS_SQL}) WHERE bench_id = ?),
-        per AS (SELECT method, count(*) AS prompts, sum(new_tokens) AS tokens, {RATIOS} FROM s GROUP BY method),
-        eq AS (SELECT s.method, avg(CASE WHEN s.output_hash = a.output_hash THEN 1.0 ELSE 0.0 END) AS equal_to_ar
-               FROM s JOIN s a ON a.method = 'ar' AND a.prompt_id = s.prompt_id GROUP BY s.method)
-        SELECT per.*, tokens_per_s / (SELECT tokens_per_s FROM per WHERE method = 'ar') AS speedup, equal_to_ar
-        FROM per JOIN eq USING (method) ORDER BY method""", [bench_id])
+        per AS (SELECT method, count(*) AS prompts, sum(new_tokens) AS tokens, {RATIOS} FROM s GROUP BY method)
+        SELECT per.*, tokens_per_s / (SELECT tokens_per_s FROM per WHERE method = 'ar') AS speedup
+        FROM per ORDER BY method""", [bench_id])
 
 
 def bench_positions(store: TraceStore, bench_id: str):
@@ -256,8 +254,13 @@ def write_report(store: TraceStore, bench_id: str, md_path: str | Path) -> tuple
     bench = store.query("SELECT * FROM benches WHERE bench_id = ?", [bench_id]).iloc[0]
     peers = pd.DataFrame(peer_ratios(overall))
     fmt = dict(index=False, floatfmt=".3f")
+    how = store.query("SELECT any_value(dtype) AS dtype, any_value(logits_dtype) AS logits, any_value(exact) AS exact, "
+                      "any_value(cpu) AS cpu FROM runs WHERE bench_id = ? AND method = 'ar'", [bench_id]).iloc[0]
     md = [f"# speclab bench `{bench_id}`", "",
-          f"suite `{bench.suite}`, methods {bench.methods}, device {bench.device}; config `{bench.config_json}`", "",
+          f"suite `{bench.suite}`, methods {bench.methods}, device {bench.device} ({how.cpu}), dtype {how.dtype} "
+          f"(logits {how.logits}{', exact mode' if how.exact else ''}); config `{bench.config_json}`", "",
+          "Equality with AR (greedy): `equal_to_ar`, `near_tie` (differs where the target's top-2 logits are within "
+          "rounding) and `bug` (differs otherwise) are shares of each method's outputs.", "",
           "## All categories", "", overall.to_markdown(**fmt), "",
           "tokens_per_s is over decode time (prefill + the run's own phases); model_call_share is the share of it "
           "spent inside target and drafter forwards (CPU only: a CUDA forward returns before its kernels end), "
@@ -320,6 +323,89 @@ def forward_costs(models: dict[str, Target], ns=(1, 5, 9), context: int = 200, r
         rows.append({"model": name, "params_m": sum(p.numel() for p in t.model.parameters()) / 1e6, "n": n,
                      "lean_ms": med["lean"], "hf_ms": med["hf"], "speedup": med["hf"] / med["lean"]})
     return pd.DataFrame(rows)
+
+
+WIDTHS = (1, 2, 4, 8, 16, 32, 64)
+
+
+@torch.inference_mode()
+def dtype_costs(load, dtypes=("fp32", "bf16"), ns=WIDTHS, context: int = 200, reps: int = 9, calls: int = 5):
+    """Median milliseconds per call by width (rows per call) and dtype, for the target (fast and exact mode) and
+    every drafter: the sps draft model, EAGLE-3's drafter (one call for a frontier of n nodes) and DFlash's (one
+    block of n rows: the root and n - 1 masks). `load(dtype)` returns (target, exact target, drafter models by
+    role) in that dtype. Per model and dtype the widths are interleaved over `reps`, each a median of `calls`."""
+    import pandas as pd
+
+    from speclab.drafters.dflash import DFlashDrafter
+    from speclab.drafters.eagle3 import Eagle3Drafter
+    from speclab.precision import cpu_label
+    rows = []
+    bar = Progress(len(dtypes) * reps, "forward costs by dtype")
+    done = 0
+    for dt in dtypes:
+        target, exact, models = load(dt)
+        g = torch.Generator().manual_seed(0)
+        ids = torch.randint(3, target.vocab_size, (context + max(ns) + 1,), generator=g)
+        callers = {"target": _target_call(target, ids, context), "target (exact)": _target_call(exact, ids, context)}
+        if models.get("draft") is not None:
+            callers["sps draft"] = _target_call(models["draft"], ids, context)
+        feats = None
+        if models.get("eagle3") is not None:
+            d = Eagle3Drafter(models["eagle3"], target)
+            feats = target.forward(ids[:context], target.new_cache(), layers=d.layers).features
+            d.reset(ids[: context + 1], feats)
+            d.catch_up(ids[:0], None)
+
+            def eagle_call(n, d=d):
+                h = d.root_h.expand(n, -1)
+                d._forward_nodes(ids[context : context + n], h, 1, None)
+                d.cache.crop(d.known)
+            callers["eagle3 drafter"] = eagle_call
+        if models.get("dflash") is not None:
+            blocks = {}
+
+            def dflash_call(n, m=models["dflash"]):
+                if n < 2:
+                    return False  # a block is the root and at least one mask
+                if n not in blocks:
+                    d = DFlashDrafter(m, target, block_size=n, markov=False)
+                    f = target.forward(ids[:context], target.new_cache(), layers=d.layers).features
+                    d.reset(ids[: context + 1], f)
+                    d.catch_up(ids[:0], None)
+                    blocks[n] = d
+                blocks[n].propose(n, Sampling(), None)
+            callers["dflash drafter"] = dflash_call
+        times = {(name, n): [] for name in callers for n in ns}
+        for _ in range(reps):
+            for name, call in callers.items():
+                for n in ns:
+                    if call(n) is False:
+                        continue
+                    per = []
+                    for _ in range(calls):
+                        t0 = time.perf_counter()
+                        call(n)
+                        per.append(time.perf_counter() - t0)
+                    times[name, n].append(float(np.median(per)) * 1e3)
+            done += 1
+            bar.update(done, dtype=dt)
+        for (name, n), v in times.items():
+            if v:
+                rows.append({"model": name, "dtype": dt, "rows": n, "ms": float(np.median(v))})
+    df = pd.DataFrame(rows)
+    df.attrs["cpu"] = cpu_label()
+    return df
+
+
+def _target_call(t: Target, ids: torch.Tensor, context: int):
+    """One forward of n rows after a `context`-token cache, rolled back after the call."""
+    cache = t.new_cache(context + max(WIDTHS) + 8)
+    t.forward(ids[:context], cache)
+
+    def call(n):
+        t.forward(ids[context : context + n], cache)
+        crop_cache(cache, context)
+    return call
 
 
 def parse_grid(text: str) -> dict[str, list]:

@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 
 from speclab.errors import SpeclabError
-from speclab.models import add_model_args, load_models
+from speclab.models import add_model_args, check_model_args, load_models
 
 DEFAULT_DB = "traces/speclab.duckdb"
 
@@ -77,6 +77,7 @@ def cmd_generate(a: argparse.Namespace) -> int:
     from speclab.methods import get_method
     from speclab.trace import TraceStore
 
+    check_model_args(a)
     method = get_method(a.method)
     if a.prompt is None and a.prompts is None:
         raise SpeclabError("give --prompt TEXT or --prompts FILE")
@@ -186,10 +187,37 @@ def cmd_bench(a: argparse.Namespace) -> int:
 
 
 def cmd_forward_costs(a: argparse.Namespace) -> int:
-    from speclab.bench import forward_costs
-    from speclab.viz import bench_bars, write_html_report
+    from speclab.bench import dtype_costs, forward_costs
+    from speclab.viz import bench_bars, lines_figure, write_html_report
 
-    ns = _positive_ints(a.n, "--n")
+    ns = _positive_ints(a.n or ("1,2,4,8,16,32,64" if a.by_dtype else "1,5,9"), "--n")
+    if a.by_dtype:
+        from speclab.precision import check_dtype
+        dtypes = [check_dtype(d.strip()) for d in a.dtypes.split(",") if d.strip()]
+        if not dtypes or "auto" in dtypes:
+            raise SpeclabError(f"--dtypes {a.dtypes!r}: name the dtypes to compare, e.g. fp32,bf16")
+        check_model_args(a)
+
+        def load(dt):
+            a.dtype = dt
+            target, models = load_models(a, roles=("draft", "eagle3", "dflash"))
+            a.exact = True
+            exact, _ = load_models(a, roles=())
+            a.exact = False
+            return target, exact, models
+        df = dtype_costs(load, dtypes, ns, context=a.context, reps=a.reps)
+        wide = df.pivot_table(index=["model", "dtype"], columns="rows", values="ms", sort=False).reset_index()
+        wide.columns = [c if isinstance(c, str) else f"{c} rows" for c in wide.columns]
+        table = wide.to_markdown(index=False, floatfmt=".2f")
+        print(f"ms per call after a {a.context}-token cache (median), on {df.attrs['cpu']}\n\n{table}")
+        df["model / dtype"] = df["model"] + " " + df["dtype"]
+        Path(a.report).parent.mkdir(parents=True, exist_ok=True)
+        path = write_html_report(a.report, f"Milliseconds per call by width and dtype ({df.attrs['cpu']})",
+                                 [lines_figure(df, "rows", "ms", "model / dtype", f"ms per call after a {a.context}-token "
+                                               "cache, by rows per call (lower is better)", "rows per call",
+                                               "ms per call")], table)
+        print(f"\nplot: {path}")
+        return 0
     target, models = load_models(a, roles=("draft",))
     df = forward_costs({"target": target, "draft": models["draft"]}, ns=ns, context=a.context, reps=a.reps)
     if df.empty:
@@ -666,7 +694,11 @@ def main(argv: list[str] | None = None) -> int:
 
     f = sub.add_parser("forward-costs", help="ms per model call: speclab's lean forward vs the transformers forward")
     add_model_args(f)
-    f.add_argument("--n", default="1,5,9", help="tokens per call (comma-separated)")
+    f.add_argument("--n", default=None, help="tokens per call (comma-separated; default 1,5,9, or 1,2,4,...,64 with "
+                   "--by-dtype)")
+    f.add_argument("--by-dtype", action="store_true", help="ms per call by width and dtype for the target (fast and "
+                   "exact) and every drafter, instead of lean vs transformers")
+    f.add_argument("--dtypes", default="fp32,bf16", help="with --by-dtype: the dtypes to compare")
     f.add_argument("--context", type=int, default=200, help="tokens already in the KV cache")
     f.add_argument("--reps", type=int, default=15, help="interleaved repetitions (20 calls each); the median is shown")
     f.add_argument("--report", default="reports/forward_costs.html")

@@ -222,7 +222,7 @@ def decode_rounds(target: Target, prompt_ids: torch.Tensor, drafters: dict[str, 
     calls0, model0 = target.calls, forward_clock.seconds
     n_prompt = prompt_ids.numel()
     seq = Committed(prompt_ids, n_prompt + max_new_tokens, len(layers) * d_model, dev, target.dtype)
-    cache = target.new_cache()
+    cache = target.new_cache(n_prompt + max_new_tokens)
     sig_logits = sig_hidden = root_logits = root_hidden = None
     if deferred:
         if n_prompt > 1:

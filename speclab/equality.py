@@ -33,10 +33,20 @@ class Divergence:
     def near_tie(self) -> bool:
         return self.top2_gap <= self.tolerance
 
+    @property
+    def kind(self) -> str:
+        """'near-tie' (rounding) or 'bug' (anything else); an equal output has no Divergence (`kind_of`)."""
+        return "near-tie" if self.near_tie else "bug"
+
     def describe(self) -> str:
         kind = "a numerical near-tie" if self.near_tie else "NOT a near-tie: a bug until proven otherwise"
         return (f"differs from AR at token {self.pos} ({self.ref_token} vs {self.token}): top-2 logit gap "
                 f"{self.top2_gap:.3g} (tolerance {self.tolerance:.2g}), {kind}")
+
+
+def kind_of(div: Divergence | None) -> str:
+    """The three groups every report uses: 'equal' to AR, differing at a 'near-tie', or a 'bug' (SQL: metrics)."""
+    return "equal" if div is None else div.kind
 
 
 @torch.inference_mode()

@@ -98,8 +98,8 @@ class Generation:
                 params={**self.params, "max_new_tokens": req.max_new_tokens, **asdict(sampling),
                         "deferred": deferred, **{role: getattr(models[role], "name", None)
                                                  for role in get_method(method).needs}},
-                prompt_id=prompt_id, category=category, device=str(target.device),
-                dtype=str(target.dtype).replace("torch.", ""), prompt_text=prompt if isinstance(prompt, str) else None,
+                prompt_id=prompt_id, category=category, **run_device(target),
+                prompt_text=prompt if isinstance(prompt, str) else None,
                 prompt_tokens=self.prompt_ids.numel(), bench_id=bench_id)
             self.writer = trace.writer(self.run_id, target.tokenizer)
 
@@ -152,6 +152,12 @@ class Generation:
                                   prefill_ms=res.prefill_ms, model_ms=model_ms(self.target, res),
                                   output_text=text, output_hash=output_hash(res.new_ids.tolist()))
         self.result = GenerationResult(text, res.new_ids.tolist(), self.method, self.run_id, res, elapsed)
+
+
+def run_device(target: Target) -> dict:
+    """Where and how a run computed, for its run row: device, dtype, logits dtype, exact mode and the CPU."""
+    from speclab.precision import cpu_label
+    return {"device": str(target.device), **target.precision, "cpu": cpu_label()}
 
 
 def model_ms(target: Target, res: DecodeResult) -> float | None:

@@ -21,7 +21,11 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from speclab.precision import Head, rms_norm32
+
 FAMILIES = ("llama", "qwen2", "qwen3")
+EXACT_TILE = 8  # rows per call in exact mode: a verification of up to 8 rows costs what one AR step costs
+EXACT_TREE_ROOM = 128  # cache slots beyond the context for a verification tree's nodes in exact mode
 
 
 def supports(model) -> str | None:
@@ -84,7 +88,7 @@ class LeanDecoder:
     """The forward pass of a Llama-family HF model, over that model's weights (shared, not copied; only the
     small q/k norm weights are concatenated into a copy, so build a new decoder after training the model)."""
 
-    def __init__(self, model):
+    def __init__(self, model, logits: str = "fp32", exact: bool = False, tile: int = EXACT_TILE):
         reason = supports(model)
         if reason:
             raise ValueError(f"lean forward does not support {reason}")
@@ -102,7 +106,10 @@ class LeanDecoder:
         rope = inner.rotary_emb
         self.inv_freq = rope.inv_freq.float()
         self.rope_scale = float(getattr(rope, "attention_scaling", 1.0))
-        self._rope_table(int(getattr(cfg, "max_position_embeddings", 2048)))
+        self.max_context = int(getattr(cfg, "max_position_embeddings", 2048))
+        self._rope_table(self.max_context)
+        self.logits, self.exact, self.tile = logits, exact, tile
+        self.lm = Head(self.lm_head, logits)
 
     def _layer(self, layer) -> dict:
         a, m = layer.self_attn, layer.mlp
@@ -119,6 +126,13 @@ class LeanDecoder:
         self.cos, self.sin = rope_tables(self.inv_freq, self.rope_scale, n, self.dtype)
 
     def new_cache(self, capacity: int = 256) -> KVCache:
+        """A cache for `capacity` tokens (it grows when needed). In exact mode it never grows: its width is the
+        attention width of every call (`_exact_forward`): `capacity` (a decode's prompt + new tokens), room for
+        a tree of `EXACT_TREE_ROOM` nodes beyond it and a tile's padding; keys and values are kept in fp32 (the
+        bf16 values exactly), so the fixed-width attention needs no conversion per call."""
+        if self.exact:
+            width = -(-(capacity + EXACT_TREE_ROOM + self.tile) // self.tile) * self.tile
+            return KVCache(len(self.layers), self.n_kv, self.head_dim, torch.float32, self.device, width)
         return KVCache(len(self.layers), self.n_kv, self.head_dim, self.dtype, self.device, capacity)
 
     def forward(self, ids: torch.Tensor, cache: KVCache, pos: torch.Tensor | None = None, mask: torch.Tensor | None = None,
@@ -131,16 +145,30 @@ class LeanDecoder:
         attention); the default is causal."""
         n, start = ids.numel(), cache.length
         end = start + n
-        cache.reserve(n)
         if pos is None:
             pos = torch.arange(start, end, device=self.device)
         if end > self.cos.shape[0]:  # positions never exceed end - 1 (a tree node sits at start + its depth)
             self._rope_table(2 * end)
+        if self.exact:
+            return self._exact_forward(ids, cache, pos, mask, layers, last, hidden)
+        cache.reserve(n)
         cos, sin = self.cos[pos][:, None], self.sin[pos][:, None]  # [n, 1, D]; sin carries rotate_half's sign
         if mask is None and n > 1:
             mask = torch.ones(n, end, dtype=torch.bool, device=self.device).tril(start)
         elif mask is not None:
             mask = mask[0, 0]  # Target has cast it to the model's dtype
+        h, kept = self._layers(ids, cache, start, cos, sin, self._sdpa(mask), layers)
+        cache.length = end
+        feats = (kept[layers[0]] if len(layers) == 1 else torch.cat([kept[i] for i in layers], -1)) if layers else None
+        if last is not None:
+            h = h[-last:]
+        h = self.final_norm(h)
+        return self.head(h), feats, h if hidden else None
+
+    def _layers(self, ids, cache: KVCache, start: int, cos, sin, attend, layers):
+        """The decoder layers over rows `ids` written at cache slots start..start+n; `attend(q, k_cache, v_cache, end)`
+        is the attention of queries [heads, n, D] over the layer's cache up to slot `end` (the fused kernel, or exact mode's fixed-shape one)."""
+        n = ids.numel()
         H, KV, D, eps = self.n_heads, self.n_kv, self.head_dim, self.eps
         h = self.embed[ids]
         kept = {}
@@ -152,28 +180,90 @@ class LeanDecoder:
                 qk = F.rms_norm(qk, (D,), None, eps) * L["qk_norm"]
             qk = apply_rope(qk, cos, sin)  # rotary embedding, q and k together
             k_cache, v_cache = cache.k[i], cache.v[i]  # [kv_heads, capacity, D]
-            k_cache[:, start:end] = qk[:, H:].transpose(0, 1)
-            v_cache[:, start:end] = v.transpose(0, 1)
-            o = F.scaled_dot_product_attention(qk[None, :, :H].transpose(1, 2), k_cache[None, :, :end], v_cache[None, :, :end],
-                                               attn_mask=mask, scale=self.scaling, enable_gqa=H != KV)  # 4D: the fused kernel
-            h = h + F.linear(o[0].transpose(0, 1).reshape(n, H * D), L["o"], L["o_bias"])
+            k_cache[:, start : start + n] = qk[:, H:].transpose(0, 1)
+            v_cache[:, start : start + n] = v.transpose(0, 1)
+            o = attend(qk[:, :H].transpose(0, 1), k_cache, v_cache, start + n)  # [H, n, D]
+            h = h + F.linear(o.transpose(0, 1).reshape(n, H * D), L["o"], L["o_bias"])
             x = F.rms_norm(h, h.shape[-1:], L["post_norm"], eps)
             gate, up = F.linear(x, L["gate_up"]).chunk(2, -1)
             h = h + F.linear(F.silu(gate) * up, L["down"])
             if i in layers:
                 kept[i] = h
-        cache.length = end
-        feats = (kept[layers[0]] if len(layers) == 1 else torch.cat([kept[i] for i in layers], -1)) if layers else None
-        if last is not None:
-            h = h[-last:]
-        h = self.final_norm(h)
-        return self.head(h), feats, h if hidden else None
+        return h, kept
+
+    def _sdpa(self, mask):
+        """Attention through torch's fused kernel (4D inputs) over the first `end` cache slots."""
+        H, KV = self.n_heads, self.n_kv
+
+        def attend(q, k_cache, v_cache, end):
+            return F.scaled_dot_product_attention(q[None], k_cache[None, :, :end], v_cache[None, :, :end], attn_mask=mask,
+                                                  scale=self.scaling, enable_gqa=H != KV)[0]
+        return attend
+
+    def _exact_forward(self, ids, cache: KVCache, pos, mask, layers, last, hidden):
+        """The same forward, batch-invariant: rows go through in tiles of exactly `tile` rows (the last tile padded),
+        and every tile attends over the same `exact_width` cache slots, so every matmul, norm and softmax of a row
+        has the same shape whether 1 row or n rows are forwarded: a row's result never depends on how many rows
+        run with it. Costs a tile's rows for a 1-row call and a fixed attention width (`speclab forward-costs`)."""
+        n, start, T, W = ids.numel(), cache.length, self.tile, cache.k.shape[2]
+        if cache.k.dtype != torch.float32 or start + -(-n // T) * T > W:
+            raise ValueError(f"exact mode: {n} rows after {start} cached need more than the {W} slots of the "
+                             "exact-width cache (build it with this decoder's new_cache, for the whole decode)")
+        cols = torch.arange(W, device=self.device)
+        if mask is None:  # causal: row r sees slots up to start + r
+            allowed = cols[None] <= (start + torch.arange(n, device=self.device))[:, None]
+        else:  # the caller's additive [1, 1, n, start + n] tree mask, widened to W slots
+            allowed = torch.zeros(n, W, dtype=torch.bool, device=self.device)
+            allowed[:, : start + n] = mask[0, 0] == 0
+        hs, kept_all = [], {i: [] for i in layers}
+        for r0 in range(0, n, T):
+            m = min(T, n - r0)
+            tid = torch.zeros(T, dtype=ids.dtype, device=self.device)
+            tid[:m] = ids[r0 : r0 + m]
+            tpos = torch.full((T,), int(pos[r0 + m - 1]), dtype=torch.long, device=self.device)
+            tpos[:m] = pos[r0 : r0 + m]
+            ok = torch.zeros(T, W, dtype=torch.bool, device=self.device)
+            ok[:m] = allowed[r0 : r0 + m]
+            ok[torch.arange(m, T), start + r0 + torch.arange(m, T)] = True  # a padding row sees itself only
+            bias = torch.zeros(T, W, device=self.device).masked_fill_(~ok, float("-inf"))
+            h, kept = self._layers(tid, cache, start + r0, self.cos[tpos][:, None], self.sin[tpos][:, None],
+                                   self._fixed_attention(bias), layers)
+            hs.append(h[:m])
+            for i in layers:
+                kept_all[i].append(kept[i][:m])
+        cache.length = start + n
+        h = torch.cat(hs)
+        feats = (torch.cat([torch.cat(kept_all[i]) for i in layers], -1)) if layers else None
+        rows = h if last is None else h[-last:]
+        # the head on whole tiles too (fixed shape; padded with copies of the last row), then the rows asked for
+        padded = torch.cat([rows, rows[-1:].expand(-rows.shape[0] % T, -1)])
+        normed = self.final_norm(padded)
+        logits = torch.cat([self.head(normed[j : j + T]) for j in range(0, normed.shape[0], T)])[: rows.shape[0]]
+        normed = normed[: rows.shape[0]]
+        return logits, feats, normed if hidden else None
+
+    def _fixed_attention(self, bias: torch.Tensor):
+        """Attention of one tile over every slot of the (fp32) cache, in fp32, with an additive [T, W] bias: fixed shapes
+        (scores [kv_heads, group * T, W]), so a row's result depends on that row alone."""
+        H, KV = self.n_heads, self.n_kv
+        G = H // KV
+
+        def attend(q, k_cache, v_cache, end):
+            T, D = q.shape[1], q.shape[2]
+            s = torch.bmm(q.float().reshape(KV, G * T, D), k_cache.transpose(1, 2)) * self.scaling
+            p = torch.softmax(s.view(KV, G, T, -1) + bias, -1).view(KV, G * T, -1)
+            return torch.bmm(p, v_cache).view(H, T, D).to(q.dtype)
+        return attend
 
     def final_norm(self, h: torch.Tensor) -> torch.Tensor:
+        """The final RMSNorm: in fp32 when the logits are (`speclab.precision`), else in the model's dtype."""
+        if self.lm.refine:
+            return rms_norm32(h, self.norm, self.eps)
         return F.rms_norm(h, h.shape[-1:], self.norm, self.eps)
 
     def head(self, h: torch.Tensor) -> torch.Tensor:
-        return F.linear(h, self.lm_head)
+        """float32 logits of final-norm states (`speclab.precision.Head`)."""
+        return self.lm(h)
 
 
 def rope_inv_freq(c) -> tuple[torch.Tensor, float]:

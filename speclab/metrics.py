@@ -12,6 +12,9 @@ Python functions for live figures (the CLI summary, the app's columns) where the
 - model-call share: time inside model forwards (target and drafters) / decode time (exact on CPU).
 - target calls per token: target forwards (prefill included) / new tokens.
 - mean entropy: the target's next-token entropy (nats, softmax at T=1) averaged over committed tokens.
+- equality with AR (greedy benches): each output is `equal` to the AR output of the same bench and prompt, differs
+  at a `near-tie` (the target's top-2 logit gap at the first difference within `speclab.equality`'s tolerance:
+  rounding), or differs otherwise: a `bug`. `equal_to_ar`, `near_tie` and `bug` are the shares of compared runs.
 
 The same SQL is installed as views (`run_metrics`, `position_acceptance`) in every trace file, so the app's
 SQL box and notebooks see exactly these definitions.
@@ -34,15 +37,23 @@ def tokens_per_s(tokens: int, decode_s: float) -> float:
 TAU_SQL = "sum(committed) / nullif(sum(verifications), 0)"
 TOKENS_PER_S_SQL = "sum(new_tokens) / nullif(sum(elapsed_s), 0)"
 
+# a run's output against the AR output of its bench and prompt: 'equal', 'near-tie', 'bug' (NULL: no AR to compare)
+EQUALITY_SQL = """CASE WHEN ar.output_hash IS NULL OR r.output_hash IS NULL THEN NULL
+            WHEN r.output_hash = ar.output_hash THEN 'equal'
+            WHEN r.top2_gap <= r.tie_tolerance THEN 'near-tie' ELSE 'bug' END"""
+
 # per run: the sums every pooled metric is made of, then the ratios
-RUN_SUMS_SQL = """
+RUN_SUMS_SQL = f"""
 SELECT r.run_id, r.method, r.category, r.prompt_id, r.status, r.bench_id, r.output_hash, r.new_tokens, r.target_calls,
-       r.elapsed_s, r.model_ms,
+       r.elapsed_s, r.model_ms, {EQUALITY_SQL} AS equality,
        count(x.round) AS verifications, sum(x.committed) AS committed, sum(x.n_accepted) AS accepted,
        sum(x.n_drafted) AS drafted, sum(x.t_draft_ms) AS draft_ms,
        sum(x.t_route_ms + x.t_catchup_ms + x.t_draft_ms + x.t_verify_ms + x.t_commit_ms + coalesce(x.t_record_ms, 0)) AS phases_ms,
        any_value(e.entropy_sum) AS entropy_sum, any_value(e.n_tokens) AS n_tokens
 FROM runs r LEFT JOIN rounds x USING (run_id)
+     LEFT JOIN (SELECT bench_id, prompt_id, any_value(output_hash) AS output_hash FROM runs
+                WHERE method = 'ar' AND bench_id IS NOT NULL GROUP BY ALL) ar
+               ON ar.bench_id = r.bench_id AND ar.prompt_id = r.prompt_id
      LEFT JOIN (SELECT run_id, sum(entropy) AS entropy_sum, count(*) AS n_tokens FROM tokens GROUP BY run_id) e USING (run_id)
 GROUP BY ALL
 """
@@ -54,7 +65,10 @@ RATIOS = f"""
        sum(draft_ms) / nullif(sum(phases_ms), 0)      AS draft_time_share,
        sum(target_calls) / nullif(sum(new_tokens), 0) AS target_calls_per_token,
        sum(entropy_sum) / nullif(sum(n_tokens), 0)    AS mean_entropy,
-       sum(model_ms) / nullif(1000 * sum(elapsed_s), 0) AS model_call_share"""
+       sum(model_ms) / nullif(1000 * sum(elapsed_s), 0) AS model_call_share,
+       count(*) FILTER (WHERE equality = 'equal') / nullif(count(equality), 0)    AS equal_to_ar,
+       count(*) FILTER (WHERE equality = 'near-tie') / nullif(count(equality), 0) AS near_tie,
+       count(*) FILTER (WHERE equality = 'bug') / nullif(count(equality), 0)      AS bug"""
 
 RUN_METRICS_SQL = f"""
 SELECT run_id, any_value(method) AS method, any_value(category) AS category, any_value(prompt_id) AS prompt_id,

@@ -14,10 +14,38 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dflash", help="DFlash drafter directory for dflash (public layout; default: the zoo's)")
     p.add_argument("--router-model", help="neural router directory for whiflash-neural (default: the zoo's)")
     p.add_argument("--device", default=None, help="cpu | cuda (default: cuda when present)")
-    p.add_argument("--dtype", default=None, help="fp32 | bf16 | fp16 (default fp32 on CPU, bf16 on CUDA)")
+    p.add_argument("--dtype", default="auto", help="auto | fp32 | bf16 | fp16 (default auto: bf16 on CUDA and on a CPU "
+                   "that computes bf16 natively, as measured at start; fp32 elsewhere)")
+    p.add_argument("--logits", default="fp32", help="fp32 | model: the final norm and the head's top logits in fp32 "
+                   "(default; no quantised ties in verification) or logits in the model's dtype")
+    p.add_argument("--exact", action="store_true", help="batch-invariant target forward (lean backend): a row's "
+                   "result never depends on how many rows run with it, so bf16 speculative output equals bf16 AR")
     p.add_argument("--backend", default="auto", choices=["auto", "lean", "hf"],
                    help="forward pass: speclab's lean forward (Llama family) or the transformers one (default: lean "
                         "where it applies)")
+
+
+def model_args(**options) -> argparse.Namespace:
+    """The model options with their command-line defaults (the zoo, `--dtype auto`, ...), `options` overriding
+    some: for `load_models` outside the CLI (the notebooks)."""
+    p = argparse.ArgumentParser()
+    add_model_args(p)
+    a = p.parse_args([])
+    for k, v in options.items():
+        if not hasattr(a, k):
+            raise TypeError(f"model_args: no option {k!r}")
+        setattr(a, k, v)
+    return a
+
+
+def check_model_args(a: argparse.Namespace) -> None:
+    """The precision options checked before any model is loaded (one line each, InvalidInput)."""
+    from speclab.errors import InvalidInput
+    from speclab.precision import check_dtype, check_logits
+    check_dtype(a.dtype)
+    check_logits(a.logits)
+    if a.exact and a.backend == "hf":
+        raise InvalidInput("--exact needs speclab's lean forward; it cannot run with --backend hf")
 
 
 def load_models(a: argparse.Namespace, roles=("draft", "eagle3", "dflash", "router"), log=None):
@@ -26,15 +54,19 @@ def load_models(a: argparse.Namespace, roles=("draft", "eagle3", "dflash", "rout
     from speclab import zoo
     from speclab.target import Target
 
+    check_model_args(a)
     log = log or (lambda s: print(s, file=sys.stderr, flush=True))
     path = a.model or zoo.default_target()
     log(f"loading target {path} ...")
-    target = Target.load(path, device=a.device, dtype=a.dtype, backend=a.backend)
+    target = Target.load(path, device=a.device, dtype=a.dtype, backend=a.backend, logits=a.logits, exact=a.exact)
+    if a.dtype in (None, "auto"):
+        from speclab.precision import auto_choice
+        log(f"dtype auto: {auto_choice(target.device.type).reason}")
     models = {}
     if "draft" in roles:
         path = a.draft or zoo.default_draft()
         log(f"loading draft {path} ...")
-        models["draft"] = Target.load(path, device=a.device, dtype=a.dtype, backend=a.backend)
+        models["draft"] = Target.load(path, device=a.device, dtype=a.dtype, backend=a.backend, logits=a.logits)
     if "eagle3" in roles:
         from speclab.drafters.eagle3 import load_eagle3
         path = getattr(a, "eagle", None) or zoo.default_eagle3()

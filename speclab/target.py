@@ -18,6 +18,7 @@ import torch
 
 from speclab.errors import ModelNotFound
 from speclab.lean import KVCache, LeanDecoder, supports
+from speclab.precision import Head, check_logits, dtype_name, pick_dtype
 
 BACKENDS = ("auto", "lean", "hf")
 
@@ -26,15 +27,6 @@ def pick_device(device: str | None = None) -> torch.device:
     if device:
         return torch.device(device)
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-
-
-def pick_dtype(device: torch.device, dtype: str | torch.dtype | None = None) -> torch.dtype:
-    if isinstance(dtype, torch.dtype):
-        return dtype
-    if dtype:
-        return {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16,
-                "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16}[dtype]
-    return torch.bfloat16 if device.type == "cuda" else torch.float32
 
 
 def load_causal_lm(name_or_path: str | Path, device=None, dtype=None):
@@ -122,15 +114,21 @@ class Target:
     It holds weights and a call counter only: caches, features and signals belong to the caller, so one loaded
     target serves several interleaved decodes."""
 
-    def __init__(self, model, tokenizer, name: str = "", backend: str = "auto"):
+    def __init__(self, model, tokenizer, name: str = "", backend: str = "auto", logits: str = "fp32",
+                 exact: bool = False):
         if backend not in BACKENDS:
             raise ValueError(f"backend must be one of {', '.join(BACKENDS)} (got {backend!r})")
         why_not = supports(model)
         if backend == "lean" and why_not:
             raise ValueError(f"the lean backend does not support this model: {why_not}")
+        if exact and (backend == "hf" or why_not):
+            raise ValueError("exact mode runs on the lean forward only: "
+                             + (why_not or "the hf backend was asked for"))
         self.model, self.tokenizer, self.name = model, tokenizer, name
-        self.lean = LeanDecoder(model) if backend != "hf" and not why_not else None
+        self.logits, self.exact = check_logits(logits), bool(exact)
+        self.lean = LeanDecoder(model, logits, exact) if backend != "hf" and not why_not else None
         self.backend = "lean" if self.lean else "hf"
+        self._head = self.lean.lm if self.lean else Head(model.get_output_embeddings().weight, logits)
         self.config = model.config
         self.device = next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype
@@ -141,9 +139,16 @@ class Target:
         self.calls = 0  # number of forwards since load (benchmarks and the engine read differences)
 
     @classmethod
-    def load(cls, name_or_path: str | Path, device=None, dtype=None, backend: str = "auto") -> "Target":
+    def load(cls, name_or_path: str | Path, device=None, dtype=None, backend: str = "auto", logits: str = "fp32",
+             exact: bool = False) -> "Target":
         model, tok = load_causal_lm(name_or_path, device, dtype)
-        return cls(model, tok, name=str(name_or_path), backend=backend)
+        return cls(model, tok, name=str(name_or_path), backend=backend, logits=logits, exact=exact)
+
+    @property
+    def precision(self) -> dict:
+        """How this target computes, for the run rows: dtype, logits dtype, exact mode."""
+        return {"dtype": dtype_name(self.dtype), "logits_dtype": "float32" if self._head.refine or
+                self.dtype == torch.float32 else dtype_name(self.dtype), "exact": self.exact}
 
     @property
     def fingerprint(self) -> str:
@@ -170,9 +175,10 @@ class Target:
     def num_layers(self) -> int:
         return len(self.layers)
 
-    def new_cache(self):
+    def new_cache(self, capacity: int = 256):
+        """A KV cache for about `capacity` tokens (a decode's prompt + new tokens; it grows, except in exact mode)."""
         if self.lean:
-            return self.lean.new_cache()
+            return self.lean.new_cache(capacity)
         from transformers import DynamicCache
 
         return DynamicCache(config=self.config)
@@ -213,11 +219,11 @@ class Target:
         finally:
             for hk in hooks:
                 hk.remove()
-        h = out.last_hidden_state[0]
+        h = out.last_hidden_state[0]  # transformers' final norm, in the model's dtype
         if last is not None:
             h = h[-last:]
         feats = torch.cat([kept[i][0] for i in layers], -1) if layers else None
-        return ForwardOut(self.model.get_output_embeddings()(h).float(), feats, h if hidden else None)
+        return ForwardOut(self._head(h), feats, h if hidden else None)
 
     def prefill(self, input_ids: torch.Tensor, cache, layers: tuple[int, ...] = (), last: int = 1,
                 hidden: bool = False) -> ForwardOut:
@@ -240,11 +246,9 @@ class Target:
 
     @torch.inference_mode()
     def lm_head(self, h: torch.Tensor) -> torch.Tensor:
-        """The LM head alone (no final norm) over already-normed states [..., d] -> float32 logits (DFlash, which
-        norms with its own `norm`)."""
-        if self.lean:
-            return self.lean.head(h.to(self.dtype)).float()
-        return self.model.get_output_embeddings()(h.to(self.dtype)).float()
+        """The LM head alone (no final norm) over already-normed states [..., d] (fp32 or the model's dtype) ->
+        float32 logits (`speclab.precision.Head`; DFlash norms with its own `norm`)."""
+        return self._head(h)
 
 
 def _final_norm(decoder):

@@ -33,7 +33,7 @@ import torch
 from speclab.engine import PHASES
 from speclab.errors import TraceError
 
-SCHEMA_VERSION = 3
+SCHEMA_VERSION = 4
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS meta (key VARCHAR PRIMARY KEY, value VARCHAR);
@@ -44,7 +44,8 @@ CREATE TABLE IF NOT EXISTS runs (
     dtype VARCHAR, status VARCHAR, schema_version INTEGER, prompt_text VARCHAR, prompt_tokens INTEGER,
     new_tokens INTEGER, rounds INTEGER, target_calls INTEGER, elapsed_s DOUBLE, output_text VARCHAR,
     error VARCHAR, bench_id VARCHAR, output_hash VARCHAR, peak_mem_mb DOUBLE, prefill_ms DOUBLE, wall_s DOUBLE,
-    model_ms DOUBLE, diverges_at INTEGER, top2_gap DOUBLE, tie_tolerance DOUBLE);
+    model_ms DOUBLE, diverges_at INTEGER, top2_gap DOUBLE, tie_tolerance DOUBLE, logits_dtype VARCHAR,
+    exact BOOLEAN, cpu VARCHAR);
 CREATE TABLE IF NOT EXISTS benches (
     bench_id VARCHAR PRIMARY KEY, started_at TIMESTAMP, suite VARCHAR, methods VARCHAR, config_json VARCHAR,
     device VARCHAR, trace_overhead DOUBLE, peak_rss_mb DOUBLE, status VARCHAR);
@@ -73,7 +74,9 @@ MIGRATIONS = {2: ["runs ADD COLUMN IF NOT EXISTS prefill_ms DOUBLE", "runs ADD C
                   "runs ADD COLUMN IF NOT EXISTS model_ms DOUBLE", "runs ADD COLUMN IF NOT EXISTS diverges_at INTEGER",
                   "runs ADD COLUMN IF NOT EXISTS top2_gap DOUBLE", "runs ADD COLUMN IF NOT EXISTS tie_tolerance DOUBLE",
                   "rounds ADD COLUMN IF NOT EXISTS t_record_ms DOUBLE"],
-              3: []}  # schema 3 only adds tables (the profiles of speclab.replay), made by SCHEMA itself
+              3: [],  # schema 3 only adds tables (the profiles of speclab.replay), made by SCHEMA itself
+              4: ["runs ADD COLUMN IF NOT EXISTS logits_dtype VARCHAR", "runs ADD COLUMN IF NOT EXISTS exact BOOLEAN",
+                  "runs ADD COLUMN IF NOT EXISTS cpu VARCHAR"]}  # how the run computed (speclab.precision)
 TABLES = ("meta", "runs", "rounds", "tokens", "draft_nodes", "router_decisions", "benches", "profile_sets", "profiles",
           "profile_positions")
 
@@ -203,6 +206,12 @@ class TraceStore:
                 f"INSERT INTO runs ({', '.join(cols)}) VALUES (?, now(), 'running', ?{', ?' * len(meta)})",
                 [run_id, SCHEMA_VERSION, *meta.values()])
         return int(run_id)
+
+    def record_divergence(self, run_id: int, div) -> None:
+        """Where a run's output first differs from AR's and the target's top-2 logit gap there
+        (`speclab.equality.Divergence`), so `metrics` can tell a near-tie from a bug."""
+        self.execute("UPDATE runs SET diverges_at = ?, top2_gap = ?, tie_tolerance = ? WHERE run_id = ?",
+                     [div.pos, None if div.top2_gap != div.top2_gap else div.top2_gap, div.tolerance, run_id])
 
     def finish_run(self, run_id: int, status: str = "done", **stats) -> None:
         """Mark a run finished (queued after its data, so the status never runs ahead of the rows)."""

@@ -60,28 +60,28 @@ def model_dir(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def qwen3(model_dir) -> Target:
-    return Target.load(model_dir["qwen3"])
+    return Target.load(model_dir["qwen3"], dtype="fp32")
 
 
 @pytest.fixture(scope="session")
 def llama(model_dir) -> Target:
-    return Target.load(model_dir["llama"])
+    return Target.load(model_dir["llama"], dtype="fp32")
 
 
 @pytest.fixture(scope="session")
 def qwen3_hf(model_dir) -> Target:
     """The same tiny Qwen3 on the transformers forward (DynamicCache) instead of speclab's lean forward."""
-    return Target.load(model_dir["qwen3"], backend="hf")
+    return Target.load(model_dir["qwen3"], dtype="fp32", backend="hf")
 
 
 @pytest.fixture(scope="session")
 def qwen3_draft_hf(model_dir) -> Target:
-    return Target.load(model_dir["qwen3_draft"], backend="hf")
+    return Target.load(model_dir["qwen3_draft"], dtype="fp32", backend="hf")
 
 
 @pytest.fixture(scope="session")
 def qwen3_draft(model_dir) -> Target:
-    return Target.load(model_dir["qwen3_draft"])
+    return Target.load(model_dir["qwen3_draft"], dtype="fp32")
 
 
 PROMPTS = ["def add(a, b):\n    return", "Once upon a time, a little dog", "Question: Tom has 3 apples. How many",
@@ -103,7 +103,7 @@ def own_text_windows(target, length: int = 48):
 def deep(tmp_path_factory):
     """A tiny 4-layer Qwen3 target with the zoo tokenizer (which reserves <|mask|> = 2): EAGLE-3 reads three
     distinct layers of it, DFlash three as well."""
-    return Target.load(build_tiny("qwen3", tmp_path_factory.mktemp("deep") / "t4", seed=7, layers=4))
+    return Target.load(build_tiny("qwen3", tmp_path_factory.mktemp("deep") / "t4", seed=7, layers=4), dtype="fp32")
 
 
 @pytest.fixture(scope="session")

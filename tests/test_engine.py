@@ -100,7 +100,7 @@ def test_pld_proposes_repeated_ngrams():
 def test_draft_equal_to_target_accepts_everything(qwen3, model_dir, k):
     """With the draft == the target every draft token is accepted: tau = k + 1, one target call per round."""
     from speclab.target import Target
-    same = Target.load(model_dir["qwen3"])  # same weights, its own call counter
+    same = Target.load(model_dir["qwen3"], dtype="fp32")  # same weights, its own call counter
     res = generate(qwen3, PROMPTS[1], "sps", draft=same, k=k, max_new_tokens=5 * (k + 1))
     d = res.decode
     if d.stopped == "max_new_tokens":

@@ -68,7 +68,7 @@ def test_killed_process_leaves_earlier_runs_readable(tmp_path, model_dir):
     script = f"""
 import os, torch
 from speclab import Target, TraceStore, generate
-t = Target.load({str(model_dir['qwen3'])!r})
+t = Target.load({str(model_dir['qwen3'])!r}, dtype='fp32')
 s = TraceStore({str(db)!r}, flush_rounds=32)
 generate(t, "hello there", "ar", max_new_tokens=8, trace=s)
 def kill(ev):
@@ -163,7 +163,7 @@ def test_eos_inside_accepted_drafts_cuts_the_accepted_nodes_too(qwen3, model_dir
     """A draft equal to the target has every token accepted; an EOS in the middle of a round's drafts ends the
     run there, and the trace's accepted nodes, accept lengths and per-position acceptance stop there too."""
     from speclab.target import Target
-    same = Target.load(model_dir["qwen3"])
+    same = Target.load(model_dir["qwen3"], dtype="fp32")
     ref = generate(qwen3, PROMPTS[1], "ar", max_new_tokens=12).token_ids
     cut = next(i for i in range(1, 4) if ref[i] not in ref[:i])  # a token first generated inside round 0's drafts
     qwen3.eos_ids = [ref[cut]]

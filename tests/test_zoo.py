@@ -14,7 +14,7 @@ PROMPTS = [json.loads(l) for l in (zoo.REPO_ROOT / "data" / "prompts" / "demo.js
 
 @pytest.fixture(scope="module")
 def zoo_models():
-    return Target.load(zoo.default_target()), Target.load(zoo.default_draft())
+    return Target.load(zoo.default_target(), dtype="fp32"), Target.load(zoo.default_draft(), dtype="fp32")
 
 
 def test_zoo_models_load_offline_and_fit(zoo_models):

@@ -40,6 +40,7 @@ import torch.nn.functional as F
 from speclab.drafters.checkpoint import load_strict, place, read_checkpoint, save_checkpoint
 from speclab.errors import ModelNotFound
 from speclab.lean import KVCache, apply_rope, rope_inv_freq, rope_tables
+from speclab.precision import rms_norm32
 from speclab.sampling import Sampling, logits_to_probs, sample
 from speclab.target import forward_clock
 from speclab.tree import DraftTree, dynamic_tree
@@ -322,7 +323,9 @@ class DFlashDrafter:
             o = F.scaled_dot_product_attention(q[None], self.cache.k[i : i + 1, :, :end], self.cache.v[i : i + 1, :, :end],
                                                scale=self.scale, enable_gqa=self.H != self.KV)[0]
             x = self.m.finish(i, x, o)
-        return self.target.lm_head(self.m.norm(x[1:])) * self.m.config.output_multiplier
+        x = x[1:]  # the target's head (its top logits in fp32 when the target's are), after the drafter's own norm
+        h = rms_norm32(x, self.m.norm.weight, self.m.norm.eps) if self.target.logits == "fp32" else self.m.norm(x)
+        return self.target.lm_head(h) * self.m.config.output_multiplier
 
     @torch.inference_mode()
     def propose(self, max_depth: int, sampling: Sampling, generator: torch.Generator | None = None) -> DraftTree:

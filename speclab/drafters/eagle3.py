@@ -41,6 +41,7 @@ import torch.nn.functional as F
 from speclab.drafters.checkpoint import load_strict, place, read_checkpoint, save_checkpoint
 from speclab.errors import ModelNotFound
 from speclab.lean import KVCache, apply_rope, rope_inv_freq, rope_tables
+from speclab.precision import Head, rms_norm32
 from speclab.sampling import Sampling
 from speclab.target import forward_clock
 from speclab.tree import DraftTree, dynamic_tree
@@ -253,6 +254,7 @@ class Eagle3Drafter:
         self.target = target
         self.to_target = model.draft_to_target
         self.cos, self.sin = model.rope(max(c.max_position_embeddings, target.max_context) + 1, self.dtype)
+        self.head = Head(model.lm_head.weight, getattr(target, "logits", "fp32"))  # its logits in fp32, as the target's
         self.cache: KVCache | None = None
         self.known = 0  # positions (token-feature pairs) in the drafter's KV cache
         self.root_logits = None  # [1, draft_vocab]: the distribution after the last committed token
@@ -300,9 +302,16 @@ class Eagle3Drafter:
         if self.kv_only:
             h = h[-1:]
         h = self.m.finish(h, out)
-        logits = self.m.logits(h)  # every row in the full pass (what a plain forward computes)
+        logits = self._logits(h)  # every row in the full pass (what a plain forward computes)
         self.known = end
         self.root_h, self.root_logits = h[-1:], logits[-1:]
+
+    def _logits(self, h: torch.Tensor) -> torch.Tensor:
+        """The drafter's float32 logits of pre-norm outputs h (Eagle3Model.logits, with the norm and the top logits in
+        fp32 when the target's are: `speclab.precision.Head`)."""
+        if not self.head.refine:
+            return self.m.logits(h)
+        return self.head(rms_norm32(h, self.m.norm.weight, self.m.norm.eps))
 
     def _attend(self, q, k, v, start: int, mask: torch.Tensor | None):
         """Write k, v [kv_heads, n, D] at cache positions start.., attend queries [heads, n_q, D] over the cache up
@@ -337,7 +346,7 @@ class Eagle3Drafter:
         with forward_clock:
             q, k, v = self.m.qkv(self._embed(tokens), h_parent, cos, sin)
             h = self.m.finish(h_parent, self._attend(q, k, v, start, mask))
-            logits = self.m.logits(h)
+            logits = self._logits(h)
         return h, torch.log_softmax(logits.float(), -1)
 
     def _chain(self, depth: int) -> DraftTree:
