@@ -257,10 +257,10 @@ def write_report(store: TraceStore, bench_id: str, md_path: str | Path) -> tuple
     how = store.query("SELECT any_value(dtype) AS dtype, any_value(logits_dtype) AS logits, any_value(exact) AS exact, "
                       "any_value(cpu) AS cpu FROM runs WHERE bench_id = ? AND method = 'ar'", [bench_id]).iloc[0]
     md = [f"# speclab bench `{bench_id}`", "",
-          f"suite `{bench.suite}`, methods {bench.methods}, device {bench.device} ({how.cpu}), dtype {how.dtype} "
-          f"(logits {how.logits}{', exact mode' if how.exact else ''}); config `{bench.config_json}`", "",
-          "Equality with AR (greedy): `equal_to_ar`, `near_tie` (differs where the target's top-2 logits are within "
-          "rounding) and `bug` (differs otherwise) are shares of each method's outputs.", "",
+          (f"suite `{bench.suite}`, methods {bench.methods}, device {bench.device} ({how.cpu}), dtype {how.dtype} "
+           f"(logits {how.logits}{', exact mode' if how.exact else ''}); config `{bench.config_json}`"), "",
+          ("Equality with AR (greedy): `equal_to_ar`, `near_tie` (differs where the target's top-2 logits are within "
+           "rounding) and `bug` (differs otherwise) are shares of each method's outputs."), "",
           "## All categories", "", overall.to_markdown(**fmt), "",
           "tokens_per_s is over decode time (prefill + the run's own phases); model_call_share is the share of it "
           "spent inside target and drafter forwards (CPU only: a CUDA forward returns before its kernels end), "
@@ -336,8 +336,6 @@ def dtype_costs(load, dtypes=("fp32", "bf16"), ns=WIDTHS, context: int = 200, re
     role) in that dtype. Per model and dtype the widths are interleaved over `reps`, each a median of `calls`."""
     import pandas as pd
 
-    from speclab.drafters.dflash import DFlashDrafter
-    from speclab.drafters.eagle3 import Eagle3Drafter
     from speclab.precision import cpu_label
     rows = []
     bar = Progress(len(dtypes) * reps, "forward costs by dtype")
@@ -349,32 +347,10 @@ def dtype_costs(load, dtypes=("fp32", "bf16"), ns=WIDTHS, context: int = 200, re
         callers = {"target": _target_call(target, ids, context), "target (exact)": _target_call(exact, ids, context)}
         if models.get("draft") is not None:
             callers["sps draft"] = _target_call(models["draft"], ids, context)
-        feats = None
         if models.get("eagle3") is not None:
-            d = Eagle3Drafter(models["eagle3"], target)
-            feats = target.forward(ids[:context], target.new_cache(), layers=d.layers).features
-            d.reset(ids[: context + 1], feats)
-            d.catch_up(ids[:0], None)
-
-            def eagle_call(n, d=d):
-                h = d.root_h.expand(n, -1)
-                d._forward_nodes(ids[context : context + n], h, 1, None)
-                d.cache.crop(d.known)
-            callers["eagle3 drafter"] = eagle_call
+            callers["eagle3 drafter"] = _eagle3_call(target, models["eagle3"], ids, context)
         if models.get("dflash") is not None:
-            blocks = {}
-
-            def dflash_call(n, m=models["dflash"]):
-                if n < 2:
-                    return False  # a block is the root and at least one mask
-                if n not in blocks:
-                    d = DFlashDrafter(m, target, block_size=n, markov=False)
-                    f = target.forward(ids[:context], target.new_cache(), layers=d.layers).features
-                    d.reset(ids[: context + 1], f)
-                    d.catch_up(ids[:0], None)
-                    blocks[n] = d
-                blocks[n].propose(n, Sampling(), None)
-            callers["dflash drafter"] = dflash_call
+            callers["dflash drafter"] = _dflash_call(target, models["dflash"], ids, context)
         times = {(name, n): [] for name in callers for n in ns}
         for _ in range(reps):
             for name, call in callers.items():
@@ -405,6 +381,35 @@ def _target_call(t: Target, ids: torch.Tensor, context: int):
     def call(n):
         t.forward(ids[context : context + n], cache)
         crop_cache(cache, context)
+    return call
+
+
+def _eagle3_call(target: Target, eagle, ids: torch.Tensor, context: int):
+    """One EAGLE-3 drafter call for a frontier of n nodes at depth 1 after a `context`-token drafter cache."""
+    from speclab.drafters.eagle3 import Eagle3Drafter
+    d = Eagle3Drafter(eagle, target)
+    d.reset(ids[: context + 1], target.forward(ids[:context], target.new_cache(), layers=d.layers).features)
+    d.catch_up(ids[:0], None)
+
+    def call(n):
+        d._forward_nodes(ids[context : context + n], d.root_h.expand(n, -1), 1, None)
+        d.cache.crop(d.known)
+    return call
+
+
+def _dflash_call(target: Target, dflash, ids: torch.Tensor, context: int):
+    """One DFlash drafter call for a block of n rows (the root and n - 1 masks; no block of 1: returns False)."""
+    from speclab.drafters.dflash import DFlashDrafter
+    blocks = {}
+
+    def call(n):
+        if n < 2:
+            return False
+        if n not in blocks:
+            d = blocks[n] = DFlashDrafter(dflash, target, block_size=n, markov=False)
+            d.reset(ids[: context + 1], target.forward(ids[:context], target.new_cache(), layers=d.layers).features)
+            d.catch_up(ids[:0], None)
+        blocks[n].propose(n, Sampling(), None)
     return call
 
 

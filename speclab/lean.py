@@ -225,9 +225,12 @@ class LeanDecoder:
             ok = torch.zeros(T, W, dtype=torch.bool, device=self.device)
             ok[:m] = allowed[r0 : r0 + m]
             ok[torch.arange(m, T), start + r0 + torch.arange(m, T)] = True  # a padding row sees itself only
-            bias = torch.zeros(T, W, device=self.device).masked_fill_(~ok, float("-inf"))
+            # each row's softmax runs over its context in sequence order, packed to the front (a tree node's
+            # ancestors sit at scattered slots; AR's at consecutive ones): slots it sees first, in slot order
+            order = torch.where(ok, cols, cols + W).sort(-1).values % W
+            bias = torch.zeros(T, W, device=self.device).masked_fill_(~ok.gather(-1, order), float("-inf"))
             h, kept = self._layers(tid, cache, start + r0, self.cos[tpos][:, None], self.sin[tpos][:, None],
-                                   self._fixed_attention(bias), layers)
+                                   self._fixed_attention(order, bias), layers)
             hs.append(h[:m])
             for i in layers:
                 kept_all[i].append(kept[i][:m])
@@ -242,17 +245,21 @@ class LeanDecoder:
         normed = normed[: rows.shape[0]]
         return logits, feats, normed if hidden else None
 
-    def _fixed_attention(self, bias: torch.Tensor):
-        """Attention of one tile over every slot of the (fp32) cache, in fp32, with an additive [T, W] bias: fixed shapes
-        (scores [kv_heads, group * T, W]), so a row's result depends on that row alone."""
+    def _fixed_attention(self, order: torch.Tensor, bias: torch.Tensor):
+        """Attention of one tile over every slot of the (fp32) cache, in fp32, in fixed shapes (scores [kv_heads,
+        group * T, W]), so a row's result depends on that row alone. The softmax of row r runs over its scores
+        in the order `order[r]` (the slots it sees first, ascending: its context in sequence order, whichever slots
+        a tree put it in) with the additive `bias` in that order; the probabilities go back to their slots for the
+        product with the values, whose sum over slots adds the unseen ones as exact zeros."""
         H, KV = self.n_heads, self.n_kv
         G = H // KV
 
         def attend(q, k_cache, v_cache, end):
             T, D = q.shape[1], q.shape[2]
-            s = torch.bmm(q.float().reshape(KV, G * T, D), k_cache.transpose(1, 2)) * self.scaling
-            p = torch.softmax(s.view(KV, G, T, -1) + bias, -1).view(KV, G * T, -1)
-            return torch.bmm(p, v_cache).view(H, T, D).to(q.dtype)
+            s = (torch.bmm(q.float().reshape(KV, G * T, D), k_cache.transpose(1, 2)) * self.scaling).view(KV, G, T, -1)
+            idx = order.expand_as(s)
+            p = torch.zeros_like(s).scatter_(-1, idx, torch.softmax(s.gather(-1, idx) + bias, -1))
+            return torch.bmm(p.view(KV, G * T, -1), v_cache).view(H, T, D).to(q.dtype)
         return attend
 
     def final_norm(self, h: torch.Tensor) -> torch.Tensor:

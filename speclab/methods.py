@@ -35,6 +35,10 @@ class Method:
 
 EAGLE3_GPU_PRESET = {"depth": 8, "tree_topk": 10, "total_tokens": 60}  # EAGLE-3's evaluations, WhiFlash's Table 7
 DFLASH_GPU_PRESET = {"block_size": 16}  # DFlash's evaluations
+# CPU defaults, picked by `speclab grid` on the zoo in the default dtype (bf16 on CPUs with native bf16; the model
+# cards have the tables): the one definition the methods, WhiFlash and the drafter builders read
+EAGLE3_CPU = {"depth": 2, "tree_topk": 2, "total_tokens": 8}
+DFLASH_CPU = {"block_size": 4, "markov": 1}
 
 ROLES = {"draft": "a draft model (--draft PATH, or the zoo's default draft)",
          "router": "a neural router (--router-model PATH, or the zoo's router)",
@@ -56,13 +60,15 @@ def _pld(target, models, k=8, max_ngram=3, min_ngram=1):
     return {"pld": PromptLookup(k=k, max_ngram=max_ngram, min_ngram=min_ngram)}, FixedRouter("pld")
 
 
-def _eagle3(target, models, depth=2, tree_topk=2, total_tokens=8):
+def _eagle3(target, models, depth=EAGLE3_CPU["depth"], tree_topk=EAGLE3_CPU["tree_topk"],
+            total_tokens=EAGLE3_CPU["total_tokens"]):
     from speclab.drafters.eagle3 import Eagle3Drafter
     return ({"eagle3": Eagle3Drafter(models["eagle3"], target, depth=depth, top_k=tree_topk, total_tokens=total_tokens)},
             FixedRouter("eagle3"))
 
 
-def _dflash(target, models, block_size=6, markov=1, tree_topk=1, total_tokens=16):
+def _dflash(target, models, block_size=DFLASH_CPU["block_size"], markov=DFLASH_CPU["markov"], tree_topk=1,
+            total_tokens=16):
     from speclab.drafters.dflash import DFlashDrafter
     return ({"dflash": DFlashDrafter(models["dflash"], target, block_size=block_size, markov=bool(markov),
                                      tree_topk=tree_topk, total_tokens=total_tokens)}, FixedRouter("dflash"))
@@ -72,8 +78,9 @@ def _whiflash(policy: str):
     """WhiFlash: EAGLE-3 and DFlash under one router, each drafter configured as its standalone method (the
     paper's Table 7); `threshold` None = calibrated (speclab.routers.default_threshold); `eager` = 1 keeps both
     drafters caught up every round (the naive scheme lazy catch-up is measured against)."""
-    def build(target, models, threshold=None, eager=0, depth=2, tree_topk=2, total_tokens=8, block_size=6, markov=1,
-              category=None):
+    def build(target, models, threshold=None, eager=0, depth=EAGLE3_CPU["depth"], tree_topk=EAGLE3_CPU["tree_topk"],
+              total_tokens=EAGLE3_CPU["total_tokens"], block_size=DFLASH_CPU["block_size"],
+              markov=DFLASH_CPU["markov"], category=None):
         from speclab.routers import EntropyRouter, NeuralRouter, default_threshold
         drafters = {**_eagle3(target, models, depth, tree_topk, total_tokens)[0],
                     **_dflash(target, models, block_size, markov)[0]}
@@ -97,8 +104,7 @@ def _whiflash_check(p: dict, target) -> None:
     _eagle3_check(p, target)
 
 
-WHIFLASH_PARAMS = {"threshold": None, "eager": 0, "depth": 2, "tree_topk": 2, "total_tokens": 8, "block_size": 6,
-                   "markov": 1}
+WHIFLASH_PARAMS = {"threshold": None, "eager": 0, **EAGLE3_CPU, **DFLASH_CPU}
 
 
 def _dflash_bounds(target) -> dict:
@@ -171,13 +177,13 @@ METHODS: dict[str, Method] = {
                   {"k": 8, "max_ngram": 3, "min_ngram": 1}, bounds=_pld_bounds, check=_pld_check),
     "eagle3": Method("eagle3", "EAGLE-3: one-layer drafter on the target's features; dynamic tree (depth, tree_topk, "
                      "total_tokens), a chain when tree_topk = 1", _eagle3,
-                     {"depth": 2, "tree_topk": 2, "total_tokens": 8}, needs=("eagle3",), bounds=_eagle3_bounds,
+                     dict(EAGLE3_CPU), needs=("eagle3",), bounds=_eagle3_bounds,
                      check=_eagle3_check, gpu_params=EAGLE3_GPU_PRESET, same_decode=_eagle3_same_decode,
                      grid="depth=3,4,5,6;tree_topk=1,2,3,4;total_tokens=4,6,8,12,16"),
     "dflash": Method("dflash", "DFlash: a block of masks drafted in one forward from the target's features "
                      "(block_size rows: block_size - 1 tokens); markov = 1 adds DSpark's Markov head when the drafter "
                      "has one; tree_topk > 1 makes a tree of the rows' top-k (best total_tokens kept)", _dflash,
-                     {"block_size": 6, "markov": 1, "tree_topk": 1, "total_tokens": 16}, needs=("dflash",),
+                     {**DFLASH_CPU, "tree_topk": 1, "total_tokens": 16}, needs=("dflash",),
                      bounds=_dflash_bounds, check=_dflash_check, gpu_params=DFLASH_GPU_PRESET,
                      same_decode=_dflash_same_decode, grid="markov=0,1;block_size=2,3,4,5,6,8,10,12,16"),
     "whiflash-entropy": Method("whiflash-entropy", "WhiFlash-Entropy: EAGLE-3 when the target's last entropy > "

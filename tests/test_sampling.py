@@ -208,6 +208,31 @@ def test_speculative_sampling_matches_target_distribution(tiny_vocab, case):
     assert told_apart(exact_joint(draft, prompt, s), want)  # power: the draft's own distribution is told apart
 
 
+@pytest.fixture(scope="module")
+def tiny_vocab_bf16(tiny_vocab):
+    """The same target and draft in bf16, the target in exact mode (speclab.lean): its rows do not depend on how
+    many run together, so a sampled decode's p is exactly the p of `exact_joint`."""
+    import copy
+
+    def bf16(t, exact):
+        out = Target(copy.deepcopy(t.model).to(torch.bfloat16), _NoTok(), exact=exact)
+        out.eos_ids = []
+        return out
+    return bf16(tiny_vocab[0], True), bf16(tiny_vocab[1], False)
+
+
+def test_bf16_exact_speculative_sampling_matches_target_distribution(tiny_vocab_bf16):
+    """Sampling in bf16 (logits in fp32, exact mode) keeps the target's distribution; power as above."""
+    target, draft = tiny_vocab_bf16
+    assert target.dtype == torch.bfloat16 and target.exact
+    s = Sampling(1.0)
+    want = exact_joint(target, PROMPT, s)
+    counts, one_round = decode_counts(target, StandaloneDraft(draft, k=2), s, seed0=len(CASES) * N_RUNS)
+    assert one_round > N_RUNS // 40
+    assert chi2_p(counts, want) > 1e-3
+    assert told_apart(exact_joint(draft, PROMPT, s), want)
+
+
 def test_depth2_verified_against_wrong_q_is_detected(tiny_vocab):
     """Power at depth 2: the end-to-end test rejects a sampled chain whose depth-2 token is verified against the
     wrong draft distribution. The first token is still right, so the rejection comes from the second."""
