@@ -110,7 +110,10 @@ def error_toast(page, says: str) -> str:
 
 def test_routed_side_by_side_colours_drafters_and_plots_the_router(page):
     status = decode(page, STORY, ["ar", "eagle3", "dflash", "whiflash-entropy"], 48)
-    assert "whiflash-entropy equals AR" in status and "eagle3 equals AR" in status  # greedy: lossless, checked
+    # greedy: lossless, checked and reported in three groups (in bf16 an output may part from AR at a near-tie)
+    assert "vs AR: " in status and "bug" not in status, status
+    for m in ("eagle3", "dflash", "whiflash-entropy"):
+        assert f"{m} equals AR" in status or f"{m} differs from AR" in status and "near-tie" in status, status
     routed = page.locator("#col3")
     assert routed.locator(".tok[data-src=eagle3]").count() > 0 and routed.locator(".tok[data-src=dflash]").count() > 0
     tip = routed.locator(".tok[data-src=dflash]").first.get_attribute("title")
