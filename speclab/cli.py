@@ -37,6 +37,20 @@ def _positive_int(text: str) -> int:
     return v
 
 
+def _check_writable(path: str, option: str) -> None:
+    """A file `path` can be written later: not a directory, and its nearest existing ancestor is a writable folder
+    (so the folders can be made then). Nothing is created now."""
+    import os
+    p = Path(path).expanduser()
+    if p.is_dir():
+        raise SpeclabError(f"{option} {path} is a directory: give a file path")
+    base = next(q for q in [p.parent, *p.parent.parents] if q.exists())
+    if not base.is_dir():
+        raise SpeclabError(f"{option} {path}: {base} is a file, not a folder")
+    if not os.access(base, os.W_OK) or (p.exists() and not os.access(p, os.W_OK)):
+        raise SpeclabError(f"{option} {path}: permission denied")
+
+
 def _read_prompts(path: str) -> list[dict]:
     """Prompts from a file: JSON Lines (field prompt / turns / question / text / problem) or one prompt per line.
     Every record is checked before anything is decoded; a bad one is reported by its line number."""
@@ -68,6 +82,12 @@ def _read_prompts(path: str) -> list[dict]:
             rows.append({"prompt": line, "prompt_id": str(i), "category": None, "line": i})
     if not rows:
         raise SpeclabError(f"{p} holds no prompt (it is empty or blank)")
+    from speclab.generate import check_text
+    for r in rows:  # text a tokenizer cannot take, before any model is loaded
+        try:
+            check_text(r["prompt"])
+        except SpeclabError as e:
+            raise SpeclabError(f"{p} line {r['line']}: {e}") from e
     return rows
 
 
@@ -83,10 +103,12 @@ def cmd_generate(a: argparse.Namespace) -> int:
         raise SpeclabError("give --prompt TEXT or --prompts FILE")
     check_sampling(a.temperature, a.top_k, a.top_p, a.seed)  # before any file or model is opened
     check_number("max_new_tokens", a.max_new_tokens, int, Bound(1))
+    if a.prompt is not None:
+        from speclab.generate import check_text
+        check_text(a.prompt)
     prompts = [{"prompt": a.prompt, "prompt_id": None, "category": None}] if a.prompt is not None else _read_prompts(a.prompts)
     store = None
     if a.db != "none":
-        Path(a.db).parent.mkdir(parents=True, exist_ok=True)
         store = TraceStore(a.db)  # before loading models: a locked or foreign file fails fast
     try:
         target, models = load_models(a, roles=method.needs)
@@ -169,7 +191,6 @@ def cmd_bench(a: argparse.Namespace) -> int:
         cfg.limit, cfg.max_new_tokens = min(cfg.limit or 2, 2), min(cfg.max_new_tokens, 64)
     for m in methods:
         get_method(m)
-    Path(a.db).parent.mkdir(parents=True, exist_ok=True)
     with TraceStore(a.db) as store:
         roles = {r for m in methods for r in get_method(m).needs} | ({"draft"} if cfg.peers else set())
         target, models = load_models(a, roles=roles)
@@ -852,6 +873,10 @@ def main(argv: list[str] | None = None) -> int:
 
     a = ap.parse_args(argv)
     try:
+        if hasattr(a, "logits"):  # a model-loading command: its model options first, before any file is touched
+            check_model_args(a)
+        if getattr(a, "report", None):  # written at the end: refused now if it could not be, not after the work
+            _check_writable(a.report, "--report")
         return a.fn(a)
     except SpeclabError as e:
         print(f"speclab: error: {e}", file=sys.stderr)

@@ -38,9 +38,19 @@ class GenerationResult:
                 "elapsed_s": round(self.elapsed_s, 4), "tokens_per_s": round(self.tokens_per_s, 2), "stopped": d.stopped}
 
 
-def encode_prompt(target: Target, prompt: str) -> torch.Tensor:
+def check_text(prompt) -> None:
+    """A prompt is non-empty text that UTF-8 can encode (no lone surrogates); else InvalidInput, before any model."""
     if prompt is None or not str(prompt).strip():
         raise InvalidInput("the prompt is empty")
+    try:
+        str(prompt).encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise InvalidInput(f"the prompt has a character UTF-8 cannot encode ({prompt[e.start]!r} at character {e.start}: "
+                           "a lone surrogate, as a JSON escape like \\ud800 makes); nothing was decoded") from e
+
+
+def encode_prompt(target: Target, prompt: str) -> torch.Tensor:
+    check_text(prompt)
     return torch.tensor(target.tokenizer(prompt, add_special_tokens=False)["input_ids"], dtype=torch.long)
 
 

@@ -38,10 +38,33 @@ def model_args(**options) -> argparse.Namespace:
     return a
 
 
+def check_device(device: str | None) -> None:
+    """`--device`: cpu, or cuda (cuda:N) where this torch has a CUDA device; else one line (InvalidInput)."""
+    import torch
+
+    from speclab.errors import InvalidInput
+    if device is None:
+        return
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise InvalidInput(f"--device {device!r} is not a device: choose cpu or cuda (cuda:N)") from None
+    if dev.type not in ("cpu", "cuda"):
+        raise InvalidInput(f"--device {device!r}: speclab runs on cpu or cuda (cuda:N)")
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            built = "built without CUDA" if torch.version.cuda is None else "no CUDA device or driver found"
+            raise InvalidInput(f"--device {device!r}: this machine has no usable CUDA device (torch {torch.__version__}, "
+                               f"{built}); use --device cpu")
+        if dev.index is not None and dev.index >= torch.cuda.device_count():
+            raise InvalidInput(f"--device {device!r}: there are {torch.cuda.device_count()} CUDA device(s)")
+
+
 def check_model_args(a: argparse.Namespace) -> None:
     """The precision options checked before any model is loaded (one line each, InvalidInput)."""
     from speclab.errors import InvalidInput
     from speclab.precision import check_dtype, check_logits
+    check_device(a.device)
     check_dtype(a.dtype)
     check_logits(a.logits)
     if a.exact and a.backend == "hf":
@@ -54,32 +77,37 @@ def load_models(a: argparse.Namespace, roles=("draft", "eagle3", "dflash", "rout
     from speclab import zoo
     from speclab.target import Target
 
+    import time
+
     check_model_args(a)
     log = log or (lambda s: print(s, file=sys.stderr, flush=True))
+    t0 = time.perf_counter()
     path = a.model or zoo.default_target()
-    log(f"loading target {path} ...")
     target = Target.load(path, device=a.device, dtype=a.dtype, backend=a.backend, logits=a.logits, exact=a.exact)
-    if a.dtype in (None, "auto"):
-        from speclab.precision import auto_choice
-        log(f"dtype auto: {auto_choice(target.device.type).reason}")
+    loaded = [f"target {zoo.display_path(path)}"]
     models = {}
     if "draft" in roles:
         path = a.draft or zoo.default_draft()
-        log(f"loading draft {path} ...")
         models["draft"] = Target.load(path, device=a.device, dtype=a.dtype, backend=a.backend, logits=a.logits)
+        loaded.append(f"draft {zoo.display_path(path)}")
     if "eagle3" in roles:
         from speclab.drafters.eagle3 import load_eagle3
         path = getattr(a, "eagle", None) or zoo.default_eagle3()
-        log(f"loading EAGLE-3 drafter {path} ...")
         models["eagle3"] = load_eagle3(path, target)
+        loaded.append(f"EAGLE-3 {zoo.display_path(path)}")
     if "dflash" in roles:
         from speclab.drafters.dflash import load_dflash
         path = getattr(a, "dflash", None) or zoo.default_dflash()
-        log(f"loading DFlash drafter {path} ...")
         models["dflash"] = load_dflash(path, target)
+        loaded.append(f"DFlash {zoo.display_path(path)}")
     if "router" in roles:
         from speclab.routers import load_router
         path = getattr(a, "router_model", None) or zoo.default_router()
-        log(f"loading neural router {path} ...")
         models["router"] = load_router(path, target)
+        loaded.append(f"router {zoo.display_path(path)}")
+    # one line, once everything loaded (an error is then the first and only line a failed load prints)
+    from speclab.precision import auto_choice, precision_label
+    why = f" ({auto_choice(target.device.type).reason})" if a.dtype in (None, "auto") else ""
+    log(f"loaded {', '.join(loaded)} in {time.perf_counter() - t0:.1f} s; {target.device.type}, "
+        f"{precision_label(target)}{why}")
     return target, models

@@ -32,6 +32,10 @@ def pick_device(device: str | None = None) -> torch.device:
 def load_causal_lm(name_or_path: str | Path, device=None, dtype=None):
     """Load model + tokenizer from a local directory or the local Hugging Face cache; never downloads."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    from safetensors import SafetensorError
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # a load takes under a second: no bar (and nothing before an error line)
 
     path = Path(name_or_path).expanduser()
     local = path.is_dir()
@@ -52,9 +56,11 @@ def load_causal_lm(name_or_path: str | Path, device=None, dtype=None):
                                 "language model: speculative decoding needs a left-to-right LM")
         model, info = AutoModelForCausalLM.from_pretrained(  # mismatches are reported below, by name
             src, local_files_only=True, dtype=dt, output_loading_info=True, ignore_mismatched_sizes=True)
-    except (OSError, ValueError, RuntimeError) as e:
+    except (OSError, ValueError, RuntimeError, SafetensorError) as e:
         if isinstance(e, ModelNotFound):
             raise
+        if isinstance(e, SafetensorError):
+            raise ModelNotFound(f"the weights in {where} are truncated or corrupt ({_first_line(e)})") from e
         if local:
             raise ModelNotFound(f"could not load the model in {where}: {_first_line(e)}") from e
         from huggingface_hub.constants import HF_HUB_CACHE

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import atexit
 import json
+import os
 import queue
 import threading
 import time
@@ -97,6 +98,40 @@ def _connect(path: str, read_only: bool):
         raise TraceError(f"cannot open trace database {path}: {msg}") from e
 
 
+def _check_path(path: str, read_only: bool) -> bool:
+    """Whether the trace file exists, after refusing in one line what cannot be a trace: a directory, a file that
+    is not DuckDB (checked by its magic bytes, so nothing is opened, let alone written), an unreadable file, a
+    missing file to read, or a folder that cannot be made for a new one (which this creates)."""
+    if path == ":memory:":
+        return False
+    p = Path(path)
+    if p.is_dir():
+        raise TraceError(f"{path} is a directory, not a trace file: give a file path (e.g. {p / 'speclab.duckdb'})")
+    if p.exists():
+        try:
+            with open(p, "rb") as f:
+                head = f.read(12)
+        except OSError as e:
+            raise TraceError(f"cannot read the trace file {path}: {e.strerror}") from e
+        if head[8:12] != b"DUCK":
+            what = "an empty file" if not head else "a Parquet file" if head[:4] == b"PAR1" else "a file of another kind"
+            raise TraceError(f"{path} is {what}: not a DuckDB database, so not a speclab trace; the file was left "
+                             "untouched: choose another --db path")
+        return True
+    if read_only:
+        raise TraceError(f"no trace database at {path}")
+    try:
+        p.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        blocker = next((q for q in p.parents if q.exists()), None)
+        why = f"{blocker} is a file, not a folder" if blocker is not None and not blocker.is_dir() else \
+            (e.strerror or type(e).__name__)
+        raise TraceError(f"cannot create the folder {p.parent} for the trace {path}: {why}") from e
+    if not os.access(p.parent, os.W_OK):
+        raise TraceError(f"cannot write a trace into {p.parent}: permission denied (choose another --db path)")
+    return False
+
+
 class TraceStore:
     """A speclab trace file. `TraceStore(path)` opens (or creates) it for writing; `read_only=True` to inspect."""
 
@@ -104,10 +139,8 @@ class TraceStore:
         self.path = str(Path(path).expanduser())
         self.flush_rounds, self.flush_s = flush_rounds, flush_s  # how often run writers append (crash loses less)
         self.read_only = read_only
-        exists = Path(self.path).exists()
+        exists = _check_path(self.path, read_only)
         version = None
-        if read_only and not exists:
-            raise TraceError(f"no trace database at {self.path}")
         if exists:  # inspect read-only first, so a foreign file is never written to
             probe = _connect(self.path, read_only=True)
             tables = {r[0] for r in probe.execute("SELECT table_name FROM information_schema.tables").fetchall()}

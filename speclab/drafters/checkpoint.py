@@ -27,11 +27,15 @@ def read_checkpoint(path: str | Path, what: str) -> tuple[Path, dict, dict]:
     weights = next((p / f for f in WEIGHT_FILES if (p / f).is_file()), None)
     if weights is None:
         raise ModelNotFound(f"{p.resolve()} has no weights ({' or '.join(WEIGHT_FILES)})")
-    if weights.suffix == ".safetensors":
-        from safetensors.torch import load_file
-        sd = load_file(str(weights))
-    else:
-        sd = torch.load(weights, map_location="cpu", weights_only=True)
+    try:
+        if weights.suffix == ".safetensors":
+            from safetensors.torch import load_file
+            sd = load_file(str(weights))
+        else:
+            sd = torch.load(weights, map_location="cpu", weights_only=True)
+    except Exception as e:  # a truncated or corrupt file: safetensors' and torch's own errors, named
+        raise ModelNotFound(f"{weights.resolve()} is truncated or corrupt ({type(e).__name__}: "
+                            f"{str(e).splitlines()[0] if str(e) else 'unreadable'}): the {what} cannot be read") from e
     return p, raw, sd
 
 

@@ -1,0 +1,141 @@
+"""Bad input, round 2 (the classes that apply to every command): a device the machine does not have, an unknown
+dtype or logits mode, contradicting options, trace and report paths that cannot be, files of the wrong kind and
+text a tokenizer cannot take. Each is one line on stderr, exit code 2, nothing on stdout, no file touched or made,
+and it comes before any model is loaded."""
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import torch
+
+from conftest import PROMPTS
+
+# every command that loads models, with the options it needs to get as far as its checks
+MODEL_COMMANDS = {
+    "generate": ["generate", "--prompt", PROMPTS[0], "--max-new-tokens", "4"],
+    "bench": ["bench", "--limit", "1", "--max-new-tokens", "4"],
+    "grid": ["grid", "--method", "sps", "--grid", "k=2", "--limit", "1"],
+    "forward-costs": ["forward-costs"],
+    "catchup-costs": ["catchup-costs"],
+    "switch-costs": ["switch-costs"],
+    "block-costs": ["block-costs"],
+    "profile": ["profile"],
+    "sweep": ["sweep", "--router", "entropy"],
+    "calibrate": ["calibrate"],
+    "routing": ["routing"],
+}
+DB_COMMANDS = {**{k: v for k, v in MODEL_COMMANDS.items() if k in ("generate", "bench", "profile", "sweep", "calibrate",
+                                                                    "routing")},
+               "stats": ["stats"]}
+REPORT_COMMANDS = {k: v for k, v in MODEL_COMMANDS.items() if k not in ("generate", "profile")}
+
+no_cuda = "cuda:99" if torch.cuda.is_available() else "cuda"
+MODEL_CASES = [  # (case, argv, what the one line says)
+    ("device-absent", ["--device", no_cuda], "--device '" + no_cuda + "'"),
+    ("device-unknown", ["--device", "tpu9"], "--device 'tpu9' is not a device"),
+    ("device-other", ["--device", "meta"], "speclab runs on cpu or cuda"),
+    ("dtype-unknown", ["--dtype", "bf17"], "--dtype 'bf17' is not a dtype speclab runs in"),
+    ("logits-unknown", ["--logits", "half"], "--logits 'half'"),
+    ("exact-with-hf", ["--exact", "--backend", "hf"], "--exact needs speclab's lean forward"),
+]
+DB_CASES = [
+    ("db-directory", "{dir}", "is a directory, not a trace file"),
+    ("db-parquet", "{parquet}", "is a Parquet file: not a DuckDB database"),
+    ("db-empty", "{empty}", "is an empty file: not a DuckDB database"),
+    ("db-binary", "{binary}", "is a file of another kind: not a DuckDB database"),
+    ("db-under-a-file", "{binary}/t.duckdb", ("is a file, not a folder", "no trace database at")),
+]
+
+
+@pytest.fixture
+def files(tmp_path):
+    """A folder, a Parquet file, an empty file and a binary one, and a snapshot of the folder to compare after."""
+    (tmp_path / "dir").mkdir()
+    pq.write_table(pa.table({"a": [1, 2]}), tmp_path / "t.parquet")
+    (tmp_path / "empty.duckdb").write_bytes(b"")
+    (tmp_path / "binary.duckdb").write_bytes(bytes(range(256)) * 8)
+    names = {"dir": tmp_path / "dir", "parquet": tmp_path / "t.parquet", "empty": tmp_path / "empty.duckdb",
+             "binary": tmp_path / "binary.duckdb"}
+    return names, _snapshot(tmp_path)
+
+
+def _snapshot(root):
+    return {str(p): p.read_bytes() if p.is_file() else None for p in sorted(root.rglob("*"))}
+
+
+def _one_line(main, argv, says, capsys):
+    rc = main(argv)
+    out, err = capsys.readouterr()
+    lines = [ln for ln in err.splitlines() if ln.strip()]
+    says = (says,) if isinstance(says, str) else says
+    assert rc == 2 and len(lines) == 1 and lines[0].startswith("speclab: error:"), (argv, rc, err)
+    assert any(s in lines[0] for s in says), (argv, lines[0])
+    assert out == ""
+
+
+@pytest.mark.parametrize("cmd", list(MODEL_COMMANDS))
+@pytest.mark.parametrize("case,argv,says", MODEL_CASES, ids=[c[0] for c in MODEL_CASES])
+def test_model_options_are_checked_before_anything(cmd, case, argv, says, files, tmp_path, capsys):
+    from speclab.cli import main
+    db = ["--db", str(tmp_path / "new.duckdb")] if cmd in DB_COMMANDS else []
+    report = ["--report", str(tmp_path / "out" / "r.html")] if cmd in REPORT_COMMANDS else []
+    _one_line(main, MODEL_COMMANDS[cmd] + db + report + argv, says, capsys)
+    assert _snapshot(tmp_path) == files[1]  # no trace, no report folder, nothing
+
+
+@pytest.mark.parametrize("cmd", list(DB_COMMANDS))
+@pytest.mark.parametrize("case,path,says", DB_CASES, ids=[c[0] for c in DB_CASES])
+def test_trace_paths_that_cannot_be(cmd, case, path, says, files, tmp_path, capsys):
+    from speclab.cli import main
+    names = {k: str(v) for k, v in files[0].items()}
+    _one_line(main, DB_COMMANDS[cmd] + ["--db", path.format(**names)], says, capsys)
+    assert _snapshot(tmp_path) == files[1]  # the foreign files are untouched
+
+
+@pytest.mark.parametrize("cmd", list(REPORT_COMMANDS))
+def test_report_paths_that_cannot_be(cmd, files, tmp_path, capsys):
+    from speclab.cli import main
+    names = files[0]
+    db = ["--db", str(tmp_path / "new.duckdb")] if cmd in DB_COMMANDS else []
+    _one_line(main, MODEL_COMMANDS[cmd] + db + ["--report", f"{names['binary']}/r.html"], "is a file, not a folder",
+              capsys)
+    _one_line(main, MODEL_COMMANDS[cmd] + db + ["--report", str(names["dir"])], "is a directory", capsys)
+    assert _snapshot(tmp_path) == files[1]
+
+
+@pytest.mark.parametrize("how", ["prompt", "prompts-file"])
+def test_text_a_tokenizer_cannot_take(how, tmp_path, capsys):
+    """A lone surrogate (a JSON escape \\ud800, or bytes that are not UTF-8 on the command line) is one line,
+    before any model is loaded."""
+    from speclab.cli import main
+    if how == "prompt":
+        argv = ["--prompt", "a \udced b"]
+        says = "UTF-8 cannot encode"
+    else:
+        f = tmp_path / "p.jsonl"
+        f.write_text('{"prompt": "fine"}\n{"prompt": "a \\ud800 b"}\n')
+        argv = ["--prompts", str(f)]
+        says = "line 2: the prompt has a character UTF-8 cannot encode"
+    _one_line(main, ["generate", "--db", str(tmp_path / "t.duckdb"), *argv], says, capsys)
+    assert not (tmp_path / "t.duckdb").exists()
+
+
+@pytest.mark.parametrize("role", ["model", "draft", "eagle3", "dflash", "router"])
+def test_a_truncated_model_file_is_named_in_one_line(role, model_dir, tmp_path, capsys):
+    """A model or drafter whose weights file was cut short (a copy interrupted, a full disk): one line naming the
+    file, no traceback."""
+    import shutil
+
+    from speclab import zoo
+    from speclab.cli import main
+    src = {"model": model_dir["qwen3"], "draft": model_dir["qwen3_draft"], "eagle3": zoo.default_eagle3(),
+           "dflash": zoo.default_dflash(), "router": zoo.default_router()}[role]
+    bad = tmp_path / role
+    shutil.copytree(src, bad)
+    weights = bad / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+    option = {"model": "--model", "draft": "--draft", "eagle3": "--eagle", "dflash": "--dflash",
+              "router": "--router-model"}[role]
+    method = {"model": "ar", "draft": "sps", "eagle3": "eagle3", "dflash": "dflash", "router": "whiflash-neural"}[role]
+    base = ["--model", str(model_dir["qwen3"])] if role not in ("model", "router") else []  # the router: the zoo's
+    _one_line(main, ["generate", "--prompt", PROMPTS[0], "--db", "none", "--method", method, *base, option, str(bad)],
+              ("truncated or corrupt",), capsys)
