@@ -26,15 +26,30 @@ def _positive_ints(text: str, option: str) -> list[int]:
     return vals
 
 
-def _positive_int(text: str) -> int:
-    """argparse type: a positive integer (argparse prints its one-line usage error otherwise)."""
-    try:
-        v = int(text)
-    except ValueError:
-        v = 0
-    if v < 1:
-        raise argparse.ArgumentTypeError(f"must be a positive integer (got {text!r})")
-    return v
+def _num(kind: type = int, lo=None, hi=None, hi_open: bool = False):
+    """argparse type: a number of `kind` within [lo, hi] (finite; `speclab.checks`), else argparse's one-line error
+    naming the option, the value and what is allowed."""
+    from speclab.checks import Bound, check_number
+    bound = Bound(lo, hi, hi_open)
+
+    def parse(text: str):
+        try:
+            return check_number("value", text, kind, bound)
+        except SpeclabError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not {bound.describe(kind)}") from None
+    parse.__name__ = kind.__name__  # argparse names the type in its own messages
+    return parse
+
+
+_positive_int = _num(int, 1)
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse with its usage errors as one line, like every other error of the command line (exit code 2)."""
+
+    def error(self, message: str):
+        print(f"speclab: error: {self.prog}: {message} (see {self.prog} --help)", file=sys.stderr)
+        sys.exit(2)
 
 
 def _check_writable(path: str, option: str) -> None:
@@ -191,6 +206,10 @@ def cmd_bench(a: argparse.Namespace) -> int:
         cfg.limit, cfg.max_new_tokens = min(cfg.limit or 2, 2), min(cfg.max_new_tokens, 64)
     for m in methods:
         get_method(m)
+    if "ar" not in methods:  # before any file or model is opened
+        raise SpeclabError("a benchmark needs 'ar' among its methods: speedups and equality are measured against it")
+    from speclab.suites import load_suite
+    load_suite(cfg.suite, 1)  # an unknown suite, likewise
     with TraceStore(a.db) as store:
         roles = {r for m in methods for r in get_method(m).needs} | ({"draft"} if cfg.peers else set())
         target, models = load_models(a, roles=roles)
@@ -272,6 +291,14 @@ def cmd_grid(a: argparse.Namespace) -> int:
     if not all(isinstance(x, dict) for x in extra):
         raise SpeclabError("--extra must be a JSON object of parameters, e.g. '{\"depth\": 8}'")
     check_grid_keys(name, [*grid, *(k for p in extra for k in p)])  # before any model is loaded
+    for key, values in grid.items():  # numbers now; their ranges (which depend on the models) once loaded
+        for v in values:
+            try:
+                float(v)
+            except ValueError:
+                raise SpeclabError(f"--grid {key}={v!r}: the values of {key} are numbers") from None
+    from speclab.suites import load_suite
+    load_suite(a.suite, 1)  # an unknown suite, before any model is loaded
     target, models = load_models(a, roles=get_method(name).needs)
     df = param_grid(target, models, name, grid, suite=a.suite, limit=a.limit, max_new_tokens=a.max_new_tokens,
                     extra=extra, log=lambda s: print(s, file=sys.stderr))
@@ -670,7 +697,7 @@ def main(argv: list[str] | None = None) -> int:
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")]))}
         sys.stdout.flush()
         os.execve(sys.executable, [sys.executable, "-m", "app", *argv[1:]], env)
-    ap = argparse.ArgumentParser(prog="speclab", description="speculative decoding laboratory")
+    ap = _Parser(prog="speclab", description="speculative decoding laboratory")
     sub = ap.add_subparsers(dest="cmd", required=True)
     kb = sub.add_parser("kernels-bench", help="the small hot ops: torch twin vs Triton kernel per op and size "
                                                "(Triton timed only on CUDA)")
@@ -720,8 +747,8 @@ def main(argv: list[str] | None = None) -> int:
     f.add_argument("--by-dtype", action="store_true", help="ms per call by width and dtype for the target (fast and "
                    "exact) and every drafter, instead of lean vs transformers")
     f.add_argument("--dtypes", default="fp32,bf16", help="with --by-dtype: the dtypes to compare")
-    f.add_argument("--context", type=int, default=200, help="tokens already in the KV cache")
-    f.add_argument("--reps", type=int, default=15, help="interleaved repetitions (20 calls each); the median is shown")
+    f.add_argument("--context", type=_positive_int, default=200, help="tokens already in the KV cache")
+    f.add_argument("--reps", type=_positive_int, default=15, help="interleaved repetitions (20 calls each); the median is shown")
     f.add_argument("--report", default="reports/forward_costs.html")
     f.set_defaults(fn=cmd_forward_costs)
 
@@ -733,16 +760,16 @@ def main(argv: list[str] | None = None) -> int:
                     "'{\"depth\": 8, \"tree_topk\": 10, \"total_tokens\": 60}'; default: the method's GPU preset")
     gr.add_argument("--x", default=None, help="parameter on the plot's x axis (default: the grid's last)")
     gr.add_argument("--suite", default="zoo")
-    gr.add_argument("--limit", type=int, default=2, help="prompts per category")
-    gr.add_argument("--max-new-tokens", type=int, default=128)
+    gr.add_argument("--limit", type=_positive_int, default=2, help="prompts per category")
+    gr.add_argument("--max-new-tokens", type=_positive_int, default=128)
     gr.add_argument("--report", default="reports/grid.html")
     add_model_args(gr)
     gr.set_defaults(fn=cmd_grid)
 
     cc = sub.add_parser("catchup-costs", help="ms per EAGLE-3 catch-up: KV-only prefill vs a full backlog forward")
     cc.add_argument("--backlog", default="1,2,4,8,16,32,64", help="backlog lengths (comma-separated)")
-    cc.add_argument("--context", type=int, default=200, help="tokens already in the drafter's cache")
-    cc.add_argument("--reps", type=int, default=15, help="interleaved repetitions (20 calls each); the median is shown")
+    cc.add_argument("--context", type=_positive_int, default=200, help="tokens already in the drafter's cache")
+    cc.add_argument("--reps", type=_positive_int, default=15, help="interleaved repetitions (20 calls each); the median is shown")
     cc.add_argument("--report", default="reports/catchup_costs.html")
     add_model_args(cc)
     cc.set_defaults(fn=cmd_catchup_costs)
@@ -787,7 +814,7 @@ def main(argv: list[str] | None = None) -> int:
                         "and backlog (WhiFlash Table 4)")
     sc.add_argument("--context", default="64,128,256,512", help="tokens already in the caches (comma-separated)")
     sc.add_argument("--backlog", default="1,8,16,32,64,128", help="backlog lengths (comma-separated)")
-    sc.add_argument("--reps", type=int, default=7, help="interleaved repetitions; the median is shown")
+    sc.add_argument("--reps", type=_positive_int, default=7, help="interleaved repetitions; the median is shown")
     sc.add_argument("--report", default="reports/switch_costs.html")
     add_model_args(sc)
     sc.set_defaults(fn=cmd_switch_costs)
@@ -796,15 +823,15 @@ def main(argv: list[str] | None = None) -> int:
                         "size")
     add_model_args(bc)
     bc.add_argument("--block-size", default="2,3,4,6,8,12,16", help="block sizes (comma-separated)")
-    bc.add_argument("--context", type=int, default=200, help="tokens already in the caches")
-    bc.add_argument("--reps", type=int, default=15, help="interleaved repetitions; the median is shown")
+    bc.add_argument("--context", type=_positive_int, default=200, help="tokens already in the caches")
+    bc.add_argument("--reps", type=_positive_int, default=15, help="interleaved repetitions; the median is shown")
     bc.add_argument("--report", default="reports/block_costs.html")
     bc.set_defaults(fn=cmd_block_costs)
 
     s = sub.add_parser("stats", help="metrics (tau, acceptance, tokens/s, ...) pooled per method / category")
     s.add_argument("--db", default=DEFAULT_DB)
     s.add_argument("--by", default="method", help="comma-separated: method, category, prompt_id, bench_id")
-    s.add_argument("--last", type=int, default=None, help="only the last N runs")
+    s.add_argument("--last", type=_positive_int, default=None, help="only the last N runs")
     s.add_argument("--markdown", action="store_true")
     s.set_defaults(fn=cmd_stats)
 
@@ -813,10 +840,10 @@ def main(argv: list[str] | None = None) -> int:
                    "fixes parameters with ':' and '+': eagle3:tree_topk=1+depth=4")
     b.add_argument("--suite", default="zoo", help="zoo | code | math | stories | literature | spec_bench | mt_bench | "
                    "translation | summarization | qa | math_reasoning | rag | demo")
-    b.add_argument("--limit", type=int, default=8, help="prompts per category")
-    b.add_argument("--max-new-tokens", type=int, default=128)
-    b.add_argument("--tree-topk", type=int, default=1, help="sps: children per level (eagle3 takes its own from its spec)")
-    b.add_argument("--stop-prob", type=float, default=0.0,
+    b.add_argument("--limit", type=_positive_int, default=8, help="prompts per category")
+    b.add_argument("--max-new-tokens", type=_positive_int, default=128)
+    b.add_argument("--tree-topk", type=_positive_int, default=1, help="sps: children per level (eagle3 takes its own from its spec)")
+    b.add_argument("--stop-prob", type=_num(float, 0.0, 1.0, hi_open=True), default=0.0,
                    help="sps: end a chain after a draft token below this probability; hf_assisted gets the same "
                         "threshold (its own default is 0.4)")
     b.add_argument("--peers", action=argparse.BooleanOptionalAction, default=True,
@@ -833,7 +860,7 @@ def main(argv: list[str] | None = None) -> int:
                        "drafter online from the frozen target, or WhiFlash's neural router from profiles (long)")
     t.add_argument("what", choices=["target", "draft", "eagle3", "dflash", "router"])
     t.add_argument("--out", required=True, help="run directory (checkpoints in OUT/model, log in OUT/train_log.jsonl)")
-    t.add_argument("--minutes", type=float, help="wall-clock budget; the LR schedule follows it (not for router)")
+    t.add_argument("--minutes", type=_num(float, 0.01), help="wall-clock budget; the LR schedule follows it (not for router)")
     t.add_argument("--sequences", type=_positive_int, default=240, help="router: corpus prompts profiled (their "
                    "greedy continuations give the (h_t, Delta AL) pairs; a fifth held out)")
     t.add_argument("--new-tokens", type=_positive_int, default=96, help="router: tokens generated per prompt")
@@ -844,31 +871,31 @@ def main(argv: list[str] | None = None) -> int:
     t.add_argument("--eagle", help="router: the EAGLE-3 drafter (default: the zoo's)")
     t.add_argument("--dflash", help="router: the DFlash drafter (default: the zoo's)")
     t.add_argument("--teacher", help="draft, eagle3, dflash: the target to learn from (default: the zoo target)")
-    t.add_argument("--ttt-steps", type=int, default=3, help="eagle3: training-time-test steps (unrolled on its own "
+    t.add_argument("--ttt-steps", type=_positive_int, default=3, help="eagle3: training-time-test steps (unrolled on its own "
                    "outputs)")
-    t.add_argument("--block-size", type=int, default=16, help="dflash: the largest block trained (each step draws "
+    t.add_argument("--block-size", type=_num(int, 2), default=16, help="dflash: the largest block trained (each step draws "
                    "its block size from 2..this)")
-    t.add_argument("--markov-rank", type=int, default=64, help="dflash: rank of DSpark's Markov head (0: none)")
-    t.add_argument("--layers", type=int, default=2, help="dflash: drafter depth")
+    t.add_argument("--markov-rank", type=_num(int, 0), default=64, help="dflash: rank of DSpark's Markov head (0: none)")
+    t.add_argument("--layers", type=_positive_int, default=2, help="dflash: drafter depth")
     t.add_argument("--init-from", help="resume from this model directory (HF; EAGLE-3 or DFlash for those)")
-    t.add_argument("--lr", type=float, default=None, help="peak learning rate (default: the zoo recipe's)")
-    t.add_argument("--seed", type=int, default=0)
+    t.add_argument("--lr", type=_num(float, 1e-8, 1.0), default=None, help="peak learning rate (default: the zoo recipe's)")
+    t.add_argument("--seed", type=_num(int, 0, 2**63 - 1), default=0)
     t.set_defaults(fn=cmd_train)
 
     z = sub.add_parser("zoo", help="build or evaluate the zoo models in data/zoo")
     zs = z.add_subparsers(dest="zoo_cmd", required=True)
     zb = zs.add_parser("build", help="re-create corpus, tokenizer, target and draft (long: hours on CPU)")
     zb.add_argument("--shared-data", default="../shared/data")
-    zb.add_argument("--target-minutes", type=float, default=100.0)
-    zb.add_argument("--draft-pretrain-minutes", type=float, default=20.0)
-    zb.add_argument("--draft-minutes", type=float, default=20.0, help="distillation from the target")
-    zb.add_argument("--draft-more-minutes", type=float, default=45.0, help="a second distillation pass, LR 1e-3")
-    zb.add_argument("--eagle3-minutes", type=float, default=87.0, help="EAGLE-3 drafter, online from the target")
-    zb.add_argument("--dflash-minutes", type=float, default=95.0, help="DFlash drafter (+ Markov head), online from "
+    zb.add_argument("--target-minutes", type=_num(float, 0.01), default=100.0)
+    zb.add_argument("--draft-pretrain-minutes", type=_num(float, 0.01), default=20.0)
+    zb.add_argument("--draft-minutes", type=_num(float, 0.01), default=20.0, help="distillation from the target")
+    zb.add_argument("--draft-more-minutes", type=_num(float, 0.01), default=45.0, help="a second distillation pass, LR 1e-3")
+    zb.add_argument("--eagle3-minutes", type=_num(float, 0.01), default=87.0, help="EAGLE-3 drafter, online from the target")
+    zb.add_argument("--dflash-minutes", type=_num(float, 0.01), default=95.0, help="DFlash drafter (+ Markov head), online from "
                     "the target")
-    zb.add_argument("--seed", type=int, default=0)
+    zb.add_argument("--seed", type=_num(int, 0, 2**63 - 1), default=0)
     ze = zs.add_parser("eval", help="per-domain validation loss and bits per byte of the zoo models")
-    ze.add_argument("--eval-tokens", type=int, default=65536)
+    ze.add_argument("--eval-tokens", type=_positive_int, default=65536)
     z.set_defaults(fn=cmd_zoo)
 
     a = ap.parse_args(argv)

@@ -63,7 +63,10 @@ def _snapshot(root):
 
 
 def _one_line(main, argv, says, capsys):
-    rc = main(argv)
+    try:
+        rc = main(argv)
+    except SystemExit as e:  # argparse's own errors end the process, with the same one line and exit code 2
+        rc = e.code
     out, err = capsys.readouterr()
     lines = [ln for ln in err.splitlines() if ln.strip()]
     says = (says,) if isinstance(says, str) else says
@@ -139,3 +142,77 @@ def test_a_truncated_model_file_is_named_in_one_line(role, model_dir, tmp_path, 
     base = ["--model", str(model_dir["qwen3"])] if role not in ("model", "router") else []  # the router: the zoo's
     _one_line(main, ["generate", "--prompt", PROMPTS[0], "--db", "none", "--method", method, *base, option, str(bad)],
               ("truncated or corrupt",), capsys)
+
+
+# numbers out of range, nan, inf or not numbers; specs naming an unknown method, parameter, router or suite; options
+# that contradict each other: per command, one line naming the option, the value and what is allowed
+CASES = [
+    ("bench", ["--limit", "0"], "argument --limit: '0' is not an integer of at least 1"),
+    ("bench", ["--limit", "abc"], "argument --limit: 'abc' is not an integer"),
+    ("bench", ["--max-new-tokens", "-5"], "argument --max-new-tokens: '-5' is not an integer of at least 1"),
+    ("bench", ["--stop-prob", "nan"], "argument --stop-prob: 'nan' is not a finite number from 0 to 1"),
+    ("bench", ["--stop-prob", "1"], "argument --stop-prob: '1' is not a finite number from 0 to 1 (excluded)"),
+    ("bench", ["--tree-topk", "1.5"], "argument --tree-topk: '1.5' is not an integer"),
+    ("bench", ["--methods", "ar,nope"], "unknown method 'nope'"),
+    ("bench", ["--methods", "ar,eagle3:width=2"], "'width=2' is not param=value with a parameter of eagle3"),
+    ("bench", ["--methods", "sps,pld"], "a benchmark needs 'ar' among its methods"),
+    ("bench", ["--suite", "nope"], "unknown suite 'nope'"),
+    ("bench", ["--backend", "nope"], "argument --backend: invalid choice: 'nope'"),
+    ("grid", ["--method", "nope"], "unknown method 'nope'"),
+    ("grid", ["--method", "sps", "--grid", "width=1"], "'width' is not a parameter of sps"),
+    ("grid", ["--method", "sps", "--grid", "k=abc"], "--grid k='abc': the values of k are numbers"),
+    ("grid", ["--method", "sps", "--grid", "k"], "is not param=v1,v2"),
+    ("grid", ["--method", "sps", "--extra", "{oops"], "--extra must be a JSON object"),
+    ("grid", ["--method", "sps", "--suite", "nope"], "unknown suite 'nope'"),
+    ("grid", ["--limit", "inf"], "argument --limit: 'inf' is not an integer"),
+    ("forward-costs", ["--n", "0,1"], "--n must be positive integers"),
+    ("forward-costs", ["--reps", "0"], "argument --reps: '0' is not an integer of at least 1"),
+    ("forward-costs", ["--context", "nan"], "argument --context: 'nan' is not an integer"),
+    ("forward-costs", ["--by-dtype", "--dtypes", "fp32,bf17"], "--dtype 'bf17' is not a dtype"),
+    ("forward-costs", ["--by-dtype", "--dtypes", "auto"], "name the dtypes to compare"),
+    ("catchup-costs", ["--backlog", "a"], "--backlog must be positive integers"),
+    ("block-costs", ["--reps", "-1"], "argument --reps: '-1' is not an integer of at least 1"),
+    ("switch-costs", ["--reps", "x"], "argument --reps: 'x' is not an integer"),
+    ("stats", ["--last", "0"], "argument --last: '0' is not an integer of at least 1"),
+    ("sweep", ["--router", "nope"], "--router must be entropy or neural"),
+    ("sweep", ["--router", "entropy", "--grid=1:0:2"], "--grid must be thresholds"),
+    ("train", ["eagle3", "--minutes", "inf"], "argument --minutes: 'inf' is not a finite number"),
+    ("train", ["dflash", "--minutes", "5", "--block-size", "1"], "argument --block-size: '1' is not an integer of at least 2"),
+    ("train", ["eagle3", "--minutes", "5", "--lr", "-1"], "argument --lr: '-1' is not a finite number"),
+    ("zoo", ["build", "--target-minutes", "nan"], "argument --target-minutes: 'nan' is not a finite number"),
+    ("nope", [], "argument cmd: invalid choice: 'nope'"),
+]
+
+
+@pytest.mark.parametrize("cmd,argv,says", CASES, ids=[f"{c[0]}-{' '.join(c[1])}" for c in CASES])
+def test_options_are_checked_in_one_line_before_any_work(cmd, argv, says, tmp_path, capsys, monkeypatch):
+    from speclab.cli import main
+    monkeypatch.chdir(tmp_path)  # reports and traces would land here: nothing may
+    db = ["--db", str(tmp_path / "t.duckdb")] if cmd in DB_COMMANDS else []
+    _one_line(main, [cmd, *argv, *db], says, capsys)
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.fixture(scope="module")
+def locked_trace(tmp_path_factory):
+    """A real speclab trace held open for writing by another process (DuckDB's file lock)."""
+    import subprocess
+    import sys
+
+    from speclab.trace import TraceStore
+    path = tmp_path_factory.mktemp("locked") / "t.duckdb"
+    TraceStore(path).close()
+    holder = subprocess.Popen([sys.executable, "-c", "import duckdb, sys, time; c = duckdb.connect(sys.argv[1]); "
+                               "print('held', flush=True); time.sleep(600)", str(path)], stdout=subprocess.PIPE, text=True)
+    assert holder.stdout.readline().strip() == "held"
+    yield path
+    holder.kill()
+    holder.wait()
+
+
+@pytest.mark.parametrize("cmd", list(DB_COMMANDS))
+def test_a_trace_another_process_holds_is_one_line(cmd, locked_trace, capsys):
+    from speclab.cli import main
+    before = locked_trace.read_bytes()
+    _one_line(main, DB_COMMANDS[cmd] + ["--db", str(locked_trace)], "is locked by another process", capsys)
+    assert locked_trace.read_bytes() == before
