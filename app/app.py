@@ -15,8 +15,8 @@ import gradio as gr
 
 from app import calibrate, decode, runs
 from app.lab import Lab
-from speclab.errors import SpeclabError
-from speclab.models import add_model_args, load_models
+from speclab.errors import InvalidInput, SpeclabError
+from speclab.models import add_model_args, check_model_args, load_models
 from speclab.trace import TraceStore
 
 
@@ -41,6 +41,20 @@ def build_app(lab: Lab) -> gr.Blocks:
     return demo
 
 
+def check_port(host: str, port: int) -> None:
+    """The port is free to serve on (one line at start, not Gradio's traceback after the models load)."""
+    import socket
+    if not 1 <= port <= 65535:
+        raise InvalidInput(f"--port {port}: a port is a number from 1 to 65535")
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the server will: a port in TIME_WAIT is free
+        try:
+            s.bind((host, port))
+        except OSError as e:
+            raise InvalidInput(f"--port {port} on {host} is taken ({e.strerror}): another program serves there; "
+                               "choose another with --port") from None
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m app", description="the speclab app (Gradio)")
     add_model_args(ap)
@@ -51,10 +65,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--port", type=int, default=7860)
     a = ap.parse_args(argv)
     try:
+        check_model_args(a)
+        check_port(a.host, a.port)
         if a.calibration:
             from speclab.routers import CALIBRATION_ENV
             os.environ[CALIBRATION_ENV] = str(Path(a.calibration).resolve())
-        Path(a.db).parent.mkdir(parents=True, exist_ok=True)
         print(f"speclab app: opening trace {a.db} ...", flush=True)
         store = TraceStore(a.db)
         target, models = load_models(a, log=lambda s: print(f"speclab app: {s}", flush=True))

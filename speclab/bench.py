@@ -23,6 +23,7 @@ import numpy as np
 import torch
 
 from speclab.errors import InvalidInput
+from speclab.files import write_atomic
 from speclab.equality import first_divergence, output_hash
 from speclab.generate import encode_prompt, generate, model_ms, run_device
 from speclab.methods import get_method, parse_spec
@@ -151,23 +152,28 @@ def run_bench(cfg: BenchConfig, target: Target, models: dict, store: TraceStore,
     order = cfg.methods + untraced + peers
     prog = Progress(len(rows) * len(order), f"bench {cfg.suite}")
     done = 0
-    for i, (r, ids) in enumerate(rows):
-        outputs = {}  # method -> (run id, generated ids) for this prompt
-        for m in order[i % len(order):] + order[: i % len(order)]:
-            if target.device.type == "cuda":
-                torch.cuda.reset_peak_memory_stats()
-            if m in peers:
-                outputs[m] = run_peer(m, r, ids)
-            elif m in untraced:
-                outputs[m] = run_untraced(m.removesuffix("-untraced"), r, ids)
-            else:
-                outputs[m] = run_method(m, r, ids, store)
-                store.drain()  # its trace lands before the next run starts timing (no overlap with it)
+    try:
+        for i, (r, ids) in enumerate(rows):
+            outputs = {}  # method -> (run id, generated ids) for this prompt
+            for m in order[i % len(order):] + order[: i % len(order)]:
                 if target.device.type == "cuda":
-                    store.finish_run(outputs[m][0], "done", peak_mem_mb=torch.cuda.max_memory_allocated() / 2**20)
-            done += 1
-            prog.update(done, prompt=r["prompt_id"], method=m)
-        record_divergences(store, target, ids, outputs)
+                    torch.cuda.reset_peak_memory_stats()
+                if m in peers:
+                    outputs[m] = run_peer(m, r, ids)
+                elif m in untraced:
+                    outputs[m] = run_untraced(m.removesuffix("-untraced"), r, ids)
+                else:
+                    outputs[m] = run_method(m, r, ids, store)
+                    store.drain()  # its trace lands before the next run starts timing (no overlap with it)
+                    if target.device.type == "cuda":
+                        store.finish_run(outputs[m][0], "done", peak_mem_mb=torch.cuda.max_memory_allocated() / 2**20)
+                done += 1
+                prog.update(done, prompt=r["prompt_id"], method=m)
+            record_divergences(store, target, ids, outputs)
+    except BaseException as e:  # Ctrl-C / SIGTERM / a failure: the bench row says so (its runs say it themselves)
+        store.execute("UPDATE benches SET status = ? WHERE bench_id = ?",
+                      ["interrupted" if isinstance(e, KeyboardInterrupt) else "failed", bench_id])
+        raise
     overhead = None
     if untraced:  # traced / untraced decode time over every prompt and method, same run, same outputs
         t = store.query("SELECT method, sum(elapsed_s) AS s FROM runs WHERE bench_id = ? GROUP BY method", [bench_id])
@@ -278,7 +284,7 @@ def write_report(store: TraceStore, bench_id: str, md_path: str | Path) -> tuple
            table.to_markdown(**fmt), "", "## Per-position acceptance", "", pos.to_markdown(**fmt), ""]
     md_path = Path(md_path)
     md_path.parent.mkdir(parents=True, exist_ok=True)
-    md_path.write_text("\n".join(md))
+    write_atomic(md_path, "\n".join(md))
     html_path = md_path.with_suffix(".html")
     figs = [viz.bench_bars(table, "speedup", "Speedup vs AR (tokens/s ratio, same run)"),
             viz.bench_bars(table, "tau", "Acceptance length tau (tokens per target verification)"),

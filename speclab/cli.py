@@ -52,6 +52,19 @@ class _Parser(argparse.ArgumentParser):
         sys.exit(2)
 
 
+def _on_sigterm_interrupt() -> None:
+    """SIGTERM (a scheduler, `kill`) ends a command the way Ctrl-C does: runs are marked interrupted, a bench
+    too, and no report or checkpoint is left half-written (they are written whole, then renamed)."""
+    import signal
+    import threading
+
+    def interrupt(signum, frame):
+        raise KeyboardInterrupt
+
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, interrupt)
+
+
 def _check_writable(path: str, option: str) -> None:
     """A file `path` can be written later: not a directory, and its nearest existing ancestor is a writable folder
     (so the folders can be made then). Nothing is created now."""
@@ -899,6 +912,7 @@ def main(argv: list[str] | None = None) -> int:
     z.set_defaults(fn=cmd_zoo)
 
     a = ap.parse_args(argv)
+    _on_sigterm_interrupt()
     try:
         if hasattr(a, "logits"):  # a model-loading command: its model options first, before any file is touched
             check_model_args(a)

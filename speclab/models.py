@@ -74,10 +74,10 @@ def check_model_args(a: argparse.Namespace) -> None:
 def load_models(a: argparse.Namespace, roles=("draft", "eagle3", "dflash", "router"), log=None):
     """(target, drafter models by role) from the options of `add_model_args`: the roles asked for (those the
     methods at hand need), each from its option or the zoo."""
+    import time
+
     from speclab import zoo
     from speclab.target import Target
-
-    import time
 
     check_model_args(a)
     log = log or (lambda s: print(s, file=sys.stderr, flush=True))

@@ -29,6 +29,7 @@ import torch
 from torch import nn
 
 from speclab.errors import InvalidInput, ModelNotFound
+from speclab.files import write_atomic
 
 AR, PARALLEL = "eagle3", "dflash"  # WhiFlash's m_a (autoregressive) and m_d (diffusion / parallel) drafters
 ENTROPY_FALLBACK = 1.0  # nats: the entropy threshold when nothing is calibrated for the target
@@ -186,8 +187,8 @@ class Calibration:
         return per.get("*") if v is None else v  # (target: the fingerprint of the target asking)
 
     def save(self, path: str | Path) -> None:
-        Path(path).write_text(json.dumps({"target": self.target, "thresholds": self.thresholds, "info": self.info},
-                                         indent=1) + "\n")
+        write_atomic(path, json.dumps({"target": self.target, "thresholds": self.thresholds, "info": self.info},
+                                      indent=1) + "\n")
 
 
 CALIBRATION_ENV = "SPECLAB_CALIBRATION"  # another calibration file for every router of the process (tests, the app)

@@ -8,6 +8,8 @@ from pathlib import Path
 
 import plotly.graph_objects as go
 
+from speclab.files import write_atomic
+
 METHOD_COLORS = {"ar": "#7f7f7f", "sps": "#1f77b4", "pld": "#2ca02c", "eagle3": "#9467bd", "dflash": "#d62728",
                  "hf_assisted": "#aec7e8", "hf_pld": "#98df8a", "whiflash-entropy": "#ff7f0e",
                  "whiflash-neural": "#8c564b", "oracle-task": "#c7c7c7", "oracle-prompt": "#a0a0a0",
@@ -65,9 +67,7 @@ def write_html_report(path: str | Path, title: str, figs: list[go.Figure], text:
     page = (f"<!doctype html><html><head><meta charset='utf-8'><title>{html.escape(title)}</title></head>"
             f"<body style='font-family:sans-serif;max-width:1100px;margin:auto'><h1>{html.escape(title)}</h1>"
             + "".join(parts) + f"<pre style='white-space:pre-wrap'>{html.escape(text)}</pre></body></html>")
-    path = Path(path)
-    path.write_text(page, encoding="utf-8")
-    return path
+    return write_atomic(path, page)
 
 
 # ---- tokens: per-token acceptance shading ----

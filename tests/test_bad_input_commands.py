@@ -6,7 +6,6 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import torch
-
 from conftest import PROMPTS
 
 # every command that loads models, with the options it needs to get as far as its checks
@@ -202,8 +201,8 @@ def locked_trace(tmp_path_factory):
     from speclab.trace import TraceStore
     path = tmp_path_factory.mktemp("locked") / "t.duckdb"
     TraceStore(path).close()
-    holder = subprocess.Popen([sys.executable, "-c", "import duckdb, sys, time; c = duckdb.connect(sys.argv[1]); "
-                               "print('held', flush=True); time.sleep(600)", str(path)], stdout=subprocess.PIPE, text=True)
+    hold = "import duckdb, sys, time; c = duckdb.connect(sys.argv[1]); print('held', flush=True); time.sleep(600)"
+    holder = subprocess.Popen([sys.executable, "-c", hold, str(path)], stdout=subprocess.PIPE, text=True)
     assert holder.stdout.readline().strip() == "held"
     yield path
     holder.kill()
@@ -216,3 +215,89 @@ def test_a_trace_another_process_holds_is_one_line(cmd, locked_trace, capsys):
     before = locked_trace.read_bytes()
     _one_line(main, DB_COMMANDS[cmd] + ["--db", str(locked_trace)], "is locked by another process", capsys)
     assert locked_trace.read_bytes() == before
+
+
+# ---- the app's start-up: the same classes, one line, before any model or file ----
+
+@pytest.mark.parametrize("case", ["port-taken", "dtype", "device", "db-parquet", "db-under-a-file"])
+def test_app_start_up_refuses_bad_options_in_one_line(case, files, tmp_path):
+    import socket
+    import subprocess
+    import sys
+
+    from speclab.zoo import REPO_ROOT
+    names = files[0]
+    held = socket.socket()
+    held.bind(("127.0.0.1", 0))
+    held.listen()
+    port = held.getsockname()[1]
+    if case != "port-taken":
+        held.close()
+    argv, says = {"port-taken": ([], f"--port {port} on 127.0.0.1 is taken"),
+                  "dtype": (["--dtype", "bf17"], "--dtype 'bf17' is not a dtype"),
+                  "device": (["--device", "tpu9"], "--device 'tpu9' is not a device"),
+                  "db-parquet": (["--db", str(names["parquet"])], "is a Parquet file"),
+                  "db-under-a-file": (["--db", f"{names['binary']}/app.duckdb"], "is a file, not a folder")}[case]
+    db = [] if case.startswith("db") else ["--db", str(tmp_path / "app.duckdb")]
+    r = subprocess.run([sys.executable, "-m", "app", "--port", str(port), *db, *argv], capture_output=True, text=True,
+                       timeout=120, cwd=REPO_ROOT, check=False)
+    held.close()
+    lines = [ln for ln in (r.stdout + r.stderr).splitlines() if ln.strip() and "opening trace" not in ln]
+    assert r.returncode == 2 and len(lines) == 1 and lines[0].startswith("speclab app: error:") and says in lines[0], \
+        (r.stdout, r.stderr)
+    assert _snapshot(tmp_path) == files[1]  # no trace made, the foreign files untouched
+
+
+# ---- faults ----
+
+def test_reports_are_written_whole_or_not_at_all(tmp_path, monkeypatch):
+    """A write that fails at the rename (a full disk, a kill) leaves the old report and no temporary file."""
+    import os
+
+    from speclab import files
+    path = tmp_path / "report.md"
+    files.write_atomic(path, "old")
+    monkeypatch.setattr(files.os, "replace", lambda *a: (_ for _ in ()).throw(OSError(28, "No space left on device")))
+    with pytest.raises(OSError, match="No space left"):
+        files.write_atomic(path, "new" * 1000)
+    assert path.read_text() == "old" and os.listdir(tmp_path) == ["report.md"]
+
+
+def test_sigterm_in_the_middle_of_a_bench_marks_it_interrupted(model_dir, tmp_path):
+    """SIGTERM (a scheduler, `kill`) ends a bench as Ctrl-C does: exit 130, every run done or interrupted (none left
+    running), the bench row interrupted, no report written."""
+    import signal
+    import subprocess
+    import sys
+    import threading
+    import time
+
+    from speclab.trace import TraceStore
+    from speclab.zoo import REPO_ROOT
+    db, report = tmp_path / "b.duckdb", tmp_path / "r" / "bench.md"
+    proc = subprocess.Popen([sys.executable, "-m", "speclab.cli", "bench", "--model", str(model_dir["qwen3"]),
+                             "--draft", str(model_dir["qwen3_draft"]), "--methods", "ar,sps,pld", "--suite", "zoo",
+                             "--limit", "8", "--max-new-tokens", "96", "--db", str(db), "--report", str(report)],
+                            stderr=subprocess.PIPE, stdout=subprocess.PIPE, cwd=REPO_ROOT)
+    seen = []
+
+    def read():
+        while chunk := proc.stderr.read1(256):
+            seen.append(chunk.decode(errors="replace"))
+    threading.Thread(target=read, daemon=True).start()
+    deadline = time.time() + 120
+    import re
+
+    def done():
+        return max((int(n) for n in re.findall(r"bench zoo (\d+)/", "".join(seen))), default=0)
+    while done() < 6 and time.time() < deadline and proc.poll() is None:
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=60) == 130, "".join(seen)
+    assert "speclab: interrupted" in "".join(seen)
+    with TraceStore(db, read_only=True) as s:
+        runs = s.runs()
+        bench = s.query("SELECT status FROM benches")
+    assert len(runs) >= 6 and set(runs.status) <= {"done", "interrupted"}
+    assert bench.status.tolist() == ["interrupted"]
+    assert not report.exists() and not report.with_suffix(".html").exists()

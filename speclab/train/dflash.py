@@ -31,6 +31,7 @@ from speclab.drafters.dflash import DFlashConfig, DFlashModel, default_layer_ids
 from speclab.progress import Progress
 from speclab.train.corpus import DOMAINS
 from speclab.train.lm import frozen_target_setup, lr_at, online_run, sample_windows, val_curve, val_windows
+from speclab.files import write_atomic
 
 
 @dataclass
@@ -230,7 +231,7 @@ def train_dflash(cfg: DFlashTrainConfig, log=print) -> dict:
     save()
     summary = {"params": n_params, "steps": step, "tokens": tokens, "minutes": (time.time() - t0) / 60,
                "val": rec["val"], "config": asdict(cfg)}
-    (out / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
+    write_atomic(out / "summary.json", json.dumps(summary, indent=2, default=str))
     return summary
 
 

@@ -20,6 +20,7 @@ import torch.nn.functional as F
 
 from speclab.progress import Progress
 from speclab.train.corpus import DOMAINS, EOS_TEXT, read_split
+from speclab.files import write_atomic
 
 
 @dataclass
@@ -252,7 +253,7 @@ def train_lm(cfg: TrainConfig) -> dict:
     save_hf(model, tok, out / "model")
     summary = {"params": n_params, "steps": step, "tokens": step * tokens_per_step, "minutes": (time.time() - t0) / 60,
                "val": rec.get("val"), "config": asdict(cfg)}
-    (out / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
+    write_atomic(out / "summary.json", json.dumps(summary, indent=2, default=str))
     return summary
 
 
