@@ -286,7 +286,10 @@ class TraceStore:
                         self.con.unregister("_batch")
                 self.con.execute("COMMIT")
             except Exception:
-                self.con.execute("ROLLBACK")
+                try:  # a COMMIT that failed (a full disk) has rolled back already: keep its error, not this one's
+                    self.con.execute("ROLLBACK")
+                except Exception:  # noqa: BLE001, S110
+                    pass
                 raise
 
     def writer(self, run_id: int, tokenizer) -> "RunWriter":

@@ -301,3 +301,37 @@ def test_sigterm_in_the_middle_of_a_bench_marks_it_interrupted(model_dir, tmp_pa
     assert len(runs) >= 6 and set(runs.status) <= {"done", "interrupted"}
     assert bench.status.tolist() == ["interrupted"]
     assert not report.exists() and not report.with_suffix(".html").exists()
+
+
+def test_a_full_disk_keeps_earlier_runs_and_marks_the_failed_one(model_dir, tmp_path):
+    """The trace cannot grow (RLIMIT_FSIZE, as a full disk does to a write): the command ends with one line naming
+    the trace and the system's reason, earlier runs keep every token, and the run being written is `failed`."""
+    import resource
+    import signal
+    import subprocess
+    import sys
+
+    from speclab.generate import generate
+    from speclab.target import Target
+    from speclab.trace import TraceStore
+    from speclab.zoo import REPO_ROOT
+    db = tmp_path / "t.duckdb"
+    target = Target.load(model_dir["qwen3"], dtype="fp32")
+    with TraceStore(db) as s:
+        first = generate(target, PROMPTS[0], "ar", max_new_tokens=8, trace=s).run_id
+
+    def limit():
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # the write fails with EFBIG instead of killing the process
+        resource.setrlimit(resource.RLIMIT_FSIZE, (60_000, 60_000))
+    r = subprocess.run([sys.executable, "-m", "speclab.cli", "generate", "--model", str(model_dir["qwen3"]), "--dtype",
+                        "fp32", "--prompts", "data/prompts/demo.jsonl", "--max-new-tokens", "300", "--db", str(db),
+                        "--json"], capture_output=True, text=True, preexec_fn=limit, cwd=REPO_ROOT, timeout=300,
+                       check=False)
+    errors = [ln for ln in r.stderr.splitlines() if ln.startswith("speclab: error:")]
+    assert r.returncode == 2 and len(errors) == 1 and "writing the trace" in errors[0] \
+        and "File too large" in errors[0] and "Traceback" not in r.stderr, r.stderr
+    with TraceStore(db, read_only=True) as s:
+        runs = s.runs().set_index("run_id")
+        assert runs.loc[first, "status"] == "done" and len(s.tokens(first)) == 8  # earlier runs are intact
+        assert runs.status.iloc[-1] == "failed" and "File too large" in runs.error.iloc[-1]
+        assert "running" not in set(runs.status)
