@@ -146,6 +146,10 @@ def test_bad_input_gets_one_clear_message_and_starts_no_run(page):
     page.fill("#p-whiflash-entropy-threshold textarea, #p-whiflash-entropy-threshold input", "99")
     page.click("#run")
     assert "(got '99')" in error_toast(page, "whiflash-entropy: threshold must be a finite number from 0 to")
+    for bad in ("nan", "inf", "abc"):  # not numbers, or not finite: the same one message
+        page.fill("#p-whiflash-entropy-threshold textarea, #p-whiflash-entropy-threshold input", bad)
+        page.click("#run")
+        assert "whiflash-entropy: threshold must be a finite number" in error_toast(page, f"(got '{bad}')")
     page.fill("#p-whiflash-entropy-threshold textarea, #p-whiflash-entropy-threshold input", "")
     choose_methods(page, [])
     page.click("#run")
