@@ -12,7 +12,14 @@ import gradio as gr
 
 from app.lab import MODELS, Lab, answers
 from speclab import viz
-from speclab.calibration import GRIDS, ROUTERS, Calibrator, check_threshold, grid, save_thresholds
+from speclab.calibration import (
+    GRIDS,
+    ROUTERS,
+    Calibrator,
+    check_threshold,
+    grid,
+    save_thresholds,
+)
 from speclab.errors import InvalidInput
 from speclab.progress import listen
 from speclab.routers import calibration_path

@@ -22,9 +22,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from speclab.equality import first_divergence, output_hash
 from speclab.errors import InvalidInput
 from speclab.files import write_atomic
-from speclab.equality import first_divergence, output_hash
 from speclab.generate import encode_prompt, generate, model_ms, run_device
 from speclab.methods import get_method, parse_spec
 from speclab.metrics import tau, tokens_per_s

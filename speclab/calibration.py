@@ -16,7 +16,12 @@ import pandas as pd
 
 from speclab import replay, routing
 from speclab.errors import InvalidInput
-from speclab.routers import Calibration, calibration_path, load_calibration, threshold_bound
+from speclab.routers import (
+    Calibration,
+    calibration_path,
+    load_calibration,
+    threshold_bound,
+)
 
 BENCH_METHODS = ["ar", "eagle3", "dflash"]
 ROUTERS = ("entropy", "neural")

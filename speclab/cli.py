@@ -66,17 +66,12 @@ def _on_sigterm_interrupt() -> None:
 
 
 def _check_writable(path: str, option: str) -> None:
-    """A file `path` can be written later: not a directory, and its nearest existing ancestor is a writable folder
-    (so the folders can be made then). Nothing is created now."""
-    import os
-    p = Path(path).expanduser()
-    if p.is_dir():
-        raise SpeclabError(f"{option} {path} is a directory: give a file path")
-    base = next(q for q in [p.parent, *p.parent.parents] if q.exists())
-    if not base.is_dir():
-        raise SpeclabError(f"{option} {path}: {base} is a file, not a folder")
-    if not os.access(base, os.W_OK) or (p.exists() and not os.access(p, os.W_OK)):
-        raise SpeclabError(f"{option} {path}: permission denied")
+    """A file `path` can be written at the end of the command (nothing is created now)."""
+    from speclab.files import check_writable
+    try:
+        check_writable(path, option)
+    except ValueError as e:
+        raise SpeclabError(f"{option} {path}: {e}") from e
 
 
 def _read_prompts(path: str) -> list[dict]:
@@ -123,7 +118,7 @@ def cmd_generate(a: argparse.Namespace) -> int:
     from speclab.checks import Bound, check_number, check_sampling
     from speclab.generate import check_generation, generate
     from speclab.methods import get_method
-    from speclab.trace import TraceStore
+    from speclab.trace import TraceStore, check_trace
 
     check_model_args(a)
     method = get_method(a.method)
@@ -135,20 +130,20 @@ def cmd_generate(a: argparse.Namespace) -> int:
         from speclab.generate import check_text
         check_text(a.prompt)
     prompts = [{"prompt": a.prompt, "prompt_id": None, "category": None}] if a.prompt is not None else _read_prompts(a.prompts)
-    store = None
     if a.db != "none":
-        store = TraceStore(a.db)  # before loading models: a locked or foreign file fails fast
+        check_trace(a.db)  # a locked or foreign file fails fast; the file itself is made once all is checked
+    target, models = load_models(a, roles=method.needs)
+    params = {"k": a.k, "tree_topk": a.tree_topk, "stop_prob": a.stop_prob, "depth": a.depth,
+              "total_tokens": a.total_tokens, "block_size": a.block_size, "markov": a.markov,
+              "threshold": a.threshold, "eager": a.eager}
+    for p in prompts:  # every prompt and parameter checked against the models before anything is decoded
+        try:
+            check_generation(target, p["prompt"], a.method, models, a.max_new_tokens, a.temperature, a.top_k,
+                             a.top_p, a.seed, params)
+        except SpeclabError as e:
+            raise SpeclabError((f"{a.prompts} line {p['line']}: " if "line" in p else "") + str(e)) from e
+    store = TraceStore(a.db) if a.db != "none" else None
     try:
-        target, models = load_models(a, roles=method.needs)
-        params = {"k": a.k, "tree_topk": a.tree_topk, "stop_prob": a.stop_prob, "depth": a.depth,
-                  "total_tokens": a.total_tokens, "block_size": a.block_size, "markov": a.markov,
-                  "threshold": a.threshold, "eager": a.eager}
-        for p in prompts:  # every prompt and parameter checked against the models before anything is decoded
-            try:
-                check_generation(target, p["prompt"], a.method, models, a.max_new_tokens, a.temperature, a.top_k,
-                                 a.top_p, a.seed, params)
-            except SpeclabError as e:
-                raise SpeclabError((f"{a.prompts} line {p['line']}: " if "line" in p else "") + str(e)) from e
         for p in prompts:
             stream = _Streamer(target.tokenizer) if a.stream and not a.json else None
             res = generate(target, p["prompt"], a.method, **models, max_new_tokens=a.max_new_tokens,
@@ -208,9 +203,15 @@ def cmd_stats(a: argparse.Namespace) -> int:
 
 
 def cmd_bench(a: argparse.Namespace) -> int:
-    from speclab.bench import BenchConfig, bench_overall, peer_ratios, run_bench, write_report
+    from speclab.bench import (
+        BenchConfig,
+        bench_overall,
+        peer_ratios,
+        run_bench,
+        write_report,
+    )
     from speclab.methods import get_method
-    from speclab.trace import TraceStore
+    from speclab.trace import TraceStore, check_trace
 
     methods = [m.strip() for m in a.methods.split(",") if m.strip()]
     cfg = BenchConfig(suite=a.suite, methods=methods, limit=a.limit, max_new_tokens=a.max_new_tokens,
@@ -223,9 +224,10 @@ def cmd_bench(a: argparse.Namespace) -> int:
         raise SpeclabError("a benchmark needs 'ar' among its methods: speedups and equality are measured against it")
     from speclab.suites import load_suite
     load_suite(cfg.suite, 1)  # an unknown suite, likewise
+    check_trace(a.db)  # the trace file is made once the models loaded (a refused model leaves none behind)
+    roles = {r for m in methods for r in get_method(m).needs} | ({"draft"} if cfg.peers else set())
+    target, models = load_models(a, roles=roles)
     with TraceStore(a.db) as store:
-        roles = {r for m in methods for r in get_method(m).needs} | ({"draft"} if cfg.peers else set())
-        target, models = load_models(a, roles=roles)
         bench_id = run_bench(cfg, target, models, store, log=lambda s: print(s, file=sys.stderr))
         md, html = write_report(store, bench_id, a.report)
         overall = bench_overall(store, bench_id)
@@ -388,10 +390,26 @@ def cmd_zoo(a: argparse.Namespace) -> int:
 
 def cmd_train(a: argparse.Namespace) -> int:
     from speclab import zoo
-    from speclab.train.lm import TrainConfig, train_lm
+    from speclab.target import check_model_dir
+    from speclab.train.lm import TrainConfig, quiet_loads, train_lm
     from speclab.train.zoo_build import DRAFT_SHAPE, TARGET_SHAPE
-
+    quiet_loads()
     corpus = str(zoo.REPO_ROOT / "data" / "corpus")
+    from speclab.files import check_writable
+    try:  # the run directory can be made and written, before any model or data is loaded
+        if Path(a.out).exists() and not Path(a.out).is_dir():
+            raise ValueError("it is a file, not a folder")
+        check_writable(Path(a.out) / "model", "the run")
+    except ValueError as e:
+        raise SpeclabError(f"--out {a.out}: {e}") from e
+    if a.teacher:
+        check_model_dir(a.teacher)
+    if a.init_from:
+        if a.what in ("eagle3", "dflash"):
+            from speclab.drafters.checkpoint import check_dir
+            check_dir(a.init_from, {"eagle3": "EAGLE-3 drafter", "dflash": "DFlash drafter"}[a.what])
+        else:
+            check_model_dir(a.init_from)
     if a.what == "eagle3":
         from speclab.train.eagle3 import Eagle3TrainConfig, train_eagle3, val_table
         cfg = Eagle3TrainConfig(target_dir=a.teacher or str(zoo.default_target()), corpus_dir=corpus, out_dir=a.out,
@@ -411,9 +429,9 @@ def cmd_train(a: argparse.Namespace) -> int:
         print(val_table(summary["val"]))
         return 0
     if a.what == "router":
-        from speclab.target import Target
         from speclab.drafters.dflash import load_dflash
         from speclab.drafters.eagle3 import load_eagle3
+        from speclab.target import Target
         from speclab.train.router import RouterTrainConfig, curve_table, train_router
         cfg = RouterTrainConfig(corpus_dir=corpus, out_dir=a.out, sequences=a.sequences, seed=a.seed,
                                 lr=a.lr or 1e-3, new_tokens=a.new_tokens, cost_prompts=a.cost_prompts,
@@ -496,7 +514,7 @@ def cmd_profile(a: argparse.Namespace) -> int:
 def cmd_sweep(a: argparse.Namespace) -> int:
     import pandas as pd
 
-    from speclab.routing import parse_thresholds, run_live, live_table, sweep
+    from speclab.routing import live_table, parse_thresholds, run_live, sweep
     from speclab.viz import sweep_figure, write_html_report
 
     grid = parse_thresholds(a.grid)
@@ -592,8 +610,16 @@ def cmd_routing(a: argparse.Namespace) -> int:
 
     from speclab import viz
     from speclab.replay import model_error
-    from speclab.routing import (lazy_vs_eager, modeled_table, oracles, replayed_runs, routing_table, switch_backlog,
-                                 switch_table, wide)
+    from speclab.routing import (
+        lazy_vs_eager,
+        modeled_table,
+        oracles,
+        replayed_runs,
+        routing_table,
+        switch_backlog,
+        switch_table,
+        wide,
+    )
 
     store, bench_id = _bench_store(a)
     with store:
@@ -706,6 +732,7 @@ def main(argv: list[str] | None = None) -> int:
         argv = sys.argv[1:]
     if argv[:1] == ["app"]:  # the Gradio app is its own program (app/ imports speclab, never the reverse)
         import os
+
         from speclab.zoo import REPO_ROOT
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")]))}
         sys.stdout.flush()

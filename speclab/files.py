@@ -10,6 +10,19 @@ import tempfile
 from pathlib import Path
 
 
+def check_writable(path: str | Path, what: str = "the file") -> None:
+    """`path` can be written later, checked without creating anything: not a directory, and its nearest existing
+    ancestor is a folder this process may write into. Raises ValueError saying why."""
+    p = Path(path).expanduser()
+    if p.is_dir():
+        raise ValueError(f"{p} is a directory: give a file path for {what}")
+    base = next(q for q in [p.parent, *p.parent.parents] if q.exists())
+    if not base.is_dir():
+        raise ValueError(f"{base} is a file, not a folder")
+    if not os.access(base, os.W_OK) or (p.exists() and not os.access(p, os.W_OK)):
+        raise ValueError(f"permission denied writing {what} at {p}")
+
+
 def write_atomic(path: str | Path, text: str) -> Path:
     """Write `text` (UTF-8) to `path` via a temporary file in the same folder and one rename."""
     path = Path(path)

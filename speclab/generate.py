@@ -7,10 +7,10 @@ from typing import Callable, Iterator
 
 import torch
 
+from speclab.checks import Bound, check_number, check_sampling
 from speclab.engine import DecodeResult, RoundEvent, check_request, decode_rounds
 from speclab.equality import output_hash
 from speclab.errors import InvalidInput
-from speclab.checks import Bound, check_number, check_sampling
 from speclab.methods import build_method, check_models, get_method, method_params
 from speclab.metrics import tau, tokens_per_s
 from speclab.sampling import Sampling

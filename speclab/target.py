@@ -29,20 +29,27 @@ def pick_device(device: str | None = None) -> torch.device:
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
+def check_model_dir(name_or_path: str | Path) -> Path:
+    """A local model directory (with config.json) or a hub name to look up in the local cache; anything else is
+    ModelNotFound, without loading anything."""
+    path = Path(name_or_path).expanduser()
+    if not path.is_dir() and (path.exists() or str(name_or_path).startswith((".", "/", "~"))
+                              or str(name_or_path).count("/") > 1):
+        raise ModelNotFound(f"no model directory at {path.resolve()} (a model is a folder with config.json and weights)")
+    if path.is_dir() and not (path / "config.json").exists():
+        raise ModelNotFound(f"{path.resolve()} has no config.json: not a Hugging Face model directory")
+    return path
+
+
 def load_causal_lm(name_or_path: str | Path, device=None, dtype=None):
     """Load model + tokenizer from a local directory or the local Hugging Face cache; never downloads."""
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
     from safetensors import SafetensorError
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()  # a load takes under a second: no bar (and nothing before an error line)
-
-    path = Path(name_or_path).expanduser()
+    path = check_model_dir(name_or_path)
     local = path.is_dir()
-    if not local and (path.exists() or str(name_or_path).startswith((".", "/", "~")) or str(name_or_path).count("/") > 1):
-        raise ModelNotFound(f"no model directory at {path.resolve()} (a model is a folder with config.json and weights)")
-    if local and not (path / "config.json").exists():
-        raise ModelNotFound(f"{path.resolve()} has no config.json: not a Hugging Face model directory")
     src = str(path) if local else str(name_or_path)
     dev = pick_device(device)
     dt = pick_dtype(dev, dtype)

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import atexit
 import json
-import os
 import queue
 import threading
 import time
@@ -33,6 +32,7 @@ import torch
 
 from speclab.engine import PHASES
 from speclab.errors import TraceError
+from speclab.files import check_writable
 
 SCHEMA_VERSION = 4
 
@@ -98,10 +98,10 @@ def _connect(path: str, read_only: bool):
         raise TraceError(f"cannot open trace database {path}: {msg}") from e
 
 
-def _check_path(path: str, read_only: bool) -> bool:
+def _check_path(path: str, read_only: bool, create: bool = True) -> bool:
     """Whether the trace file exists, after refusing in one line what cannot be a trace: a directory, a file that
     is not DuckDB (checked by its magic bytes, so nothing is opened, let alone written), an unreadable file, a
-    missing file to read, or a folder that cannot be made for a new one (which this creates)."""
+    missing file to read, or a folder that cannot be made for a new one (made here when `create`)."""
     if path == ":memory:":
         return False
     p = Path(path)
@@ -121,15 +121,41 @@ def _check_path(path: str, read_only: bool) -> bool:
     if read_only:
         raise TraceError(f"no trace database at {path}")
     try:
-        p.parent.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        blocker = next((q for q in p.parents if q.exists()), None)
-        why = f"{blocker} is a file, not a folder" if blocker is not None and not blocker.is_dir() else \
-            (e.strerror or type(e).__name__)
-        raise TraceError(f"cannot create the folder {p.parent} for the trace {path}: {why}") from e
-    if not os.access(p.parent, os.W_OK):
-        raise TraceError(f"cannot write a trace into {p.parent}: permission denied (choose another --db path)")
+        check_writable(p, "the trace")
+        if create:
+            p.parent.mkdir(parents=True, exist_ok=True)
+    except (OSError, ValueError) as e:
+        raise TraceError(f"cannot create the trace {path}: {e}") from e
     return False
+
+
+def _probe(path: str, read_only: bool) -> int | None:
+    """The schema version of an existing trace, inspected read-only so a foreign file is never written to (a lock
+    held by another process, a DuckDB file of another program, a newer schema: one line each)."""
+    probe = _connect(path, read_only=True)
+    tables = {r[0] for r in probe.execute("SELECT table_name FROM information_schema.tables").fetchall()}
+    version = None
+    if "meta" in tables:
+        row = probe.execute("SELECT value FROM meta WHERE key = 'schema_version'").fetchall()
+        version = int(row[0][0]) if row else None
+    probe.close()
+    if tables and version is None:
+        raise TraceError(f"{path} is a DuckDB file but not a speclab trace (it has tables "
+                         f"{sorted(tables)[:5]} and no speclab schema_version); it was left untouched")
+    if version is not None and version > SCHEMA_VERSION:
+        raise TraceError(f"{path} has trace schema {version}, newer than this speclab ({SCHEMA_VERSION})")
+    if read_only and version is not None and version < SCHEMA_VERSION:
+        raise TraceError(f"{path} has trace schema {version}, older than this speclab's ({SCHEMA_VERSION}); "
+                         "open it once for writing (e.g. TraceStore(path)) to add the new columns")
+    return version
+
+
+def check_trace(path: str | Path) -> None:
+    """Everything `TraceStore(path)` would refuse, checked without creating or writing anything: for a command
+    that loads models before it opens its trace (so a refused model leaves no trace file behind)."""
+    path = str(Path(path).expanduser())
+    if _check_path(path, read_only=False, create=False):
+        _probe(path, read_only=False)
 
 
 class TraceStore:
@@ -139,23 +165,7 @@ class TraceStore:
         self.path = str(Path(path).expanduser())
         self.flush_rounds, self.flush_s = flush_rounds, flush_s  # how often run writers append (crash loses less)
         self.read_only = read_only
-        exists = _check_path(self.path, read_only)
-        version = None
-        if exists:  # inspect read-only first, so a foreign file is never written to
-            probe = _connect(self.path, read_only=True)
-            tables = {r[0] for r in probe.execute("SELECT table_name FROM information_schema.tables").fetchall()}
-            if "meta" in tables:
-                row = probe.execute("SELECT value FROM meta WHERE key = 'schema_version'").fetchall()
-                version = int(row[0][0]) if row else None
-            probe.close()
-            if tables and version is None:
-                raise TraceError(f"{self.path} is a DuckDB file but not a speclab trace (it has tables "
-                                 f"{sorted(tables)[:5]} and no speclab schema_version); it was left untouched")
-            if version is not None and version > SCHEMA_VERSION:
-                raise TraceError(f"{self.path} has trace schema {version}, newer than this speclab ({SCHEMA_VERSION})")
-            if read_only and version is not None and version < SCHEMA_VERSION:
-                raise TraceError(f"{self.path} has trace schema {version}, older than this speclab's ({SCHEMA_VERSION}); "
-                                 "open it once for writing (e.g. TraceStore(path)) to add the new columns")
+        version = _probe(self.path, read_only) if _check_path(self.path, read_only) else None
         self.con = _connect(self.path, read_only)
         self._lock = threading.Lock()
         self._jobs: queue.Queue | None = None  # the background writer's queue (started on the first append)

@@ -13,7 +13,9 @@ from dataclasses import dataclass
 import torch
 
 from kernels import ops as kernel_ops
-from kernels.reference import residual  # norm(max(p - q, 0)): one definition, the kernels' twin
+from kernels.reference import (
+    residual,  # norm(max(p - q, 0)): one definition, the kernels' twin
+)
 from speclab.sampling import Sampling, logits_to_probs, sample
 from speclab.tree import DraftTree
 

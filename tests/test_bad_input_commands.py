@@ -62,6 +62,7 @@ def _snapshot(root):
 
 
 def _one_line(main, argv, says, capsys):
+    capsys.readouterr()  # what the test's own set-up printed
     try:
         rc = main(argv)
     except SystemExit as e:  # argparse's own errors end the process, with the same one line and exit code 2
@@ -335,3 +336,47 @@ def test_a_full_disk_keeps_earlier_runs_and_marks_the_failed_one(model_dir, tmp_
         assert runs.loc[first, "status"] == "done" and len(s.tokens(first)) == 8  # earlier runs are intact
         assert runs.status.iloc[-1] == "failed" and "File too large" in runs.error.iloc[-1]
         assert "running" not in set(runs.status)
+
+
+@pytest.mark.parametrize("cmd", ["generate", "bench", "grid", "catchup-costs", "block-costs", "switch-costs"])
+@pytest.mark.parametrize("case", ["not-causal", "other-target"])
+def test_models_of_the_wrong_kind_or_for_another_target(cmd, case, model_dir, tmp_path, capsys):
+    """A directory that is not a causal LM, or a drafter built for another target (the zoo's EAGLE-3 / DFlash on a
+    tiny target): one line naming it, and no trace file made."""
+    from transformers import AutoTokenizer, BertConfig, BertForMaskedLM
+
+    from speclab.cli import main
+    if case == "not-causal":
+        BertForMaskedLM(BertConfig(vocab_size=300, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                                   intermediate_size=64)).save_pretrained(tmp_path / "bert")
+        AutoTokenizer.from_pretrained(model_dir["qwen3"]).save_pretrained(tmp_path / "bert")
+        model, says = str(tmp_path / "bert"), "not a causal language model"
+    else:
+        model, says = str(model_dir["qwen3"]), "trained for another target"
+    method = {"generate": ["--method", "eagle3"], "bench": ["--methods", "ar,eagle3", "--no-peers"],
+              "grid": ["--method", "eagle3", "--grid", "depth=2"]}.get(cmd, [])
+    if case == "other-target" and cmd == "block-costs":
+        says = "it shares the target's embedding and head"  # the zoo's DFlash on the tiny target
+    db = ["--db", str(tmp_path / "t.duckdb")] if cmd in DB_COMMANDS else []
+    report = ["--report", str(tmp_path / "r.html")] if cmd in REPORT_COMMANDS else []
+    base = [a for a in MODEL_COMMANDS[cmd] if a != "sps"]
+    base = base[: base.index("--method")] + base[base.index("--method") + 1 :] if "--method" in base else base
+    _one_line(main, [*base, *method, "--model", model, *db, *report], says, capsys)
+    assert not (tmp_path / "t.duckdb").exists() and not (tmp_path / "r.html").exists()
+
+
+@pytest.mark.parametrize("what", ["target", "draft", "eagle3", "dflash", "router"])
+def test_train_refuses_bad_paths_before_loading(what, files, tmp_path, capsys):
+    """A run directory that cannot be made, a teacher or a checkpoint to resume from that is not there: one line,
+    before the corpus or any model is loaded, nothing made."""
+    from speclab.cli import main
+    names = files[0]
+    minutes = [] if what == "router" else ["--minutes", "1"]
+    _one_line(main, ["train", what, "--out", f"{names['binary']}/run", *minutes], "is a file, not a folder", capsys)
+    _one_line(main, ["train", what, "--out", str(names["binary"]), *minutes], "it is a file, not a folder", capsys)
+    _one_line(main, ["train", what, "--out", str(tmp_path / "run"), *minutes, "--teacher", str(tmp_path / "nope")],
+              "no model directory at", capsys)
+    if what != "router":
+        _one_line(main, ["train", what, "--out", str(tmp_path / "run"), *minutes, "--init-from", str(tmp_path / "nope")],
+                  ("no model directory at", "drafter at"), capsys)
+    assert _snapshot(tmp_path) == files[1]

@@ -13,9 +13,9 @@ from speclab.errors import ModelNotFound
 WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
 
 
-def read_checkpoint(path: str | Path, what: str) -> tuple[Path, dict, dict]:
-    """(resolved directory, its config.json, its state dict) of a drafter directory; ModelNotFound naming `what`
-    (e.g. "EAGLE-3 drafter") when the directory, its config or its weights are missing."""
+def check_dir(path: str | Path, what: str) -> tuple[Path, dict, Path]:
+    """(directory, its config.json, its weights file) of a drafter directory, without reading the weights;
+    ModelNotFound naming `what` (e.g. "EAGLE-3 drafter") when the directory, its config or its weights are missing."""
     p = Path(path).expanduser()
     if not (p / "config.json").is_file():
         raise ModelNotFound(f"no {what} at {p.resolve()} (a directory with config.json and "
@@ -27,6 +27,13 @@ def read_checkpoint(path: str | Path, what: str) -> tuple[Path, dict, dict]:
     weights = next((p / f for f in WEIGHT_FILES if (p / f).is_file()), None)
     if weights is None:
         raise ModelNotFound(f"{p.resolve()} has no weights ({' or '.join(WEIGHT_FILES)})")
+    return p, raw, weights
+
+
+def read_checkpoint(path: str | Path, what: str) -> tuple[Path, dict, dict]:
+    """(resolved directory, its config.json, its state dict) of a drafter directory (`check_dir`); a truncated or
+    corrupt weights file is ModelNotFound naming it."""
+    p, raw, weights = check_dir(path, what)
     try:
         if weights.suffix == ".safetensors":
             from safetensors.torch import load_file

@@ -37,7 +37,12 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from speclab.drafters.checkpoint import load_strict, place, read_checkpoint, save_checkpoint
+from speclab.drafters.checkpoint import (
+    load_strict,
+    place,
+    read_checkpoint,
+    save_checkpoint,
+)
 from speclab.errors import ModelNotFound
 from speclab.lean import KVCache, apply_rope, rope_inv_freq, rope_tables
 from speclab.precision import rms_norm32

@@ -38,13 +38,19 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from speclab.drafters.checkpoint import load_strict, place, read_checkpoint, save_checkpoint
+from speclab.drafters.checkpoint import (
+    load_strict,
+    place,
+    read_checkpoint,
+    save_checkpoint,
+)
 from speclab.errors import ModelNotFound
 from speclab.lean import KVCache, apply_rope, rope_inv_freq, rope_tables
 from speclab.precision import Head, rms_norm32
 from speclab.sampling import Sampling
 from speclab.target import forward_clock
 from speclab.tree import DraftTree, dynamic_tree
+
 
 def default_layer_ids(num_layers: int) -> tuple[int, int, int]:
     """EAGLE-3's (2, L // 2, L - 3) in `hidden_states` indices; for shallow targets where those are not three

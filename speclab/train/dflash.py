@@ -27,11 +27,24 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from speclab.drafters.dflash import DFlashConfig, DFlashModel, default_layer_ids, load_dflash
+from speclab.drafters.dflash import (
+    DFlashConfig,
+    DFlashModel,
+    default_layer_ids,
+    load_dflash,
+)
+from speclab.files import write_atomic
 from speclab.progress import Progress
 from speclab.train.corpus import DOMAINS
-from speclab.train.lm import frozen_target_setup, lr_at, online_run, sample_windows, val_curve, val_windows
-from speclab.files import write_atomic
+from speclab.train.lm import (
+    checkpoint_on_interrupt,
+    frozen_target_setup,
+    lr_at,
+    online_run,
+    sample_windows,
+    val_curve,
+    val_windows,
+)
 
 
 @dataclass
@@ -195,35 +208,36 @@ def train_dflash(cfg: DFlashTrainConfig, log=print) -> dict:
         card = json.dumps({"train_config": asdict(cfg), "steps": step, "tokens": tokens}, indent=1)
         m.save(out / "model", extra_files={"train_config.json": card + "\n"})
 
-    while time.time() - t0 < budget:
-        lr = lr_at(step, (time.time() - t0) / budget, cfg)
-        for g in opt.param_groups:
-            g["lr"] = lr
-        ids = sample_windows(data, cfg.domain_weights, cfg, rng)  # [B, seq_len + 1]
-        feats, logp = target_features(target, ids, m.config.target_layer_ids)
-        size = int(rng.integers(2, cfg.block_size + 1))
-        anchors = pick_blocks(ids.shape[1], size, cfg.rows, rng)
-        logits = block_forward(m, embed_w, head_w, ids, feats, anchors, size)
-        loss, metrics = block_loss(m, logits, ids, logp, anchors, cfg.gamma)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, 1.0)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        step += 1
-        tokens += ids.numel()
-        rec = {"step": step, "tokens": tokens, "block": size, "loss": float(loss), "metrics": metrics, "lr": lr,
-               "time_s": time.time() - t0}
-        last = metrics.get("markov", metrics["base"])
-        prog.update(min(int(time.time() - t0), int(budget)), step=step, loss=f"{float(loss):.3f}",
-                    acc1=f"{last['acc'][0]:.2f}", tok_s=f"{tokens / rec['time_s']:.0f}")
-        if time.time() - last_eval > cfg.eval_every_s:
-            rec["val"] = evaluate(m, embed_w, head_w, target, data, cfg)
-            log("\nstep %d val tau %s" % (step, " ".join(f"{d}={v[k]['tau']:.2f}" for d, v in rec["val"].items()
-                                                          for k in v)))
-            save()
-            last_eval = time.time()
-        log_f.write(json.dumps(rec) + "\n")
-        log_f.flush()
+    with checkpoint_on_interrupt(save, log, out / "model"):
+        while time.time() - t0 < budget:
+            lr = lr_at(step, (time.time() - t0) / budget, cfg)
+            for g in opt.param_groups:
+                g["lr"] = lr
+            ids = sample_windows(data, cfg.domain_weights, cfg, rng)  # [B, seq_len + 1]
+            feats, logp = target_features(target, ids, m.config.target_layer_ids)
+            size = int(rng.integers(2, cfg.block_size + 1))
+            anchors = pick_blocks(ids.shape[1], size, cfg.rows, rng)
+            logits = block_forward(m, embed_w, head_w, ids, feats, anchors, size)
+            loss, metrics = block_loss(m, logits, ids, logp, anchors, cfg.gamma)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(params, 1.0)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            step += 1
+            tokens += ids.numel()
+            rec = {"step": step, "tokens": tokens, "block": size, "loss": float(loss), "metrics": metrics, "lr": lr,
+                   "time_s": time.time() - t0}
+            last = metrics.get("markov", metrics["base"])
+            prog.update(min(int(time.time() - t0), int(budget)), step=step, loss=f"{float(loss):.3f}",
+                        acc1=f"{last['acc'][0]:.2f}", tok_s=f"{tokens / rec['time_s']:.0f}")
+            if time.time() - last_eval > cfg.eval_every_s:
+                rec["val"] = evaluate(m, embed_w, head_w, target, data, cfg)
+                log("\nstep %d val tau %s" % (step, " ".join(f"{d}={v[k]['tau']:.2f}" for d, v in rec["val"].items()
+                                                              for k in v)))
+                save()
+                last_eval = time.time()
+            log_f.write(json.dumps(rec) + "\n")
+            log_f.flush()
     rec = {"step": step, "tokens": tokens, "time_s": time.time() - t0,
            "val": evaluate(m, embed_w, head_w, target, data, cfg)}
     log_f.write(json.dumps(rec) + "\n")

@@ -22,11 +22,24 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from speclab.drafters.eagle3 import Eagle3Config, Eagle3Model, default_layer_ids, load_eagle3
+from speclab.drafters.eagle3 import (
+    Eagle3Config,
+    Eagle3Model,
+    default_layer_ids,
+    load_eagle3,
+)
+from speclab.files import write_atomic
 from speclab.progress import Progress
 from speclab.train.corpus import DOMAINS
-from speclab.train.lm import frozen_target_setup, lr_at, online_run, sample_windows, val_curve, val_windows
-from speclab.files import write_atomic
+from speclab.train.lm import (
+    checkpoint_on_interrupt,
+    frozen_target_setup,
+    lr_at,
+    online_run,
+    sample_windows,
+    val_curve,
+    val_windows,
+)
 
 
 @dataclass
@@ -183,31 +196,32 @@ def train_eagle3(cfg: Eagle3TrainConfig, log=print) -> dict:
         card = json.dumps({"train_config": asdict(cfg), "steps": step, "tokens": step * tokens_per_step}, indent=1)
         m.save(out / "model", extra_files={"train_config.json": card + "\n"})
 
-    while time.time() - t0 < budget:
-        elapsed = time.time() - t0
-        lr = lr_at(step, elapsed / budget, cfg)
-        for g in opt.param_groups:
-            g["lr"] = lr
-        ids = sample_windows(data, cfg.domain_weights, cfg, rng)  # [B, seq_len + 1]
-        feats, logp = target_features(target, ids, m.config.layer_ids)
-        logits = ttt_forward(m, embed, ids, feats, cfg.ttt_steps)
-        loss, losses, accs = ttt_loss(logits, logp, m.t2d, cfg.step_weight)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, 1.0)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        step += 1
-        rec = {"step": step, "tokens": step * tokens_per_step, "loss": float(loss), "step_loss": losses,
-               "step_acc": accs, "lr": lr, "time_s": time.time() - t0}
-        prog.update(min(int(time.time() - t0), int(budget)), step=step, loss=f"{float(loss):.3f}",
-                    acc="/".join(f"{a:.2f}" for a in accs), tok_s=f"{rec['tokens'] / rec['time_s']:.0f}")
-        if time.time() - last_eval > cfg.eval_every_s:
-            rec["val"] = evaluate(m, embed, target, data, cfg)
-            log("\nstep %d val acc %s" % (step, " ".join(f"{d}={v['acc'][0]:.3f}" for d, v in rec["val"].items())))
-            save()
-            last_eval = time.time()
-        log_f.write(json.dumps(rec) + "\n")
-        log_f.flush()
+    with checkpoint_on_interrupt(save, log, out / "model"):
+        while time.time() - t0 < budget:
+            elapsed = time.time() - t0
+            lr = lr_at(step, elapsed / budget, cfg)
+            for g in opt.param_groups:
+                g["lr"] = lr
+            ids = sample_windows(data, cfg.domain_weights, cfg, rng)  # [B, seq_len + 1]
+            feats, logp = target_features(target, ids, m.config.layer_ids)
+            logits = ttt_forward(m, embed, ids, feats, cfg.ttt_steps)
+            loss, losses, accs = ttt_loss(logits, logp, m.t2d, cfg.step_weight)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(params, 1.0)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            step += 1
+            rec = {"step": step, "tokens": step * tokens_per_step, "loss": float(loss), "step_loss": losses,
+                   "step_acc": accs, "lr": lr, "time_s": time.time() - t0}
+            prog.update(min(int(time.time() - t0), int(budget)), step=step, loss=f"{float(loss):.3f}",
+                        acc="/".join(f"{a:.2f}" for a in accs), tok_s=f"{rec['tokens'] / rec['time_s']:.0f}")
+            if time.time() - last_eval > cfg.eval_every_s:
+                rec["val"] = evaluate(m, embed, target, data, cfg)
+                log("\nstep %d val acc %s" % (step, " ".join(f"{d}={v['acc'][0]:.3f}" for d, v in rec["val"].items())))
+                save()
+                last_eval = time.time()
+            log_f.write(json.dumps(rec) + "\n")
+            log_f.flush()
     rec = {"step": step, "tokens": step * tokens_per_step, "time_s": time.time() - t0,
            "val": evaluate(m, embed, target, data, cfg)}
     log_f.write(json.dumps(rec) + "\n")

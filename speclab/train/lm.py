@@ -8,6 +8,7 @@ With `teacher` set, the loss is KL(teacher || student) on the teacher's next-tok
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import time
@@ -18,9 +19,9 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from speclab.files import write_atomic
 from speclab.progress import Progress
 from speclab.train.corpus import DOMAINS, EOS_TEXT, read_split
-from speclab.files import write_atomic
 
 
 @dataclass
@@ -84,6 +85,25 @@ def build_model(shape: ModelShape, tokenizer):
                          eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
                          bos_token_id=None, attn_implementation="sdpa", **asdict(shape))
     return Qwen3ForCausalLM(config)
+
+
+def quiet_loads() -> None:
+    """No progress bars from transformers' loads and saves (each takes a second or less here)."""
+    from transformers.utils import logging as hf_logging
+    hf_logging.disable_progress_bar()
+
+
+@contextlib.contextmanager
+def checkpoint_on_interrupt(save, log, where):
+    """Ctrl-C or SIGTERM (the CLI raises it as KeyboardInterrupt) in a training loop: the weights so far are saved
+    (written whole, then renamed, like every checkpoint) before the interruption goes on, so a run resumed with
+    --init-from loses nothing; the previous checkpoint stands if this save is interrupted too."""
+    try:
+        yield
+    except KeyboardInterrupt:
+        save()
+        log(f"\ninterrupted: the weights so far are in {where} (resume with --init-from {where})")
+        raise
 
 
 def frozen_target_setup(cfg):
@@ -213,40 +233,41 @@ def train_lm(cfg: TrainConfig) -> dict:
     last_eval = t0
     step = 0
     model.train()
-    while True:
-        elapsed = time.time() - t0
-        last = elapsed >= budget_s
-        if last:
-            break
-        lr = lr_at(step, elapsed / budget_s, cfg)
-        for g in opt.param_groups:
-            g["lr"] = lr
-        xy = sample_windows(data, cfg.domain_weights, cfg, rng)
-        x, y = xy[:, :-1], xy[:, 1:]
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            logits = step_fn(input_ids=x).logits
-            if teacher is not None:
-                with torch.no_grad():
-                    t_logp = F.log_softmax(teacher(input_ids=x).logits.float(), -1)
-                loss = F.kl_div(F.log_softmax(logits.float(), -1).flatten(0, 1), t_logp.flatten(0, 1),
-                                log_target=True, reduction="batchmean")
-            else:
-                loss = F.cross_entropy(logits.float().flatten(0, 1), y.flatten())
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        step += 1
-        prog.update(min(int(time.time() - t0), int(budget_s)), step=step, loss=f"{loss.item():.3f}", lr=f"{lr:.2e}",
-                    tok_s=f"{step * tokens_per_step / (time.time() - t0):.0f}")
-        rec = {"step": step, "tokens": step * tokens_per_step, "loss": loss.item(), "lr": lr, "time_s": time.time() - t0}
-        if time.time() - last_eval > cfg.eval_every_s:
-            rec["val"] = evaluate(model, data, cfg.seq_len, cfg.eval_tokens, tok)
-            print(f"\nstep {step} val " + " ".join(f"{d}={v['loss']:.3f}" for d, v in rec["val"].items()), flush=True)
-            save_hf(model, tok, out / "model")
-            last_eval = time.time()
-        log_f.write(json.dumps(rec) + "\n")
-        log_f.flush()
+    with checkpoint_on_interrupt(lambda: save_hf(model, tok, out / "model"), print, out / "model"):
+        while True:
+            elapsed = time.time() - t0
+            last = elapsed >= budget_s
+            if last:
+                break
+            lr = lr_at(step, elapsed / budget_s, cfg)
+            for g in opt.param_groups:
+                g["lr"] = lr
+            xy = sample_windows(data, cfg.domain_weights, cfg, rng)
+            x, y = xy[:, :-1], xy[:, 1:]
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                logits = step_fn(input_ids=x).logits
+                if teacher is not None:
+                    with torch.no_grad():
+                        t_logp = F.log_softmax(teacher(input_ids=x).logits.float(), -1)
+                    loss = F.kl_div(F.log_softmax(logits.float(), -1).flatten(0, 1), t_logp.flatten(0, 1),
+                                    log_target=True, reduction="batchmean")
+                else:
+                    loss = F.cross_entropy(logits.float().flatten(0, 1), y.flatten())
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            step += 1
+            prog.update(min(int(time.time() - t0), int(budget_s)), step=step, loss=f"{loss.item():.3f}", lr=f"{lr:.2e}",
+                        tok_s=f"{step * tokens_per_step / (time.time() - t0):.0f}")
+            rec = {"step": step, "tokens": step * tokens_per_step, "loss": loss.item(), "lr": lr, "time_s": time.time() - t0}
+            if time.time() - last_eval > cfg.eval_every_s:
+                rec["val"] = evaluate(model, data, cfg.seq_len, cfg.eval_tokens, tok)
+                print(f"\nstep {step} val " + " ".join(f"{d}={v['loss']:.3f}" for d, v in rec["val"].items()), flush=True)
+                save_hf(model, tok, out / "model")
+                last_eval = time.time()
+            log_f.write(json.dumps(rec) + "\n")
+            log_f.flush()
     rec = {"step": step, "tokens": step * tokens_per_step, "time_s": time.time() - t0,
            "val": evaluate(model, data, cfg.seq_len, cfg.eval_tokens, tok)}
     log_f.write(json.dumps(rec) + "\n")

@@ -14,7 +14,13 @@ from pathlib import Path
 import torch
 
 from speclab.train.corpus import CorpusConfig, build_corpus
-from speclab.train.lm import ModelShape, TrainConfig, evaluate, tokenize_corpus, train_lm
+from speclab.train.lm import (
+    ModelShape,
+    TrainConfig,
+    evaluate,
+    tokenize_corpus,
+    train_lm,
+)
 from speclab.train.tokenizer import train_tokenizer
 from speclab.zoo import REPO_ROOT, zoo_dir
 
