@@ -67,7 +67,12 @@ def main(argv: list[str] | None = None) -> int:
     try:
         check_model_args(a)
         check_port(a.host, a.port)
-        if a.calibration:
+        if a.calibration:  # the calibration tab saves there: refused now if it could not
+            from speclab.files import check_writable
+            try:
+                check_writable(a.calibration, "the calibration file")
+            except ValueError as e:
+                raise InvalidInput(f"--calibration {a.calibration}: {e}") from e
             from speclab.routers import CALIBRATION_ENV
             os.environ[CALIBRATION_ENV] = str(Path(a.calibration).resolve())
         print(f"speclab app: opening trace {a.db} ...", flush=True)

@@ -165,7 +165,13 @@ def save_thresholds(router: str, thresholds: dict, fingerprint: str, info: dict,
     file (the routers' one by default), keeping the other entries; a file calibrated for another target starts
     afresh."""
     from pathlib import Path
+
+    from speclab.files import check_writable
     out = Path(path) if path else calibration_path()
+    try:  # a file that cannot be written is one message, and the file keeps its earlier thresholds
+        check_writable(out, "the calibration file")
+    except ValueError as e:
+        raise InvalidInput(f"cannot save to {out}: {e}; nothing was saved") from e
     cal = load_calibration(out) if out.exists() else Calibration()
     if cal.target and cal.target != fingerprint:
         cal = Calibration()
@@ -173,6 +179,9 @@ def save_thresholds(router: str, thresholds: dict, fingerprint: str, info: dict,
     per = cal.thresholds.setdefault(router, {})
     per.update({("*" if k == "all" else str(k)): float(v) for k, v in thresholds.items()})
     cal.info = {**cal.info, **info}
-    out.parent.mkdir(parents=True, exist_ok=True)
-    cal.save(out)
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        cal.save(out)  # written whole, then renamed
+    except OSError as e:
+        raise InvalidInput(f"cannot save to {out}: {e.strerror or e}; nothing was saved") from e
     return cal

@@ -394,7 +394,13 @@ def cmd_train(a: argparse.Namespace) -> int:
     from speclab.train.lm import TrainConfig, quiet_loads, train_lm
     from speclab.train.zoo_build import DRAFT_SHAPE, TARGET_SHAPE
     quiet_loads()
-    corpus = str(zoo.REPO_ROOT / "data" / "corpus")
+    corpus = a.corpus or str(zoo.REPO_ROOT / "data" / "corpus")
+    from speclab.train.corpus import DOMAINS
+    missing = [f"{d}.{s}.txt" for d in DOMAINS for s in ("train", "val") if not (Path(corpus) / f"{d}.{s}.txt").is_file()]
+    if a.what != "router" and missing:
+        raise SpeclabError(f"--corpus {corpus} lacks {', '.join(missing[:3])}{' ...' if len(missing) > 3 else ''} "
+                           "(a corpus is a folder of <domain>.train.txt / <domain>.val.txt for "
+                           f"{', '.join(DOMAINS)})")
     from speclab.files import check_writable
     try:  # the run directory can be made and written, before any model or data is loaded
         if Path(a.out).exists() and not Path(a.out).is_dir():
@@ -910,6 +916,7 @@ def main(argv: list[str] | None = None) -> int:
                    "cost model of the hardware-aware threshold")
     t.add_argument("--eagle", help="router: the EAGLE-3 drafter (default: the zoo's)")
     t.add_argument("--dflash", help="router: the DFlash drafter (default: the zoo's)")
+    t.add_argument("--corpus", help="folder of <domain>.train.txt / .val.txt (default: data/corpus)")
     t.add_argument("--teacher", help="draft, eagle3, dflash: the target to learn from (default: the zoo target)")
     t.add_argument("--ttt-steps", type=_positive_int, default=3, help="eagle3: training-time-test steps (unrolled on its own "
                    "outputs)")

@@ -227,6 +227,13 @@ def test_calibration_replays_saves_and_confirms_live(page, app):
     wait_text(page, "#cal_saved", "saved")
     saved = json.loads(app["calibration"].read_text())
     assert saved["thresholds"]["entropy"]["*"] == 2.5
+    good = app["calibration"].read_text()  # a calibration file that cannot be written: one message, nothing saved
+    app["calibration"].unlink()
+    app["calibration"].mkdir()
+    page.click("#cal_save")
+    assert "nothing was saved" in error_toast(page, "cannot save to")
+    app["calibration"].rmdir()
+    app["calibration"].write_text(good)
     page.fill("#cal_n input", "1")
     page.click("#cal_confirm")
     wait_text(page, "#cal_live_msg", "measured", 300)

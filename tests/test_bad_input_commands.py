@@ -220,7 +220,8 @@ def test_a_trace_another_process_holds_is_one_line(cmd, locked_trace, capsys):
 
 # ---- the app's start-up: the same classes, one line, before any model or file ----
 
-@pytest.mark.parametrize("case", ["port-taken", "dtype", "device", "db-parquet", "db-under-a-file"])
+@pytest.mark.parametrize("case", ["port-taken", "dtype", "device", "db-parquet", "db-under-a-file",
+                                  "calibration-under-a-file"])
 def test_app_start_up_refuses_bad_options_in_one_line(case, files, tmp_path):
     import socket
     import subprocess
@@ -238,7 +239,9 @@ def test_app_start_up_refuses_bad_options_in_one_line(case, files, tmp_path):
                   "dtype": (["--dtype", "bf17"], "--dtype 'bf17' is not a dtype"),
                   "device": (["--device", "tpu9"], "--device 'tpu9' is not a device"),
                   "db-parquet": (["--db", str(names["parquet"])], "is a Parquet file"),
-                  "db-under-a-file": (["--db", f"{names['binary']}/app.duckdb"], "is a file, not a folder")}[case]
+                  "db-under-a-file": (["--db", f"{names['binary']}/app.duckdb"], "is a file, not a folder"),
+                  "calibration-under-a-file": (["--calibration", f"{names['binary']}/cal.json"],
+                                               "--calibration")}[case]
     db = [] if case.startswith("db") else ["--db", str(tmp_path / "app.duckdb")]
     r = subprocess.run([sys.executable, "-m", "app", "--port", str(port), *db, *argv], capture_output=True, text=True,
                        timeout=120, cwd=REPO_ROOT, check=False)
@@ -380,3 +383,76 @@ def test_train_refuses_bad_paths_before_loading(what, files, tmp_path, capsys):
         _one_line(main, ["train", what, "--out", str(tmp_path / "run"), *minutes, "--init-from", str(tmp_path / "nope")],
                   ("no model directory at", "drafter at"), capsys)
     assert _snapshot(tmp_path) == files[1]
+
+
+def test_sigterm_in_training_keeps_the_weights_and_resumes(deep, tmp_path):
+    """SIGTERM during `speclab train dflash` (a tiny target, a small slice of the corpus): exit 130, the weights so
+    far saved whole in OUT/model (a loadable drafter, no temporary folder left), and `--init-from` resumes."""
+    import re
+    import signal
+    import subprocess
+    import sys
+    import threading
+    import time
+
+    from speclab.drafters.dflash import load_dflash
+    from speclab.train.corpus import DOMAINS
+    from speclab.zoo import REPO_ROOT
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    for d in DOMAINS:
+        for split in ("train", "val"):
+            text = (REPO_ROOT / "data" / "corpus" / f"{d}.{split}.txt").read_text(encoding="utf-8")
+            (corpus / f"{d}.{split}.txt").write_text(text[:40_000], encoding="utf-8")
+    base = [sys.executable, "-m", "speclab.cli", "train", "dflash", "--teacher", deep.name, "--corpus",
+            str(corpus), "--layers", "1", "--markov-rank", "4", "--block-size", "4"]
+    proc = subprocess.Popen([*base, "--out", str(tmp_path / "run"), "--minutes", "5"], stderr=subprocess.PIPE,
+                            stdout=subprocess.PIPE, cwd=REPO_ROOT)
+    seen = []
+
+    def read():
+        while chunk := proc.stderr.read1(256):
+            seen.append(chunk.decode(errors="replace"))
+    threading.Thread(target=read, daemon=True).start()
+    deadline = time.time() + 180
+    while not re.search(r"step=[3-9]", "".join(seen)) and time.time() < deadline and proc.poll() is None:
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=120) == 130, "".join(seen)
+    log = "".join(seen)
+    assert "interrupted: the weights so far are in" in log and "speclab: interrupted" in log and "Traceback" not in log
+    assert sorted(p.name for p in (tmp_path / "run").iterdir()) == ["model", "train_log.jsonl"]  # no temporary folder
+    load_dflash(tmp_path / "run" / "model", deep)  # whole and loadable
+    r = subprocess.run([*base, "--out", str(tmp_path / "resumed"), "--minutes", "0.02", "--init-from",
+                        str(tmp_path / "run" / "model")], capture_output=True, text=True, cwd=REPO_ROOT, timeout=300,
+                       check=False)
+    assert r.returncode == 0 and (tmp_path / "resumed" / "model" / "model.safetensors").exists(), r.stderr[-2000:]
+
+
+@pytest.fixture(scope="module")
+def ar_bench(model_dir, tmp_path_factory):
+    """A real bench of AR alone on the tiny target: not what the routing commands need."""
+    from speclab.bench import BenchConfig, run_bench
+    from speclab.target import Target
+    from speclab.trace import TraceStore
+    db = tmp_path_factory.mktemp("ar_bench") / "b.duckdb"
+    with TraceStore(db) as s:
+        run_bench(BenchConfig(limit=1, max_new_tokens=4, methods=["ar"], peers=False, untraced=False),
+                  Target.load(model_dir["qwen3"], dtype="fp32"), {}, s, log=lambda *a: None)
+    return db
+
+
+@pytest.mark.parametrize("argv,says", [
+    (["profile"], "it was trained for another target"),  # the zoo's drafters on the tiny target
+    (["sweep", "--router", "entropy"], "has no traced rounds of both eagle3 and dflash"),
+    (["calibrate"], "has no traced rounds of both eagle3 and dflash"),
+    (["routing"], "has no traced rounds of both eagle3 and dflash")], ids=["profile", "sweep", "calibrate", "routing"])
+def test_bench_reading_commands_refuse_a_bench_or_models_that_do_not_fit(argv, says, ar_bench, model_dir, tmp_path,
+                                                                         capsys):
+    from speclab.cli import main
+    report = ["--report", str(tmp_path / "r.html")] if argv[0] != "profile" else []
+    _one_line(main, [*argv, "--db", str(ar_bench), "--model", str(model_dir["qwen3"]), *report], says, capsys)
+    assert not (tmp_path / "r.html").exists()
+    from speclab.trace import TraceStore
+    with TraceStore(ar_bench, read_only=True) as s:  # nothing was added to the trace
+        assert len(s.query("SELECT * FROM profiles")) == 0

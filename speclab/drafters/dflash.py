@@ -43,7 +43,7 @@ from speclab.drafters.checkpoint import (
     read_checkpoint,
     save_checkpoint,
 )
-from speclab.errors import ModelNotFound
+from speclab.errors import InvalidInput, ModelNotFound
 from speclab.lean import KVCache, apply_rope, rope_inv_freq, rope_tables
 from speclab.precision import rms_norm32
 from speclab.sampling import Sampling, logits_to_probs, sample
@@ -56,7 +56,8 @@ def default_layer_ids(num_layers: int, n: int = 5) -> tuple[int, ...]:
     6: 1, 2, 3). For targets too shallow for three distinct ids that way (L < 6), three spread over the whole
     depth (4 layers: 0, 1, 2)."""
     if num_layers < 3:
-        raise ValueError(f"DFlash reads several target layers: it needs at least 3 (got {num_layers})")
+        raise InvalidInput(f"DFlash reads several target layers: it needs a target of at least 3 (this one has "
+                           f"{num_layers})")
     hi = num_layers - 3
     ids = tuple(sorted({round(1 + i * (hi - 1) / max(n - 1, 1)) for i in range(n)})) if hi >= 1 else ()
     if len(ids) >= 3:
