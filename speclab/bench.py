@@ -28,6 +28,7 @@ from speclab.files import write_atomic
 from speclab.generate import encode_prompt, generate, model_ms, run_device
 from speclab.methods import get_method, parse_spec
 from speclab.metrics import tau, tokens_per_s
+from speclab.precision import dtype_name
 from speclab.progress import Progress
 from speclab.sampling import Sampling
 from speclab.suites import load_suite
@@ -133,7 +134,7 @@ def run_bench(cfg: BenchConfig, target: Target, models: dict, store: TraceStore,
         peer_params = {"k": k, "stop_prob": cfg.stop_prob} if p == "hf_assisted" else {"k": k}
         rid = store.start_run(method=p, target=target.name, drafters=draft.name if p == "hf_assisted" else None,
                               params=peer_params, prompt_id=r["prompt_id"], category=r["category"],
-                              **{**run_device(target), "logits_dtype": str(target.dtype).replace("torch.", ""),
+                              **{**run_device(target), "logits_dtype": dtype_name(target.dtype),
                                  "exact": False},  # transformers' own forward and head
                               bench_id=bench_id, prompt_tokens=ids.numel())
         store.finish_run(rid, "done", new_tokens=out.numel(), elapsed_s=secs, output_hash=output_hash(out.tolist()),

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 from pathlib import Path
@@ -52,17 +53,24 @@ class _Parser(argparse.ArgumentParser):
         sys.exit(2)
 
 
-def _on_sigterm_interrupt() -> None:
-    """SIGTERM (a scheduler, `kill`) ends a command the way Ctrl-C does: runs are marked interrupted, a bench
-    too, and no report or checkpoint is left half-written (they are written whole, then renamed)."""
+@contextlib.contextmanager
+def _sigterm_interrupts():
+    """Within the block SIGTERM (a scheduler, `kill`) ends a command the way Ctrl-C does: runs are marked
+    interrupted, a bench too, a training run saves its weights; the caller's own handler comes back after."""
     import signal
     import threading
 
     def interrupt(signum, frame):
         raise KeyboardInterrupt
 
-    if threading.current_thread() is threading.main_thread():
-        signal.signal(signal.SIGTERM, interrupt)
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGTERM, interrupt)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def _check_writable(path: str, option: str) -> None:
@@ -390,8 +398,8 @@ def cmd_zoo(a: argparse.Namespace) -> int:
 
 def cmd_train(a: argparse.Namespace) -> int:
     from speclab import zoo
-    from speclab.target import check_model_dir
-    from speclab.train.lm import TrainConfig, quiet_loads, train_lm
+    from speclab.target import check_model_dir, quiet_loads
+    from speclab.train.lm import TrainConfig, train_lm
     from speclab.train.zoo_build import DRAFT_SHAPE, TARGET_SHAPE
     quiet_loads()
     corpus = a.corpus or str(zoo.REPO_ROOT / "data" / "corpus")
@@ -946,19 +954,24 @@ def main(argv: list[str] | None = None) -> int:
     z.set_defaults(fn=cmd_zoo)
 
     a = ap.parse_args(argv)
-    _on_sigterm_interrupt()
     try:
-        if hasattr(a, "logits"):  # a model-loading command: its model options first, before any file is touched
-            check_model_args(a)
-        if getattr(a, "report", None):  # written at the end: refused now if it could not be, not after the work
-            _check_writable(a.report, "--report")
-        return a.fn(a)
+        with _sigterm_interrupts():
+            return _run(a)
     except SpeclabError as e:
         print(f"speclab: error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("speclab: interrupted", file=sys.stderr)
         return 130
+
+
+def _run(a: argparse.Namespace) -> int:
+    """The command's checks that need no model, then the command."""
+    if hasattr(a, "logits"):  # a model-loading command: its model options first, before any file is touched
+        check_model_args(a)
+    if getattr(a, "report", None):  # written at the end: refused now if it could not be, not after the work
+        _check_writable(a.report, "--report")
+    return a.fn(a)
 
 
 if __name__ == "__main__":

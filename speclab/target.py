@@ -41,13 +41,19 @@ def check_model_dir(name_or_path: str | Path) -> Path:
     return path
 
 
+def quiet_loads() -> None:
+    """No progress bars from transformers' loads and saves: each takes a second or less here, and a bar would
+    come before an error line."""
+    from transformers.utils import logging as hf_logging
+    hf_logging.disable_progress_bar()
+
+
 def load_causal_lm(name_or_path: str | Path, device=None, dtype=None):
     """Load model + tokenizer from a local directory or the local Hugging Face cache; never downloads."""
     from safetensors import SafetensorError
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
-    from transformers.utils import logging as hf_logging
 
-    hf_logging.disable_progress_bar()  # a load takes under a second: no bar (and nothing before an error line)
+    quiet_loads()
     path = check_model_dir(name_or_path)
     local = path.is_dir()
     src = str(path) if local else str(name_or_path)
@@ -158,9 +164,15 @@ class Target:
         return cls(model, tok, name=str(name_or_path), backend=backend, logits=logits, exact=exact)
 
     @property
+    def fp32_logits(self) -> bool:
+        """Whether the head refines low-precision logits to fp32 (`speclab.precision.Head`); drafters that use the
+        target's head norm in fp32 then too."""
+        return self._head.refine
+
+    @property
     def precision(self) -> dict:
         """How this target computes, for the run rows: dtype, logits dtype, exact mode."""
-        return {"dtype": dtype_name(self.dtype), "logits_dtype": "float32" if self._head.refine or
+        return {"dtype": dtype_name(self.dtype), "logits_dtype": "float32" if self.fp32_logits or
                 self.dtype == torch.float32 else dtype_name(self.dtype), "exact": self.exact}
 
     @property

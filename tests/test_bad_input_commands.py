@@ -267,14 +267,32 @@ def test_reports_are_written_whole_or_not_at_all(tmp_path, monkeypatch):
     assert path.read_text() == "old" and os.listdir(tmp_path) == ["report.md"]
 
 
+def _sigterm_when(proc, ready, within_s: float) -> str:
+    """Read the process's stderr as it comes; once `ready(stderr so far)` (or after `within_s`), send SIGTERM and
+    check it exits with 130, as Ctrl-C does. Returns all it wrote to stderr."""
+    import signal
+    import threading
+    import time
+    seen = []
+
+    def read():
+        while chunk := proc.stderr.read1(256):
+            seen.append(chunk.decode(errors="replace"))
+    threading.Thread(target=read, daemon=True).start()
+    deadline = time.time() + within_s
+    while not ready("".join(seen)) and time.time() < deadline and proc.poll() is None:
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=120) == 130, "".join(seen)
+    return "".join(seen)
+
+
 def test_sigterm_in_the_middle_of_a_bench_marks_it_interrupted(model_dir, tmp_path):
     """SIGTERM (a scheduler, `kill`) ends a bench as Ctrl-C does: exit 130, every run done or interrupted (none left
     running), the bench row interrupted, no report written."""
-    import signal
+    import re
     import subprocess
     import sys
-    import threading
-    import time
 
     from speclab.trace import TraceStore
     from speclab.zoo import REPO_ROOT
@@ -283,22 +301,8 @@ def test_sigterm_in_the_middle_of_a_bench_marks_it_interrupted(model_dir, tmp_pa
                              "--draft", str(model_dir["qwen3_draft"]), "--methods", "ar,sps,pld", "--suite", "zoo",
                              "--limit", "8", "--max-new-tokens", "96", "--db", str(db), "--report", str(report)],
                             stderr=subprocess.PIPE, stdout=subprocess.PIPE, cwd=REPO_ROOT)
-    seen = []
-
-    def read():
-        while chunk := proc.stderr.read1(256):
-            seen.append(chunk.decode(errors="replace"))
-    threading.Thread(target=read, daemon=True).start()
-    deadline = time.time() + 120
-    import re
-
-    def done():
-        return max((int(n) for n in re.findall(r"bench zoo (\d+)/", "".join(seen))), default=0)
-    while done() < 6 and time.time() < deadline and proc.poll() is None:
-        time.sleep(0.05)
-    proc.send_signal(signal.SIGTERM)
-    assert proc.wait(timeout=60) == 130, "".join(seen)
-    assert "speclab: interrupted" in "".join(seen)
+    log = _sigterm_when(proc, lambda err: max(map(int, re.findall(r"bench zoo (\d+)/", err)), default=0) >= 6, 120)
+    assert "speclab: interrupted" in log
     with TraceStore(db, read_only=True) as s:
         runs = s.runs()
         bench = s.query("SELECT status FROM benches")
@@ -389,11 +393,8 @@ def test_sigterm_in_training_keeps_the_weights_and_resumes(deep, tmp_path):
     """SIGTERM during `speclab train dflash` (a tiny target, a small slice of the corpus): exit 130, the weights so
     far saved whole in OUT/model (a loadable drafter, no temporary folder left), and `--init-from` resumes."""
     import re
-    import signal
     import subprocess
     import sys
-    import threading
-    import time
 
     from speclab.drafters.dflash import load_dflash
     from speclab.train.corpus import DOMAINS
@@ -408,18 +409,7 @@ def test_sigterm_in_training_keeps_the_weights_and_resumes(deep, tmp_path):
             str(corpus), "--layers", "1", "--markov-rank", "4", "--block-size", "4"]
     proc = subprocess.Popen([*base, "--out", str(tmp_path / "run"), "--minutes", "5"], stderr=subprocess.PIPE,
                             stdout=subprocess.PIPE, cwd=REPO_ROOT)
-    seen = []
-
-    def read():
-        while chunk := proc.stderr.read1(256):
-            seen.append(chunk.decode(errors="replace"))
-    threading.Thread(target=read, daemon=True).start()
-    deadline = time.time() + 180
-    while not re.search(r"step=[3-9]", "".join(seen)) and time.time() < deadline and proc.poll() is None:
-        time.sleep(0.05)
-    proc.send_signal(signal.SIGTERM)
-    assert proc.wait(timeout=120) == 130, "".join(seen)
-    log = "".join(seen)
+    log = _sigterm_when(proc, lambda err: re.search(r"step=[3-9]", err) is not None, 180)
     assert "interrupted: the weights so far are in" in log and "speclab: interrupted" in log and "Traceback" not in log
     assert sorted(p.name for p in (tmp_path / "run").iterdir()) == ["model", "train_log.jsonl"]  # no temporary folder
     load_dflash(tmp_path / "run" / "model", deep)  # whole and loadable

@@ -330,7 +330,7 @@ class DFlashDrafter:
                                                scale=self.scale, enable_gqa=self.H != self.KV)[0]
             x = self.m.finish(i, x, o)
         x = x[1:]  # the target's head (its top logits in fp32 when the target's are), after the drafter's own norm
-        h = rms_norm32(x, self.m.norm.weight, self.m.norm.eps) if self.target.logits == "fp32" else self.m.norm(x)
+        h = rms_norm32(x, self.m.norm.weight, self.m.norm.eps) if self.target.fp32_logits else self.m.norm(x)
         return self.target.lm_head(h) * self.m.config.output_multiplier
 
     @torch.inference_mode()

@@ -87,12 +87,6 @@ def build_model(shape: ModelShape, tokenizer):
     return Qwen3ForCausalLM(config)
 
 
-def quiet_loads() -> None:
-    """No progress bars from transformers' loads and saves (each takes a second or less here)."""
-    from transformers.utils import logging as hf_logging
-    hf_logging.disable_progress_bar()
-
-
 @contextlib.contextmanager
 def checkpoint_on_interrupt(save, log, where):
     """Ctrl-C or SIGTERM (the CLI raises it as KeyboardInterrupt) in a training loop: the weights so far are saved
