@@ -73,7 +73,7 @@ def main(argv: list[str] | None = None) -> int:
                 check_writable(a.calibration, "the calibration file")
             except ValueError as e:
                 raise InvalidInput(f"--calibration {a.calibration}: {e}") from e
-            from speclab.routers import CALIBRATION_ENV
+            from speclab.routing.routers import CALIBRATION_ENV
             os.environ[CALIBRATION_ENV] = str(Path(a.calibration).resolve())
         print(f"speclab app: opening trace {a.db} ...", flush=True)
         store = TraceStore(a.db)

@@ -2,7 +2,7 @@
 made (with progress); a threshold slider replays instantly (AL and modeled tokens/s against the threshold, the
 drafters alone and the oracles as reference lines, the optimum starred); "Save" writes the threshold to the
 calibration file the routers read; "Confirm live" decodes a few prompts at it and sets the measured tokens/s
-beside the modeled ones. All of it is `speclab.calibration`."""
+beside the modeled ones. All of it is `speclab.routing.calibration`."""
 from __future__ import annotations
 
 import math
@@ -12,7 +12,7 @@ import gradio as gr
 
 from app.lab import MODELS, Lab, answers
 from speclab import viz
-from speclab.calibration import (
+from speclab.routing.calibration import (
     GRIDS,
     ROUTERS,
     Calibrator,
@@ -22,8 +22,8 @@ from speclab.calibration import (
 )
 from speclab.errors import InvalidInput
 from speclab.progress import listen
-from speclab.routers import calibration_path
-from speclab.suites import SUITES
+from speclab.routing.routers import calibration_path
+from speclab.bench.suites import SUITES
 from speclab.zoo import display_path
 
 

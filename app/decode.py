@@ -16,14 +16,15 @@ import gradio as gr
 import torch
 
 from app.lab import MODELS, Lab, answers
-from speclab import replay, viz
+from speclab import viz
+from speclab.routing import replay
 from speclab.equality import first_divergence, kind_of
 from speclab.errors import InvalidInput, SpeclabError
 from speclab.generate import Generation, check_generation
 from speclab.methods import METHODS, method_params
 from speclab.metrics import tau, tokens_per_s
-from speclab.routing import event_rounds, with_counterfactual
-from speclab.suites import SUITES, load_suite
+from speclab.routing.evaluate import event_rounds, with_counterfactual
+from speclab.bench.suites import SUITES, load_suite
 from speclab.trace import decision_columns, token_columns
 
 STREAM_EVERY_S = 0.25  # at most four page updates a second while decoding

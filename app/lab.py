@@ -9,8 +9,8 @@ import inspect
 import gradio as gr
 
 from speclab.errors import InvalidInput, SpeclabError
-from speclab.precision import precision_label
-from speclab.target import Target
+from speclab.core.precision import precision_label
+from speclab.core.target import Target
 from speclab.trace import TraceStore, vocab_text
 from speclab.zoo import display_path
 
@@ -21,7 +21,7 @@ class Lab:
     def __init__(self, target: Target, models: dict, store: TraceStore):
         self.target, self.models, self.store = target, models, store  # drafter models by role (speclab.methods)
         self.text = vocab_text(target.tokenizer)
-        self.calibrators: dict = {}  # bench id -> speclab.calibration.Calibrator (profiles loaded once)
+        self.calibrators: dict = {}  # bench id -> speclab.routing.calibration.Calibrator (profiles loaded once)
 
     def header(self) -> str:
         roles = " · ".join(f"{role} `{display_path(getattr(m, 'name', '-'))}`" for role, m in self.models.items())

@@ -7,7 +7,7 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 from speclab.errors import InvalidInput, ModelNotFound, SpeclabError, TraceError
 from speclab.generate import GenerationResult, generate
-from speclab.target import Target
+from speclab.core.target import Target
 from speclab.trace import TraceStore
 
 __all__ = ["generate", "GenerationResult", "Target", "TraceStore", "SpeclabError", "InvalidInput",

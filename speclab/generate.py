@@ -8,13 +8,13 @@ from typing import Callable, Iterator
 import torch
 
 from speclab.checks import Bound, check_number, check_sampling
-from speclab.engine import DecodeResult, RoundEvent, check_request, decode_rounds
+from speclab.core.engine import DecodeResult, RoundEvent, check_request, decode_rounds
 from speclab.equality import output_hash
 from speclab.errors import InvalidInput
 from speclab.methods import build_method, check_models, get_method, method_params
 from speclab.metrics import tau, tokens_per_s
-from speclab.sampling import Sampling
-from speclab.target import Target
+from speclab.core.sampling import Sampling
+from speclab.core.target import Target
 from speclab.trace import TraceStore
 
 
@@ -166,7 +166,7 @@ class Generation:
 
 def run_device(target: Target) -> dict:
     """Where and how a run computed, for its run row: device, dtype, logits dtype, exact mode and the CPU."""
-    from speclab.precision import cpu_label
+    from speclab.core.precision import cpu_label
     return {"device": str(target.device), **target.precision, "cpu": cpu_label()}
 
 

@@ -16,7 +16,7 @@ from typing import Callable
 
 from speclab.checks import MAX_TREE_NODES, Bound, check_number
 from speclab.errors import InvalidInput
-from speclab.routers import FixedRouter
+from speclab.routing.routers import FixedRouter
 
 
 @dataclass
@@ -30,7 +30,7 @@ class Method:
     check: Callable | None = None  # (params, target) -> None: checks across parameters (raise InvalidInput)
     gpu_params: dict = field(default_factory=dict)  # defaults that differ on CUDA (the papers' GPU settings)
     same_decode: Callable | None = None  # params -> the params that decode alike (parameter grids run each once)
-    grid: str = ""  # the parameter grid `speclab grid` sweeps by default (speclab.bench.parse_grid syntax)
+    grid: str = ""  # the parameter grid `speclab grid` sweeps by default (speclab.bench.run.parse_grid syntax)
 
 
 EAGLE3_GPU_PRESET = {"depth": 8, "tree_topk": 10, "total_tokens": 60}  # EAGLE-3's evaluations, WhiFlash's Table 7
@@ -76,12 +76,12 @@ def _dflash(target, models, block_size=DFLASH_CPU["block_size"], markov=DFLASH_C
 
 def _whiflash(policy: str):
     """WhiFlash: EAGLE-3 and DFlash under one router, each drafter configured as its standalone method (the
-    paper's Table 7); `threshold` None = calibrated (speclab.routers.default_threshold); `eager` = 1 keeps both
+    paper's Table 7); `threshold` None = calibrated (speclab.routing.routers.default_threshold); `eager` = 1 keeps both
     drafters caught up every round (the naive scheme lazy catch-up is measured against)."""
     def build(target, models, threshold=None, eager=0, depth=EAGLE3_CPU["depth"], tree_topk=EAGLE3_CPU["tree_topk"],
               total_tokens=EAGLE3_CPU["total_tokens"], block_size=DFLASH_CPU["block_size"],
               markov=DFLASH_CPU["markov"], category=None):
-        from speclab.routers import EntropyRouter, NeuralRouter, default_threshold
+        from speclab.routing.routers import EntropyRouter, NeuralRouter, default_threshold
         drafters = {**_eagle3(target, models, depth, tree_topk, total_tokens)[0],
                     **_dflash(target, models, block_size, markov)[0]}
         mlp = models.get("router") if policy == "neural" else None
@@ -94,7 +94,7 @@ def _whiflash(policy: str):
 
 def _whiflash_bounds(policy: str):
     def bounds(target) -> dict:
-        from speclab.routers import threshold_bound
+        from speclab.routing.routers import threshold_bound
         return {"threshold": threshold_bound(policy, target.vocab_size), "eager": Bound(0, 1), **_eagle3_bounds(target),
                 **{k: v for k, v in _dflash_bounds(target).items() if k in ("block_size", "markov")}}
     return bounds
@@ -127,7 +127,7 @@ def _eagle3_bounds(target) -> dict:
 
 
 def _check_dynamic_tree(method: str, name: str, value: int, depth: int, topk: int) -> None:
-    """A dynamic tree (speclab.tree.dynamic_tree) of `depth` levels expands topk + (depth - 1) topk^2 candidates."""
+    """A dynamic tree (speclab.core.tree.dynamic_tree) of `depth` levels expands topk + (depth - 1) topk^2 candidates."""
     expanded = topk + (depth - 1) * topk ** 2
     if topk > 1 and expanded > 64 * MAX_TREE_NODES:
         raise InvalidInput(f"{method} tree: {name} {value} x tree_topk {topk} expands {expanded} candidate nodes, more "

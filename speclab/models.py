@@ -63,7 +63,7 @@ def check_device(device: str | None) -> None:
 def check_model_args(a: argparse.Namespace) -> None:
     """The precision options checked before any model is loaded (one line each, InvalidInput)."""
     from speclab.errors import InvalidInput
-    from speclab.precision import check_dtype, check_logits
+    from speclab.core.precision import check_dtype, check_logits
     check_device(a.device)
     check_dtype(a.dtype)
     check_logits(a.logits)
@@ -77,7 +77,7 @@ def load_models(a: argparse.Namespace, roles=("draft", "eagle3", "dflash", "rout
     import time
 
     from speclab import zoo
-    from speclab.target import Target
+    from speclab.core.target import Target
 
     check_model_args(a)
     log = log or (lambda s: print(s, file=sys.stderr, flush=True))
@@ -101,12 +101,12 @@ def load_models(a: argparse.Namespace, roles=("draft", "eagle3", "dflash", "rout
         models["dflash"] = load_dflash(path, target)
         loaded.append(f"DFlash {zoo.display_path(path)}")
     if "router" in roles:
-        from speclab.routers import load_router
+        from speclab.routing.routers import load_router
         path = getattr(a, "router_model", None) or zoo.default_router()
         models["router"] = load_router(path, target)
         loaded.append(f"router {zoo.display_path(path)}")
     # one line, once everything loaded (an error is then the first and only line a failed load prints)
-    from speclab.precision import auto_choice, precision_label
+    from speclab.core.precision import auto_choice, precision_label
     why = f" ({auto_choice(target.device.type).reason})" if a.dtype in (None, "auto") else ""
     log(f"loaded {', '.join(loaded)} in {time.perf_counter() - t0:.1f} s; {target.device.type}, "
         f"{precision_label(target)}{why}")

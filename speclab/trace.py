@@ -30,7 +30,7 @@ import pandas  # noqa: F401  (pyarrow imports it on its first array: here, not i
 import pyarrow as pa
 import torch
 
-from speclab.engine import PHASES
+from speclab.core.engine import PHASES
 from speclab.errors import TraceError
 from speclab.files import check_writable
 
@@ -75,9 +75,9 @@ MIGRATIONS = {2: ["runs ADD COLUMN IF NOT EXISTS prefill_ms DOUBLE", "runs ADD C
                   "runs ADD COLUMN IF NOT EXISTS model_ms DOUBLE", "runs ADD COLUMN IF NOT EXISTS diverges_at INTEGER",
                   "runs ADD COLUMN IF NOT EXISTS top2_gap DOUBLE", "runs ADD COLUMN IF NOT EXISTS tie_tolerance DOUBLE",
                   "rounds ADD COLUMN IF NOT EXISTS t_record_ms DOUBLE"],
-              3: [],  # schema 3 only adds tables (the profiles of speclab.replay), made by SCHEMA itself
+              3: [],  # schema 3 only adds tables (the profiles of speclab.routing.replay), made by SCHEMA itself
               4: ["runs ADD COLUMN IF NOT EXISTS logits_dtype VARCHAR", "runs ADD COLUMN IF NOT EXISTS exact BOOLEAN",
-                  "runs ADD COLUMN IF NOT EXISTS cpu VARCHAR"]}  # how the run computed (speclab.precision)
+                  "runs ADD COLUMN IF NOT EXISTS cpu VARCHAR"]}  # how the run computed (speclab.core.precision)
 TABLES = ("meta", "runs", "rounds", "tokens", "draft_nodes", "router_decisions", "benches", "profile_sets", "profiles",
           "profile_positions")
 

@@ -194,7 +194,7 @@ def accepted_per_round(rounds) -> go.Figure:
 
 def phase_breakdown(rounds) -> go.Figure:
     """Mean time per round in each phase (route, catch-up, draft, verify, commit, record), stacked, per method/run label."""
-    from speclab.engine import PHASES
+    from speclab.core.engine import PHASES
     phases = [p for p in PHASES if f"t_{p}_ms" in rounds]
     means = rounds.groupby("label", sort=False)[[f"t_{p}_ms" for p in phases]].mean()
     fig = go.Figure()
@@ -230,7 +230,7 @@ def sweep_figure(sw, live=None, y: str = "tokens_per_s", title: str = "") -> go.
 
 
 def router_figure(rr, title: str = "") -> go.Figure:
-    """One routed run, round by round (rows of `speclab.routing.router_rounds`). Top: the router's signal (entropy
+    """One routed run, round by round (rows of `speclab.routing.evaluate.router_rounds`). Top: the router's signal (entropy
     or predicted Delta AL) with its threshold, markers coloured by the drafter chosen, switches annotated with
     their backlog and catch-up time. Bottom: the accepted length of the round and, where a profile exists (greedy),
     what each drafter would have had accepted there: the rounds where the router chose wrong stand out."""
@@ -262,8 +262,8 @@ def router_figure(rr, title: str = "") -> go.Figure:
 
 def calibration_figure(curve, refs, threshold: float, point: dict, best: dict, router: str, category: str) -> go.Figure:
     """A router's threshold calibration for one category: replayed AL (top) and modeled tokens/s (bottom) against
-    the threshold (rows of `speclab.routing.sweep`), each drafter alone and the oracles as horizontal reference
-    lines (`speclab.routing.oracles`), the chosen threshold as a vertical line with its exact replay, the
+    the threshold (rows of `speclab.routing.evaluate.sweep`), each drafter alone and the oracles as horizontal reference
+    lines (`speclab.routing.evaluate.oracles`), the chosen threshold as a vertical line with its exact replay, the
     calibrated optimum (the highest modeled tokens/s) as a star."""
     from plotly.subplots import make_subplots
     fig = make_subplots(rows=2, cols=1, shared_xaxes=True, vertical_spacing=0.07,
@@ -310,7 +310,7 @@ def tree_mask_figure(tree, labels: list[str] | None = None, title: str = "") -> 
     left out."""
     import torch
 
-    from speclab.tree import tree_attention_mask
+    from speclab.core.tree import tree_attention_mask
     m = tree_attention_mask(tree.ancestors.cpu(), 0, torch.float32, True)
     allowed = (m.reshape(m.shape[-2], m.shape[-1]) == 0).int().numpy()
     labels = labels or ["root"] + [f"node {i}" for i in range(len(tree))]
@@ -340,7 +340,7 @@ def distributions_figure(dists: dict, labels, top: int = 20, title: str = "") ->
 
 def histograms(df, x: str, group: str, title: str = "", x_title: str | None = None) -> go.Figure:
     """Overlaid histograms of `x`, one per value of `group`, each normalised to shares (a router's signal where
-    each drafter would win, from `speclab.routing.signals_table`; the entropy of tokens by who produced them)."""
+    each drafter would win, from `speclab.routing.evaluate.signals_table`; the entropy of tokens by who produced them)."""
     fig = go.Figure()
     for name, g in df[df[x].notna()].groupby(group, sort=True):
         fig.add_histogram(x=g[x], name=f"{name} ({len(g)})", histnorm="probability", opacity=0.6, nbinsx=40,

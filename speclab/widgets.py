@@ -1,10 +1,10 @@
-"""Jupyter widgets (ipywidgets + plotly FigureWidget) over `speclab.calibration`, for the notebooks: the
+"""Jupyter widgets (ipywidgets + plotly FigureWidget) over `speclab.routing.calibration`, for the notebooks: the
 threshold calibration widget replays a threshold the moment the slider moves (the figure is
 `viz.calibration_figure`, the app's) and saves it to the calibration file the routers read."""
 from __future__ import annotations
 
 from speclab import viz
-from speclab.calibration import Calibrator, check_threshold, grid, save_thresholds
+from speclab.routing.calibration import Calibrator, check_threshold, grid, save_thresholds
 from speclab.errors import SpeclabError
 
 

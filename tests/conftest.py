@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from speclab.target import Target
+from speclab.core.target import Target
 from speclab.zoo import tokenizer_dir
 
 torch.set_num_threads(2)

@@ -10,7 +10,7 @@ import pytest
 from conftest import PROMPTS
 from speclab.errors import InvalidInput, ModelNotFound
 from speclab.generate import generate
-from speclab.target import Target
+from speclab.core.target import Target
 from speclab.trace import TraceStore
 
 

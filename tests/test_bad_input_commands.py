@@ -320,7 +320,7 @@ def test_a_full_disk_keeps_earlier_runs_and_marks_the_failed_one(model_dir, tmp_
     import sys
 
     from speclab.generate import generate
-    from speclab.target import Target
+    from speclab.core.target import Target
     from speclab.trace import TraceStore
     from speclab.zoo import REPO_ROOT
     db = tmp_path / "t.duckdb"
@@ -422,8 +422,8 @@ def test_sigterm_in_training_keeps_the_weights_and_resumes(deep, tmp_path):
 @pytest.fixture(scope="module")
 def ar_bench(model_dir, tmp_path_factory):
     """A real bench of AR alone on the tiny target: not what the routing commands need."""
-    from speclab.bench import BenchConfig, run_bench
-    from speclab.target import Target
+    from speclab.bench.run import BenchConfig, run_bench
+    from speclab.core.target import Target
     from speclab.trace import TraceStore
     db = tmp_path_factory.mktemp("ar_bench") / "b.duckdb"
     with TraceStore(db) as s:

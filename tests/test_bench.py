@@ -4,7 +4,7 @@ import json
 import pytest
 import torch
 
-from speclab.bench import BenchConfig, bench_overall, bench_table, forward_costs, peer_ratios, run_bench, write_report
+from speclab.bench.run import BenchConfig, bench_overall, bench_table, forward_costs, peer_ratios, run_bench, write_report
 from speclab.trace import TraceStore
 
 
@@ -38,7 +38,7 @@ def test_bench_runs_methods_and_peers_and_reports(qwen3, qwen3_draft, tmp_path):
 
 def test_bench_reports_where_an_output_differs_from_ar(qwen3, tmp_path):
     """A fabricated mismatch: the bench records the first differing token and the top-2 gap, and reports it."""
-    from speclab.bench import bench_divergences, record_divergences
+    from speclab.bench.run import bench_divergences, record_divergences
     from speclab.generate import encode_prompt, generate
     store = TraceStore(tmp_path / "d.duckdb")
     ids = encode_prompt(qwen3, "Once upon a time")
@@ -62,7 +62,7 @@ def test_forward_costs_times_both_backends_and_leaves_the_model_intact(qwen3):
 
 
 def test_param_grid_measures_every_distinct_combination(qwen3, qwen3_draft):
-    from speclab.bench import param_grid, parse_grid
+    from speclab.bench.run import param_grid, parse_grid
     from speclab.errors import InvalidInput
     grid = parse_grid("k=2,3;tree_topk=1,2")
     df = param_grid(qwen3, {"draft": qwen3_draft}, "sps", grid, suite="demo", limit=1, max_new_tokens=10,

@@ -12,8 +12,8 @@ from conftest import PROMPTS, build_tiny, own_text_windows
 from speclab.drafters.dflash import DFlashConfig, DFlashDrafter, DFlashModel, default_layer_ids, load_dflash
 from speclab.errors import InvalidInput, ModelNotFound
 from speclab.generate import Generation, generate
-from speclab.sampling import Sampling
-from speclab.target import Target
+from speclab.core.sampling import Sampling
+from speclab.core.target import Target
 from speclab.train.dflash import block_forward, block_loss, pick_blocks, target_features
 
 

@@ -11,8 +11,8 @@ from conftest import PROMPTS, build_tiny, own_text_windows
 from speclab.drafters.eagle3 import Eagle3Config, Eagle3Drafter, Eagle3Model, default_layer_ids, load_eagle3
 from speclab.errors import InvalidInput, ModelNotFound
 from speclab.generate import generate
-from speclab.sampling import Sampling
-from speclab.target import Target
+from speclab.core.sampling import Sampling
+from speclab.core.target import Target
 from speclab.train.eagle3 import target_features, ttt_forward, ttt_loss
 
 

@@ -3,7 +3,7 @@ import pytest
 import torch
 
 from conftest import PROMPTS
-from speclab.engine import decode
+from speclab.core.engine import decode
 from speclab.generate import encode_prompt, generate
 from speclab.drafters.pld import PromptLookup
 
@@ -51,7 +51,7 @@ def test_sps_greedy_equals_ar(qwen3, qwen3_draft, ar_outputs, k, topk, stop_prob
 
 def test_sps_chain_stops_after_an_unsure_draft_token(qwen3, qwen3_draft):
     from speclab.drafters.sps import StandaloneDraft
-    from speclab.sampling import Sampling
+    from speclab.core.sampling import Sampling
 
     lengths = []
     for p in PROMPTS:
@@ -89,7 +89,7 @@ def test_pld_greedy_equals_ar(qwen3, ar_outputs, k, deferred):
 def test_pld_proposes_repeated_ngrams():
     d = PromptLookup(k=3, max_ngram=2)
     d.reset(torch.tensor([1, 2, 3, 4, 9, 1, 2]), None)
-    from speclab.sampling import Sampling
+    from speclab.core.sampling import Sampling
     tree = d.propose(10, Sampling())
     assert tree.tokens.tolist() == [3, 4, 9] and tree.is_chain
     d.catch_up(torch.tensor([3, 4]), None)  # most recent match of (3, 4) wins: continuation 9, 1, 2
@@ -99,7 +99,7 @@ def test_pld_proposes_repeated_ngrams():
 @pytest.mark.parametrize("k", [2, 4])
 def test_draft_equal_to_target_accepts_everything(qwen3, model_dir, k):
     """With the draft == the target every draft token is accepted: tau = k + 1, one target call per round."""
-    from speclab.target import Target
+    from speclab.core.target import Target
     same = Target.load(model_dir["qwen3"], dtype="fp32")  # same weights, its own call counter
     res = generate(qwen3, PROMPTS[1], "sps", draft=same, k=k, max_new_tokens=5 * (k + 1))
     d = res.decode
@@ -142,7 +142,7 @@ class Alternate:
         self.rng = None if seed is None else torch.Generator().manual_seed(seed)
 
     def choose(self, s):
-        from speclab.routers import Decision
+        from speclab.routing.routers import Decision
         self.seen.append(s)
         i = s.round % len(self.names) if self.rng is None else int(torch.randint(len(self.names), (1,), generator=self.rng))
         return Decision(self.names[i], self.policy, s.entropy)
@@ -168,7 +168,7 @@ class Recorder:
             self.inner.catch_up(ids, None)
 
     def propose(self, max_depth, sampling, generator=None):
-        from speclab.tree import DraftTree
+        from speclab.core.tree import DraftTree
         return self.inner.propose(max_depth, sampling, generator) if self.inner else DraftTree.empty()
 
     def commit(self, tree, accepted):
@@ -233,7 +233,7 @@ def test_a_drafter_asking_for_a_missing_layer_is_refused(qwen3):
 
 def test_untraced_fast_path_decodes_the_same(qwen3, qwen3_draft, ar_outputs):
     """With no listener the engine builds no RoundEvent (it yields None) and decodes the same tokens."""
-    from speclab.engine import decode_rounds
+    from speclab.core.engine import decode_rounds
     from speclab.drafters.sps import StandaloneDraft
     for record in (False, True):
         gen = decode_rounds(qwen3, encode_prompt(qwen3, PROMPTS[0]), {"sps": StandaloneDraft(qwen3_draft, k=3)},

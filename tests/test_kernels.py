@@ -44,7 +44,7 @@ def _trees(seed: int):
 
 @pytest.mark.parametrize("seed", range(4))
 def test_greedy_accept_equals_twin(seed):
-    from speclab.tree import ancestor_matrix
+    from speclab.core.tree import ancestor_matrix
     g = torch.Generator().manual_seed(100 + seed)
     seen_accepts = 0
     for parents, arg in _trees(seed):
@@ -98,8 +98,8 @@ def test_dispatch_never_picks_triton_on_cpu(monkeypatch):
 def test_batched_chain_sampling_equals_the_recursion():
     """A sampled (and a deterministic) chain verified in one batched test equals the recursive rejection, draw for
     draw (same uniforms, same residual, same bonus)."""
-    from speclab.tree import DraftTree
-    from speclab.verify import verify_sampling
+    from speclab.core.tree import DraftTree
+    from speclab.core.verify import verify_sampling
     V, n = 11, 5
     for trial in range(200):
         g = torch.Generator().manual_seed(trial)

@@ -1,12 +1,12 @@
-"""The lean forward (speclab/lean.py) against the transformers forward it replaces, on the same weights."""
+"""The lean forward (speclab/core/lean.py) against the transformers forward it replaces, on the same weights."""
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
 from conftest import tiny_config
-from speclab.lean import supports
-from speclab.target import Target, keep_cache
-from speclab.tree import DraftTree, tree_attention_mask, tree_position_ids
+from speclab.core.lean import supports
+from speclab.core.target import Target, keep_cache
+from speclab.core.tree import DraftTree, tree_attention_mask, tree_position_ids
 
 
 class _NoTok:

@@ -37,8 +37,8 @@ def test_calibration_widget_slider_redraws_and_save_writes(deep, tmp_path):
     import test_dflash
     import test_eagle3
 
-    from speclab.calibration import Calibrator
-    from speclab.routers import load_calibration
+    from speclab.routing.calibration import Calibrator
+    from speclab.routing.routers import load_calibration
     from speclab.trace import TraceStore
     from speclab.widgets import CalibrationWidget
 

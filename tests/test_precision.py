@@ -6,16 +6,17 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from speclab import precision, zoo
+from speclab import zoo
+from speclab.core import precision
 from speclab.drafters.dflash import load_dflash
 from speclab.drafters.eagle3 import load_eagle3
 from speclab.equality import first_divergence, kind_of
 from speclab.generate import generate
 from speclab.methods import METHODS
-from speclab.routers import load_router
-from speclab.target import Target
+from speclab.routing.routers import load_router
+from speclab.core.target import Target
 from speclab.trace import TraceStore
-from speclab.tree import DraftTree, tree_attention_mask, tree_position_ids
+from speclab.core.tree import DraftTree, tree_attention_mask, tree_position_ids
 
 PROMPTS = [json.loads(line)["prompt"] for line in (zoo.REPO_ROOT / "data" / "prompts" / "demo.jsonl").read_text().splitlines()]
 
@@ -161,7 +162,7 @@ def test_exact_mode_rows_are_bitwise_invariant_to_the_batch(zoo_bf16):
 def test_exact_mode_wide_eagle3_tree_equals_ar(zoo_bf16, drafters):
     """The case that found the slot-order softmax: a 17-row EAGLE-3 tree on a zoo prompt parted from AR at token
     125 (a top-2 gap of 0.002) until each row's softmax ran in sequence order."""
-    from speclab.suites import load_suite
+    from speclab.bench.suites import load_suite
     t = zoo_bf16["exact"]
     prompt = next(r["prompt"] for r in load_suite("zoo", 4) if r["prompt_id"] == "literature-1")
     ar = generate(t, prompt, "ar", max_new_tokens=128)

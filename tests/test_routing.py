@@ -9,15 +9,15 @@ import pytest
 import torch
 
 from conftest import PROMPTS
-from speclab import replay
-from speclab.engine import decode
+from speclab.routing import replay
+from speclab.core.engine import decode
 from speclab.errors import InvalidInput
 from speclab.generate import generate
 from speclab.methods import build_method, method_params
-from speclab.routers import (Calibration, EntropyRouter, NeuralRouter, RouterConfig, RouterMLP, ScheduleRouter,
+from speclab.routing.routers import (Calibration, EntropyRouter, NeuralRouter, RouterConfig, RouterMLP, ScheduleRouter,
                              load_router, threshold_bound)
-from speclab.routing import oracles
-from speclab.sampling import Sampling
+from speclab.routing.evaluate import oracles
+from speclab.core.sampling import Sampling
 
 
 @pytest.fixture(scope="module")
@@ -207,7 +207,7 @@ def test_calibrated_threshold_by_category(deep, models, tmp_path, monkeypatch):
     assert thr("whiflash-entropy", "code", threshold=1.5) == 1.5  # a given threshold wins
     assert thr("whiflash-neural", "code") == -0.75
     Calibration({"entropy": {"*": 9.0}}, "another-target").save(tmp_path / "calibration.json")
-    from speclab.routers import ENTROPY_FALLBACK
+    from speclab.routing.routers import ENTROPY_FALLBACK
     assert thr("whiflash-entropy", "code") == ENTROPY_FALLBACK  # calibrated for another target: not used
     (tmp_path / "calibration.json").write_text("{oops")
     with pytest.raises(InvalidInput, match="not a speclab calibration file"):
@@ -295,8 +295,8 @@ def test_bench_pipeline_profiles_replays_calibrates(deep, models, thresholds, tm
     """A real bench (tiny models, zoo prompts) through the whole routing path: profiles into the trace and back,
     the cost model, every live run replayed identically, Table 1, a sweep with its best thresholds, switch costs
     and lazy vs eager."""
-    from speclab.bench import BenchConfig, run_bench
-    from speclab.routing import (best_thresholds, get_profiles, lazy_vs_eager, modeled_table, profile_bench,
+    from speclab.bench.run import BenchConfig, run_bench
+    from speclab.routing.evaluate import (best_thresholds, get_profiles, lazy_vs_eager, modeled_table, profile_bench,
                                  replayed_runs, routing_table, sweep, switch_table, wide)
     from speclab.trace import TraceStore
 
@@ -324,7 +324,7 @@ def test_bench_pipeline_profiles_replays_calibrates(deep, models, thresholds, tm
         assert set(le.lazy) == {specs[3]} and (le.al_lazy == le.al_eager).all()
         assert isinstance(switch_table(store, bench), type(le))
         from speclab import viz
-        from speclab.routing import router_rounds
+        from speclab.routing.evaluate import router_rounds
         run = store.query("SELECT run_id, prompt_id FROM runs WHERE method = ?", [specs[5]]).iloc[0]
         rr = router_rounds(store, int(run.run_id), next(p for p in profs if p.prompt_id == run.prompt_id))
         # greedy: what the chosen drafter "would" have had accepted is what it had accepted, every round
@@ -339,8 +339,8 @@ def test_calibrator_replays_saves_and_confirms_live(deep, models, thresholds, tm
     replay at any threshold equal to the sweep's, the figure, save (what routers then use) and a live
     confirmation whose AL equals the replayed one (greedy)."""
     from speclab import viz
-    from speclab.calibration import Calibrator, check_threshold, save_thresholds
-    from speclab.routers import default_threshold
+    from speclab.routing.calibration import Calibrator, check_threshold, save_thresholds
+    from speclab.routing.routers import default_threshold
     from speclab.trace import TraceStore
 
     monkeypatch.setenv("SPECLAB_CALIBRATION", str(tmp_path / "cal.json"))
@@ -356,7 +356,7 @@ def test_calibrator_replays_saves_and_confirms_live(deep, models, thresholds, tm
         assert cal.categories == ["code", "literature", "math", "stories", "all"]
         t = thresholds[1]
         point = cal.at("entropy", t, "code")
-        from speclab.routing import sweep
+        from speclab.routing.evaluate import sweep
         same = sweep(cal.profiles, cal.cost, "entropy", [t])
         assert point["al"] == same[same.category == "code"].al.iloc[0]
         best = cal.best("entropy", "all")
@@ -380,7 +380,7 @@ def test_calibrator_replays_saves_and_confirms_live(deep, models, thresholds, tm
 
 def test_live_router_rounds_equal_the_trace(deep, models, thresholds, tmp_path):
     """The app's live router view (from RoundEvents) shows what the trace keeps for the run."""
-    from speclab.routing import event_rounds, router_rounds
+    from speclab.routing.evaluate import event_rounds, router_rounds
     from speclab.trace import TraceStore
 
     with TraceStore(tmp_path / "r.duckdb") as store:

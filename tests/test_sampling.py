@@ -10,12 +10,12 @@ import torch
 from scipy.stats import chisquare
 
 from conftest import build_tiny
-from speclab.engine import decode
+from speclab.core.engine import decode
 from speclab.drafters.sps import StandaloneDraft
-from speclab.sampling import Sampling, logits_to_probs, sample
-from speclab.target import Target
-from speclab.tree import DraftTree
-from speclab.verify import verify_sampling
+from speclab.core.sampling import Sampling, logits_to_probs, sample
+from speclab.core.target import Target
+from speclab.core.tree import DraftTree
+from speclab.core.verify import verify_sampling
 
 V = 8
 N_RUNS = 1200  # decodes per end-to-end test (the depth-2 power check rejects at p ~ 1e-11)
@@ -210,7 +210,7 @@ def test_speculative_sampling_matches_target_distribution(tiny_vocab, case):
 
 @pytest.fixture(scope="module")
 def tiny_vocab_bf16(tiny_vocab):
-    """The same target and draft in bf16, the target in exact mode (speclab.lean): its rows do not depend on how
+    """The same target and draft in bf16, the target in exact mode (speclab.core.lean): its rows do not depend on how
     many run together, so a sampled decode's p is exactly the p of `exact_joint`."""
     import copy
 

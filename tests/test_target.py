@@ -3,8 +3,8 @@ equals a full forward, feature capture."""
 import pytest
 import torch
 
-from speclab.target import crop_cache, keep_cache
-from speclab.tree import DraftTree, tree_attention_mask, tree_position_ids
+from speclab.core.target import crop_cache, keep_cache
+from speclab.core.tree import DraftTree, tree_attention_mask, tree_position_ids
 
 
 @pytest.mark.parametrize("arch", ["qwen3", "llama", "qwen3_hf"])

@@ -162,7 +162,7 @@ def test_safe_query_is_read_only_capped_and_stoppable(qwen3, tmp_path):
 def test_eos_inside_accepted_drafts_cuts_the_accepted_nodes_too(qwen3, model_dir, store):
     """A draft equal to the target has every token accepted; an EOS in the middle of a round's drafts ends the
     run there, and the trace's accepted nodes, accept lengths and per-position acceptance stop there too."""
-    from speclab.target import Target
+    from speclab.core.target import Target
     same = Target.load(model_dir["qwen3"], dtype="fp32")
     ref = generate(qwen3, PROMPTS[1], "ar", max_new_tokens=12).token_ids
     cut = next(i for i in range(1, 4) if ref[i] not in ref[:i])  # a token first generated inside round 0's drafts

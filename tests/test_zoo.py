@@ -7,7 +7,7 @@ import pytest
 from speclab import generate, zoo
 from speclab.drafters.dflash import load_dflash
 from speclab.drafters.eagle3 import load_eagle3
-from speclab.target import Target
+from speclab.core.target import Target
 
 PROMPTS = [json.loads(l) for l in (zoo.REPO_ROOT / "data" / "prompts" / "demo.jsonl").read_text().splitlines()]
 

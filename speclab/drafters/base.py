@@ -19,8 +19,8 @@ from typing import Protocol
 
 import torch
 
-from speclab.sampling import Sampling
-from speclab.tree import DraftTree
+from speclab.core.sampling import Sampling
+from speclab.core.tree import DraftTree
 
 
 class Drafter(Protocol):

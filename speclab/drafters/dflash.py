@@ -44,11 +44,11 @@ from speclab.drafters.checkpoint import (
     save_checkpoint,
 )
 from speclab.errors import InvalidInput, ModelNotFound
-from speclab.lean import KVCache, apply_rope, rope_inv_freq, rope_tables
-from speclab.precision import rms_norm32
-from speclab.sampling import Sampling, logits_to_probs, sample
-from speclab.target import forward_clock
-from speclab.tree import DraftTree, dynamic_tree
+from speclab.core.lean import KVCache, apply_rope, rope_inv_freq, rope_tables
+from speclab.core.precision import rms_norm32
+from speclab.core.sampling import Sampling, logits_to_probs, sample
+from speclab.core.target import forward_clock
+from speclab.core.tree import DraftTree, dynamic_tree
 
 
 def default_layer_ids(num_layers: int, n: int = 5) -> tuple[int, ...]:
@@ -370,7 +370,7 @@ class DFlashDrafter:
         return DraftTree.chain(tokens, torch.softmax(torch.cat(rows), -1).gather(1, tokens[:, None])[:, 0])
 
     def _tree(self, logits: torch.Tensor) -> DraftTree:
-        """A tree from the rows' top-k (speclab.tree.dynamic_tree): depth d's children are row d's top tokens, with
+        """A tree from the rows' top-k (speclab.core.tree.dynamic_tree): depth d's children are row d's top tokens, with
         the Markov bias of their parent's token when the head is on. No drafter call beyond the block's."""
         def logp_after(row: int, parents: torch.Tensor) -> torch.Tensor:
             lg = logits[row].expand(parents.numel(), -1)

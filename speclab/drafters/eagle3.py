@@ -45,11 +45,11 @@ from speclab.drafters.checkpoint import (
     save_checkpoint,
 )
 from speclab.errors import ModelNotFound
-from speclab.lean import KVCache, apply_rope, rope_inv_freq, rope_tables
-from speclab.precision import Head, rms_norm32
-from speclab.sampling import Sampling
-from speclab.target import forward_clock
-from speclab.tree import DraftTree, dynamic_tree
+from speclab.core.lean import KVCache, apply_rope, rope_inv_freq, rope_tables
+from speclab.core.precision import Head, rms_norm32
+from speclab.core.sampling import Sampling
+from speclab.core.target import forward_clock
+from speclab.core.tree import DraftTree, dynamic_tree
 
 
 def default_layer_ids(num_layers: int) -> tuple[int, int, int]:
@@ -193,7 +193,7 @@ class Eagle3Model(nn.Module):
         return self.lm_head(self.norm(h))
 
     def rope(self, n: int, dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos / sin tables for positions 0..n-1 (speclab.lean's convention), on the model's device."""
+        """cos / sin tables for positions 0..n-1 (speclab.core.lean's convention), on the model's device."""
         return rope_tables(self.inv_freq.to(self.fc.weight.device), self.rope_scale, n, dtype)
 
     @property
@@ -314,7 +314,7 @@ class Eagle3Drafter:
 
     def _logits(self, h: torch.Tensor) -> torch.Tensor:
         """The drafter's float32 logits of pre-norm outputs h (Eagle3Model.logits, with the norm and the top logits in
-        fp32 when the target's are: `speclab.precision.Head`)."""
+        fp32 when the target's are: `speclab.core.precision.Head`)."""
         if not self.head.refine:
             return self.m.logits(h)
         return self.head(rms_norm32(h, self.m.norm.weight, self.m.norm.eps))
@@ -371,7 +371,7 @@ class Eagle3Drafter:
         return DraftTree.chain(torch.cat(tokens), torch.cat(logq).exp())
 
     def _tree(self, depth: int) -> DraftTree:
-        """EAGLE-2 dynamic tree (speclab.tree.dynamic_tree): each depth's frontier is one drafter call under a tree
+        """EAGLE-2 dynamic tree (speclab.core.tree.dynamic_tree): each depth's frontier is one drafter call under a tree
         mask over its ancestors' cache slots; a node's state is (its parent's output, its parent's slot)."""
         k, dev = self.top_k, self.device
         n_slots_max = k * (depth - 1)

@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import torch
 
-from speclab.sampling import Sampling
-from speclab.tree import DraftTree
+from speclab.core.sampling import Sampling
+from speclab.core.tree import DraftTree
 
 
 class PromptLookup:

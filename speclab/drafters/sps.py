@@ -14,9 +14,9 @@ from __future__ import annotations
 
 import torch
 
-from speclab.sampling import Sampling, logits_to_probs, sample
-from speclab.target import Target, keep_cache
-from speclab.tree import DraftTree
+from speclab.core.sampling import Sampling, logits_to_probs, sample
+from speclab.core.target import Target, keep_cache
+from speclab.core.tree import DraftTree
 
 
 class StandaloneDraft:

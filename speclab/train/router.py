@@ -1,12 +1,12 @@
 """Train WhiFlash-Neural's router: an MLP on the target's final hidden state h_t predicting
 Delta AL_t = AL_eagle3 - AL_dflash (WhiFlash 3.3.2).
 
-Data: (h_t, Delta AL_t) pairs from counterfactual profiles (`speclab.replay.profile_sequence`) of the target's
+Data: (h_t, Delta AL_t) pairs from counterfactual profiles (`speclab.routing.replay.profile_sequence`) of the target's
 own greedy continuations of prompts cut from the training splits of all four zoo domains, mixed evenly (the
 paper's task-agnostic corpus). Sequences are split into train and held-out before training, so the held-out
 correlation is on sequences the router never saw. MSE, AdamW, one cosine schedule.
 
-The default threshold is hardware-aware (`speclab.replay.hardware_threshold`): from a cost model fitted to live
+The default threshold is hardware-aware (`speclab.routing.replay.hardware_threshold`): from a cost model fitted to live
 rounds of EAGLE-3, DFlash and a switching WhiFlash-Entropy run measured here on a few of the same prompts.
 """
 from __future__ import annotations
@@ -57,9 +57,9 @@ def corpus_prompts(data: dict, cfg: RouterTrainConfig, rng: np.random.Generator)
 def collect(target, models: dict, prompts, cfg: RouterTrainConfig, cache: Path, log=print) -> dict:
     """Profiles of every prompt's greedy continuation -> pairs {hidden [n, d], delta [n], seq [n], domain [n]};
     saved to `cache` every 10 sequences and resumed from it."""
-    from speclab.engine import decode
+    from speclab.core.engine import decode
     from speclab.methods import build_method, method_params
-    from speclab.replay import profile_sequence
+    from speclab.routing.replay import profile_sequence
 
     done = torch.load(cache) if cache.exists() else {"hidden": [], "delta": [], "seq": [], "domain": [], "al": [],
                                                      "entropy": []}
@@ -95,7 +95,7 @@ def pearson(a: np.ndarray, b: np.ndarray) -> float:
 
 def fit(data: dict, cfg: RouterTrainConfig, hidden_size: int, log=print):
     """Train the MLP on the pairs; -> (RouterMLP, per-epoch records, held-out metrics)."""
-    from speclab.routers import RouterConfig, RouterMLP
+    from speclab.routing.routers import RouterConfig, RouterMLP
 
     torch.manual_seed(cfg.seed)
     h = torch.cat(data["hidden"]).float()
@@ -146,7 +146,7 @@ def measure_costs(target, models: dict, prompts, cfg: RouterTrainConfig, data: d
     (so it switches) on `cost_prompts` prompts, traced to an in-memory store. -> (CostModel, mean switch backlog,
     mean tree width per drafter, mean catch-up backlog per drafter when it stays)."""
     from speclab.generate import generate
-    from speclab.replay import DRAFTERS, fit_costs
+    from speclab.routing.replay import DRAFTERS, fit_costs
     from speclab.trace import TraceStore
 
     store = TraceStore(":memory:")
@@ -171,7 +171,7 @@ def measure_costs(target, models: dict, prompts, cfg: RouterTrainConfig, data: d
 
 
 def train_router(cfg: RouterTrainConfig, target, models: dict, log=print) -> dict:
-    from speclab.replay import DRAFTERS, hardware_threshold
+    from speclab.routing.replay import DRAFTERS, hardware_threshold
     from speclab.train.lm import tokenize_corpus
 
     torch.set_num_threads(cfg.threads)
@@ -233,7 +233,7 @@ def card(run_dir: str | Path, calibration: dict | None = None) -> str:
         f"- {n_seq} prompts of {cfg['prompt_tokens']} tokens cut at random from the training splits of the four zoo "
         f"domains, mixed evenly (task-agnostic, like the paper's corpus): {doms}.",
         f"- Each prompt's greedy continuation by the target ({cfg['new_tokens']} tokens), both drafters profiled at "
-        "every position (`speclab.replay.profile_sequence`): one (h_t, Delta AL_t) pair per position, "
+        "every position (`speclab.routing.replay.profile_sequence`): one (h_t, Delta AL_t) pair per position, "
         f"{h['pairs_train'] + h['pairs_heldout']} pairs; {h['sequences_heldout']} sequences "
         f"({h['pairs_heldout']} pairs) held out, split by sequence. Collecting took {s['collect_minutes']:.1f} min.",
         f"- Profiled AL (tokens per round if that drafter drafted every round): EAGLE-3 {al['eagle3']:.3f}, "

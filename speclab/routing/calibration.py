@@ -3,7 +3,7 @@ batch form): find or run the suite's bench (AR for the sequences to profile, EAG
 model), profile it, replay any threshold instantly, save the chosen one to the calibration file the routers read,
 and confirm it live.
 
-A `Calibrator` holds one bench's profiles and cost model; every replay goes through `speclab.routing` (the sweep,
+A `Calibrator` holds one bench's profiles and cost model; every replay goes through `speclab.routing.evaluate` (the sweep,
 the single drafters and the oracles of the routing report), so the figures here are the report's.
 """
 from __future__ import annotations
@@ -14,9 +14,10 @@ from dataclasses import dataclass, field
 import numpy as np
 import pandas as pd
 
-from speclab import replay, routing
+from speclab.routing import evaluate as routing
+from speclab.routing import replay
 from speclab.errors import InvalidInput
-from speclab.routers import (
+from speclab.routing.routers import (
     Calibration,
     calibration_path,
     load_calibration,
@@ -58,7 +59,7 @@ def find_bench(store, suite: str, limit: int, max_new_tokens: int) -> str | None
 
 
 def check_suite(suite: str, limit: int) -> list[dict]:
-    from speclab.suites import load_suite
+    from speclab.bench.suites import load_suite
     rows = load_suite(suite, limit)
     if not rows:
         raise InvalidInput(f"suite '{suite}' has no prompts: nothing to calibrate on")
@@ -80,7 +81,7 @@ class Calibrator:
     def prepare(cls, store, target, models: dict, suite: str, limit: int, max_new_tokens: int, log=print):
         """Reuse the trace's bench of this suite and these settings (and its profiles), or run and profile one.
         Every input is checked before any model work."""
-        from speclab.bench import BenchConfig, run_bench
+        from speclab.bench.run import BenchConfig, run_bench
         from speclab.checks import Bound, check_number
 
         limit = check_number("prompts per category", limit, int, Bound(1, 64))

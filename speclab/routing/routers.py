@@ -7,7 +7,7 @@ Policies (WhiFlash, ../shared/papers/whiflash.txt, section 3.3):
   token; the autoregressive drafter (EAGLE-3) when H_t > tau_entropy, else the parallel one (DFlash).
 - `neural` (WhiFlash-Neural): an MLP on the target's final-norm hidden state h_t predicts
   Delta AL_t = AL_eagle3 - AL_dflash; EAGLE-3 when the prediction > tau_neural.
-- `schedule`: a given drafter per round (what an oracle chose, replayed live: `speclab.replay`).
+- `schedule`: a given drafter per round (what an oracle chose, replayed live: `speclab.routing.replay`).
 
 Thresholds come from `data/zoo/calibration.json` (`speclab calibrate`) when none is given: the category's when
 the run's category is known and calibrated, the global one otherwise; a neural router falls back to its own
@@ -99,7 +99,7 @@ class RouterConfig:
     width: int  # d / 8 (WhiFlash Appendix A)
     dropout: float = 0.1
     target: str = ""  # the fingerprint of the target it was trained for (Target.fingerprint)
-    hardware_threshold: float = 0.0  # tau_neural derived from measured latencies (speclab.replay.hardware_threshold)
+    hardware_threshold: float = 0.0  # tau_neural derived from measured latencies (speclab.routing.replay.hardware_threshold)
     derivation: dict = field(default_factory=dict)  # the numbers that threshold came from
 
 

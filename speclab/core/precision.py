@@ -13,7 +13,7 @@ Three decisions live here, one concept: how precisely the models compute.
   whose unrefined logits might still reach the refined maximum (by a bound on the bf16 error: output rounding
   plus |w| * |h - bf16(h)|) gets its whole row in fp32. So the argmax, the top-k and every logit that could
   matter for a tie are fp32 values; the far tail keeps bf16 precision.
-- **Exact mode** lives in `speclab/lean.py` (`LeanDecoder(exact=True)`): every call on one fixed row tile, so
+- **Exact mode** lives in `speclab/core/lean.py` (`LeanDecoder(exact=True)`): every call on one fixed row tile, so
   per-row results do not depend on how many rows run together. `LOGITS` and `exact` are recorded on each run.
 """
 from __future__ import annotations

@@ -211,7 +211,7 @@ def cmd_stats(a: argparse.Namespace) -> int:
 
 
 def cmd_bench(a: argparse.Namespace) -> int:
-    from speclab.bench import (
+    from speclab.bench.run import (
         BenchConfig,
         bench_overall,
         peer_ratios,
@@ -230,7 +230,7 @@ def cmd_bench(a: argparse.Namespace) -> int:
         get_method(m)
     if "ar" not in methods:  # before any file or model is opened
         raise SpeclabError("a benchmark needs 'ar' among its methods: speedups and equality are measured against it")
-    from speclab.suites import load_suite
+    from speclab.bench.suites import load_suite
     load_suite(cfg.suite, 1)  # an unknown suite, likewise
     check_trace(a.db)  # the trace file is made once the models loaded (a refused model leaves none behind)
     roles = {r for m in methods for r in get_method(m).needs} | ({"draft"} if cfg.peers else set())
@@ -250,12 +250,12 @@ def cmd_bench(a: argparse.Namespace) -> int:
 
 
 def cmd_forward_costs(a: argparse.Namespace) -> int:
-    from speclab.bench import dtype_costs, forward_costs
+    from speclab.bench.run import dtype_costs, forward_costs
     from speclab.viz import bench_bars, lines_figure, write_html_report
 
     ns = _positive_ints(a.n or ("1,2,4,8,16,32,64" if a.by_dtype else "1,5,9"), "--n")
     if a.by_dtype:
-        from speclab.precision import check_dtype
+        from speclab.core.precision import check_dtype
         dtypes = [check_dtype(d.strip()) for d in a.dtypes.split(",") if d.strip()]
         if not dtypes or "auto" in dtypes:
             raise SpeclabError(f"--dtypes {a.dtypes!r}: name the dtypes to compare, e.g. fp32,bf16")
@@ -284,7 +284,7 @@ def cmd_forward_costs(a: argparse.Namespace) -> int:
     target, models = load_models(a, roles=("draft",))
     df = forward_costs({"target": target, "draft": models["draft"]}, ns=ns, context=a.context, reps=a.reps)
     if df.empty:
-        raise SpeclabError("neither model runs on the lean forward (see speclab.lean.supports): nothing to compare")
+        raise SpeclabError("neither model runs on the lean forward (see speclab.core.lean.supports): nothing to compare")
     table = df.to_markdown(index=False, floatfmt=".2f")
     print(table)
     long = df.melt(id_vars=["model", "n"], value_vars=["lean_ms", "hf_ms"], var_name="method", value_name="ms")
@@ -299,7 +299,7 @@ def cmd_forward_costs(a: argparse.Namespace) -> int:
 
 
 def cmd_grid(a: argparse.Namespace) -> int:
-    from speclab.bench import check_grid_keys, param_grid, parse_grid
+    from speclab.bench.run import check_grid_keys, param_grid, parse_grid
     from speclab.methods import get_method, parse_spec
     from speclab.viz import lines_figure, write_html_report
 
@@ -320,7 +320,7 @@ def cmd_grid(a: argparse.Namespace) -> int:
                 float(v)
             except ValueError:
                 raise SpeclabError(f"--grid {key}={v!r}: the values of {key} are numbers") from None
-    from speclab.suites import load_suite
+    from speclab.bench.suites import load_suite
     load_suite(a.suite, 1)  # an unknown suite, before any model is loaded
     target, models = load_models(a, roles=get_method(name).needs)
     df = param_grid(target, models, name, grid, suite=a.suite, limit=a.limit, max_new_tokens=a.max_new_tokens,
@@ -345,7 +345,7 @@ def cmd_grid(a: argparse.Namespace) -> int:
 
 
 def cmd_catchup_costs(a: argparse.Namespace) -> int:
-    from speclab.bench import catchup_costs
+    from speclab.bench.run import catchup_costs
 
     backlogs = _positive_ints(a.backlog, "--backlog")
     target, models = load_models(a, roles=("eagle3",))
@@ -369,7 +369,7 @@ def _cost_report(df, x: str, cols: list[str], legend: str, report: str, title: s
 
 
 def cmd_block_costs(a: argparse.Namespace) -> int:
-    from speclab.bench import block_costs
+    from speclab.bench.run import block_costs
 
     sizes = _positive_ints(a.block_size, "--block-size")
     if min(sizes) < 2:
@@ -398,7 +398,7 @@ def cmd_zoo(a: argparse.Namespace) -> int:
 
 def cmd_train(a: argparse.Namespace) -> int:
     from speclab import zoo
-    from speclab.target import check_model_dir, quiet_loads
+    from speclab.core.target import check_model_dir, quiet_loads
     from speclab.train.lm import TrainConfig, train_lm
     from speclab.train.zoo_build import DRAFT_SHAPE, TARGET_SHAPE
     quiet_loads()
@@ -445,7 +445,7 @@ def cmd_train(a: argparse.Namespace) -> int:
     if a.what == "router":
         from speclab.drafters.dflash import load_dflash
         from speclab.drafters.eagle3 import load_eagle3
-        from speclab.target import Target
+        from speclab.core.target import Target
         from speclab.train.router import RouterTrainConfig, curve_table, train_router
         cfg = RouterTrainConfig(corpus_dir=corpus, out_dir=a.out, sequences=a.sequences, seed=a.seed,
                                 lr=a.lr or 1e-3, new_tokens=a.new_tokens, cost_prompts=a.cost_prompts,
@@ -475,7 +475,7 @@ def cmd_train(a: argparse.Namespace) -> int:
 
 def _bench_store(a: argparse.Namespace):
     """The bench's trace (opened for writing: profiles and live runs go in) and the bench id (default: latest)."""
-    from speclab.routing import bench_info, latest_bench
+    from speclab.routing.evaluate import bench_info, latest_bench
     from speclab.trace import TraceStore
 
     if not Path(a.db).exists():
@@ -488,8 +488,8 @@ def _bench_store(a: argparse.Namespace):
 
 def _routing_setup(a: argparse.Namespace, store, bench_id: str, need_mlp: bool):
     """Profiles (made when missing), the cost model fitted to the bench and the neural router when needed."""
-    from speclab.replay import fit_costs
-    from speclab.routing import get_profiles
+    from speclab.routing.replay import fit_costs
+    from speclab.routing.evaluate import get_profiles
 
     loaded = {}
 
@@ -498,7 +498,7 @@ def _routing_setup(a: argparse.Namespace, store, bench_id: str, need_mlp: bool):
             loaded["m"] = load_models(a, roles=("eagle3", "dflash", "router") if need_mlp else ("eagle3", "dflash"))
         return loaded["m"]
 
-    from speclab.routing import check_profilable
+    from speclab.routing.evaluate import check_profilable
 
     cost = fit_costs(store, bench_id)  # before any model loads: a bench without the drafters' rounds fails fast
     check_profilable(store, bench_id)
@@ -508,7 +508,7 @@ def _routing_setup(a: argparse.Namespace, store, bench_id: str, need_mlp: bool):
 
 
 def cmd_profile(a: argparse.Namespace) -> int:
-    from speclab.routing import check_profilable, profile_bench
+    from speclab.routing.evaluate import check_profilable, profile_bench
 
     store, bench_id = _bench_store(a)
     with store:
@@ -528,7 +528,7 @@ def cmd_profile(a: argparse.Namespace) -> int:
 def cmd_sweep(a: argparse.Namespace) -> int:
     import pandas as pd
 
-    from speclab.routing import live_table, parse_thresholds, run_live, sweep
+    from speclab.routing.evaluate import live_table, parse_thresholds, run_live, sweep
     from speclab.viz import sweep_figure, write_html_report
 
     grid = parse_thresholds(a.grid)
@@ -578,9 +578,9 @@ def cmd_sweep(a: argparse.Namespace) -> int:
 
 
 def cmd_calibrate(a: argparse.Namespace) -> int:
-    from speclab.calibration import save_thresholds
-    from speclab.routers import calibration_path
-    from speclab.routing import best_thresholds, parse_thresholds, sweep
+    from speclab.routing.calibration import save_thresholds
+    from speclab.routing.routers import calibration_path
+    from speclab.routing.evaluate import best_thresholds, parse_thresholds, sweep
     from speclab.viz import sweep_figure, write_html_report
 
     routers = [r.strip() for r in a.router.split(",") if r.strip()]
@@ -593,7 +593,7 @@ def cmd_calibrate(a: argparse.Namespace) -> int:
     with store:
         profiles, cost, mlp, load = _routing_setup(a, store, bench_id, "neural" in routers)
         target = load()[0]
-        from speclab.routing import single_drafters
+        from speclab.routing.evaluate import single_drafters
         ref = single_drafters(profiles, cost)
         figs, text = [], ["## For reference: each drafter alone (replayed, modeled tokens/s)", "",
                           ref[["policy", "category", "al", "tokens_per_s"]].to_markdown(index=False, floatfmt=".3f"), ""]
@@ -623,8 +623,8 @@ def cmd_routing(a: argparse.Namespace) -> int:
     import pandas as pd
 
     from speclab import viz
-    from speclab.replay import model_error
-    from speclab.routing import (
+    from speclab.routing.replay import model_error
+    from speclab.routing.evaluate import (
         lazy_vs_eager,
         modeled_table,
         oracles,
@@ -655,7 +655,7 @@ def cmd_routing(a: argparse.Namespace) -> int:
                              "('neural', 'entropy') AND status = 'done' ORDER BY router DESC, run_id", [bench_id, pid])
         rr = None
         if len(routed):
-            from speclab.routing import router_rounds
+            from speclab.routing.evaluate import router_rounds
             rr = router_rounds(store, int(routed.run_id.iloc[0]), next(p for p in profiles if p.prompt_id == pid))
             rr_title = f"{routed.method.iloc[0]} on prompt {pid}: router signal, choices and accept lengths"
     fmt = dict(index=False, floatfmt=".2f")
@@ -696,7 +696,7 @@ def cmd_routing(a: argparse.Namespace) -> int:
 
 
 def cmd_switch_costs(a: argparse.Namespace) -> int:
-    from speclab.bench import switch_costs
+    from speclab.bench.run import switch_costs
     from speclab.viz import lines_figure, write_html_report
 
     backlogs = _positive_ints(a.backlog, "--backlog")

@@ -32,12 +32,12 @@ import numpy as np
 import pandas as pd
 import torch
 
-from speclab.engine import entropy, feature_columns, feature_layers
+from speclab.core.engine import entropy, feature_columns, feature_layers
 from speclab.errors import InvalidInput
-from speclab.routers import AR, PARALLEL, pick
-from speclab.sampling import Sampling
-from speclab.target import Target
-from speclab.verify import verify_tokens
+from speclab.routing.routers import AR, PARALLEL, pick
+from speclab.core.sampling import Sampling
+from speclab.core.target import Target
+from speclab.core.verify import verify_tokens
 
 DRAFTERS = (AR, PARALLEL)  # the order of drafter indices in choice arrays: 0 = EAGLE-3, 1 = DFlash
 
@@ -182,7 +182,7 @@ def walk(p: Profile, choice: np.ndarray, eager: bool = False) -> Walk:
 
 
 def entropy_choice(p: Profile, thresholds) -> np.ndarray:
-    """WhiFlash-Entropy's choices [K, N] for K thresholds (speclab.routers.pick, vectorised)."""
+    """WhiFlash-Entropy's choices [K, N] for K thresholds (speclab.routing.routers.pick, vectorised)."""
     t = np.asarray(thresholds, np.float64)[:, None]
     return np.where(p.entropy[None, :] > t, DRAFTERS.index(pick(1.0, 0.0)), DRAFTERS.index(pick(0.0, 1.0)))
 

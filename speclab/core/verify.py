@@ -16,8 +16,8 @@ from kernels import ops as kernel_ops
 from kernels.reference import (
     residual,  # norm(max(p - q, 0)): one definition, the kernels' twin
 )
-from speclab.sampling import Sampling, logits_to_probs, sample
-from speclab.tree import DraftTree
+from speclab.core.sampling import Sampling, logits_to_probs, sample
+from speclab.core.tree import DraftTree
 
 
 @dataclass

@@ -28,11 +28,11 @@ from speclab.files import write_atomic
 from speclab.generate import encode_prompt, generate, model_ms, run_device
 from speclab.methods import get_method, parse_spec
 from speclab.metrics import tau, tokens_per_s
-from speclab.precision import dtype_name
+from speclab.core.precision import dtype_name
 from speclab.progress import Progress
-from speclab.sampling import Sampling
-from speclab.suites import load_suite
-from speclab.target import Target, crop_cache
+from speclab.core.sampling import Sampling
+from speclab.bench.suites import load_suite
+from speclab.core.target import Target, crop_cache
 from speclab.trace import TraceStore
 
 PEERS = ("hf_assisted", "hf_pld")
@@ -343,7 +343,7 @@ def dtype_costs(load, dtypes=("fp32", "bf16"), ns=WIDTHS, context: int = 200, re
     role) in that dtype. Per model and dtype the widths are interleaved over `reps`, each a median of `calls`."""
     import pandas as pd
 
-    from speclab.precision import cpu_label
+    from speclab.core.precision import cpu_label
     rows = []
     bar = Progress(len(dtypes) * reps, "forward costs by dtype")
     done = 0
@@ -545,8 +545,8 @@ def switch_costs(target: Target, models: dict, contexts=(64, 128, 256, 512), bac
     import pandas as pd
 
     from speclab.methods import build_method, method_params
-    from speclab.sampling import Sampling
-    from speclab.tree import tree_attention_mask, tree_position_ids
+    from speclab.core.sampling import Sampling
+    from speclab.core.tree import tree_attention_mask, tree_position_ids
 
     eagle = models["eagle3"]
     rows = []
@@ -592,7 +592,7 @@ def block_costs(target: Target, dflash, block_sizes=(2, 4, 8, 16), context: int 
     import pandas as pd
 
     from speclab.drafters.dflash import DFlashDrafter
-    from speclab.sampling import Sampling
+    from speclab.core.sampling import Sampling
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(3, target.vocab_size, (context + 1,), generator=g)
     feats = target.forward(ids, target.new_cache(), layers=dflash.config.target_layer_ids).features

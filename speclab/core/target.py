@@ -3,7 +3,7 @@
 The target holds weights only; the KV cache lives with the caller (one per decoding session), so one
 loaded target can serve several sessions. Everything runs under `torch.inference_mode`.
 
-Two backends compute the same forward: `lean` (speclab/lean.py: the Llama family over the model's own
+Two backends compute the same forward: `lean` (speclab/core/lean.py: the Llama family over the model's own
 weights, a preallocated KV cache; per call 1.2-1.5x faster for the zoo target and 1.9-2.3x for the zoo
 draft on CPU, `speclab forward-costs`) and `hf` (the transformers forward with a DynamicCache, for every other architecture).
 `auto` picks lean where it applies.
@@ -17,8 +17,8 @@ from pathlib import Path
 import torch
 
 from speclab.errors import ModelNotFound
-from speclab.lean import KVCache, LeanDecoder, supports
-from speclab.precision import Head, check_logits, dtype_name, pick_dtype
+from speclab.core.lean import KVCache, LeanDecoder, supports
+from speclab.core.precision import Head, check_logits, dtype_name, pick_dtype
 
 BACKENDS = ("auto", "lean", "hf")
 
@@ -165,7 +165,7 @@ class Target:
 
     @property
     def fp32_logits(self) -> bool:
-        """Whether the head refines low-precision logits to fp32 (`speclab.precision.Head`); drafters that use the
+        """Whether the head refines low-precision logits to fp32 (`speclab.core.precision.Head`); drafters that use the
         target's head norm in fp32 then too."""
         return self._head.refine
 
@@ -272,7 +272,7 @@ class Target:
     @torch.inference_mode()
     def lm_head(self, h: torch.Tensor) -> torch.Tensor:
         """The LM head alone (no final norm) over already-normed states [..., d] (fp32 or the model's dtype) ->
-        float32 logits (`speclab.precision.Head`; DFlash norms with its own `norm`)."""
+        float32 logits (`speclab.core.precision.Head`; DFlash norms with its own `norm`)."""
         return self._head(h)
 
 

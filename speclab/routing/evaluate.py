@@ -1,6 +1,6 @@
 """WhiFlash's evaluation on a bench: its profiles, threshold sweeps by replay (and live), calibration, and the
 per-category table of the paper's Table 1 (drafters, oracles, routers), with the switch-cost and lazy-vs-eager
-tables. Everything reads a bench in the trace (`speclab bench`) and the bench's profiles (`speclab.replay`).
+tables. Everything reads a bench in the trace (`speclab bench`) and the bench's profiles (`speclab.routing.replay`).
 
 - AL (tau, `speclab.metrics`): tokens committed per round. Tokens/s: tokens / decode time, pooled per category.
 - Live figures come from the bench's traced runs; oracle ALs from the profiles (under greedy decoding the replay
@@ -18,11 +18,11 @@ import numpy as np
 import pandas as pd
 import torch
 
-from speclab import replay
+from speclab.routing import replay
 from speclab.errors import InvalidInput
 from speclab.metrics import tau, tokens_per_s
 from speclab.progress import Progress
-from speclab.routers import AR, PARALLEL
+from speclab.routing.routers import AR, PARALLEL
 
 ROUTED = ("whiflash-entropy", "whiflash-neural")
 
@@ -45,7 +45,7 @@ def latest_bench(store) -> str:
 def check_profilable(store, bench_id: str):
     """(the bench's config, its finished traced AR runs); InvalidInput when it cannot be profiled (no AR run to
     replay, or sampled runs: replay is greedy-only). Cheap: call it before loading models."""
-    from speclab.bench import BenchConfig
+    from speclab.bench.run import BenchConfig
 
     b = bench_info(store, bench_id)
     cfg = BenchConfig(**{k: v for k, v in json.loads(b.config_json).items() if k in BenchConfig.__dataclass_fields__})
@@ -61,9 +61,9 @@ def check_profilable(store, bench_id: str):
 def profile_bench(store, bench_id: str, target, models: dict, params: dict | None = None, log=print):
     """Profile both drafters on every prompt of the bench (its AR run's output is the sequence), save them in the
     trace and return them."""
-    from speclab.bench import format_prompt
+    from speclab.bench.run import format_prompt
     from speclab.methods import build_method, method_params
-    from speclab.suites import load_suite
+    from speclab.bench.suites import load_suite
 
     cfg, ar = check_profilable(store, bench_id)
     params = method_params("whiflash-entropy", params or {}, target)
@@ -206,8 +206,8 @@ def oracle_speed(store, bench_id: str) -> pd.DataFrame:
 # -- the table -----------------------------------------------------------------------------------------------------
 def live_table(store, bench_id: str) -> pd.DataFrame:
     """AL (tau) and tokens/s per (method, category) of the bench's traced runs, 'all' pooled, speedup vs AR: the
-    bench's own tables (`speclab.bench`), which use the metric definitions of `speclab.metrics`."""
-    from speclab.bench import bench_overall, bench_table
+    bench's own tables (`speclab.bench.run`), which use the metric definitions of `speclab.metrics`."""
+    from speclab.bench.run import bench_overall, bench_table
     t = pd.concat([bench_overall(store, bench_id).assign(category="all"), bench_table(store, bench_id)],
                   ignore_index=True)
     return t[t.tau.notna()].rename(columns={"tau": "al"})[["method", "category", "prompts", "al", "tokens_per_s",
@@ -379,9 +379,9 @@ def run_live(store, bench_id: str, target, models: dict, specs: list[str], log=p
     """Decode the bench's prompts (or those of `prompt_ids`) with more method specs (routers at chosen thresholds),
     traced into the same bench (after one untraced warm-up decode), so they sit beside its other runs in every
     table."""
-    from speclab.bench import BenchConfig, format_prompt
+    from speclab.bench.run import BenchConfig, format_prompt
     from speclab.generate import generate
-    from speclab.suites import load_suite
+    from speclab.bench.suites import load_suite
 
     b = bench_info(store, bench_id)
     cfg = BenchConfig(**{k: v for k, v in json.loads(b.config_json).items() if k in BenchConfig.__dataclass_fields__})

@@ -13,7 +13,7 @@ Not deferred: the bonus token is forwarded alone at the end of its round (two ta
 round start every committed token x_0..x_{n-1} has its feature and the root's next-token distribution is known.
 Either way a drafter gets token x_t paired with f_{t-1} (EAGLE's pairing), which both modes always have.
 
-Router signals (`speclab.routers.Signals`) describe the position that produced the last committed token: the
+Router signals (`speclab.routing.routers.Signals`) describe the position that produced the last committed token: the
 entropy of the target distribution it was drawn from and that row's final-norm hidden state; both come from the
 verification row of the last kept node (the prefill's last row in the first round). They are computed only when
 the router asks for them.
@@ -33,11 +33,11 @@ from kernels import ops as kernel_ops
 from speclab.drafters.base import Drafter
 from speclab.errors import InvalidInput
 from speclab.metrics import tokens_per_s
-from speclab.routers import Decision, FixedRouter, Router, Signals
-from speclab.sampling import Sampling
-from speclab.target import Target, forward_clock, keep_cache
-from speclab.tree import DraftTree, tree_attention_mask, tree_position_ids
-from speclab.verify import verify
+from speclab.routing.routers import Decision, FixedRouter, Router, Signals
+from speclab.core.sampling import Sampling
+from speclab.core.target import Target, forward_clock, keep_cache
+from speclab.core.tree import DraftTree, tree_attention_mask, tree_position_ids
+from speclab.core.verify import verify
 
 PHASES = ("route", "catchup", "draft", "verify", "commit", "record")
 HISTORY = 32  # rounds of accept-length history a router sees

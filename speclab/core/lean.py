@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from speclab.precision import Head, rms_norm32
+from speclab.core.precision import Head, rms_norm32
 
 FAMILIES = ("llama", "qwen2", "qwen3")
 EXACT_TILE = 8  # rows per call in exact mode: a verification of up to 8 rows costs what one AR step costs
@@ -263,13 +263,13 @@ class LeanDecoder:
         return attend
 
     def final_norm(self, h: torch.Tensor) -> torch.Tensor:
-        """The final RMSNorm: in fp32 when the logits are (`speclab.precision`), else in the model's dtype."""
+        """The final RMSNorm: in fp32 when the logits are (`speclab.core.precision`), else in the model's dtype."""
         if self.lm.refine:
             return rms_norm32(h, self.norm, self.eps)
         return F.rms_norm(h, h.shape[-1:], self.norm, self.eps)
 
     def head(self, h: torch.Tensor) -> torch.Tensor:
-        """float32 logits of final-norm states (`speclab.precision.Head`)."""
+        """float32 logits of final-norm states (`speclab.core.precision.Head`)."""
         return self.lm(h)
 
 

@@ -1,0 +1,3 @@
+from speclab.cli import main
+
+raise SystemExit(main())
