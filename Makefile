@@ -1,8 +1,9 @@
-# The two commands of README.md: `make run` (the main job on the zoo) and `make test` (the suite).
+# The two commands of README.md: `make run` (the main job on the zoo) and `make test` (the suite;
+# `make test-fast` skips the slow tests).
 # Both create/reuse .venv and install what they need (scripts/setup.sh).
 PY := .venv/bin/python
 
-.PHONY: setup run demo test bench bench-quick whiflash app-probe lab
+.PHONY: setup run demo test test-fast bench bench-quick whiflash app-probe lab
 
 setup:
 	@bash scripts/setup.sh
@@ -22,9 +23,19 @@ app-probe:
 	@bash scripts/setup.sh test
 	$(PY) -m app.probe --methods ar,eagle3,dflash,whiflash-neural --tokens 256 --repeats 3
 
+# The suite: lint (ruff), types of the core modules (mypy), then every test; a failure of any fails the target
 test:
 	@bash scripts/setup.sh test
+	$(PY) -m ruff check .
+	$(PY) -m mypy
 	$(PY) -m pytest -q
+
+# The same without the tests marked slow (notebooks, browser, zoo equality, training, subprocess CLIs)
+test-fast:
+	@bash scripts/setup.sh test
+	$(PY) -m ruff check .
+	$(PY) -m mypy
+	$(PY) -m pytest -q -m "not slow"
 
 # Benchmarks on the zoo (README "Benchmarks"): report in reports/bench.md + .html, rows in traces/bench.duckdb
 bench: setup
@@ -41,4 +52,4 @@ whiflash: setup
 	$(PY) -m speclab.cli routing --db traces/routing.duckdb
 	$(PY) -m speclab.cli sweep --router neural --grid=-2:3:0.25 --db traces/routing.duckdb --report reports/sweep_neural.html
 	$(PY) -m speclab.cli sweep --router entropy --grid 0:4:0.25 --db traces/routing.duckdb --report reports/sweep_entropy.html
-	$(PY) -m speclab.cli switch-costs
+	$(PY) -m speclab.cli costs switch

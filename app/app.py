@@ -16,7 +16,7 @@ import gradio as gr
 from app import calibrate, decode, runs
 from app.lab import Lab
 from speclab.errors import InvalidInput, SpeclabError
-from speclab.models import add_model_args, check_model_args, load_models
+from speclab.models import ModelPaths, add_model_args, check_model_args, load_models
 from speclab.trace import TraceStore
 
 
@@ -77,7 +77,7 @@ def main(argv: list[str] | None = None) -> int:
             os.environ[CALIBRATION_ENV] = str(Path(a.calibration).resolve())
         print(f"speclab app: opening trace {a.db} ...", flush=True)
         store = TraceStore(a.db)
-        target, models = load_models(a, log=lambda s: print(f"speclab app: {s}", flush=True))
+        target, models = load_models(ModelPaths.from_args(a), log=lambda s: print(f"speclab app: {s}", flush=True))
     except SpeclabError as e:
         print(f"speclab app: error: {e}", file=sys.stderr)
         return 2

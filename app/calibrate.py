@@ -12,6 +12,9 @@ import gradio as gr
 
 from app.lab import MODELS, Lab, answers
 from speclab import viz
+from speclab.bench.suites import SUITES
+from speclab.errors import InvalidInput
+from speclab.progress import listen
 from speclab.routing.calibration import (
     GRIDS,
     ROUTERS,
@@ -20,10 +23,7 @@ from speclab.routing.calibration import (
     grid,
     save_thresholds,
 )
-from speclab.errors import InvalidInput
-from speclab.progress import listen
 from speclab.routing.routers import calibration_path
-from speclab.bench.suites import SUITES
 from speclab.zoo import display_path
 
 
@@ -84,7 +84,7 @@ class Calibration:
         point, best = cal.at(router, t, category), cal.best(router, category)
         fig = viz.calibration_figure(cal.curve(router), cal.references(), t, point, best, router, category)
         ms = (time.perf_counter() - t0) * 1e3
-        text = (f"**whiflash-{router} · {category} · threshold {t:.2f}**: AL {point['al']:.3f}, modeled "
+        text = (f"**whiflash-{router} · {category} · threshold {t:.2f}**: AL {point['tau']:.3f}, modeled "
                 f"{point['tokens_per_s']:.1f} tokens/s, EAGLE-3 in {point['eagle3_share']:.0%} of rounds, "
                 f"{int(point['switches'])} switches · optimum {best['threshold']:.2f} "
                 f"({best['tokens_per_s']:.1f} tokens/s) · replayed and drawn in {ms:.0f} ms")
@@ -117,7 +117,7 @@ class Calibration:
         r = df.iloc[0]
         msg = (f"live at threshold {t:.2f} on {int(r.prompts)} prompt(s) of {category}: "
                f"**{r.tokens_per_s_live:.1f} tokens/s measured** vs {r.tokens_per_s_modeled:.1f} modeled "
-               f"({r.model_error:+.1%}); AL {r.al_live:.3f} live vs {r.al_replay:.3f} replayed")
+               f"({r.model_error:+.1%}); AL {r.tau_live:.3f} live vs {r.tau_replay:.3f} replayed")
         return df.round(3), msg
 
 

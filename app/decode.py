@@ -17,14 +17,14 @@ import torch
 
 from app.lab import MODELS, Lab, answers
 from speclab import viz
-from speclab.routing import replay
+from speclab.bench.suites import SUITES, load_suite
 from speclab.equality import first_divergence, kind_of
 from speclab.errors import InvalidInput, SpeclabError
 from speclab.generate import Generation, check_generation
 from speclab.methods import METHODS, method_params
-from speclab.metrics import tau, tokens_per_s
+from speclab.metrics import speedup, tau, tokens_per_s
+from speclab.routing import replay
 from speclab.routing.evaluate import event_rounds, with_counterfactual
-from speclab.bench.suites import SUITES, load_suite
 from speclab.trace import decision_columns, token_columns
 
 STREAM_EVERY_S = 0.25  # at most four page updates a second while decoding
@@ -68,7 +68,7 @@ class Column:
         out = {"tok/s": f"{tps:.1f}", "tau": f"{tau(self.tokens, self.rounds):.2f}", "rounds": self.rounds,
                "target calls": self.calls}
         if ar_tps:
-            out["speedup"] = f"{tps / ar_tps:.2f}x"
+            out["speedup"] = f"{speedup(tps, ar_tps):.2f}x"
         if routed(self.gen) and self.rounds:  # counted as rounds arrive: no table rebuilt per update
             out["switches"] = self.switches
             out["EAGLE-3 rounds"] = f"{self.eagle3_rounds / self.rounds:.0%}"
@@ -82,7 +82,6 @@ class Column:
 
 def build(lab: Lab) -> dict:
     """The tab's components and events (inside a gr.Blocks); returns the components other tabs wire to."""
-    bounds = {m: (METHODS[m].bounds(lab.target) if METHODS[m].bounds else {}) for m in METHODS}
     with gr.Row():
         prompt = gr.Textbox(label="Prompt", lines=4, elem_id="prompt", scale=3)
         with gr.Column(scale=1):
@@ -99,16 +98,16 @@ def build(lab: Lab) -> dict:
             with gr.Group(visible=name in DEFAULT_METHODS, elem_id=f"params-{name}") as groups[name]:
                 gr.Markdown(f"**{name}**", elem_classes=["speclab-params"])
                 with gr.Row():
-                    for p, default in m.params.items():
-                        label = f"{p} ({_range(bounds[name].get(p))})"
-                        if default is None:  # an optional float (a router's threshold): empty = calibrated
-                            w = gr.Textbox("", label=f"{label}, empty = calibrated", elem_id=f"p-{name}-{p}",
-                                           min_width=160)
+                    for p in m.params:  # the registry's declarations: default, bounds, help
+                        label = f"{p.name} ({_range(p.bound(lab.target))})"
+                        if p.default is None:  # an optional float (a router's threshold): empty = calibrated
+                            w = gr.Textbox("", label=f"{label}, empty = calibrated", elem_id=f"p-{name}-{p.name}",
+                                           min_width=160, info=p.help or None)
                         else:
-                            w = gr.Number(defaults[p], label=label, elem_id=f"p-{name}-{p}", min_width=110,
-                                          precision=0 if isinstance(default, int) else None)
+                            w = gr.Number(defaults[p.name], label=label, elem_id=f"p-{name}-{p.name}", min_width=110,
+                                          precision=0 if p.kind is int else None, info=p.help or None)
                         widgets.append(w)
-                        keys.append((name, p))
+                        keys.append((name, p.name))
     with gr.Row():
         deferred = gr.Checkbox(True, label="deferred bonus token")
         max_new = gr.Number(96, label="max new tokens", precision=0, elem_id="max_new")
@@ -181,7 +180,7 @@ class SideBySide:
         lab = self.lab
         methods = list(dict.fromkeys(methods or []))
         params = self._check(prompt, methods, max_new, temperature, seed, values)
-        gens = {m: Generation(lab.target, prompt, m, **lab.models, max_new_tokens=max_new, temperature=temperature,
+        gens = {m: Generation(lab.target, prompt, m, models=lab.models, max_new_tokens=max_new, temperature=temperature,
                               seed=seed, deferred=bool(deferred), trace=lab.store, **params[m]) for m in methods}
         cols = {m: Column(g) for m, g in gens.items()}
         iters = {m: iter(g) for m, g in gens.items()}

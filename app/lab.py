@@ -8,9 +8,9 @@ import inspect
 
 import gradio as gr
 
-from speclab.errors import InvalidInput, SpeclabError
 from speclab.core.precision import precision_label
 from speclab.core.target import Target
+from speclab.errors import InvalidInput, SpeclabError
 from speclab.trace import TraceStore, vocab_text
 from speclab.zoo import display_path
 
@@ -35,7 +35,7 @@ class Lab:
         from speclab.methods import METHODS
         for name, m in METHODS.items():
             if all(self.models.get(role) is not None for role in m.needs):
-                generate(self.target, "The", name, **self.models, max_new_tokens=4)
+                generate(self.target, "The", name, models=self.models, max_new_tokens=4)
 
     def run_choices(self) -> list[str]:
         return [str(r) for r in self.store.query("SELECT run_id FROM runs ORDER BY run_id DESC LIMIT 200").run_id]
@@ -45,7 +45,7 @@ def run_id_of(value) -> int:
     try:
         return int(str(value).strip())
     except ValueError:
-        raise InvalidInput(f"'{value}' is not a run id")
+        raise InvalidInput(f"'{value}' is not a run id") from None
 
 
 def answers(n_outputs: int):

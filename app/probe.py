@@ -76,19 +76,19 @@ def free_port() -> int:
 def start_app(db: Path, port: int, log: Path, extra: list[str] = ()) -> subprocess.Popen:
     """The app as its own process (`python -m app`); returns once it serves (or raises with its log)."""
     root = Path(__file__).resolve().parent.parent
-    out = open(log, "w+")
-    proc = subprocess.Popen([sys.executable, "-m", "app", "--db", str(db), "--port", str(port), *extra],
-                            stdout=out, stderr=subprocess.STDOUT, cwd=root)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.time() + 240
-    while time.time() < deadline:
-        out.seek(0)
-        if url in out.read():
-            return proc
-        if proc.poll() is not None:
+    with open(log, "w+") as out:  # the app writes through its own copy of the handle; this one reads the log back
+        proc = subprocess.Popen([sys.executable, "-m", "app", "--db", str(db), "--port", str(port), *extra],
+                                stdout=out, stderr=subprocess.STDOUT, cwd=root)
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.time() + 240
+        while time.time() < deadline:
             out.seek(0)
-            raise RuntimeError(f"the app exited:\n{out.read()}")
-        time.sleep(0.5)
+            if url in out.read():
+                return proc
+            if proc.poll() is not None:
+                out.seek(0)
+                raise RuntimeError(f"the app exited:\n{out.read()}")
+            time.sleep(0.5)
     proc.kill()
     raise RuntimeError("the app did not serve within 240 s")
 
@@ -122,7 +122,8 @@ def probe_once(page, methods: list[str], tokens: int, timeout_s: float = 600) ->
             "first_tokens_ms": round(timing["first"] - timing["click"], 1), "updates": len(updates),
             "bytes_per_update_mean": round(sum(updates) / max(1, len(updates))),
             "bytes_per_update_max": max(updates, default=0),
-            "late_vs_early_update_bytes": round((sum(late) / len(late)) / (sum(early) / len(early)), 2) if updates else None,
+            "late_vs_early_update_bytes": (round((sum(late) / len(late)) / (sum(early) / len(early)), 2)
+                                           if updates else None),
             "bytes_streamed": sum(m["bytes"] for m in sse),
             "long_tasks": len(timing["long"]), "longest_task_ms": round(max(timing["long"], default=0.0)),
             "long_task_ms_total": round(sum(timing["long"])), "wall_s": round(wall, 2)}

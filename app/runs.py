@@ -8,9 +8,9 @@ import pandas as pd
 
 from app.lab import Lab, answers, run_id_of
 from speclab import viz
-from speclab.routing import replay
 from speclab.errors import InvalidInput, SpeclabError
 from speclab.methods import METHODS
+from speclab.routing import replay
 from speclab.routing.evaluate import router_rounds
 
 RUN_COLUMNS = ["run_id", "started_at", "method", "category", "status", "new_tokens", "rounds", "target_calls",

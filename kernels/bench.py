@@ -1,5 +1,7 @@
 """Torch twin vs Triton kernel, per op and size: median microseconds per call. On CUDA both run; elsewhere the
-kernels could only run under Triton's interpreter (correctness, not speed), so only the twins are timed."""
+kernels could only run under Triton's interpreter (correctness, not speed), so only the twins are timed.
+The timing loop is an argument (`timeit`): speclab passes its one interleaved helper
+(`speclab.bench.costs.timeit_interleaved`); kernels/ imports nothing of speclab, so it has a plain default."""
 from __future__ import annotations
 
 import statistics
@@ -27,26 +29,33 @@ def _inputs(op: str, size: tuple, device: str):
     B, V = size
     p = torch.softmax(torch.randn(B, V, generator=g), -1)
     q = torch.softmax(torch.randn(B, V, generator=g), -1)
-    return p.to(device), q.to(device), torch.randint(0, V, (B,), generator=g).to(device), torch.rand(B, generator=g).to(device)
+    return (p.to(device), q.to(device), torch.randint(0, V, (B,), generator=g).to(device),
+            torch.rand(B, generator=g).to(device))
 
 
-def _time_us(fn, args, reps: int, device: str) -> float:
-    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
-    for _ in range(3):
-        fn(*args)
-    sync()
-    times = []
+def _timeit(fns: dict, reps: int) -> dict:
+    """Median milliseconds per call of each function (no arguments), the functions taking turns every repetition."""
+    times: dict = {name: [] for name in fns}
     for _ in range(reps):
-        t0 = time.perf_counter()
-        fn(*args)
-        sync()
-        times.append((time.perf_counter() - t0) * 1e6)
-    return statistics.median(times)
+        for name, fn in fns.items():
+            t0 = time.perf_counter()
+            fn()
+            times[name].append((time.perf_counter() - t0) * 1e3)
+    return {name: statistics.median(v) for name, v in times.items()}
 
 
-def run(device: str | None = None, reps: int = 50, on_step=None) -> list[dict]:
-    """Rows {op, size, device, torch_us, triton_us, speedup}; triton_us is None without CUDA."""
+def _synced(fn, args: tuple, sync):
+    """fn(*args), then wait for the device."""
+    return lambda: (fn(*args), sync())
+
+
+def run(device: str | None = None, reps: int = 50, on_step=None, timeit=None) -> list[dict]:
+    """Rows {op, size, device, torch_us, triton_us, speedup}; triton_us is None without CUDA. `timeit(fns, reps)`
+    -> median ms per call of each function (default: `_timeit`); every call is synchronised on CUDA and every
+    function called 3 times first (warm-up)."""
+    timeit = timeit or _timeit
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     use_triton = device == "cuda"
     if use_triton:
         from kernels import triton_ops
@@ -56,10 +65,17 @@ def run(device: str | None = None, reps: int = 50, on_step=None) -> list[dict]:
         args = _inputs(op, size, device)
         # the twin as speclab calls it: a tree's ancestor mask is already there (the verification built its mask)
         twin_args = args + (reference.ancestor_mask(args[1]),) if op == "greedy_accept" else args
-        t = _time_us(getattr(reference, op), twin_args, reps, device)
-        k = _time_us(getattr(triton_ops, op), args, reps, device) if use_triton else None
+        fns = {"torch": _synced(getattr(reference, op), twin_args, sync)}
+        if use_triton:
+            fns["triton"] = _synced(getattr(triton_ops, op), args, sync)
+        for fn in fns.values():
+            for _ in range(3):
+                fn()
+        us = {name: ms * 1e3 for name, ms in timeit(fns, reps).items()}
+        t, k = us["torch"], us.get("triton")
         rows.append({"op": op, "size": "x".join(map(str, size)), "device": device, "torch_us": round(t, 1),
-                     "triton_us": None if k is None else round(k, 1), "speedup": None if k is None else round(t / k, 2)})
+                     "triton_us": None if k is None else round(k, 1),
+                     "speedup": None if k is None else round(t / k, 2)})
         if on_step:
             on_step(i + 1, len(todo), op)
     return rows

@@ -19,8 +19,8 @@ def greedy_accept(tokens: torch.Tensor, parents: torch.Tensor, target_argmax: to
     before children) matches when its token is the target's argmax at its parent's row
     (target_argmax[parents[i] + 1]); it is alive when it and every ancestor match. Returns (best: the first deepest
     alive node, -1 if none; bonus: the target's token after it; on_path [n] bool: the nodes from the root to best).
-    `ancestors` ([n, n] bool, ancestors[i, j]: j is on the path to i, i included), when the caller has it, makes
-    this a few tensor ops; without it the tree is walked level by level."""
+    `ancestors` ([n, n] bool, ancestors[i, j]: j is on the path to i, i included; `ancestor_mask`) is computed
+    here when the caller does not have it (a verification has: its tree mask is built from it)."""
     n = tokens.numel()
     match = tokens == target_argmax[parents + 1]
     if ancestors is None:
@@ -33,16 +33,19 @@ def greedy_accept(tokens: torch.Tensor, parents: torch.Tensor, target_argmax: to
 
 
 def ancestor_mask(parents: torch.Tensor) -> torch.Tensor:
-    """[n, n] bool: [i, j] = node j is on the path from the root to node i (i included), one level per step."""
+    """[n, n] bool: [i, j] = node j is on the path from the root to node i (i included), for parents [n] (-1 = a
+    child of the root, parents before children). The one definition: draft trees (`speclab.core.tree`) use it too.
+    By repeated squaring of the parent relation: log2(n) matmuls and no host sync, so it stays on a GPU."""
     n = parents.numel()
-    idx = torch.arange(n, device=parents.device)
-    anc = idx[:, None] == idx[None, :]
-    up = parents.clone()
-    while bool((up >= 0).any()):  # add each node's ancestors one level further up
-        has = up >= 0
-        anc[idx[has], up[has]] = True
-        up = torch.where(has, parents[up.clamp(min=0)], up)
-    return anc
+    eye = torch.eye(n, dtype=torch.bool, device=parents.device)
+    if n == 0:
+        return eye
+    a = eye.clone()
+    has = parents >= 0
+    a[has.nonzero().flatten(), parents[has]] = True
+    for _ in range(max(1, (n - 1).bit_length())):
+        a = a | (a.float() @ a.float()).bool()
+    return a
 
 
 def sampling_accept(p: torch.Tensor, q: torch.Tensor, x: torch.Tensor, u: torch.Tensor):

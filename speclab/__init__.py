@@ -5,9 +5,9 @@ import os
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
+from speclab.core.target import Target
 from speclab.errors import InvalidInput, ModelNotFound, SpeclabError, TraceError
 from speclab.generate import GenerationResult, generate
-from speclab.core.target import Target
 from speclab.trace import TraceStore
 
 __all__ = ["generate", "GenerationResult", "Target", "TraceStore", "SpeclabError", "InvalidInput",

@@ -49,8 +49,17 @@ def check_number(name: str, value, kind: type = float, bound: Bound = Bound()):
         ok = (bound.lo is None or v >= bound.lo) and (
             bound.hi is None or (v < bound.hi if bound.hi_open else v <= bound.hi))
     if not ok:
-        raise InvalidInput(f"{name} must be {bound.describe(kind)} (got {value!r})")
+        raise InvalidInput(f"{name} must be {bound.describe(kind)} (got {_shown(value)})")
     return v
+
+
+def _shown(value) -> str:
+    """A value as the user typed it: finite numbers given as text (options, method specs) bare, anything else
+    quoted."""
+    try:
+        return value if isinstance(value, str) and math.isfinite(float(value)) else repr(value)
+    except ValueError:
+        return repr(value)
 
 
 def check_sampling(temperature=0.0, top_k=0, top_p=1.0, seed=None, vocab_size: int | None = None):

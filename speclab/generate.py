@@ -2,19 +2,19 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
-from typing import Callable, Iterator
 
 import torch
 
 from speclab.checks import Bound, check_number, check_sampling
 from speclab.core.engine import DecodeResult, RoundEvent, check_request, decode_rounds
+from speclab.core.sampling import Sampling
+from speclab.core.target import Target
 from speclab.equality import output_hash
 from speclab.errors import InvalidInput
 from speclab.methods import build_method, check_models, get_method, method_params
 from speclab.metrics import tau, tokens_per_s
-from speclab.core.sampling import Sampling
-from speclab.core.target import Target
 from speclab.trace import TraceStore
 
 
@@ -35,7 +35,8 @@ class GenerationResult:
         d = self.decode
         return {"run_id": self.run_id, "method": self.method, "tokens": len(self.token_ids), "rounds": d.rounds,
                 "target_calls": d.target_calls, "tau": tau(len(self.token_ids), d.rounds),
-                "elapsed_s": round(self.elapsed_s, 4), "tokens_per_s": round(self.tokens_per_s, 2), "stopped": d.stopped}
+                "elapsed_s": round(self.elapsed_s, 4), "tokens_per_s": round(self.tokens_per_s, 2),
+                "stopped": d.stopped}
 
 
 def check_text(prompt) -> None:
@@ -45,8 +46,9 @@ def check_text(prompt) -> None:
     try:
         str(prompt).encode("utf-8")
     except UnicodeEncodeError as e:
-        raise InvalidInput(f"the prompt has a character UTF-8 cannot encode ({prompt[e.start]!r} at character {e.start}: "
-                           "a lone surrogate, as a JSON escape like \\ud800 makes); nothing was decoded") from e
+        raise InvalidInput(f"the prompt has a character UTF-8 cannot encode ({prompt[e.start]!r} at character "
+                           f"{e.start}: a lone surrogate, as a JSON escape like \\ud800 makes); "
+                           "nothing was decoded") from e
 
 
 def encode_prompt(target: Target, prompt: str) -> torch.Tensor:
@@ -79,7 +81,8 @@ def check_generation(target: Target, prompt: str | torch.Tensor, method: str, mo
 
 
 class Generation:
-    """One decode with any registered method, traced or not, as an iterator of RoundEvents.
+    """One decode with any registered method, traced or not, as an iterator of RoundEvents. `models` holds the
+    models the method needs, by role (`speclab.methods.ROLES`: what `speclab.models.load_models` returns).
 
     `for ev in Generation(...)` drives it round by round (several can be interleaved, as the app's
     side-by-side view does); `.result` holds the GenerationResult at the end. With `trace`, the run row is
@@ -88,12 +91,12 @@ class Generation:
     round's verification logits on its RoundEvent (for inspecting rounds).
     """
 
-    def __init__(self, target: Target, prompt: str | torch.Tensor, method: str = "ar", *, draft: Target | None = None,
-                 eagle3=None, dflash=None, router=None, max_new_tokens: int = 128, temperature: float = 0.0, top_k: int = 0,
-                 top_p: float = 1.0, seed: int | None = None, deferred: bool = True, trace: TraceStore | None = None,
+    def __init__(self, target: Target, prompt: str | torch.Tensor, method: str = "ar", *, models: dict | None = None,
+                 max_new_tokens: int = 128, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
+                 seed: int | None = None, deferred: bool = True, trace: TraceStore | None = None,
                  on_round: Callable[[RoundEvent], None] | None = None, prompt_id: str | None = None,
                  category: str | None = None, bench_id: str | None = None, keep_logits: bool = False, **params):
-        models = {"draft": draft, "eagle3": eagle3, "dflash": dflash, "router": router}
+        models = models or {}
         req = check_generation(target, prompt, method, models, max_new_tokens, temperature, top_k, top_p, seed, params)
         self.target, self.method, self.trace, self.on_round = target, method, trace, on_round
         self.prompt_ids, self.params, sampling = req.prompt_ids, req.params, req.sampling
@@ -106,11 +109,12 @@ class Generation:
                 method=method, target=target.name, drafters=",".join(self.drafters) or None,
                 router=self.router.policy if self.router else None,
                 params={**self.params, "max_new_tokens": req.max_new_tokens, **asdict(sampling),
-                        "deferred": deferred, **{role: getattr(models[role], "name", None)
+                        "deferred": deferred, **{role: getattr(models.get(role), "name", None)
                                                  for role in get_method(method).needs}},
                 prompt_id=prompt_id, category=category, **run_device(target),
                 prompt_text=prompt if isinstance(prompt, str) else None,
-                prompt_tokens=self.prompt_ids.numel(), bench_id=bench_id)
+                prompt_tokens=self.prompt_ids.numel(), bench_id=bench_id,
+                eager=bool(getattr(self.router, "eager", False)))
             self.writer = trace.writer(self.run_id, target.tokenizer)
 
     @property
@@ -178,7 +182,7 @@ def model_ms(target: Target, res: DecodeResult) -> float | None:
 def generate(target: Target, prompt: str | torch.Tensor, method: str = "ar", **kw) -> GenerationResult:
     """Decode `prompt` with `method` ("ar", "sps", "pld", ...; see speclab.methods.METHODS) to the end.
 
-    Keyword arguments are those of `Generation`: draft, eagle3, dflash, router (the drafter and router models), max_new_tokens,
+    Keyword arguments are those of `Generation`: models (by role: speclab.methods.ROLES), max_new_tokens,
     temperature (0 = greedy), top_k, top_p, seed, deferred, trace (a TraceStore), on_round (sees each RoundEvent
     live), prompt_id, category, bench_id, and the method's parameters (k, tree_topk, ...).
     """

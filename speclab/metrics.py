@@ -6,8 +6,10 @@ Python functions for live figures (the CLI summary, the app's columns) where the
 - per-position acceptance: P(the node at depth d on the accepted path exists | the tree reached depth d).
 - tokens/s: new tokens / decode time. Decode time (`runs.elapsed_s`) is the run's own time: the prefill, every
   round's phases (route, catchup, draft, verify, commit, record) and the trace's final flush, never the time a
-  consumer held the decode (the app interleaves runs); `runs.wall_s` keeps the wall time. Speedup is a ratio
-  of tokens/s measured in the same run.
+  consumer held the decode (the app interleaves runs); `runs.wall_s` keeps the wall time.
+- speedup: tokens/s over AR's tokens/s measured in the same bench (same prompts, same process).
+- model error (the round-cost model of `speclab.routing.replay` against live runs): modeled tokens/s / measured
+  tokens/s - 1, so a positive error means the model promises more tokens/s than were measured.
 - draft-time share: draft phase time / time of all phases.
 - model-call share: time inside model forwards (target and drafters) / decode time (exact on CPU).
 - target calls per token: target forwards (prefill included) / new tokens.
@@ -34,8 +36,23 @@ def tokens_per_s(tokens: int, decode_s: float) -> float:
     return tokens / decode_s if decode_s > 0 else math.nan
 
 
+def speedup(tokens_per_s: float, ar_tokens_per_s: float) -> float:
+    """tokens/s over AR's tokens/s of the same bench (SQL: `SPEEDUP_SQL`); nan without an AR figure."""
+    return tokens_per_s / ar_tokens_per_s if ar_tokens_per_s > 0 else math.nan
+
+
+def model_error(modeled_tokens_per_s, measured_tokens_per_s):
+    """How far the round-cost model is off, on tokens/s: modeled / measured - 1 (> 0: the model promises more
+    tokens/s than were measured; < 0: fewer). Numbers (nan without a measured figure), or numpy arrays / pandas
+    Series elementwise."""
+    if isinstance(measured_tokens_per_s, (int, float)) and not measured_tokens_per_s > 0:
+        return math.nan
+    return modeled_tokens_per_s / measured_tokens_per_s - 1
+
+
 TAU_SQL = "sum(committed) / nullif(sum(verifications), 0)"
 TOKENS_PER_S_SQL = "sum(new_tokens) / nullif(sum(elapsed_s), 0)"
+SPEEDUP_SQL = "tokens_per_s / nullif(ar_tokens_per_s, 0)"  # over a row with its tokens/s and AR's
 
 # a run's output against the AR output of its bench and prompt: 'equal', 'near-tie', 'bug' (NULL: no AR to compare)
 EQUALITY_SQL = """CASE WHEN ar.output_hash IS NULL OR r.output_hash IS NULL THEN NULL
@@ -48,13 +65,15 @@ SELECT r.run_id, r.method, r.category, r.prompt_id, r.status, r.bench_id, r.outp
        r.elapsed_s, r.model_ms, {EQUALITY_SQL} AS equality,
        count(x.round) AS verifications, sum(x.committed) AS committed, sum(x.n_accepted) AS accepted,
        sum(x.n_drafted) AS drafted, sum(x.t_draft_ms) AS draft_ms,
-       sum(x.t_route_ms + x.t_catchup_ms + x.t_draft_ms + x.t_verify_ms + x.t_commit_ms + coalesce(x.t_record_ms, 0)) AS phases_ms,
+       sum(x.t_route_ms + x.t_catchup_ms + x.t_draft_ms + x.t_verify_ms + x.t_commit_ms
+           + coalesce(x.t_record_ms, 0)) AS phases_ms,
        any_value(e.entropy_sum) AS entropy_sum, any_value(e.n_tokens) AS n_tokens
 FROM runs r LEFT JOIN rounds x USING (run_id)
      LEFT JOIN (SELECT bench_id, prompt_id, any_value(output_hash) AS output_hash FROM runs
                 WHERE method = 'ar' AND bench_id IS NOT NULL GROUP BY ALL) ar
                ON ar.bench_id = r.bench_id AND ar.prompt_id = r.prompt_id
-     LEFT JOIN (SELECT run_id, sum(entropy) AS entropy_sum, count(*) AS n_tokens FROM tokens GROUP BY run_id) e USING (run_id)
+     LEFT JOIN (SELECT run_id, sum(entropy) AS entropy_sum, count(*) AS n_tokens FROM tokens GROUP BY run_id) e
+               USING (run_id)
 GROUP BY ALL
 """
 
@@ -77,14 +96,23 @@ SELECT run_id, any_value(method) AS method, any_value(category) AS category, any
 FROM ({RUN_SUMS_SQL}) GROUP BY run_id
 """
 
-POSITION_ACCEPTANCE_SQL = """
-SELECT n.run_id, n.depth,
-       count(DISTINCT n.round)                                     AS rounds_reaching,
-       count(DISTINCT CASE WHEN n.accepted THEN n.round END)       AS rounds_accepted,
-       count(DISTINCT CASE WHEN n.accepted THEN n.round END) / count(DISTINCT n.round) AS acceptance
-FROM draft_nodes n
-GROUP BY n.run_id, n.depth
+
+
+def position_acceptance_sql(by: str = "n.run_id", where: str = "") -> str:
+    """Per-position acceptance per `by` group (a column of draft_nodes `n` or runs `r`) and depth: the rounds (run,
+    round) whose draft reached the depth, those whose accepted path did, and their ratio."""
+    return f"""
+SELECT {by}, n.depth,
+       count(DISTINCT (n.run_id, n.round))                                 AS rounds_reaching,
+       count(DISTINCT CASE WHEN n.accepted THEN (n.run_id, n.round) END)   AS rounds_accepted,
+       count(DISTINCT CASE WHEN n.accepted THEN (n.run_id, n.round) END) / count(DISTINCT (n.run_id, n.round))
+                                                                           AS acceptance
+FROM draft_nodes n JOIN runs r USING (run_id) {where}
+GROUP BY ALL
 """
+
+
+POSITION_ACCEPTANCE_SQL = position_acceptance_sql()
 
 VIEWS = {"run_metrics": RUN_METRICS_SQL, "position_acceptance": POSITION_ACCEPTANCE_SQL}
 
@@ -106,7 +134,7 @@ def position_acceptance(store, run_ids=None):
     return store.query(f"SELECT * FROM ({POSITION_ACCEPTANCE_SQL}) {where} ORDER BY run_id, depth", params)
 
 
-def summarize(store, run_ids=None, by: str = "method"):
+def run_summary(store, run_ids=None, by: str = "method"):
     """Metrics pooled over runs per `by` columns ("method", "method,category", ...): sums first, then ratios."""
     cols = [c.strip() for c in by.split(",")]
     if not cols or any(c not in ("method", "category", "prompt_id", "bench_id") for c in cols):

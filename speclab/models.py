@@ -1,41 +1,69 @@
-"""The target and the drafter models by role (`speclab.methods.ROLES`), loaded from command-line options or the
-zoo: shared by the CLI and the app."""
+"""The target and the models a method needs, by role (`speclab.methods.ROLES`, from the drafter registry),
+loaded from a `ModelPaths`: what the CLI, the app and the notebooks load."""
 from __future__ import annotations
 
 import argparse
 import sys
+from dataclasses import dataclass, field
+
+PRECISION_HELP = {
+    "device": "cpu | cuda (default: cuda when present)",
+    "dtype": "auto | fp32 | bf16 | fp16 (default auto: bf16 on CUDA and on a CPU that computes bf16 natively, as "
+             "measured at start; fp32 elsewhere)",
+    "logits": "fp32 | model: the final norm and the head's top logits in fp32 (default; no quantised ties in "
+              "verification) or logits in the model's dtype",
+    "exact": "batch-invariant target forward (lean backend): a row's result never depends on how many rows run "
+             "with it, so bf16 speculative output equals bf16 AR",
+    "backend": "forward pass: speclab's lean forward (Llama family) or the transformers one (default: lean where "
+               "it applies)",
+}
+
+
+@dataclass
+class ModelPaths:
+    """Which models to load and how: the target (None: the zoo's), each role's model (None or absent: the zoo's)
+    and the precision options. `ModelPaths()` is the zoo in the default precision (the notebooks' choice)."""
+    target: str | None = None
+    models: dict[str, str | None] = field(default_factory=dict)  # role -> path (speclab.methods.ROLES)
+    device: str | None = None
+    dtype: str = "auto"
+    logits: str = "fp32"
+    exact: bool = False
+    backend: str = "auto"
+
+    @classmethod
+    def from_args(cls, a: argparse.Namespace) -> ModelPaths:
+        """From the options of `add_model_args`."""
+        from speclab.methods import ROLES
+        return cls(a.model, {role: getattr(a, r.dest, None) for role, r in ROLES.items()}, a.device, a.dtype,
+                   a.logits, a.exact, a.backend)
+
+    def check(self) -> None:
+        """The precision options checked before any model is loaded (one line each, InvalidInput)."""
+        from speclab.core.precision import check_dtype, check_logits
+        from speclab.errors import InvalidInput
+        check_device(self.device)
+        check_dtype(self.dtype)
+        check_logits(self.logits)
+        if self.backend not in ("auto", "lean", "hf"):
+            raise InvalidInput(f"backend {self.backend!r}: choose auto, lean or hf")
+        if self.exact and self.backend == "hf":
+            raise InvalidInput("--exact needs speclab's lean forward; it cannot run with --backend hf")
 
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
-    """The model options every model-loading command shares (the CLI's and the app's)."""
+    """The model options every model-loading command shares (the CLI's and the app's): the target, one option per
+    role of the registry, the precision."""
+    from speclab.methods import ROLES
     p.add_argument("--model", help="target model directory or cached hub name (default: the zoo target)")
-    p.add_argument("--draft", help="draft model for sps (default: the zoo draft)")
-    p.add_argument("--eagle", help="EAGLE-3 drafter directory for eagle3 (public layout; default: the zoo's)")
-    p.add_argument("--dflash", help="DFlash drafter directory for dflash (public layout; default: the zoo's)")
-    p.add_argument("--router-model", help="neural router directory for whiflash-neural (default: the zoo's)")
-    p.add_argument("--device", default=None, help="cpu | cuda (default: cuda when present)")
-    p.add_argument("--dtype", default="auto", help="auto | fp32 | bf16 | fp16 (default auto: bf16 on CUDA and on a CPU "
-                   "that computes bf16 natively, as measured at start; fp32 elsewhere)")
-    p.add_argument("--logits", default="fp32", help="fp32 | model: the final norm and the head's top logits in fp32 "
-                   "(default; no quantised ties in verification) or logits in the model's dtype")
-    p.add_argument("--exact", action="store_true", help="batch-invariant target forward (lean backend): a row's "
-                   "result never depends on how many rows run with it, so bf16 speculative output equals bf16 AR")
-    p.add_argument("--backend", default="auto", choices=["auto", "lean", "hf"],
-                   help="forward pass: speclab's lean forward (Llama family) or the transformers one (default: lean "
-                        "where it applies)")
-
-
-def model_args(**options) -> argparse.Namespace:
-    """The model options with their command-line defaults (the zoo, `--dtype auto`, ...), `options` overriding
-    some: for `load_models` outside the CLI (the notebooks)."""
-    p = argparse.ArgumentParser()
-    add_model_args(p)
-    a = p.parse_args([])
-    for k, v in options.items():
-        if not hasattr(a, k):
-            raise TypeError(f"model_args: no option {k!r}")
-        setattr(a, k, v)
-    return a
+    for r in ROLES.values():
+        p.add_argument(r.option, dest=r.dest, help=r.help)
+    d = ModelPaths()
+    p.add_argument("--device", default=d.device, help=PRECISION_HELP["device"])
+    p.add_argument("--dtype", default=d.dtype, help=PRECISION_HELP["dtype"])
+    p.add_argument("--logits", default=d.logits, help=PRECISION_HELP["logits"])
+    p.add_argument("--exact", action="store_true", help=PRECISION_HELP["exact"])
+    p.add_argument("--backend", default=d.backend, choices=["auto", "lean", "hf"], help=PRECISION_HELP["backend"])
 
 
 def check_device(device: str | None) -> None:
@@ -54,60 +82,42 @@ def check_device(device: str | None) -> None:
     if dev.type == "cuda":
         if not torch.cuda.is_available():
             built = "built without CUDA" if torch.version.cuda is None else "no CUDA device or driver found"
-            raise InvalidInput(f"--device {device!r}: this machine has no usable CUDA device (torch {torch.__version__}, "
-                               f"{built}); use --device cpu")
+            raise InvalidInput(f"--device {device!r}: this machine has no usable CUDA device (torch "
+                               f"{torch.__version__}, {built}); use --device cpu")
         if dev.index is not None and dev.index >= torch.cuda.device_count():
             raise InvalidInput(f"--device {device!r}: there are {torch.cuda.device_count()} CUDA device(s)")
 
 
 def check_model_args(a: argparse.Namespace) -> None:
-    """The precision options checked before any model is loaded (one line each, InvalidInput)."""
-    from speclab.errors import InvalidInput
-    from speclab.core.precision import check_dtype, check_logits
-    check_device(a.device)
-    check_dtype(a.dtype)
-    check_logits(a.logits)
-    if a.exact and a.backend == "hf":
-        raise InvalidInput("--exact needs speclab's lean forward; it cannot run with --backend hf")
+    """The precision options of a command checked before any model is loaded (`ModelPaths.check`)."""
+    ModelPaths.from_args(a).check()
 
 
-def load_models(a: argparse.Namespace, roles=("draft", "eagle3", "dflash", "router"), log=None):
-    """(target, drafter models by role) from the options of `add_model_args`: the roles asked for (those the
-    methods at hand need), each from its option or the zoo."""
+def load_models(paths: ModelPaths, roles=("draft", "eagle3", "dflash", "router"), log=None):
+    """(target, models by role): the roles asked for (those the methods at hand need), each from `paths` or the
+    zoo, in the order of the registry; one line once everything loaded (an error is then the first and only
+    line a failed load prints)."""
     import time
 
     from speclab import zoo
+    from speclab.core.precision import auto_choice, precision_label
     from speclab.core.target import Target
+    from speclab.methods import ROLES
 
-    check_model_args(a)
+    paths.check()
     log = log or (lambda s: print(s, file=sys.stderr, flush=True))
     t0 = time.perf_counter()
-    path = a.model or zoo.default_target()
-    target = Target.load(path, device=a.device, dtype=a.dtype, backend=a.backend, logits=a.logits, exact=a.exact)
+    path = paths.target or zoo.default_target()
+    target = Target.load(path, device=paths.device, dtype=paths.dtype, backend=paths.backend, logits=paths.logits,
+                         exact=paths.exact)
     loaded = [f"target {zoo.display_path(path)}"]
     models = {}
-    if "draft" in roles:
-        path = a.draft or zoo.default_draft()
-        models["draft"] = Target.load(path, device=a.device, dtype=a.dtype, backend=a.backend, logits=a.logits)
-        loaded.append(f"draft {zoo.display_path(path)}")
-    if "eagle3" in roles:
-        from speclab.drafters.eagle3 import load_eagle3
-        path = getattr(a, "eagle", None) or zoo.default_eagle3()
-        models["eagle3"] = load_eagle3(path, target)
-        loaded.append(f"EAGLE-3 {zoo.display_path(path)}")
-    if "dflash" in roles:
-        from speclab.drafters.dflash import load_dflash
-        path = getattr(a, "dflash", None) or zoo.default_dflash()
-        models["dflash"] = load_dflash(path, target)
-        loaded.append(f"DFlash {zoo.display_path(path)}")
-    if "router" in roles:
-        from speclab.routing.routers import load_router
-        path = getattr(a, "router_model", None) or zoo.default_router()
-        models["router"] = load_router(path, target)
-        loaded.append(f"router {zoo.display_path(path)}")
-    # one line, once everything loaded (an error is then the first and only line a failed load prints)
-    from speclab.core.precision import auto_choice, precision_label
-    why = f" ({auto_choice(target.device.type).reason})" if a.dtype in (None, "auto") else ""
+    for role, r in ROLES.items():
+        if role in roles:
+            path = paths.models.get(role) or zoo.model(r.zoo)
+            models[role] = r.load(path, target, paths)
+            loaded.append(f"{r.title} {zoo.display_path(path)}")
+    why = f" ({auto_choice(target.device.type).reason})" if paths.dtype in (None, "auto") else ""
     log(f"loaded {', '.join(loaded)} in {time.perf_counter() - t0:.1f} s; {target.device.type}, "
         f"{precision_label(target)}{why}")
     return target, models

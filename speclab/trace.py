@@ -17,6 +17,7 @@ Read API (all return pandas DataFrames): `runs`, `rounds`, `tokens`, `draft_node
 from __future__ import annotations
 
 import atexit
+import contextlib
 import json
 import queue
 import threading
@@ -34,7 +35,7 @@ from speclab.core.engine import PHASES
 from speclab.errors import TraceError
 from speclab.files import check_writable
 
-SCHEMA_VERSION = 4
+SCHEMA_VERSION = 5
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS meta (key VARCHAR PRIMARY KEY, value VARCHAR);
@@ -46,7 +47,7 @@ CREATE TABLE IF NOT EXISTS runs (
     new_tokens INTEGER, rounds INTEGER, target_calls INTEGER, elapsed_s DOUBLE, output_text VARCHAR,
     error VARCHAR, bench_id VARCHAR, output_hash VARCHAR, peak_mem_mb DOUBLE, prefill_ms DOUBLE, wall_s DOUBLE,
     model_ms DOUBLE, diverges_at INTEGER, top2_gap DOUBLE, tie_tolerance DOUBLE, logits_dtype VARCHAR,
-    exact BOOLEAN, cpu VARCHAR);
+    exact BOOLEAN, cpu VARCHAR, eager BOOLEAN);
 CREATE TABLE IF NOT EXISTS benches (
     bench_id VARCHAR PRIMARY KEY, started_at TIMESTAMP, suite VARCHAR, methods VARCHAR, config_json VARCHAR,
     device VARCHAR, trace_overhead DOUBLE, peak_rss_mb DOUBLE, status VARCHAR);
@@ -70,14 +71,24 @@ CREATE TABLE IF NOT EXISTS profile_positions (
     bench_id VARCHAR, prompt_id VARCHAR, category VARCHAR, pos INTEGER, token_id INTEGER, entropy DOUBLE,
     prompt_tokens INTEGER, max_new_tokens INTEGER, hidden FLOAT[]);
 """
-# columns added since schema 1 (a version-1 file opened for writing gets them; its old rows keep NULLs)
-MIGRATIONS = {2: ["runs ADD COLUMN IF NOT EXISTS prefill_ms DOUBLE", "runs ADD COLUMN IF NOT EXISTS wall_s DOUBLE",
-                  "runs ADD COLUMN IF NOT EXISTS model_ms DOUBLE", "runs ADD COLUMN IF NOT EXISTS diverges_at INTEGER",
-                  "runs ADD COLUMN IF NOT EXISTS top2_gap DOUBLE", "runs ADD COLUMN IF NOT EXISTS tie_tolerance DOUBLE",
-                  "rounds ADD COLUMN IF NOT EXISTS t_record_ms DOUBLE"],
+# columns added since schema 1 (a version-1 file opened for writing gets them; its old rows keep NULLs unless a
+# step fills them in)
+MIGRATIONS = {2: ["ALTER TABLE runs ADD COLUMN IF NOT EXISTS prefill_ms DOUBLE",
+                  "ALTER TABLE runs ADD COLUMN IF NOT EXISTS wall_s DOUBLE",
+                  "ALTER TABLE runs ADD COLUMN IF NOT EXISTS model_ms DOUBLE",
+                  "ALTER TABLE runs ADD COLUMN IF NOT EXISTS diverges_at INTEGER",
+                  "ALTER TABLE runs ADD COLUMN IF NOT EXISTS top2_gap DOUBLE",
+                  "ALTER TABLE runs ADD COLUMN IF NOT EXISTS tie_tolerance DOUBLE",
+                  "ALTER TABLE rounds ADD COLUMN IF NOT EXISTS t_record_ms DOUBLE"],
               3: [],  # schema 3 only adds tables (the profiles of speclab.routing.replay), made by SCHEMA itself
-              4: ["runs ADD COLUMN IF NOT EXISTS logits_dtype VARCHAR", "runs ADD COLUMN IF NOT EXISTS exact BOOLEAN",
-                  "runs ADD COLUMN IF NOT EXISTS cpu VARCHAR"]}  # how the run computed (speclab.core.precision)
+              4: ["ALTER TABLE runs ADD COLUMN IF NOT EXISTS logits_dtype VARCHAR",  # how the run computed
+                  "ALTER TABLE runs ADD COLUMN IF NOT EXISTS exact BOOLEAN",  # (speclab.core.precision)
+                  "ALTER TABLE runs ADD COLUMN IF NOT EXISTS cpu VARCHAR"],
+              # whether the run's router caught every drafter up every round (Router.eager); older runs: from their
+              # method parameters (a routed method's `eager`), false for every other run
+              5: ["ALTER TABLE runs ADD COLUMN IF NOT EXISTS eager BOOLEAN",
+                  "UPDATE runs SET eager = coalesce(TRY_CAST(json_extract_string(params_json, '$.eager') AS DOUBLE), 0)"
+                  " > 0 WHERE eager IS NULL"]}
 TABLES = ("meta", "runs", "rounds", "tokens", "draft_nodes", "router_decisions", "benches", "profile_sets", "profiles",
           "profile_positions")
 
@@ -114,7 +125,8 @@ def _check_path(path: str, read_only: bool, create: bool = True) -> bool:
         except OSError as e:
             raise TraceError(f"cannot read the trace file {path}: {e.strerror}") from e
         if head[8:12] != b"DUCK":
-            what = "an empty file" if not head else "a Parquet file" if head[:4] == b"PAR1" else "a file of another kind"
+            what = ("an empty file" if not head else "a Parquet file" if head[:4] == b"PAR1"
+                    else "a file of another kind")
             raise TraceError(f"{path} is {what}: not a DuckDB database, so not a speclab trace; the file was left "
                              "untouched: choose another --db path")
         return True
@@ -177,7 +189,7 @@ class TraceStore:
                 for v, steps in MIGRATIONS.items():
                     if version is not None and version < v:
                         for step in steps:
-                            self.con.execute(f"ALTER TABLE {step}")
+                            self.con.execute(step)
                 self.con.execute("INSERT OR REPLACE INTO meta VALUES ('schema_version', ?)", [str(SCHEMA_VERSION)])
                 self.con.execute("UPDATE runs SET status = 'interrupted' WHERE status = 'running'")
                 from speclab.metrics import VIEWS
@@ -265,8 +277,8 @@ class TraceStore:
     def _finish_now(self, run_id: int, status: str, stats: dict) -> None:
         sets = ", ".join(f"{k} = ?" for k in stats)
         with self._lock:
-            self.con.execute(f"UPDATE runs SET status = ?, finished_at = now(){', ' + sets if sets else ''} WHERE run_id = ?",
-                             [status, *stats.values(), run_id])
+            self.con.execute(f"UPDATE runs SET status = ?, finished_at = now(){', ' + sets if sets else ''} "
+                             "WHERE run_id = ?", [status, *stats.values(), run_id])
 
     def execute(self, sql: str, params: list | None = None) -> None:
         if self.read_only:
@@ -296,13 +308,12 @@ class TraceStore:
                         self.con.unregister("_batch")
                 self.con.execute("COMMIT")
             except Exception:
-                try:  # a COMMIT that failed (a full disk) has rolled back already: keep its error, not this one's
+                # a COMMIT that failed (a full disk) has rolled back already: keep its error, not this one's
+                with contextlib.suppress(Exception):
                     self.con.execute("ROLLBACK")
-                except Exception:  # noqa: BLE001, S110
-                    pass
                 raise
 
-    def writer(self, run_id: int, tokenizer) -> "RunWriter":
+    def writer(self, run_id: int, tokenizer) -> RunWriter:
         return RunWriter(self, run_id, tokenizer, self.flush_rounds, self.flush_s)
 
     # ---- reading ----
@@ -395,7 +406,7 @@ class TraceStore:
         return self.query("SELECT * FROM router_decisions WHERE run_id = ? ORDER BY round", [run_id])
 
 
-_OPEN: "weakref.WeakSet[TraceStore]" = weakref.WeakSet()  # stores with a background writer
+_OPEN: weakref.WeakSet[TraceStore] = weakref.WeakSet()  # stores with a background writer
 
 
 @atexit.register
@@ -404,7 +415,7 @@ def _drain_open_stores() -> None:
         try:
             store.drain()
             store._stop_writer()  # release DuckDB objects before the interpreter finalizes
-        except Exception:  # noqa: BLE001  (exiting: nothing left to tell)
+        except Exception:  # exiting: nothing left to tell
             pass
 
 
@@ -527,7 +538,8 @@ class RunWriter:
             "run_id": np.full(len(evs), self.run_id, np.int64), "round": rnd,
             "drafter": pa.array([e.drafter for e in evs], pa.string()), "n_drafted": n.astype(np.int32),
             "n_accepted": a.astype(np.int32), "committed": m.astype(np.int32),
-            "entropy": _cat([e.row_entropy[:1] for e in evs]).astype(np.float64), **{f"t_{k}_ms": v for k, v in t.items()},
+            "entropy": _cat([e.row_entropy[:1] for e in evs]).astype(np.float64),
+            **{f"t_{k}_ms": v for k, v in t.items()},
             "backlog": np.array([e.backlog for e in evs], np.int32),
             "target_calls": np.array([e.target_calls for e in evs], np.int32)})
         dec = [e for e in evs if e.decision is not None]

@@ -4,6 +4,7 @@ or HTML strings."""
 from __future__ import annotations
 
 import html
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import plotly.graph_objects as go
@@ -14,6 +15,17 @@ METHOD_COLORS = {"ar": "#7f7f7f", "sps": "#1f77b4", "pld": "#2ca02c", "eagle3": 
                  "hf_assisted": "#aec7e8", "hf_pld": "#98df8a", "whiflash-entropy": "#ff7f0e",
                  "whiflash-neural": "#8c564b", "oracle-task": "#c7c7c7", "oracle-prompt": "#a0a0a0",
                  "oracle-token": "#404040"}
+
+
+@dataclass
+class Report:
+    """What a command reports, built by library functions: a title, markdown `text` (its tables and notes), plotly
+    `figs`, and the `summary` the command prints (default: the text). `speclab.cli.common.write_report` prints and
+    writes it (markdown and/or the HTML page of `write_html_report`)."""
+    title: str
+    text: str
+    figs: list = field(default_factory=list)
+    summary: str | None = None
 
 
 def _color(method: str) -> str | None:
@@ -106,7 +118,8 @@ def token_spans(cols: dict, first_round_seen: int | None = None, shade: str = "d
             bg = f"rgba({r},{g},{b},{a:.2f})"
         edge = "border-left:2px solid #444;" if rnd != prev else ""
         prev = rnd
-        tip = f"#{pos} round {rnd} · {src} · depth {depth} · draft p {_fmt(dp)} · target p {_fmt(tp)} · entropy {_fmt(ent)}"
+        tip = (f"#{pos} round {rnd} · {src} · depth {depth} · draft p {_fmt(dp)} · target p {_fmt(tp)} "
+               f"· entropy {_fmt(ent)}")
         if rd is not None and rd[0] and rd[1] == rd[1]:  # a routed round (fixed routers have no signal)
             tip += f" · router chose {rd[0]}: signal {_fmt(rd[1])} vs threshold {_fmt(rd[2])}"
         out.append(f'<span class="tok" data-src="{html.escape(str(src))}" title="{html.escape(tip)}" '
@@ -123,10 +136,12 @@ def legend_html(drafters: list[str], shade: str = "depth") -> str:
     items = [f'<span style="background:{TARGET_BG};padding:1px 6px">target (AR step, bonus or correction)</span>']
     for d in drafters:
         r, g, b = drafter_rgb(d)
-        items.append(f'<span style="background:rgba({r},{g},{b},0.85);padding:1px 6px">{html.escape(d)}: accepted draft</span>')
+        items.append(f'<span style="background:rgba({r},{g},{b},0.85);padding:1px 6px">'
+                     f'{html.escape(d)}: accepted draft</span>')
     how = "darker = shallower draft depth" if shade == "depth" else "darker = higher draft probability"
     return (f'<div class="speclab-legend" style="font-size:12px">{" ".join(items)} · {how} · '
-            '<span style="border-left:2px solid #444;padding-left:4px">round start</span> · hover a token for details</div>')
+            '<span style="border-left:2px solid #444;padding-left:4px">round start</span> · '
+            'hover a token for details</div>')
 
 
 def stats_header(method: str, stats: dict) -> str:
@@ -163,7 +178,8 @@ def tree_figure(nodes, root_text: str = "root", title: str = "") -> go.Figure:
         ys += [py, y[n], None]
     fig = go.Figure()
     fig.add_scatter(x=ex, y=ey, mode="lines", line=dict(color="#bbb", width=1), hoverinfo="skip", name="rejected")
-    fig.add_scatter(x=ax, y=ay, mode="lines", line=dict(color="#2ca02c", width=3), hoverinfo="skip", name="accepted path")
+    fig.add_scatter(x=ax, y=ay, mode="lines", line=dict(color="#2ca02c", width=3), hoverinfo="skip",
+                    name="accepted path")
     for acc in (False, True):
         sel = [r for r in info.values() if bool(r.accepted) == acc]
         if sel:
@@ -172,10 +188,12 @@ def tree_figure(nodes, root_text: str = "root", title: str = "") -> go.Figure:
                 text=[repr(str(getattr(r, "text", r.token_id)))[1:-1][:12] for r in sel], textposition="top center",
                 marker=dict(size=12, color="#2ca02c" if acc else "#bbbbbb", opacity=1.0 if acc else 0.5),
                 customdata=[[r.node, _fmt(r.draft_prob), _fmt(r.target_prob)] for r in sel],
-                hovertemplate="node %{customdata[0]}<br>%{text}<br>draft p %{customdata[1]}<br>target p %{customdata[2]}<extra></extra>",
+                hovertemplate=("node %{customdata[0]}<br>%{text}<br>draft p %{customdata[1]}"
+                               "<br>target p %{customdata[2]}<extra></extra>"),
                 name="accepted" if acc else "rejected", showlegend=False)
     fig.add_scatter(x=[0], y=[y[-1]], mode="markers+text", text=[repr(root_text)[1:-1][:12]], textposition="top center",
-                    marker=dict(size=14, color="#444"), name="root", hovertemplate="root (last committed token)<extra></extra>")
+                    marker=dict(size=14, color="#444"), name="root",
+                    hovertemplate="root (last committed token)<extra></extra>")
     fig.update_layout(title=title or "Draft tree", xaxis_title="depth", yaxis_visible=False, template="plotly_white",
                       height=max(300, 40 * leaf[0] + 120), showlegend=True)
     return fig
@@ -193,7 +211,8 @@ def accepted_per_round(rounds) -> go.Figure:
 
 
 def phase_breakdown(rounds) -> go.Figure:
-    """Mean time per round in each phase (route, catch-up, draft, verify, commit, record), stacked, per method/run label."""
+    """Mean time per round in each phase (route, catch-up, draft, verify, commit, record), stacked, per method/run
+    label."""
     from speclab.core.engine import PHASES
     phases = [p for p in PHASES if f"t_{p}_ms" in rounds]
     means = rounds.groupby("label", sort=False)[[f"t_{p}_ms" for p in phases]].mean()
@@ -230,8 +249,8 @@ def sweep_figure(sw, live=None, y: str = "tokens_per_s", title: str = "") -> go.
 
 
 def router_figure(rr, title: str = "") -> go.Figure:
-    """One routed run, round by round (rows of `speclab.routing.evaluate.router_rounds`). Top: the router's signal (entropy
-    or predicted Delta AL) with its threshold, markers coloured by the drafter chosen, switches annotated with
+    """One routed run, round by round (rows of `speclab.routing.evaluate.router_rounds`). Top: the router's signal
+    (entropy or predicted Delta AL) with its threshold, markers coloured by the drafter chosen, switches annotated with
     their backlog and catch-up time. Bottom: the accepted length of the round and, where a profile exists (greedy),
     what each drafter would have had accepted there: the rounds where the router chose wrong stand out."""
     from plotly.subplots import make_subplots
@@ -261,7 +280,7 @@ def router_figure(rr, title: str = "") -> go.Figure:
 
 
 def calibration_figure(curve, refs, threshold: float, point: dict, best: dict, router: str, category: str) -> go.Figure:
-    """A router's threshold calibration for one category: replayed AL (top) and modeled tokens/s (bottom) against
+    """A router's threshold calibration for one category: replayed tau (AL, top) and modeled tokens/s (bottom) against
     the threshold (rows of `speclab.routing.evaluate.sweep`), each drafter alone and the oracles as horizontal reference
     lines (`speclab.routing.evaluate.oracles`), the chosen threshold as a vertical line with its exact replay, the
     calibrated optimum (the highest modeled tokens/s) as a star."""
@@ -271,7 +290,7 @@ def calibration_figure(curve, refs, threshold: float, point: dict, best: dict, r
     c = curve[curve.category == category].sort_values("threshold")
     r = refs[refs.category == category]
     named = set()  # reference lines already in the legend
-    for row, y in ((1, "al"), (2, "tokens_per_s")):
+    for row, y in ((1, "tau"), (2, "tokens_per_s")):
         fig.add_scatter(x=c["threshold"], y=c[y], mode="lines", name=f"whiflash-{router}", showlegend=row == 1,
                         line=dict(color=_color(f"whiflash-{router}"), width=3), row=row, col=1,
                         customdata=c[["eagle3_share", "switches"]].to_numpy(),
@@ -296,7 +315,7 @@ def calibration_figure(curve, refs, threshold: float, point: dict, best: dict, r
         fig.add_vline(x=threshold, line=dict(color="#111", width=1, dash="dot"), row=row, col=1)
     signal = "entropy (nats)" if router == "entropy" else "predicted Delta AL (tokens)"
     fig.update_xaxes(title_text=f"threshold on {signal}: EAGLE-3 above, DFlash below", row=2, col=1)
-    fig.update_layout(title=f"whiflash-{router} on {category}: threshold {threshold:.2f} -> AL {point['al']:.3f}, "
+    fig.update_layout(title=f"whiflash-{router} on {category}: threshold {threshold:.2f} -> AL {point['tau']:.3f}, "
                             f"{point['tokens_per_s']:.1f} tokens/s (optimum {best['threshold']:.2f}: "
                             f"{best['tokens_per_s']:.1f})", template="plotly_white", height=560)
     return fig
@@ -340,7 +359,8 @@ def distributions_figure(dists: dict, labels, top: int = 20, title: str = "") ->
 
 def histograms(df, x: str, group: str, title: str = "", x_title: str | None = None) -> go.Figure:
     """Overlaid histograms of `x`, one per value of `group`, each normalised to shares (a router's signal where
-    each drafter would win, from `speclab.routing.evaluate.signals_table`; the entropy of tokens by who produced them)."""
+    each drafter would win, from `speclab.routing.evaluate.signals_table`; the entropy of tokens by who produced
+    them)."""
     fig = go.Figure()
     for name, g in df[df[x].notna()].groupby(group, sort=True):
         fig.add_histogram(x=g[x], name=f"{name} ({len(g)})", histnorm="probability", opacity=0.6, nbinsx=40,
@@ -355,9 +375,9 @@ def prediction_figure(sig, title: str = "") -> go.Figure:
     diagonal for reference, one colour per category."""
     fig = go.Figure()
     for cat, g in sig[sig.predicted.notna()].groupby("category", sort=True):
-        fig.add_scatter(x=g["delta_al"], y=g["predicted"], mode="markers", name=str(cat), opacity=0.5,
+        fig.add_scatter(x=g["delta_tau"], y=g["predicted"], mode="markers", name=str(cat), opacity=0.5,
                         marker=dict(size=5), hovertemplate="true %{x:.0f}, predicted %{y:.2f}<extra></extra>")
-    lo, hi = float(sig.delta_al.min()), float(sig.delta_al.max())
+    lo, hi = float(sig.delta_tau.min()), float(sig.delta_tau.max())
     fig.add_scatter(x=[lo, hi], y=[lo, hi], mode="lines", name="predicted = true", line=dict(dash="dot", color="#444"))
     fig.update_layout(title=title or "Neural router: predicted vs true Delta AL", xaxis_title="true Delta AL "
                       "(AL_eagle3 - AL_dflash)", yaxis_title="predicted Delta AL", template="plotly_white", height=420)

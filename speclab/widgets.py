@@ -4,8 +4,8 @@ threshold calibration widget replays a threshold the moment the slider moves (th
 from __future__ import annotations
 
 from speclab import viz
-from speclab.routing.calibration import Calibrator, check_threshold, grid, save_thresholds
 from speclab.errors import SpeclabError
+from speclab.routing.calibration import GRIDS, Calibrator, check_threshold, grid, save_thresholds
 
 
 class CalibrationWidget:
@@ -22,7 +22,7 @@ class CalibrationWidget:
         self.router = w.ToggleButtons(options=["entropy", "neural"] if cal.mlp is not None else ["entropy"],
                                       value=router, description="router")
         self.category = w.Dropdown(options=cal.categories, value=category, description="category")
-        self.slider = w.FloatSlider(description="threshold", step=0.05, continuous_update=True,
+        self.slider = w.FloatSlider(description="threshold", step=GRIDS[router][2], continuous_update=True,
                                     readout_format=".2f", layout=w.Layout(width="60%"))
         self.button = w.Button(description="Save threshold", icon="save")
         self.message = w.HTML()
@@ -38,9 +38,9 @@ class CalibrationWidget:
         self.set()
 
     def _range(self) -> None:
-        g = grid(self.router.value)
+        g = grid(self.router.value)  # the calibration's grid (`GRIDS`): the CLI and the app sweep the same
         self.slider.min, self.slider.max = -1e9, 1e9  # widen first: ipywidgets clamps min against the old max
-        self.slider.min, self.slider.max = g[0], g[-1]
+        self.slider.min, self.slider.max, self.slider.step = g[0], g[-1], GRIDS[self.router.value][2]
 
     def set(self, optimum: bool = False) -> None:
         """Replay at the slider's threshold (or first move the slider to the optimum of the router and category)
@@ -61,7 +61,7 @@ class CalibrationWidget:
             self.figure.data = []
             self.figure.add_traces(fig.data)
             self.figure.layout = fig.layout
-        self.message.value = (f"whiflash-{r} on {cat}: threshold {t:.2f} -> AL {point['al']:.3f}, modeled "
+        self.message.value = (f"whiflash-{r} on {cat}: threshold {t:.2f} -> AL {point['tau']:.3f}, modeled "
                               f"{point['tokens_per_s']:.1f} tokens/s (optimum {best['threshold']:.2f})")
 
     def save(self):

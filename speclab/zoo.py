@@ -14,7 +14,8 @@ def zoo_dir() -> Path:
     return Path(os.environ.get("SPECLAB_ZOO", REPO_ROOT / "data" / "zoo"))
 
 
-def _model(name: str) -> Path:
+def model(name: str) -> Path:
+    """The zoo model data/zoo/<name> (a registry entry's default: speclab.drafters.registry.ModelRole.zoo)."""
     p = zoo_dir() / name
     if not (p / "config.json").exists():
         raise ModelNotFound(f"the zoo model '{name}' is missing at {p}; re-create the zoo with `speclab zoo build`, "
@@ -23,23 +24,23 @@ def _model(name: str) -> Path:
 
 
 def default_target() -> Path:
-    return _model("target")
+    return model("target")
 
 
 def default_draft() -> Path:
-    return _model("draft")
+    return model("draft")
 
 
 def default_eagle3() -> Path:
-    return _model("eagle3")
+    return model("eagle3")
 
 
 def default_dflash() -> Path:
-    return _model("dflash")
+    return model("dflash")
 
 
 def default_router() -> Path:
-    return _model("router")
+    return model("router")
 
 
 def tokenizer_dir() -> Path:

@@ -1,16 +1,14 @@
 """Bad input gets a clear error and loses nothing."""
 import json
 import shutil
-import subprocess
-import sys
 
 import duckdb
 import pytest
 
-from conftest import PROMPTS
+from helpers import PROMPTS, error_lines, run_cli, save_bert
+from speclab.core.target import Target
 from speclab.errors import InvalidInput, ModelNotFound
 from speclab.generate import generate
-from speclab.core.target import Target
 from speclab.trace import TraceStore
 
 
@@ -20,7 +18,7 @@ def test_unknown_model_path_says_where_it_looked(tmp_path):
     with pytest.raises(ModelNotFound, match="never downloads"):
         Target.load("some-org/some-model-that-is-not-cached")
     (tmp_path / "empty").mkdir()
-    with pytest.raises(ModelNotFound, match="config.json"):
+    with pytest.raises(ModelNotFound, match=r"config\.json"):
         Target.load(tmp_path / "empty")
 
 
@@ -53,7 +51,7 @@ def test_bad_method_and_parameters(qwen3):
         generate(qwen3, PROMPTS[0], "nope")
     with pytest.raises(InvalidInput, match="needs a draft model"):
         generate(qwen3, PROMPTS[0], "sps")
-    with pytest.raises(InvalidInput, match="k must be an integer from 1 to 512 .got 0."):
+    with pytest.raises(InvalidInput, match=r"k must be an integer from 1 to 512 .got 0."):
         generate(qwen3, PROMPTS[0], "pld", k=0)
     with pytest.raises(InvalidInput, match="top_p"):
         generate(qwen3, PROMPTS[0], "ar", temperature=1.0, top_p=1.5)
@@ -61,16 +59,13 @@ def test_bad_method_and_parameters(qwen3):
         generate(qwen3, PROMPTS[0], "ar", temperature=float("nan"))
 
 
-def _cli(*args, timeout=300):
-    return subprocess.run([sys.executable, "-m", "speclab.cli", *args], capture_output=True, text=True, timeout=timeout)
-
-
+@pytest.mark.slow
 def test_cli_json_line_and_trace(model_dir, tmp_path):
     db = tmp_path / "cli.duckdb"
-    r = _cli("generate", "--model", str(model_dir["qwen3"]), "--draft", str(model_dir["qwen3_draft"]), "--method", "sps",
-             "--k", "3", "--prompt", PROMPTS[0], "--max-new-tokens", "12", "--db", str(db), "--json")
+    r = run_cli("generate", "--model", str(model_dir["qwen3"]), "--draft", str(model_dir["qwen3_draft"]), "--method",
+                "sps", "--k", "3", "--prompt", PROMPTS[0], "--max-new-tokens", "12", "--db", str(db), "--json")
     assert r.returncode == 0, r.stderr
-    lines = [l for l in r.stdout.splitlines() if l.startswith("{")]
+    lines = [ln for ln in r.stdout.splitlines() if ln.startswith("{")]
     assert len(lines) == 1
     summary = json.loads(lines[0])
     assert summary["method"] == "sps" and summary["tokens"] == 12 and summary["tokens_per_s"] > 0
@@ -79,14 +74,16 @@ def test_cli_json_line_and_trace(model_dir, tmp_path):
     con.close()
 
 
+@pytest.mark.slow
 def test_cli_errors_are_clear_and_touch_nothing(model_dir, tmp_path):
-    r = _cli("generate", "--model", str(tmp_path / "missing"), "--prompt", "hi", "--db", "none")
+    r = run_cli("generate", "--model", str(tmp_path / "missing"), "--prompt", "hi", "--db", "none")
     assert r.returncode == 2 and "no model directory at" in r.stderr and "Traceback" not in r.stderr
     foreign = tmp_path / "mine.duckdb"
     foreign.write_text("not a database")
-    r = _cli("generate", "--model", str(model_dir["qwen3"]), "--prompt", "hi", "--db", str(foreign))
+    r = run_cli("generate", "--model", str(model_dir["qwen3"]), "--prompt", "hi", "--db", str(foreign))
     assert r.returncode == 2 and "not a DuckDB database" in r.stderr and foreign.read_text() == "not a database"
-    r = _cli("generate", "--model", str(model_dir["qwen3"]), "--prompt", "hi", "--max-new-tokens", "0", "--db", "none")
+    r = run_cli("generate", "--model", str(model_dir["qwen3"]), "--prompt", "hi", "--max-new-tokens", "0", "--db",
+                "none")
     assert r.returncode == 2 and "at least 1" in r.stderr
 
 
@@ -96,20 +93,17 @@ def test_cli_errors_are_clear_and_touch_nothing(model_dir, tmp_path):
 def bad_models(tmp_path_factory, model_dir):
     """A small BERT (not a causal LM), a draft whose weights do not match its config, and a DFlash drafter that
     fits the tiny target (so its own parameters are what is refused)."""
-    from transformers import AutoTokenizer, BertConfig, BertForMaskedLM
     d = tmp_path_factory.mktemp("bad_models")
-    bert = BertForMaskedLM(BertConfig(vocab_size=300, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
-                                      intermediate_size=64))
-    bert.save_pretrained(d / "bert")
-    AutoTokenizer.from_pretrained(model_dir["qwen3"]).save_pretrained(d / "bert")
+    save_bert(d / "bert", model_dir["qwen3"])
     shutil.copytree(model_dir["qwen3_draft"], d / "mismatched")
     cfg = json.loads((d / "mismatched" / "config.json").read_text())
     cfg["intermediate_size"] *= 2
     (d / "mismatched" / "config.json").write_text(json.dumps(cfg))
     from speclab.drafters.dflash import DFlashConfig, DFlashModel
     t = json.loads((model_dir["qwen3"] / "config.json").read_text())
-    DFlashModel(DFlashConfig(hidden_size=t["hidden_size"], intermediate_size=t["intermediate_size"], num_hidden_layers=1,
-                             num_attention_heads=t["num_attention_heads"], num_key_value_heads=t["num_key_value_heads"],
+    DFlashModel(DFlashConfig(hidden_size=t["hidden_size"], intermediate_size=t["intermediate_size"],
+                             num_hidden_layers=1, num_attention_heads=t["num_attention_heads"],
+                             num_key_value_heads=t["num_key_value_heads"],
                              head_dim=t["head_dim"], vocab_size=t["vocab_size"], target_layer_ids=(0, 1),
                              mask_token_id=2)).save(d / "dflash")
     from speclab.drafters.eagle3 import Eagle3Config, Eagle3Model
@@ -139,9 +133,11 @@ BAD = [  # (case, argv, what the one line must say)
     ("unknown-method", ["--method", "nope"], "unknown method 'nope'"),
     ("sps-k-0", ["--method", "sps", "--k", "0"], "k must be an integer from 1 to 512 (got 0)"),
     ("sps-tree-topk-0", ["--method", "sps", "--tree-topk", "0"], "tree_topk must be an integer from 1 to"),
-    ("sps-tree-topk-above-vocab", ["--method", "sps", "--tree-topk", "100000"], "tree_topk must be an integer from 1 to"),
+    ("sps-tree-topk-above-vocab", ["--method", "sps", "--tree-topk", "100000"],
+     "tree_topk must be an integer from 1 to"),
     ("sps-tree-too-large", ["--method", "sps", "--k", "8", "--tree-topk", "200"], "= 1600 nodes, more than the 512"),
-    ("sps-stop-prob-1.5", ["--method", "sps", "--stop-prob", "1.5"], "stop_prob must be a finite number from 0 to 1 (excluded)"),
+    ("sps-stop-prob-1.5", ["--method", "sps", "--stop-prob", "1.5"],
+     "stop_prob must be a finite number from 0 to 1 (excluded)"),
     ("pld-k-0", ["--method", "pld", "--k", "0"], "k must be an integer from 1 to 512 (got 0)"),
     ("prompts-missing", ["--prompts", "{tmp}/nope.jsonl"], "no prompts file at"),
     ("prompts-empty", ["--prompts", "{file_empty}"], "holds no prompt"),
@@ -154,10 +150,11 @@ BAD = [  # (case, argv, what the one line must say)
     ("draft-weights-mismatched", ["--method", "sps", "--draft", "{mismatched}"], "do not match its config.json"),
     ("eagle3-missing", ["--method", "eagle3", "--eagle", "{tmp}/nope"], "no EAGLE-3 drafter at"),
     ("eagle3-other-target", ["--method", "eagle3"], "it was trained for another target"),  # the zoo's, on a tiny target
-    ("eagle3-not-eagle", ["--method", "eagle3", "--eagle", "{mismatched}"], "not an EAGLE-3 drafter (one decoder layer"),
+    ("eagle3-not-eagle", ["--method", "eagle3", "--eagle", "{mismatched}"],
+     "not an EAGLE-3 drafter (one decoder layer"),
     ("method-spec-unknown-param", ["--method", "eagle3:width=2"], "'width=2' is not param=value with a parameter"),
     ("dflash-missing", ["--method", "dflash", "--dflash", "{tmp}/nope"], "no DFlash drafter at"),
-    ("dflash-other-target", ["--method", "dflash"], "it shares the target's embedding and head"),  # the zoo's, tiny target
+    ("dflash-other-target", ["--method", "dflash"], "it shares the target's embedding and head"),  # the zoo's
     ("dflash-not-dflash", ["--method", "dflash", "--dflash", "{mismatched}"], "is not a DFlash config"),
     ("dflash-block-size-1", ["--method", "dflash", "--dflash", "{dflash}", "--block-size", "1"],
      "block_size must be an integer from 2 to"),
@@ -170,10 +167,13 @@ BAD = [  # (case, argv, what the one line must say)
     ("whiflash-entropy-threshold-negative", ["--method", "whiflash-entropy", *WF, "--threshold", "-0.5"],
      "(got -0.5)"),
     ("whiflash-entropy-threshold-above-ln-v", ["--method", "whiflash-entropy:threshold=99", *WF],
-     "(got '99')"),
-    ("whiflash-eager-2", ["--method", "whiflash-entropy", *WF, "--eager", "2"], "eager must be an integer from 0 to 1 (got 2)"),
-    ("whiflash-router-missing", ["--method", "whiflash-neural", *WF, "--router-model", "{tmp}/nope"], "no neural router at"),
-    ("whiflash-router-other-target", ["--method", "whiflash-neural", *WF], "was trained for another target"),  # the zoo's
+     "(got 99)"),
+    ("whiflash-eager-2", ["--method", "whiflash-entropy", *WF, "--eager", "2"],
+     "eager must be an integer from 0 to 1 (got 2)"),
+    ("whiflash-router-missing", ["--method", "whiflash-neural", *WF, "--router-model", "{tmp}/nope"],
+     "no neural router at"),
+    ("whiflash-router-other-target", ["--method", "whiflash-neural", *WF],
+     "was trained for another target"),  # the zoo's
 ]
 
 
@@ -184,14 +184,15 @@ def test_cli_refuses_bad_input_in_one_line(case, argv, says, model_dir, bad_mode
     for name, data in FILES.items():
         files[name] = tmp_path / f"{name}.jsonl"
         files[name].write_bytes(data)
-    argv = [x.format(tmp=tmp_path, bert=bad_models["bert"], mismatched=bad_models["mismatched"], dflash=bad_models["dflash"],
-                     eagle3=bad_models["eagle3"], **{f"file_{k}": v for k, v in files.items()}) for x in argv]
+    argv = [x.format(tmp=tmp_path, bert=bad_models["bert"], mismatched=bad_models["mismatched"],
+                     dflash=bad_models["dflash"], eagle3=bad_models["eagle3"],
+                     **{f"file_{k}": v for k, v in files.items()}) for x in argv]
     db = tmp_path / "t.duckdb"
     base = ["generate", "--model", str(model_dir["qwen3"]), "--draft", str(model_dir["qwen3_draft"]),
             "--max-new-tokens", "8", "--db", str(db)] + ([] if "--prompts" in argv else ["--prompt", PROMPTS[0]])
     rc = main(base + argv)  # later options win over the base ones
     out, err = capsys.readouterr()
-    lines = [ln for ln in err.splitlines() if ln.startswith("speclab: error:")]
+    lines = error_lines(err)
     assert rc == 2 and len(lines) == 1 and says in lines[0], (rc, err)
     assert out == ""  # nothing decoded
     if db.exists():

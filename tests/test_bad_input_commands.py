@@ -6,17 +6,18 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import torch
-from conftest import PROMPTS
+
+from helpers import PROMPTS, assert_one_error_line, error_lines, run_cli, save_bert
 
 # every command that loads models, with the options it needs to get as far as its checks
 MODEL_COMMANDS = {
     "generate": ["generate", "--prompt", PROMPTS[0], "--max-new-tokens", "4"],
     "bench": ["bench", "--limit", "1", "--max-new-tokens", "4"],
     "grid": ["grid", "--method", "sps", "--grid", "k=2", "--limit", "1"],
-    "forward-costs": ["forward-costs"],
-    "catchup-costs": ["catchup-costs"],
-    "switch-costs": ["switch-costs"],
-    "block-costs": ["block-costs"],
+    "costs forward": ["costs", "forward"],
+    "costs catchup": ["costs", "catchup"],
+    "costs switch": ["costs", "switch"],
+    "costs block": ["costs", "block"],
     "profile": ["profile"],
     "sweep": ["sweep", "--router", "entropy"],
     "calibrate": ["calibrate"],
@@ -61,47 +62,30 @@ def _snapshot(root):
     return {str(p): p.read_bytes() if p.is_file() else None for p in sorted(root.rglob("*"))}
 
 
-def _one_line(main, argv, says, capsys):
-    capsys.readouterr()  # what the test's own set-up printed
-    try:
-        rc = main(argv)
-    except SystemExit as e:  # argparse's own errors end the process, with the same one line and exit code 2
-        rc = e.code
-    out, err = capsys.readouterr()
-    lines = [ln for ln in err.splitlines() if ln.strip()]
-    says = (says,) if isinstance(says, str) else says
-    assert rc == 2 and len(lines) == 1 and lines[0].startswith("speclab: error:"), (argv, rc, err)
-    assert any(s in lines[0] for s in says), (argv, lines[0])
-    assert out == ""
-
-
 @pytest.mark.parametrize("cmd", list(MODEL_COMMANDS))
 @pytest.mark.parametrize("case,argv,says", MODEL_CASES, ids=[c[0] for c in MODEL_CASES])
 def test_model_options_are_checked_before_anything(cmd, case, argv, says, files, tmp_path, capsys):
-    from speclab.cli import main
     db = ["--db", str(tmp_path / "new.duckdb")] if cmd in DB_COMMANDS else []
     report = ["--report", str(tmp_path / "out" / "r.html")] if cmd in REPORT_COMMANDS else []
-    _one_line(main, MODEL_COMMANDS[cmd] + db + report + argv, says, capsys)
+    assert_one_error_line(MODEL_COMMANDS[cmd] + db + report + argv, says, capsys)
     assert _snapshot(tmp_path) == files[1]  # no trace, no report folder, nothing
 
 
 @pytest.mark.parametrize("cmd", list(DB_COMMANDS))
 @pytest.mark.parametrize("case,path,says", DB_CASES, ids=[c[0] for c in DB_CASES])
 def test_trace_paths_that_cannot_be(cmd, case, path, says, files, tmp_path, capsys):
-    from speclab.cli import main
     names = {k: str(v) for k, v in files[0].items()}
-    _one_line(main, DB_COMMANDS[cmd] + ["--db", path.format(**names)], says, capsys)
+    assert_one_error_line(DB_COMMANDS[cmd] + ["--db", path.format(**names)], says, capsys)
     assert _snapshot(tmp_path) == files[1]  # the foreign files are untouched
 
 
 @pytest.mark.parametrize("cmd", list(REPORT_COMMANDS))
 def test_report_paths_that_cannot_be(cmd, files, tmp_path, capsys):
-    from speclab.cli import main
     names = files[0]
     db = ["--db", str(tmp_path / "new.duckdb")] if cmd in DB_COMMANDS else []
-    _one_line(main, MODEL_COMMANDS[cmd] + db + ["--report", f"{names['binary']}/r.html"], "is a file, not a folder",
-              capsys)
-    _one_line(main, MODEL_COMMANDS[cmd] + db + ["--report", str(names["dir"])], "is a directory", capsys)
+    assert_one_error_line(MODEL_COMMANDS[cmd] + db + ["--report", f"{names['binary']}/r.html"],
+                          "is a file, not a folder", capsys)
+    assert_one_error_line(MODEL_COMMANDS[cmd] + db + ["--report", str(names["dir"])], "is a directory", capsys)
     assert _snapshot(tmp_path) == files[1]
 
 
@@ -109,7 +93,6 @@ def test_report_paths_that_cannot_be(cmd, files, tmp_path, capsys):
 def test_text_a_tokenizer_cannot_take(how, tmp_path, capsys):
     """A lone surrogate (a JSON escape \\ud800, or bytes that are not UTF-8 on the command line) is one line,
     before any model is loaded."""
-    from speclab.cli import main
     if how == "prompt":
         argv = ["--prompt", "a \udced b"]
         says = "UTF-8 cannot encode"
@@ -118,7 +101,7 @@ def test_text_a_tokenizer_cannot_take(how, tmp_path, capsys):
         f.write_text('{"prompt": "fine"}\n{"prompt": "a \\ud800 b"}\n')
         argv = ["--prompts", str(f)]
         says = "line 2: the prompt has a character UTF-8 cannot encode"
-    _one_line(main, ["generate", "--db", str(tmp_path / "t.duckdb"), *argv], says, capsys)
+    assert_one_error_line(["generate", "--db", str(tmp_path / "t.duckdb"), *argv], says, capsys)
     assert not (tmp_path / "t.duckdb").exists()
 
 
@@ -129,7 +112,6 @@ def test_a_truncated_model_file_is_named_in_one_line(role, model_dir, tmp_path, 
     import shutil
 
     from speclab import zoo
-    from speclab.cli import main
     src = {"model": model_dir["qwen3"], "draft": model_dir["qwen3_draft"], "eagle3": zoo.default_eagle3(),
            "dflash": zoo.default_dflash(), "router": zoo.default_router()}[role]
     bad = tmp_path / role
@@ -140,8 +122,8 @@ def test_a_truncated_model_file_is_named_in_one_line(role, model_dir, tmp_path, 
               "router": "--router-model"}[role]
     method = {"model": "ar", "draft": "sps", "eagle3": "eagle3", "dflash": "dflash", "router": "whiflash-neural"}[role]
     base = ["--model", str(model_dir["qwen3"])] if role not in ("model", "router") else []  # the router: the zoo's
-    _one_line(main, ["generate", "--prompt", PROMPTS[0], "--db", "none", "--method", method, *base, option, str(bad)],
-              ("truncated or corrupt",), capsys)
+    assert_one_error_line(["generate", "--prompt", PROMPTS[0], "--db", "none", "--method", method, *base, option,
+                           str(bad)], ("truncated or corrupt",), capsys)
 
 
 # numbers out of range, nan, inf or not numbers; specs naming an unknown method, parameter, router or suite; options
@@ -165,19 +147,25 @@ CASES = [
     ("grid", ["--method", "sps", "--extra", "{oops"], "--extra must be a JSON object"),
     ("grid", ["--method", "sps", "--suite", "nope"], "unknown suite 'nope'"),
     ("grid", ["--limit", "inf"], "argument --limit: 'inf' is not an integer"),
-    ("forward-costs", ["--n", "0,1"], "--n must be positive integers"),
-    ("forward-costs", ["--reps", "0"], "argument --reps: '0' is not an integer of at least 1"),
-    ("forward-costs", ["--context", "nan"], "argument --context: 'nan' is not an integer"),
-    ("forward-costs", ["--by-dtype", "--dtypes", "fp32,bf17"], "--dtype 'bf17' is not a dtype"),
-    ("forward-costs", ["--by-dtype", "--dtypes", "auto"], "name the dtypes to compare"),
-    ("catchup-costs", ["--backlog", "a"], "--backlog must be positive integers"),
-    ("block-costs", ["--reps", "-1"], "argument --reps: '-1' is not an integer of at least 1"),
-    ("switch-costs", ["--reps", "x"], "argument --reps: 'x' is not an integer"),
+    ("costs", ["forward", "--n", "0,1"], "--n must be positive integers"),
+    ("costs", ["forward", "--reps", "0"], "argument --reps: '0' is not an integer of at least 1"),
+    ("costs", ["forward", "--context", "nan"], "argument --context: 'nan' is not an integer"),
+    ("costs", ["forward", "--by-dtype", "--dtypes", "fp32,bf17"], "--dtype 'bf17' is not a dtype"),
+    ("costs", ["forward", "--by-dtype", "--dtypes", "auto"], "name the dtypes to compare"),
+    ("costs", ["catchup", "--backlog", "a"], "--backlog must be positive integers"),
+    ("costs", ["block", "--reps", "-1"], "argument --reps: '-1' is not an integer of at least 1"),
+    ("costs", ["block", "--block-size", "1,2"], "--block-size: a block is the root and at least one mask"),
+    ("costs", ["switch", "--reps", "x"], "argument --reps: 'x' is not an integer"),
+    ("costs", ["switch", "--context", "0"], "--context must be positive integers"),
+    ("costs", ["kernels", "--reps", "0"], "argument --reps: '0' is not an integer of at least 1"),
+    ("costs", ["kernels", "--device", "tpu"], "argument --device: invalid choice: 'tpu'"),
+    ("costs", ["nope"], "argument costs_cmd: invalid choice: 'nope'"),
     ("stats", ["--last", "0"], "argument --last: '0' is not an integer of at least 1"),
     ("sweep", ["--router", "nope"], "--router must be entropy or neural"),
     ("sweep", ["--router", "entropy", "--grid=1:0:2"], "--grid must be thresholds"),
     ("train", ["eagle3", "--minutes", "inf"], "argument --minutes: 'inf' is not a finite number"),
-    ("train", ["dflash", "--minutes", "5", "--block-size", "1"], "argument --block-size: '1' is not an integer of at least 2"),
+    ("train", ["dflash", "--minutes", "5", "--block-size", "1"],
+     "argument --block-size: '1' is not an integer of at least 2"),
     ("train", ["eagle3", "--minutes", "5", "--lr", "-1"], "argument --lr: '-1' is not a finite number"),
     ("zoo", ["build", "--target-minutes", "nan"], "argument --target-minutes: 'nan' is not a finite number"),
     ("nope", [], "argument cmd: invalid choice: 'nope'"),
@@ -186,10 +174,9 @@ CASES = [
 
 @pytest.mark.parametrize("cmd,argv,says", CASES, ids=[f"{c[0]}-{' '.join(c[1])}" for c in CASES])
 def test_options_are_checked_in_one_line_before_any_work(cmd, argv, says, tmp_path, capsys, monkeypatch):
-    from speclab.cli import main
     monkeypatch.chdir(tmp_path)  # reports and traces would land here: nothing may
     db = ["--db", str(tmp_path / "t.duckdb")] if cmd in DB_COMMANDS else []
-    _one_line(main, [cmd, *argv, *db], says, capsys)
+    assert_one_error_line([cmd, *argv, *db], says, capsys)
     assert list(tmp_path.iterdir()) == []
 
 
@@ -212,14 +199,14 @@ def locked_trace(tmp_path_factory):
 
 @pytest.mark.parametrize("cmd", list(DB_COMMANDS))
 def test_a_trace_another_process_holds_is_one_line(cmd, locked_trace, capsys):
-    from speclab.cli import main
     before = locked_trace.read_bytes()
-    _one_line(main, DB_COMMANDS[cmd] + ["--db", str(locked_trace)], "is locked by another process", capsys)
+    assert_one_error_line(DB_COMMANDS[cmd] + ["--db", str(locked_trace)], "is locked by another process", capsys)
     assert locked_trace.read_bytes() == before
 
 
 # ---- the app's start-up: the same classes, one line, before any model or file ----
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", ["port-taken", "dtype", "device", "db-parquet", "db-under-a-file",
                                   "calibration-under-a-file"])
 def test_app_start_up_refuses_bad_options_in_one_line(case, files, tmp_path):
@@ -287,6 +274,7 @@ def _sigterm_when(proc, ready, within_s: float) -> str:
     return "".join(seen)
 
 
+@pytest.mark.slow
 def test_sigterm_in_the_middle_of_a_bench_marks_it_interrupted(model_dir, tmp_path):
     """SIGTERM (a scheduler, `kill`) ends a bench as Ctrl-C does: exit 130, every run done or interrupted (none left
     running), the bench row interrupted, no report written."""
@@ -311,18 +299,16 @@ def test_sigterm_in_the_middle_of_a_bench_marks_it_interrupted(model_dir, tmp_pa
     assert not report.exists() and not report.with_suffix(".html").exists()
 
 
+@pytest.mark.slow
 def test_a_full_disk_keeps_earlier_runs_and_marks_the_failed_one(model_dir, tmp_path):
     """The trace cannot grow (RLIMIT_FSIZE, as a full disk does to a write): the command ends with one line naming
     the trace and the system's reason, earlier runs keep every token, and the run being written is `failed`."""
     import resource
     import signal
-    import subprocess
-    import sys
 
-    from speclab.generate import generate
     from speclab.core.target import Target
+    from speclab.generate import generate
     from speclab.trace import TraceStore
-    from speclab.zoo import REPO_ROOT
     db = tmp_path / "t.duckdb"
     target = Target.load(model_dir["qwen3"], dtype="fp32")
     with TraceStore(db) as s:
@@ -331,11 +317,9 @@ def test_a_full_disk_keeps_earlier_runs_and_marks_the_failed_one(model_dir, tmp_
     def limit():
         signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # the write fails with EFBIG instead of killing the process
         resource.setrlimit(resource.RLIMIT_FSIZE, (60_000, 60_000))
-    r = subprocess.run([sys.executable, "-m", "speclab.cli", "generate", "--model", str(model_dir["qwen3"]), "--dtype",
-                        "fp32", "--prompts", "data/prompts/demo.jsonl", "--max-new-tokens", "300", "--db", str(db),
-                        "--json"], capture_output=True, text=True, preexec_fn=limit, cwd=REPO_ROOT, timeout=300,
-                       check=False)
-    errors = [ln for ln in r.stderr.splitlines() if ln.startswith("speclab: error:")]
+    r = run_cli("generate", "--model", str(model_dir["qwen3"]), "--dtype", "fp32", "--prompts",
+                "data/prompts/demo.jsonl", "--max-new-tokens", "300", "--db", str(db), "--json", preexec_fn=limit)
+    errors = error_lines(r.stderr)
     assert r.returncode == 2 and len(errors) == 1 and "writing the trace" in errors[0] \
         and "File too large" in errors[0] and "Traceback" not in r.stderr, r.stderr
     with TraceStore(db, read_only=True) as s:
@@ -345,30 +329,24 @@ def test_a_full_disk_keeps_earlier_runs_and_marks_the_failed_one(model_dir, tmp_
         assert "running" not in set(runs.status)
 
 
-@pytest.mark.parametrize("cmd", ["generate", "bench", "grid", "catchup-costs", "block-costs", "switch-costs"])
+@pytest.mark.parametrize("cmd", ["generate", "bench", "grid", "costs catchup", "costs block", "costs switch"])
 @pytest.mark.parametrize("case", ["not-causal", "other-target"])
 def test_models_of_the_wrong_kind_or_for_another_target(cmd, case, model_dir, tmp_path, capsys):
     """A directory that is not a causal LM, or a drafter built for another target (the zoo's EAGLE-3 / DFlash on a
     tiny target): one line naming it, and no trace file made."""
-    from transformers import AutoTokenizer, BertConfig, BertForMaskedLM
-
-    from speclab.cli import main
     if case == "not-causal":
-        BertForMaskedLM(BertConfig(vocab_size=300, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
-                                   intermediate_size=64)).save_pretrained(tmp_path / "bert")
-        AutoTokenizer.from_pretrained(model_dir["qwen3"]).save_pretrained(tmp_path / "bert")
-        model, says = str(tmp_path / "bert"), "not a causal language model"
+        model, says = str(save_bert(tmp_path / "bert", model_dir["qwen3"])), "not a causal language model"
     else:
         model, says = str(model_dir["qwen3"]), "trained for another target"
     method = {"generate": ["--method", "eagle3"], "bench": ["--methods", "ar,eagle3", "--no-peers"],
               "grid": ["--method", "eagle3", "--grid", "depth=2"]}.get(cmd, [])
-    if case == "other-target" and cmd == "block-costs":
+    if case == "other-target" and cmd == "costs block":
         says = "it shares the target's embedding and head"  # the zoo's DFlash on the tiny target
     db = ["--db", str(tmp_path / "t.duckdb")] if cmd in DB_COMMANDS else []
     report = ["--report", str(tmp_path / "r.html")] if cmd in REPORT_COMMANDS else []
     base = [a for a in MODEL_COMMANDS[cmd] if a != "sps"]
     base = base[: base.index("--method")] + base[base.index("--method") + 1 :] if "--method" in base else base
-    _one_line(main, [*base, *method, "--model", model, *db, *report], says, capsys)
+    assert_one_error_line([*base, *method, "--model", model, *db, *report], says, capsys)
     assert not (tmp_path / "t.duckdb").exists() and not (tmp_path / "r.html").exists()
 
 
@@ -376,19 +354,20 @@ def test_models_of_the_wrong_kind_or_for_another_target(cmd, case, model_dir, tm
 def test_train_refuses_bad_paths_before_loading(what, files, tmp_path, capsys):
     """A run directory that cannot be made, a teacher or a checkpoint to resume from that is not there: one line,
     before the corpus or any model is loaded, nothing made."""
-    from speclab.cli import main
     names = files[0]
     minutes = [] if what == "router" else ["--minutes", "1"]
-    _one_line(main, ["train", what, "--out", f"{names['binary']}/run", *minutes], "is a file, not a folder", capsys)
-    _one_line(main, ["train", what, "--out", str(names["binary"]), *minutes], "it is a file, not a folder", capsys)
-    _one_line(main, ["train", what, "--out", str(tmp_path / "run"), *minutes, "--teacher", str(tmp_path / "nope")],
-              "no model directory at", capsys)
+    train = ["train", what, *minutes, "--out"]
+    assert_one_error_line([*train, f"{names['binary']}/run"], "is a file, not a folder", capsys)
+    assert_one_error_line([*train, str(names["binary"])], "it is a file, not a folder", capsys)
+    assert_one_error_line([*train, str(tmp_path / "run"), "--teacher", str(tmp_path / "nope")],
+                          "no model directory at", capsys)
     if what != "router":
-        _one_line(main, ["train", what, "--out", str(tmp_path / "run"), *minutes, "--init-from", str(tmp_path / "nope")],
-                  ("no model directory at", "drafter at"), capsys)
+        assert_one_error_line([*train, str(tmp_path / "run"), "--init-from", str(tmp_path / "nope")],
+                              ("no model directory at", "drafter at"), capsys)
     assert _snapshot(tmp_path) == files[1]
 
 
+@pytest.mark.slow
 def test_sigterm_in_training_keeps_the_weights_and_resumes(deep, tmp_path):
     """SIGTERM during `speclab train dflash` (a tiny target, a small slice of the corpus): exit 130, the weights so
     far saved whole in OUT/model (a loadable drafter, no temporary folder left), and `--init-from` resumes."""
@@ -405,17 +384,16 @@ def test_sigterm_in_training_keeps_the_weights_and_resumes(deep, tmp_path):
         for split in ("train", "val"):
             text = (REPO_ROOT / "data" / "corpus" / f"{d}.{split}.txt").read_text(encoding="utf-8")
             (corpus / f"{d}.{split}.txt").write_text(text[:40_000], encoding="utf-8")
-    base = [sys.executable, "-m", "speclab.cli", "train", "dflash", "--teacher", deep.name, "--corpus",
-            str(corpus), "--layers", "1", "--markov-rank", "4", "--block-size", "4"]
-    proc = subprocess.Popen([*base, "--out", str(tmp_path / "run"), "--minutes", "5"], stderr=subprocess.PIPE,
-                            stdout=subprocess.PIPE, cwd=REPO_ROOT)
+    base = ["train", "dflash", "--teacher", deep.name, "--corpus", str(corpus), "--layers", "1", "--markov-rank", "4",
+            "--block-size", "4"]
+    proc = subprocess.Popen([sys.executable, "-m", "speclab.cli", *base, "--out", str(tmp_path / "run"), "--minutes",
+                             "5"], stderr=subprocess.PIPE, stdout=subprocess.PIPE, cwd=REPO_ROOT)
     log = _sigterm_when(proc, lambda err: re.search(r"step=[3-9]", err) is not None, 180)
     assert "interrupted: the weights so far are in" in log and "speclab: interrupted" in log and "Traceback" not in log
     assert sorted(p.name for p in (tmp_path / "run").iterdir()) == ["model", "train_log.jsonl"]  # no temporary folder
     load_dflash(tmp_path / "run" / "model", deep)  # whole and loadable
-    r = subprocess.run([*base, "--out", str(tmp_path / "resumed"), "--minutes", "0.02", "--init-from",
-                        str(tmp_path / "run" / "model")], capture_output=True, text=True, cwd=REPO_ROOT, timeout=300,
-                       check=False)
+    r = run_cli(*base, "--out", str(tmp_path / "resumed"), "--minutes", "0.02", "--init-from",
+                str(tmp_path / "run" / "model"))
     assert r.returncode == 0 and (tmp_path / "resumed" / "model" / "model.safetensors").exists(), r.stderr[-2000:]
 
 
@@ -439,9 +417,8 @@ def ar_bench(model_dir, tmp_path_factory):
     (["routing"], "has no traced rounds of both eagle3 and dflash")], ids=["profile", "sweep", "calibrate", "routing"])
 def test_bench_reading_commands_refuse_a_bench_or_models_that_do_not_fit(argv, says, ar_bench, model_dir, tmp_path,
                                                                          capsys):
-    from speclab.cli import main
     report = ["--report", str(tmp_path / "r.html")] if argv[0] != "profile" else []
-    _one_line(main, [*argv, "--db", str(ar_bench), "--model", str(model_dir["qwen3"]), *report], says, capsys)
+    assert_one_error_line([*argv, "--db", str(ar_bench), "--model", str(model_dir["qwen3"]), *report], says, capsys)
     assert not (tmp_path / "r.html").exists()
     from speclab.trace import TraceStore
     with TraceStore(ar_bench, read_only=True) as s:  # nothing was added to the trace

@@ -1,13 +1,19 @@
 """Benchmark harness on tiny models: every method and HF peer is run, equal to AR, and reported; parameter grids."""
 import json
+import math
 
 import pytest
 import torch
 
-from speclab.bench.run import BenchConfig, bench_overall, bench_table, forward_costs, peer_ratios, run_bench, write_report
+from speclab.bench.costs import forward_costs
+from speclab.bench.results import bench_overall, bench_report, bench_table, peer_ratios
+from speclab.bench.run import BenchConfig, run_bench
+from speclab.cli.common import write_report
+from speclab.metrics import model_error, speedup
 from speclab.trace import TraceStore
 
 
+@pytest.mark.slow
 def test_bench_runs_methods_and_peers_and_reports(qwen3, qwen3_draft, tmp_path):
     store = TraceStore(tmp_path / "b.duckdb")
     tree = "sps:k=3+tree_topk=2"  # a method spec: its own rows, its parameters over the bench's
@@ -21,6 +27,12 @@ def test_bench_runs_methods_and_peers_and_reports(qwen3, qwen3_draft, tmp_path):
     assert set(table.category) == {"code", "stories", "math", "literature"}
     assert (table.equal_to_ar == 1.0).all()  # greedy: speclab and HF's own speculative decoding equal AR
     assert table[table.method == "ar"].speedup.tolist() == pytest.approx([1.0] * 4)
+    # speedup recomputed from the raw run rows, apart from the SQL: tokens over decode time, method over AR
+    runs = store.runs()
+    runs = runs[runs.bench_id == bench_id]
+    tps = runs.groupby(["category", "method"]).new_tokens.sum() / runs.groupby(["category", "method"]).elapsed_s.sum()
+    for x in table.itertuples():
+        assert x.speedup == pytest.approx(tps[x.category, x.method] / tps[x.category, "ar"], rel=1e-9)
     overall = bench_overall(store, bench_id)
     sps = overall[overall.method == "sps"].iloc[0]
     assert sps.tau > 1.0 and 0 < sps.acceptance_rate <= 1
@@ -31,14 +43,16 @@ def test_bench_runs_methods_and_peers_and_reports(qwen3, qwen3_draft, tmp_path):
     assert store.query("SELECT count(*) AS n FROM runs WHERE diverges_at IS NOT NULL").n[0] == 0
     bench = store.query("SELECT * FROM benches").iloc[0]
     assert bench.status == "done" and bench.trace_overhead > 0
-    md, html = write_report(store, bench_id, tmp_path / "r" / "bench.md")
+    md, html = write_report(bench_report(store, bench_id), tmp_path / "r" / "bench.md")
     assert "speclab vs Hugging Face" in md.read_text() and "plotly" in html.read_text()
+    assert "Per-position acceptance" in md.read_text()
     store.close()
 
 
 def test_bench_reports_where_an_output_differs_from_ar(qwen3, tmp_path):
     """A fabricated mismatch: the bench records the first differing token and the top-2 gap, and reports it."""
-    from speclab.bench.run import bench_divergences, record_divergences
+    from speclab.bench.results import bench_divergences
+    from speclab.bench.run import record_divergences
     from speclab.generate import encode_prompt, generate
     store = TraceStore(tmp_path / "d.duckdb")
     ids = encode_prompt(qwen3, "Once upon a time")
@@ -52,17 +66,51 @@ def test_bench_reports_where_an_output_differs_from_ar(qwen3, tmp_path):
     store.close()
 
 
-def test_forward_costs_times_both_backends_and_leaves_the_model_intact(qwen3):
+def test_forward_costs_times_both_backends_and_leaves_the_model_intact(qwen3, monkeypatch):
     ids = torch.arange(3, 20)
     before = qwen3.forward(ids, qwen3.new_cache()).logits
     df = forward_costs({"tiny": qwen3}, ns=(1, 3), context=16, reps=2, calls=2)
     assert list(df["n"]) == [1, 3] and (df[["lean_ms", "hf_ms"]] > 0).all().all()
-    assert (df["speedup"] - df["hf_ms"] / df["lean_ms"]).abs().max() < 1e-9
     assert torch.equal(qwen3.forward(ids, qwen3.new_cache()).logits, before)
+    # known timings: lean 2 ms and transformers 3 ms a call make lean 1.5x as fast
+    from speclab.bench import costs
+    monkeypatch.setattr(costs, "timeit_interleaved", lambda fns, *a, **k: {"lean": 2.0, "hf": 3.0})
+    df = forward_costs({"tiny": qwen3}, ns=(1,), context=16, reps=1, calls=1)
+    assert df.speedup.tolist() == pytest.approx([1.5])
 
 
+def test_speedup_and_model_error_on_known_numbers():
+    """One definition each (speclab.metrics): speedup = tokens/s over AR's; model error = modeled / measured
+    tokens/s - 1, positive when the cost model promises more than was measured."""
+    assert speedup(300.0, 100.0) == 3.0 and speedup(50.0, 100.0) == 0.5
+    assert math.isnan(speedup(10.0, 0.0)) and math.isnan(speedup(10.0, math.nan))
+    assert model_error(110.0, 100.0) == pytest.approx(0.1) and model_error(90.0, 100.0) == pytest.approx(-0.1)
+    assert math.isnan(model_error(1.0, 0.0))
+
+
+def test_interleaved_timing_takes_turns_and_reports_medians(monkeypatch):
+    """The one timing loop of the cost benchmarks: the functions take turns, `calls` in a row, and the figure is
+    the median over repetitions of ms per call (on a fake clock the functions advance by known amounts)."""
+    from speclab.bench import costs
+    clock, order, slow_ms = [0.0], [], iter([1.0, 9.0, 2.0])
+    monkeypatch.setattr(costs.time, "perf_counter", lambda: clock[0])
+
+    def takes(name, ms):
+        def fn():
+            order.append(name)
+            clock[0] += (next(ms) if name == "slow" else ms) / 1e3
+        return fn
+    med = costs.timeit_interleaved({"slow": takes("slow", slow_ms), "fast": takes("fast", 1.0)}, reps=3)
+    assert order == ["slow", "fast"] * 3
+    assert med == pytest.approx({"slow": 2.0, "fast": 1.0})  # medians: one slow outlier (9 ms) does not count
+    order.clear()
+    assert costs.timeit_interleaved({"fast": takes("fast", 1.0)}, reps=2, calls=3) == pytest.approx({"fast": 1.0})
+    assert order == ["fast"] * 6
+
+
+@pytest.mark.slow
 def test_param_grid_measures_every_distinct_combination(qwen3, qwen3_draft):
-    from speclab.bench.run import param_grid, parse_grid
+    from speclab.bench.grid import param_grid, parse_grid
     from speclab.errors import InvalidInput
     grid = parse_grid("k=2,3;tree_topk=1,2")
     df = param_grid(qwen3, {"draft": qwen3_draft}, "sps", grid, suite="demo", limit=1, max_new_tokens=10,

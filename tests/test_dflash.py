@@ -4,67 +4,29 @@ and trained drafters, Markov head on and off, several block sizes, deferred on a
 target's distribution."""
 import json
 
-import numpy as np
 import pytest
 import torch
 
-from conftest import PROMPTS, build_tiny, own_text_windows
-from speclab.drafters.dflash import DFlashConfig, DFlashDrafter, DFlashModel, default_layer_ids, load_dflash
-from speclab.errors import InvalidInput, ModelNotFound
-from speclab.generate import Generation, generate
+from helpers import PROMPTS, build_tiny
+from helpers import random_dflash as random_drafter
 from speclab.core.sampling import Sampling
 from speclab.core.target import Target
-from speclab.train.dflash import block_forward, block_loss, pick_blocks, target_features
-
-
-def dflash_config(target: Target, markov_rank: int = 0, layers: int = 2, mask_id: int = 2) -> DFlashConfig:
-    c = target.config
-    return DFlashConfig(hidden_size=c.hidden_size, intermediate_size=c.intermediate_size, num_hidden_layers=layers,
-                        num_attention_heads=c.num_attention_heads, num_key_value_heads=c.num_key_value_heads,
-                        head_dim=c.head_dim, vocab_size=target.vocab_size,
-                        target_layer_ids=default_layer_ids(target.num_layers), mask_token_id=mask_id, block_size=8,
-                        rms_norm_eps=c.rms_norm_eps, max_position_embeddings=c.max_position_embeddings,
-                        markov_rank=markov_rank)
-
-
-def random_drafter(target: Target, seed: int, markov_rank: int = 0, mask_id: int = 2) -> DFlashModel:
-    torch.manual_seed(seed)
-    m = DFlashModel(dflash_config(target, markov_rank, mask_id=mask_id))
-    with torch.no_grad():  # larger weights than the default init: peaked, varied drafts
-        for p in m.parameters():
-            if p.dim() == 2:
-                p.normal_(0, 0.08)
-    return m.eval().requires_grad_(False)
-
-
-def train_tiny(target: Target, steps: int = 150, seed: int = 0) -> DFlashModel:
-    """A drafter trained for a few seconds with speclab's own training step (random anchors, blocks of 2..8, the
-    Markov head on both readouts) on the target's own text (its greedy and sampled continuations of the test
-    prompts): it agrees with the target often, so blocks get accepted prefixes."""
-    torch.manual_seed(seed)
-    rng = np.random.default_rng(seed)
-    windows = own_text_windows(target)
-    m = DFlashModel(dflash_config(target, markov_rank=8))
-    embed_w = target.model.get_input_embeddings().weight
-    head_w = target.model.get_output_embeddings().weight
-    feats, top = target_features(target.model, windows, m.config.target_layer_ids)
-    opt = torch.optim.AdamW(m.parameters(), lr=3e-3)
-    for _ in range(steps):
-        size = int(rng.integers(2, 9))
-        anchors = pick_blocks(windows.shape[1], size, 64, rng)
-        loss, metrics = block_loss(m, block_forward(m, embed_w, head_w, windows, feats, anchors, size), windows, top,
-                                   anchors, 4.0)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-    m.train_metrics = metrics
-    return m.eval().requires_grad_(False)
+from speclab.drafters.dflash import DFlashDrafter, DFlashModel, default_layer_ids, load_dflash
+from speclab.errors import InvalidInput, ModelNotFound
+from speclab.generate import Generation, generate
+from speclab.train.dflash import block_forward, target_features
 
 
 @pytest.fixture(scope="module")
 def drafters(deep) -> dict[str, DFlashModel]:
-    return {"random": random_drafter(deep, 0), "random-markov": random_drafter(deep, 1, markov_rank=8),
-            "trained": train_tiny(deep)}
+    """Random drafters, without and with the Markov head: nothing to train."""
+    return {"random": random_drafter(deep, 0), "random-markov": random_drafter(deep, 1, markov_rank=8)}
+
+
+@pytest.fixture(scope="module")
+def all_drafters(drafters, trained_dflash) -> dict[str, DFlashModel]:
+    """The random drafters and the one trained once per session (conftest.py)."""
+    return {**drafters, "trained": trained_dflash}
 
 
 def test_default_layers():
@@ -100,7 +62,7 @@ def _write_public(model: DFlashModel, out, bin_file: bool, rank_in_config: bool 
 
 
 def _block_once(model, target, prompt, block_size=6, markov=True):
-    d = DFlashDrafter(model, target, block_size=block_size, markov=markov)
+    d = DFlashDrafter(model, target, block_size=block_size, markov=markov, tree_topk=1, total_tokens=16)
     ids = target.tokenizer(prompt, return_tensors="pt")["input_ids"][0]
     out = target.forward(ids, target.new_cache(), layers=d.layers)
     d.reset(ids, out.features[:-1])
@@ -124,7 +86,8 @@ def test_public_layout_checkpoint_loads_cleanly(deep, drafters, tmp_path, kind, 
     m.save(tmp_path / "again")  # and what speclab writes loads back the same
     again = load_dflash(tmp_path / "again", deep)
     assert json.loads((tmp_path / "again" / "config.json").read_text())["dflash_config"]["mask_token_id"] == 2
-    assert again.config.target_layer_ids == src.config.target_layer_ids and again.config.markov_rank == src.config.markov_rank
+    assert again.config.target_layer_ids == src.config.target_layer_ids
+    assert again.config.markov_rank == src.config.markov_rank
     assert len(_block_once(again.float(), deep, PROMPTS[0])) == 5
 
 
@@ -135,7 +98,7 @@ def test_bad_checkpoints_are_refused_by_name(deep, drafters, tmp_path):
     sd = load_file(str(path / "model.safetensors"))
     del sd["layers.1.self_attn.k_norm.weight"]
     save_file(sd, str(path / "model.safetensors"))
-    with pytest.raises(ModelNotFound, match="missing layers.1.self_attn.k_norm.weight"):
+    with pytest.raises(ModelNotFound, match=r"missing layers\.1\.self_attn\.k_norm\.weight"):
         load_dflash(path, deep)
     with pytest.raises(ModelNotFound, match="no DFlash drafter"):
         load_dflash(tmp_path / "nowhere", deep)
@@ -143,27 +106,27 @@ def test_bad_checkpoints_are_refused_by_name(deep, drafters, tmp_path):
     cfg = json.loads((bad / "config.json").read_text())
     del cfg["dflash_config"]["target_layer_ids"]
     (bad / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(ModelNotFound, match="not a DFlash config.*target_layer_ids"):
+    with pytest.raises(ModelNotFound, match=r"not a DFlash config.*target_layer_ids"):
         load_dflash(bad, deep)
     other = Target.load(build_tiny("qwen3", tmp_path / "t2", seed=3, layers=2, hidden=32))
     good = _write_public(drafters["random"], tmp_path / "good", bin_file=False)
-    with pytest.raises(ModelNotFound, match="width|another target|layers"):
+    with pytest.raises(ModelNotFound, match=r"width|another target|layers"):
         load_dflash(good, other)
 
 
 @pytest.mark.parametrize("markov", [False, True], ids=["plain", "markov"])
-def test_cached_context_drafts_what_a_full_recomputation_drafts(deep, drafters, markov):
+def test_cached_context_drafts_what_a_full_recomputation_drafts(deep, trained_dflash, markov):
     """A drafter whose context K/V were cached over rounds of various lengths (catch-up after catch-up), one that
     catches up on the whole backlog in one call, and training's forward over the whole sequence (the context
     recomputed from scratch, the block at the same anchor) give the same block logits."""
-    m = drafters["trained"]
+    m = trained_dflash
     ids = deep.tokenizer(PROMPTS[1], return_tensors="pt")["input_ids"][0]
     ids = torch.cat([ids, torch.tensor(generate(deep, ids, "ar", max_new_tokens=20).token_ids)])
     feats = deep.forward(ids, deep.new_cache(), layers=m.config.target_layer_ids).features
     n0, size = ids.numel() - 20, 6
     logits = {}
     for mode in ("busy", "idle"):
-        d = DFlashDrafter(m, deep, block_size=size, markov=markov)
+        d = DFlashDrafter(m, deep, block_size=size, markov=markov, tree_topk=1, total_tokens=16)
         d.reset(ids[:n0], feats[: n0 - 1])
         d.catch_up(ids[:0], None)
         s = n0
@@ -184,8 +147,8 @@ def test_cached_context_drafts_what_a_full_recomputation_drafts(deep, drafters, 
     torch.testing.assert_close(logits["busy"], full, atol=1e-4, rtol=1e-4)
 
 
-def test_tiny_training_learns(drafters):
-    met = drafters["trained"].train_metrics
+def test_tiny_training_learns(trained_dflash):
+    met = trained_dflash.train_metrics
     assert met["base"]["acc"][0] > 0.5 and met["markov"]["acc"][0] > 0.5  # row 1 agrees with the target
 
 
@@ -193,27 +156,28 @@ SHAPES = [(2, 0, 1, 16), (4, 1, 1, 16), (7, 0, 1, 16), (12, 1, 1, 16), (5, 1, 3,
 # (block_size, markov, tree_topk, total_tokens): chains of several lengths with and without the head, two trees
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["random", "random-markov", "trained"])
 @pytest.mark.parametrize("deferred", [True, False], ids=["deferred", "not-deferred"])
-def test_greedy_dflash_equals_ar(deep, drafters, kind, deferred):
+def test_greedy_dflash_equals_ar(deep, all_drafters, kind, deferred):
     accepted = 0
     for p in PROMPTS[:3]:
         ar = generate(deep, p, "ar", max_new_tokens=40)
         for block_size, markov, topk, total in SHAPES:
-            res = generate(deep, p, "dflash", dflash=drafters[kind], block_size=block_size, markov=markov,
-                           tree_topk=topk, total_tokens=total, deferred=deferred, max_new_tokens=40)
+            res = generate(deep, p, "dflash", models={"dflash": all_drafters[kind]}, block_size=block_size,
+                           markov=markov, tree_topk=topk, total_tokens=total, deferred=deferred, max_new_tokens=40)
             assert res.token_ids == ar.token_ids, (p, block_size, markov, topk, total)
             accepted += len(res.token_ids) - res.decode.rounds
     if kind == "trained":
         assert accepted > 3 * len(SHAPES) * 40 * 0.3  # drafts are really accepted
 
 
-def test_tree_from_the_rows_top_k(deep, drafters):
+def test_tree_from_the_rows_top_k(deep, trained_dflash):
     """A tree of the rows' top-k: the best total_tokens nodes, closed under ancestors, no deeper than the block, and
     its argmax path is the chain's draft."""
-    m = drafters["trained"]
+    m = trained_dflash
     chain = _block_once(m, deep, PROMPTS[0], block_size=5)
-    d = DFlashDrafter(m, deep, block_size=5, tree_topk=3, total_tokens=9)
+    d = DFlashDrafter(m, deep, block_size=5, markov=True, tree_topk=3, total_tokens=9)
     ids = deep.tokenizer(PROMPTS[0], return_tensors="pt")["input_ids"][0]
     d.reset(ids, deep.forward(ids, deep.new_cache(), layers=d.layers).features[:-1])
     d.catch_up(ids[:0], None)
@@ -233,13 +197,13 @@ def test_markov_head_changes_the_draft_and_block_size_bounds_it(deep, drafters):
     assert not torch.equal(plain.tokens, markov.tokens)  # the bias of the previous token matters
     with torch.no_grad():  # and it is the bias of the token drafted just before, row by row
         prev = torch.cat([deep.tokenizer(PROMPTS[0], return_tensors="pt")["input_ids"][0][-1:], markov.tokens[:-1]])
-        d = DFlashDrafter(m, deep, block_size=6)
+        d = DFlashDrafter(m, deep, block_size=6, markov=True, tree_topk=1, total_tokens=16)
         ids = deep.tokenizer(PROMPTS[0], return_tensors="pt")["input_ids"][0]
         d.reset(ids, deep.forward(ids, deep.new_cache(), layers=d.layers).features[:-1])
         d.catch_up(ids[:0], None)
         want = (d.block_logits(6) + m.markov_bias(prev)).argmax(-1)
     assert torch.equal(markov.tokens, want)
-    d = DFlashDrafter(m, deep, block_size=8)
+    d = DFlashDrafter(m, deep, block_size=8, markov=True, tree_topk=1, total_tokens=16)
     ids = deep.tokenizer(PROMPTS[0], return_tensors="pt")["input_ids"][0]
     d.reset(ids, deep.forward(ids, deep.new_cache(), layers=d.layers).features[:-1])
     d.catch_up(ids[:0], None)
@@ -252,15 +216,16 @@ def test_method_parameters_are_checked(deep, drafters):
                      (dict(block_size=5000), "block_size must be"), (dict(tree_topk=0), "tree_topk must be"),
                      (dict(block_size=500, tree_topk=50), "dflash tree: block_size 500 x tree_topk 50 expands")]:
         with pytest.raises(InvalidInput, match=says):
-            generate(deep, PROMPTS[0], "dflash", dflash=m, **kw)
+            generate(deep, PROMPTS[0], "dflash", models={"dflash": m}, **kw)
     with pytest.raises(InvalidInput, match="needs a DFlash drafter"):
         generate(deep, PROMPTS[0], "dflash")
-    g = Generation(deep, PROMPTS[0], "dflash:block_size=3", dflash=m, block_size=8, max_new_tokens=8)
+    g = Generation(deep, PROMPTS[0], "dflash:block_size=3", models={"dflash": m}, block_size=8, max_new_tokens=8)
     assert g.drafters["dflash"].block_size == 3  # the spec's parameters win over the given ones
 
 
 # ---- sampling through DFlash keeps the target distribution ----
 
+@pytest.mark.slow
 @pytest.mark.parametrize("markov", [False, True], ids=["plain", "markov"])
 def test_sampling_through_dflash_keeps_target_distribution(tiny_v8, markov):
     """The first two sampled tokens follow the target's exact joint distribution with DFlash drafting a block of 3
@@ -270,7 +235,7 @@ def test_sampling_through_dflash_keeps_target_distribution(tiny_v8, markov):
 
     target = tiny_v8
     drafter = DFlashDrafter(random_drafter(target, 4, markov_rank=4 if markov else 0, mask_id=V - 1), target,
-                            block_size=3, markov=markov)
+                            block_size=3, markov=markov, tree_topk=1, total_tokens=16)
     want = exact_joint(target, PROMPT, Sampling(1.0))
     counts, one_round = decode_counts(target, drafter, Sampling(1.0), seed0=20_000)
     assert one_round > N_RUNS // 100
@@ -278,11 +243,11 @@ def test_sampling_through_dflash_keeps_target_distribution(tiny_v8, markov):
     assert told_apart(exact_joint(target, PROMPT, Sampling(0.7)), want)
 
 
-def test_traced_like_every_drafter(deep, drafters, tmp_path):
+def test_traced_like_every_drafter(deep, trained_dflash, tmp_path):
     from speclab.trace import TraceStore
 
     with TraceStore(tmp_path / "t.duckdb") as store:
-        res = generate(deep, PROMPTS[0], "dflash", dflash=drafters["trained"], max_new_tokens=24, trace=store)
+        res = generate(deep, PROMPTS[0], "dflash", models={"dflash": trained_dflash}, max_new_tokens=24, trace=store)
         toks = store.tokens(res.run_id)
         run = store.runs().set_index("run_id").loc[res.run_id]
     assert set(toks.source) <= {"dflash", "target"} and (toks.source == "dflash").sum() > 0

@@ -7,61 +7,27 @@ import json
 import pytest
 import torch
 
-from conftest import PROMPTS, build_tiny, own_text_windows
+from helpers import PROMPTS, build_tiny
+from helpers import random_eagle3 as random_drafter
+from speclab.core.sampling import Sampling
+from speclab.core.target import Target
 from speclab.drafters.eagle3 import Eagle3Config, Eagle3Drafter, Eagle3Model, default_layer_ids, load_eagle3
 from speclab.errors import InvalidInput, ModelNotFound
 from speclab.generate import generate
-from speclab.core.sampling import Sampling
-from speclab.core.target import Target
-from speclab.train.eagle3 import target_features, ttt_forward, ttt_loss
-
-
-def eagle_config(target: Target, draft_vocab: int | None = None) -> Eagle3Config:
-    c = target.config
-    return Eagle3Config(hidden_size=c.hidden_size, intermediate_size=c.intermediate_size,
-                        num_attention_heads=c.num_attention_heads, num_key_value_heads=c.num_key_value_heads,
-                        head_dim=c.head_dim, vocab_size=target.vocab_size,
-                        draft_vocab_size=draft_vocab or target.vocab_size, target_hidden_size=c.hidden_size,
-                        layer_ids=default_layer_ids(target.num_layers), rms_norm_eps=c.rms_norm_eps,
-                        max_position_embeddings=c.max_position_embeddings)
-
-
-def random_drafter(target: Target, seed: int, draft_vocab: int | None = None) -> Eagle3Model:
-    torch.manual_seed(seed)
-    m = Eagle3Model(eagle_config(target, draft_vocab))
-    if draft_vocab:  # a reduced vocabulary: every other target id, mapped back with d2t / t2d
-        keep = torch.arange(0, 2 * draft_vocab, 2)
-        m.d2t.copy_(keep - torch.arange(draft_vocab))
-        m.t2d.zero_()
-        m.t2d[keep] = True
-    return m.eval().requires_grad_(False)
-
-
-def train_tiny(target: Target, steps: int = 120, seed: int = 0) -> Eagle3Model:
-    """A drafter trained for a few seconds with speclab's own training step (training-time test, 3 steps) on the
-    target's own text (its greedy and sampled continuations of the test prompts): it agrees with the target
-    often, so trees get accepted paths."""
-    torch.manual_seed(seed)
-    windows = own_text_windows(target)
-    m = Eagle3Model(eagle_config(target))
-    with torch.no_grad():
-        m.lm_head.weight.copy_(target.model.get_output_embeddings().weight)
-    opt = torch.optim.AdamW(m.parameters(), lr=3e-3)
-    embed = target.model.get_input_embeddings()
-    feats, logp = target_features(target.model, windows, m.config.layer_ids)
-    for _ in range(steps):
-        loss, _, accs = ttt_loss(ttt_forward(m, embed, windows, feats, 3), logp, m.t2d, 0.8)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-    m.train_acc = accs
-    return m.eval().requires_grad_(False)
+from speclab.train.eagle3 import target_features, ttt_forward
 
 
 @pytest.fixture(scope="module")
 def drafters(deep) -> dict[str, Eagle3Model]:
-    return {"random": random_drafter(deep, 0), "trained": train_tiny(deep),
+    """Random drafters (the full and a reduced vocabulary): nothing to train."""
+    return {"random": random_drafter(deep, 0),
             "reduced-vocab": random_drafter(deep, 1, draft_vocab=deep.vocab_size // 2)}
+
+
+@pytest.fixture(scope="module")
+def all_drafters(drafters, trained_eagle3) -> dict[str, Eagle3Model]:
+    """The random drafters and the one trained once per session (conftest.py)."""
+    return {**drafters, "trained": trained_eagle3}
 
 
 def test_default_layers_and_convention():
@@ -100,7 +66,7 @@ def _write_public(model: Eagle3Model, out, vllm_names: bool, bin_file: bool, emb
 
 
 def _draft_once(model, target, prompt, depth=4, top_k=3, total=8):
-    d = Eagle3Drafter(model, target, depth=depth, top_k=top_k, total_tokens=total)
+    d = Eagle3Drafter(model, target, depth=depth, tree_topk=top_k, total_tokens=total)
     ids = target.tokenizer(prompt, return_tensors="pt")["input_ids"][0]
     out = target.forward(ids, target.new_cache(), layers=d.layers)
     d.reset(ids, out.features[:-1])
@@ -108,7 +74,8 @@ def _draft_once(model, target, prompt, depth=4, top_k=3, total=8):
     return d.propose(depth, Sampling(), None)
 
 
-@pytest.mark.parametrize("vllm_names,bin_file", [(False, False), (True, True)], ids=["midlayer-safetensors", "layers0-bin"])
+@pytest.mark.parametrize("vllm_names,bin_file", [(False, False), (True, True)],
+                         ids=["midlayer-safetensors", "layers0-bin"])
 def test_public_layout_checkpoint_loads_cleanly(deep, drafters, tmp_path, vllm_names, bin_file):
     src = drafters["reduced-vocab"]
     embed = deep.model.get_input_embeddings().weight.detach()
@@ -133,26 +100,26 @@ def test_bad_checkpoints_are_refused_by_name(deep, drafters, tmp_path):
     sd = load_file(str(path / "model.safetensors"))
     del sd["midlayer.self_attn.q_proj.weight"]
     save_file(sd, str(path / "model.safetensors"))
-    with pytest.raises(ModelNotFound, match="missing midlayer.self_attn.q_proj.weight"):
+    with pytest.raises(ModelNotFound, match=r"missing midlayer\.self_attn\.q_proj\.weight"):
         load_eagle3(path, deep)
     with pytest.raises(ModelNotFound, match="no EAGLE-3 drafter"):
         load_eagle3(tmp_path / "nowhere", deep)
     other = Target.load(build_tiny("qwen3", tmp_path / "t6", seed=3, layers=2, hidden=32))
     good = _write_public(drafters["random"], tmp_path / "good", vllm_names=False, bin_file=False)
-    with pytest.raises(ModelNotFound, match="trained for another target|layers"):
+    with pytest.raises(ModelNotFound, match=r"trained for another target|layers"):
         load_eagle3(good, other)
 
 
-def test_training_unroll_is_the_drafting_forward(deep, drafters):
+def test_training_unroll_is_the_drafting_forward(deep, trained_eagle3):
     """Step s of training-time test at row i is exactly the depth-(s+1) draft after the context up to i."""
-    m = drafters["trained"]
+    m = trained_eagle3
     ids = deep.tokenizer(PROMPTS[2], return_tensors="pt")["input_ids"][0][:24]
     feats, _ = target_features(deep.model, ids[None], m.config.layer_ids)
     with torch.no_grad():
         unrolled = ttt_forward(m, deep.model.get_input_embeddings(), ids[None], feats, 3)
     i = ids.numel() - 5
     for kv_only in (True, False):
-        d = Eagle3Drafter(m, deep, kv_only=kv_only)
+        d = Eagle3Drafter(m, deep, depth=4, tree_topk=1, total_tokens=8, kv_only=kv_only)
         out = deep.forward(ids[: i + 2], deep.new_cache(), layers=d.layers)
         d.reset(ids[: i + 2], out.features[: i + 1])
         d.catch_up(ids[:0], None)
@@ -164,21 +131,22 @@ def test_training_unroll_is_the_drafting_forward(deep, drafters):
                 torch.testing.assert_close(logp[0], torch.log_softmax(unrolled[s][0, i], -1), atol=1e-4, rtol=1e-4)
 
 
-def test_tiny_training_learns(drafters):
-    assert drafters["trained"].train_acc[0] > 0.5  # depth-1 agreement with the target after a few seconds
+def test_tiny_training_learns(trained_eagle3):
+    assert trained_eagle3.train_acc[0] > 0.5  # depth-1 agreement with the target after a few seconds
 
 
 SHAPES = [(4, 1, 4), (3, 2, 6), (4, 3, 10), (5, 4, 4), (2, 8, 16)]  # (depth, tree_topk, total_tokens)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["random", "trained", "reduced-vocab"])
 @pytest.mark.parametrize("deferred", [True, False], ids=["deferred", "not-deferred"])
-def test_greedy_eagle3_equals_ar(deep, drafters, kind, deferred):
+def test_greedy_eagle3_equals_ar(deep, all_drafters, kind, deferred):
     accepted = 0
     for p in PROMPTS[:3]:
         ar = generate(deep, p, "ar", max_new_tokens=40)
         for depth, topk, total in SHAPES:
-            res = generate(deep, p, "eagle3", eagle3=drafters[kind], depth=depth, tree_topk=topk,
+            res = generate(deep, p, "eagle3", models={"eagle3": all_drafters[kind]}, depth=depth, tree_topk=topk,
                            total_tokens=total, deferred=deferred, max_new_tokens=40)
             assert res.token_ids == ar.token_ids, (p, depth, topk, total)
             accepted += len(res.token_ids) - res.decode.rounds
@@ -186,17 +154,17 @@ def test_greedy_eagle3_equals_ar(deep, drafters, kind, deferred):
         assert accepted > 3 * len(SHAPES) * 40 * 0.5  # drafts are really accepted (paths deeper than 1 too)
 
 
-def test_catch_up_over_a_backlog_drafts_what_a_never_idle_drafter_drafts(deep, drafters):
+def test_catch_up_over_a_backlog_drafts_what_a_never_idle_drafter_drafts(deep, trained_eagle3):
     """One drafter digests every round's tokens as they come (and drafts in between), the other sleeps and
     catches up on the whole backlog in one KV-only call: their next trees are the same."""
-    m = drafters["trained"]
+    m = trained_eagle3
     ids = deep.tokenizer(PROMPTS[1], return_tensors="pt")["input_ids"][0]
     ids = torch.cat([ids, torch.tensor(generate(deep, ids, "ar", max_new_tokens=20).token_ids)])
     feats = deep.forward(ids, deep.new_cache(), layers=m.config.target_layers).features
     n0 = ids.numel() - 20
     trees = {}
     for mode in ("busy", "idle-kv-only", "idle-full"):
-        d = Eagle3Drafter(m, deep, depth=4, top_k=3, total_tokens=10, kv_only=mode != "idle-full")
+        d = Eagle3Drafter(m, deep, depth=4, tree_topk=3, total_tokens=10, kv_only=mode != "idle-full")
         d.reset(ids[:n0], feats[: n0 - 1])
         d.catch_up(ids[:0], None)
         if mode == "busy":
@@ -215,8 +183,8 @@ def test_catch_up_over_a_backlog_drafts_what_a_never_idle_drafter_drafts(deep, d
         torch.testing.assert_close(trees[mode].draft_probs, trees["busy"].draft_probs, atol=1e-5, rtol=1e-4)
 
 
-def test_tree_is_the_best_total_tokens_and_closed_under_ancestors(deep, drafters):
-    t = _draft_once(drafters["trained"], deep, PROMPTS[0], depth=4, top_k=3, total=9)
+def test_tree_is_the_best_total_tokens_and_closed_under_ancestors(deep, trained_eagle3):
+    t = _draft_once(trained_eagle3, deep, PROMPTS[0], depth=4, top_k=3, total=9)
     assert len(t) == 9
     assert bool((t.parents < torch.arange(len(t))).all())  # topological
     # a node's cumulative probability never exceeds its parent's: the kept set is a top set of a falling score
@@ -225,7 +193,7 @@ def test_tree_is_the_best_total_tokens_and_closed_under_ancestors(deep, drafters
     for i, p in enumerate(t.parents.tolist()):
         cum[i] = logp[i] + (cum[p] if p >= 0 else 0)
     assert all(cum[i] <= cum[p] + 1e-6 for i, p in enumerate(t.parents.tolist()) if p >= 0)
-    chain = _draft_once(drafters["trained"], deep, PROMPTS[0], depth=4, top_k=1, total=9)
+    chain = _draft_once(trained_eagle3, deep, PROMPTS[0], depth=4, top_k=1, total=9)
     assert chain.is_chain and len(chain) == 4
 
 
@@ -234,17 +202,18 @@ def test_method_parameters_are_checked(deep, drafters):
     for kw, says in [(dict(tree_topk=0), "tree_topk must be"), (dict(depth=0), "depth must be"),
                      (dict(total_tokens=5000), "total_tokens must be")]:
         with pytest.raises(InvalidInput, match=says):
-            generate(deep, PROMPTS[0], "eagle3", eagle3=m, **kw)
+            generate(deep, PROMPTS[0], "eagle3", models={"eagle3": m}, **kw)
     with pytest.raises(InvalidInput, match="needs an EAGLE-3 drafter"):
         generate(deep, PROMPTS[0], "eagle3")
     with pytest.raises(InvalidInput, match="not param=value"):
-        generate(deep, PROMPTS[0], "eagle3:width=3", eagle3=m)
-    res = generate(deep, PROMPTS[0], "eagle3:tree_topk=1+depth=3", eagle3=m, tree_topk=4, max_new_tokens=8)
+        generate(deep, PROMPTS[0], "eagle3:width=3", models={"eagle3": m})
+    res = generate(deep, PROMPTS[0], "eagle3:tree_topk=1+depth=3", models={"eagle3": m}, tree_topk=4, max_new_tokens=8)
     assert res.method == "eagle3:tree_topk=1+depth=3"  # the spec's parameters win over the given ones
 
 
 # ---- sampling through an EAGLE-3 tree keeps the target's distribution ----
 
+@pytest.mark.slow
 @pytest.mark.parametrize("shape", [(2, 3, 5), (2, 1, 2)], ids=["tree", "chain"])
 def test_sampling_through_eagle3_keeps_target_distribution(tiny_v8, shape):
     """The first two sampled tokens follow the target's exact joint distribution with an EAGLE-3 tree or chain
@@ -255,7 +224,7 @@ def test_sampling_through_eagle3_keeps_target_distribution(tiny_v8, shape):
 
     depth, topk, total = shape
     target = tiny_v8
-    drafter = Eagle3Drafter(random_drafter(target, 4), target, depth=depth, top_k=topk, total_tokens=total)
+    drafter = Eagle3Drafter(random_drafter(target, 4), target, depth=depth, tree_topk=topk, total_tokens=total)
     want = exact_joint(target, PROMPT, Sampling(1.0))
     counts, one_round = decode_counts(target, drafter, Sampling(1.0), seed0=10_000)
     assert one_round > N_RUNS // (40 if topk > 1 else 100)

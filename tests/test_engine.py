@@ -2,10 +2,10 @@
 import pytest
 import torch
 
-from conftest import PROMPTS
+from helpers import PROMPTS
 from speclab.core.engine import decode
-from speclab.generate import encode_prompt, generate
 from speclab.drafters.pld import PromptLookup
+from speclab.generate import encode_prompt, generate
 
 N_NEW = 40
 
@@ -37,25 +37,26 @@ def ar_outputs(qwen3):
     return {p: generate(qwen3, p, "ar", max_new_tokens=N_NEW).token_ids for p in PROMPTS}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("deferred", [True, False])
 @pytest.mark.parametrize("k,topk,stop_prob", [(1, 1, 0), (3, 1, 0), (5, 1, 0), (3, 2, 0), (4, 3, 0), (6, 1, 0.5)])
 def test_sps_greedy_equals_ar(qwen3, qwen3_draft, ar_outputs, k, topk, stop_prob, deferred):
     accepted = 0
     for p in PROMPTS:
-        res = generate(qwen3, p, "sps", draft=qwen3_draft, k=k, tree_topk=topk, stop_prob=stop_prob, deferred=deferred,
-                       max_new_tokens=N_NEW)
+        res = generate(qwen3, p, "sps", models={"draft": qwen3_draft}, k=k, tree_topk=topk, stop_prob=stop_prob,
+                       deferred=deferred, max_new_tokens=N_NEW)
         assert res.token_ids == ar_outputs[p], (p, k, topk)
         accepted += len(res.token_ids) - res.decode.rounds
     assert accepted > 0  # the perturbed draft agrees sometimes, so verification really accepted drafts
 
 
 def test_sps_chain_stops_after_an_unsure_draft_token(qwen3, qwen3_draft):
-    from speclab.drafters.sps import StandaloneDraft
     from speclab.core.sampling import Sampling
+    from speclab.drafters.sps import StandaloneDraft
 
     lengths = []
     for p in PROMPTS:
-        d = StandaloneDraft(qwen3_draft, k=6, stop_prob=0.5)
+        d = StandaloneDraft(qwen3_draft, k=6, tree_topk=1, stop_prob=0.5)
         d.reset(encode_prompt(qwen3, p), None)
         d.catch_up(torch.zeros(0, dtype=torch.long), None)
         tree = d.propose(6, Sampling())
@@ -66,6 +67,7 @@ def test_sps_chain_stops_after_an_unsure_draft_token(qwen3, qwen3_draft):
     assert min(lengths) < 6  # some chains really were cut
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("deferred", [True, False])
 def test_hf_backend_decodes_like_lean(qwen3_hf, qwen3_draft_hf, ar_outputs, deferred):
     """The transformers forward (DynamicCache, HF masks) gives the same greedy tokens as the lean forward."""
@@ -73,7 +75,7 @@ def test_hf_backend_decodes_like_lean(qwen3_hf, qwen3_draft_hf, ar_outputs, defe
         assert generate(qwen3_hf, p, "ar", max_new_tokens=N_NEW, deferred=deferred).token_ids == ar_outputs[p]
         assert generate(qwen3_hf, p, "pld", k=4, max_new_tokens=N_NEW, deferred=deferred).token_ids == ar_outputs[p]
         for k, topk, stop in [(3, 1, 0.0), (3, 2, 0.0), (5, 1, 0.5)]:
-            res = generate(qwen3_hf, p, "sps", draft=qwen3_draft_hf, k=k, tree_topk=topk, stop_prob=stop,
+            res = generate(qwen3_hf, p, "sps", models={"draft": qwen3_draft_hf}, k=k, tree_topk=topk, stop_prob=stop,
                            max_new_tokens=N_NEW, deferred=deferred)
             assert res.token_ids == ar_outputs[p], (p, k, topk)
 
@@ -87,7 +89,7 @@ def test_pld_greedy_equals_ar(qwen3, ar_outputs, k, deferred):
 
 
 def test_pld_proposes_repeated_ngrams():
-    d = PromptLookup(k=3, max_ngram=2)
+    d = PromptLookup(k=3, max_ngram=2, min_ngram=1)
     d.reset(torch.tensor([1, 2, 3, 4, 9, 1, 2]), None)
     from speclab.core.sampling import Sampling
     tree = d.propose(10, Sampling())
@@ -101,16 +103,18 @@ def test_draft_equal_to_target_accepts_everything(qwen3, model_dir, k):
     """With the draft == the target every draft token is accepted: tau = k + 1, one target call per round."""
     from speclab.core.target import Target
     same = Target.load(model_dir["qwen3"], dtype="fp32")  # same weights, its own call counter
-    res = generate(qwen3, PROMPTS[1], "sps", draft=same, k=k, max_new_tokens=5 * (k + 1))
+    res = generate(qwen3, PROMPTS[1], "sps", models={"draft": same}, k=k, max_new_tokens=5 * (k + 1))
     d = res.decode
     if d.stopped == "max_new_tokens":
         assert d.rounds == 5 and len(res.token_ids) == 5 * (k + 1)
     assert d.target_calls == d.rounds + 1  # + the prefill
 
 
+@pytest.mark.slow
 def test_deferred_saves_target_calls(qwen3, qwen3_draft):
-    on = generate(qwen3, PROMPTS[0], "sps", draft=qwen3_draft, k=3, deferred=True, max_new_tokens=N_NEW).decode
-    off = generate(qwen3, PROMPTS[0], "sps", draft=qwen3_draft, k=3, deferred=False, max_new_tokens=N_NEW).decode
+    models = {"draft": qwen3_draft}
+    on = generate(qwen3, PROMPTS[0], "sps", models=models, k=3, deferred=True, max_new_tokens=N_NEW).decode
+    off = generate(qwen3, PROMPTS[0], "sps", models=models, k=3, deferred=False, max_new_tokens=N_NEW).decode
     assert on.new_ids.tolist() == off.new_ids.tolist()
     assert off.target_calls > on.target_calls
     assert on.target_calls == on.rounds + 1  # the prefill, then one call per round
@@ -122,7 +126,7 @@ def test_stops_on_eos(qwen3):
     ref = decode(qwen3, ids, max_new_tokens=N_NEW).new_ids
     qwen3.eos_ids = [int(ref[5])]  # pretend the 6th generated token is EOS
     try:
-        for d in ({}, {"pld": PromptLookup(k=4)}):
+        for d in ({}, {"pld": PromptLookup(k=4, max_ngram=3, min_ngram=1)}):
             res = decode(qwen3, ids, d, max_new_tokens=N_NEW)
             assert res.stopped == "eos" and res.new_ids.tolist() == ref[:6].tolist()
     finally:
@@ -144,7 +148,8 @@ class Alternate:
     def choose(self, s):
         from speclab.routing.routers import Decision
         self.seen.append(s)
-        i = s.round % len(self.names) if self.rng is None else int(torch.randint(len(self.names), (1,), generator=self.rng))
+        n = len(self.names)
+        i = s.round % n if self.rng is None else int(torch.randint(n, (1,), generator=self.rng))
         return Decision(self.names[i], self.policy, s.entropy)
 
 
@@ -183,7 +188,8 @@ def test_alternating_between_sps_and_pld_is_lossless(backend, deferred, qwen3_dr
     t = request.getfixturevalue(backend)
     for p in PROMPTS:
         router = Alternate(["sps", "pld"])
-        drafters = {"sps": StandaloneDraft(qwen3_draft, k=3), "pld": PromptLookup(k=4)}
+        drafters = {"sps": StandaloneDraft(qwen3_draft, k=3, tree_topk=1, stop_prob=0.0),
+                    "pld": PromptLookup(k=4, max_ngram=3, min_ngram=1)}
         res = decode(t, encode_prompt(t, p), drafters, router, max_new_tokens=N_NEW, deferred=deferred)
         assert res.new_ids.tolist() == ar_outputs[p], p
         assert res.rounds < len(ar_outputs[p])  # drafts were accepted
@@ -198,8 +204,10 @@ def test_drafters_get_exactly_the_feature_token_pairs_of_a_full_forward(qwen3, q
     from speclab.drafters.sps import StandaloneDraft
     d = qwen3.hidden_size
     for p in PROMPTS[:3]:
-        rec = {"a": Recorder("a", (0, 1), StandaloneDraft(qwen3_draft, k=3, tree_topk=2)),  # a tree: kept rows jump
-               "b": Recorder("b", (1,), StandaloneDraft(qwen3_draft, k=2)), "pld": PromptLookup(k=4)}
+        # "a" drafts a tree: its kept rows jump
+        rec = {"a": Recorder("a", (0, 1), StandaloneDraft(qwen3_draft, k=3, tree_topk=2, stop_prob=0.0)),
+               "b": Recorder("b", (1,), StandaloneDraft(qwen3_draft, k=2, tree_topk=1, stop_prob=0.0)),
+               "pld": PromptLookup(k=4, max_ngram=3, min_ngram=1)}
         router = Alternate(list(rec), seed=seed)
         prompt = encode_prompt(qwen3, p)
         events = []
@@ -236,7 +244,8 @@ def test_untraced_fast_path_decodes_the_same(qwen3, qwen3_draft, ar_outputs):
     from speclab.core.engine import decode_rounds
     from speclab.drafters.sps import StandaloneDraft
     for record in (False, True):
-        gen = decode_rounds(qwen3, encode_prompt(qwen3, PROMPTS[0]), {"sps": StandaloneDraft(qwen3_draft, k=3)},
+        gen = decode_rounds(qwen3, encode_prompt(qwen3, PROMPTS[0]),
+                            {"sps": StandaloneDraft(qwen3_draft, k=3, tree_topk=1, stop_prob=0.0)},
                             max_new_tokens=N_NEW, record=record)
         items = []
         try:

@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from conftest import PROMPTS
+from helpers import PROMPTS
 from speclab.equality import first_divergence, output_hash
 from speclab.generate import encode_prompt, generate
 

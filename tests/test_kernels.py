@@ -12,10 +12,10 @@ try:
     import triton  # noqa: F401
 except ImportError:
     if os.environ.get("CI"):
-        raise RuntimeError("triton is missing: the set-up (scripts/setup.sh) installs it")
+        raise RuntimeError("triton is missing: the set-up (scripts/setup.sh) installs it") from None
     pytest.skip("triton is not installed (make test installs it)", allow_module_level=True)
 
-from kernels import ops, reference, triton_ops  # noqa: E402
+from kernels import ops, reference, triton_ops
 
 
 @pytest.mark.parametrize("V", [7, 1000, 4099, 8192])
@@ -42,9 +42,32 @@ def _trees(seed: int):
         yield torch.tensor([-1] + [int(torch.randint(-1, i, (1,), generator=g)) for i in range(1, n)]), None
 
 
+def _walked_ancestors(parents: torch.Tensor) -> torch.Tensor:
+    """The ancestor matrix by walking each node's parents up to the root, in Python (the independent reference)."""
+    n = parents.numel()
+    anc = torch.zeros(n, n, dtype=torch.bool)
+    for i in range(n):
+        j = i
+        while j >= 0:
+            anc[i, j] = True
+            j = int(parents[j])
+    return anc
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_ancestor_mask_is_the_path_to_the_root(seed):
+    """The one ancestor matrix (kernels.reference.ancestor_mask), also what a DraftTree verifies with, is each
+    node's walk up to the root: chains, random trees, one node and none."""
+    from speclab.core.tree import DraftTree
+    for parents, _ in _trees(seed):
+        want = _walked_ancestors(parents)
+        assert torch.equal(reference.ancestor_mask(parents), want), parents.tolist()
+        tree = DraftTree(torch.zeros_like(parents), parents, torch.ones(parents.numel()))
+        assert torch.equal(tree.ancestors, want)
+
+
 @pytest.mark.parametrize("seed", range(4))
 def test_greedy_accept_equals_twin(seed):
-    from speclab.core.tree import ancestor_matrix
     g = torch.Generator().manual_seed(100 + seed)
     seen_accepts = 0
     for parents, arg in _trees(seed):
@@ -56,7 +79,7 @@ def test_greedy_accept_equals_twin(seed):
                 if float(torch.rand(1, generator=g)) < 0.8:
                     arg[parents[i] + 1] = tokens[i]
         want = reference.greedy_accept(tokens, parents, arg)
-        fast = reference.greedy_accept(tokens, parents, arg, ancestor_matrix(parents))
+        fast = reference.greedy_accept(tokens, parents, arg, _walked_ancestors(parents))
         got = triton_ops.greedy_accept(tokens, parents, arg)
         for other in (fast, got):
             assert other[0] == want[0] and other[1] == want[1] and torch.equal(other[2], want[2])
@@ -95,6 +118,7 @@ def test_dispatch_never_picks_triton_on_cpu(monkeypatch):
     assert ops.backend(torch.zeros(2)) == "triton"
 
 
+@pytest.mark.slow
 def test_batched_chain_sampling_equals_the_recursion():
     """A sampled (and a deterministic) chain verified in one batched test equals the recursive rejection, draw for
     draw (same uniforms, same residual, same bonus)."""
@@ -115,12 +139,13 @@ def test_batched_chain_sampling_equals_the_recursion():
             assert a.accepted.tolist() == b.accepted.tolist() and a.bonus == b.bonus, (trial, sampled)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("method,params", [("sps", {"k": 3, "tree_topk": 2}), ("sps", {"k": 4}),
                                            ("pld", {"k": 4})])
 def test_engine_output_unchanged_on_the_triton_path(qwen3, qwen3_draft, monkeypatch, method, params):
     """Greedy (tree and chain) and sampled decodes with every op on the interpreted kernels: the same tokens, and
     the same per-token probabilities and entropies in the round events, as on the torch twins."""
-    from conftest import PROMPTS
+    from helpers import PROMPTS
     from speclab.generate import generate
     from speclab.trace import token_columns, vocab_text
 
@@ -129,8 +154,8 @@ def test_engine_output_unchanged_on_the_triton_path(qwen3, qwen3_draft, monkeypa
     def run(backend, temperature):
         monkeypatch.setenv(ops.ENV, backend)
         evs = []
-        res = generate(qwen3, PROMPTS[0], method, draft=qwen3_draft, max_new_tokens=16, temperature=temperature,
-                       seed=3, on_round=evs.append, **params)
+        res = generate(qwen3, PROMPTS[0], method, models={"draft": qwen3_draft}, max_new_tokens=16,
+                       temperature=temperature, seed=3, on_round=evs.append, **params)
         return res.token_ids, token_columns(evs, text)
 
     for temperature in (0.0, 1.0):

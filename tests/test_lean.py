@@ -3,14 +3,11 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from conftest import tiny_config
+from helpers import NoTok as _NoTok
+from helpers import tiny_config
 from speclab.core.lean import supports
 from speclab.core.target import Target, keep_cache
 from speclab.core.tree import DraftTree, tree_attention_mask, tree_position_ids
-
-
-class _NoTok:
-    eos_token_id = None
 
 
 def _pair(cfg, seed):

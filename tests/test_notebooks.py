@@ -15,6 +15,7 @@ def test_there_are_four_walkthroughs():
     assert [p.name[:2] for p in NOTEBOOKS] == ["01", "02", "03", "04"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])
 def test_notebook_executes_top_to_bottom(path: Path):
     from nbclient import NotebookClient
@@ -27,22 +28,21 @@ def test_notebook_executes_top_to_bottom(path: Path):
     print(f"{path.name}: executed in {time.perf_counter() - t0:.1f} s")
     errors = [o for c in nb.cells for o in c.get("outputs", []) if o.get("output_type") == "error"]
     assert not errors
-    shown = [o for c in nb.cells for o in c.get("outputs", []) if o.get("output_type") in ("display_data", "execute_result")]
+    shown = [o for c in nb.cells for o in c.get("outputs", [])
+             if o.get("output_type") in ("display_data", "execute_result")]
     assert shown  # figures and tables really came out
 
 
-def test_calibration_widget_slider_redraws_and_save_writes(deep, tmp_path):
+@pytest.mark.slow
+def test_calibration_widget_slider_redraws_and_save_writes(deep, trained_eagle3, trained_dflash, tmp_path):
     """The widget's callbacks on a real (tiny) bench: moving the slider moves the chosen-threshold marker and
     changes the replayed figure; Save writes the threshold the routers then read."""
-    import test_dflash
-    import test_eagle3
-
     from speclab.routing.calibration import Calibrator
     from speclab.routing.routers import load_calibration
     from speclab.trace import TraceStore
     from speclab.widgets import CalibrationWidget
 
-    models = {"eagle3": test_eagle3.train_tiny(deep), "dflash": test_dflash.train_tiny(deep)}
+    models = {"eagle3": trained_eagle3, "dflash": trained_dflash}
     with TraceStore(tmp_path / "w.duckdb") as store:
         cal = Calibrator.prepare(store, deep, models, "zoo", 1, 16, log=lambda s: None)
         w = CalibrationWidget(cal, deep, router="entropy", category="all", path=tmp_path / "cal.json")
@@ -53,7 +53,7 @@ def test_calibration_widget_slider_redraws_and_save_writes(deep, tmp_path):
         w.slider.value = grid_hi
         high = (marker().x, marker().y, w.message.value)
         assert low[0] == (grid_lo,) and high[0] == (grid_hi,) and low[2] != high[2]
-        assert low[1] != high[1] or cal.at("entropy", grid_lo, "all")["al"] == cal.at("entropy", grid_hi, "all")["al"]
+        assert low[1] != high[1] or cal.at("entropy", grid_lo, "all")["tau"] == cal.at("entropy", grid_hi, "all")["tau"]
         w.category.value = "code"  # a new category: the slider moves to its optimum
         assert w.slider.value == pytest.approx(cal.best("entropy", "code")["threshold"])
         w.save()

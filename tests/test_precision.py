@@ -1,24 +1,24 @@
 """bf16 where the CPU computes it natively: the dtype choice, logits in fp32, exact (batch-invariant) mode, and
 bf16 greedy decoding that equals AR or differs only at a numerical near-tie (never a bug)."""
-import json
 
 import pytest
 import torch
 import torch.nn.functional as F
 
+from helpers import demo_rows, error_lines
 from speclab import zoo
 from speclab.core import precision
+from speclab.core.target import Target
+from speclab.core.tree import DraftTree, tree_attention_mask, tree_position_ids
 from speclab.drafters.dflash import load_dflash
 from speclab.drafters.eagle3 import load_eagle3
 from speclab.equality import first_divergence, kind_of
 from speclab.generate import generate
 from speclab.methods import METHODS
 from speclab.routing.routers import load_router
-from speclab.core.target import Target
 from speclab.trace import TraceStore
-from speclab.core.tree import DraftTree, tree_attention_mask, tree_position_ids
 
-PROMPTS = [json.loads(line)["prompt"] for line in (zoo.REPO_ROOT / "data" / "prompts" / "demo.jsonl").read_text().splitlines()]
+PROMPTS = [row["prompt"] for row in demo_rows()]
 
 
 # ---- the dtype choice ---------------------------------------------------------------------------------------------
@@ -79,7 +79,8 @@ def test_head_refines_the_top_logits_to_exact_fp32():
     assert torch.equal(out.gather(-1, top), (w.float()[top] * h[:, None]).sum(-1))  # fp32 values where they matter
     assert torch.equal(out.argmax(-1), ref.argmax(-1))
     low = precision.Head(w, "model")(h)
-    assert low.dtype == torch.float32 and (low - ref).abs().max() > (out.gather(-1, top) - ref.gather(-1, top)).abs().max()
+    assert low.dtype == torch.float32
+    assert (low - ref).abs().max() > (out.gather(-1, top) - ref.gather(-1, top)).abs().max()
 
 
 def test_head_falls_back_to_a_full_fp32_row_where_an_unrefined_logit_could_win():
@@ -166,7 +167,7 @@ def test_exact_mode_wide_eagle3_tree_equals_ar(zoo_bf16, drafters):
     t = zoo_bf16["exact"]
     prompt = next(r["prompt"] for r in load_suite("zoo", 4) if r["prompt_id"] == "literature-1")
     ar = generate(t, prompt, "ar", max_new_tokens=128)
-    tree = generate(t, prompt, "eagle3:tree_topk=3+total_tokens=16", eagle3=drafters["exact"]["eagle3"],
+    tree = generate(t, prompt, "eagle3:tree_topk=3+total_tokens=16", models={"eagle3": drafters["exact"]["eagle3"]},
                     max_new_tokens=128)
     assert tree.token_ids == ar.token_ids
 
@@ -176,7 +177,7 @@ def test_exact_mode_refuses_the_hf_backend(model_dir):
         Target.load(model_dir["qwen3"], dtype="fp32", backend="hf", exact=True)
 
 
-# ---- bf16 greedy decoding: equal to AR, or a near-tie; in exact mode always equal -------------------------------------
+# ---- bf16 greedy decoding: equal to AR, or a near-tie; in exact mode always equal ------------------------------------
 
 @pytest.fixture(scope="module")
 def drafters(zoo_bf16):
@@ -197,7 +198,7 @@ def test_bf16_greedy_equals_ar_or_differs_at_a_near_tie(zoo_bf16, drafters, mode
         for m in METHODS:
             if m == "ar":
                 continue
-            res = generate(t, p, m, **models, max_new_tokens=48)
+            res = generate(t, p, m, models=models, max_new_tokens=48)
             div = first_divergence(t, ar.decode.prompt_ids, ar.token_ids, res.token_ids)
             kinds.setdefault(kind_of(div), []).append((m, p[:20], div.describe() if div else ""))
     assert "bug" not in kinds, kinds["bug"]
@@ -220,7 +221,7 @@ def test_runs_record_how_they_computed(zoo_bf16, tmp_path):
 def test_equality_groups_in_the_metrics(tmp_path):
     """equal / near-tie / bug per method, from the trace (the bench's and `speclab stats`' columns)."""
     from speclab.equality import Divergence
-    from speclab.metrics import summarize
+    from speclab.metrics import run_summary
     with TraceStore(tmp_path / "t.duckdb") as s:
         def run(method, prompt, h):
             rid = s.start_run(method=method, bench_id="b", prompt_id=prompt)
@@ -233,16 +234,17 @@ def test_equality_groups_in_the_metrics(tmp_path):
         s.record_divergence(run("x", "c", "z"), Divergence(3, 1, 2, 0.01, 0.1))
         s.record_divergence(run("x", "d", "y"), Divergence(2, 1, 2, 0.5, 0.1))
         s.start_run(method="x", prompt_id="e")  # no bench: not compared
-        df = summarize(s, by="method").set_index("method")
+        df = run_summary(s, by="method").set_index("method")
     assert df.loc["x", "equal_to_ar"] == 0.5 and df.loc["x", "near_tie"] == 0.25 and df.loc["x", "bug"] == 0.25
     assert df.loc["ar", "equal_to_ar"] == 1.0
 
 
 def test_cli_refuses_bad_precision_options_in_one_line(model_dir, capsys):
     from speclab.cli import main
-    for argv, says in [(["--dtype", "bf17"], "--dtype 'bf17' is not a dtype"), (["--logits", "half"], "--logits 'half'"),
+    for argv, says in [(["--dtype", "bf17"], "--dtype 'bf17' is not a dtype"),
+                       (["--logits", "half"], "--logits 'half'"),
                        (["--exact", "--backend", "hf"], "--exact needs speclab's lean forward")]:
         rc = main(["generate", "--model", str(model_dir["qwen3"]), "--prompt", "hi", "--db", "none", *argv])
         err = capsys.readouterr().err
-        lines = [ln for ln in err.splitlines() if ln.startswith("speclab: error:")]
+        lines = error_lines(err)
         assert rc == 2 and len(lines) == 1 and says in lines[0] and "loading" not in err, err

@@ -1,34 +1,37 @@
 """WhiFlash routing: routed greedy output equals AR for every policy (lazy and eager), replay equals live, lazy and
 eager catch-up draft alike, the oracles are ordered, routed sampling keeps the target distribution, calibration is
 used by default, and the cost model recovers known costs."""
-import json
-import math
-
 import numpy as np
 import pytest
 import torch
 
-from conftest import PROMPTS
-from speclab.routing import replay
+from helpers import PROMPTS, error_lines
 from speclab.core.engine import decode
+from speclab.core.sampling import Sampling
 from speclab.errors import InvalidInput
 from speclab.generate import generate
 from speclab.methods import build_method, method_params
-from speclab.routing.routers import (Calibration, EntropyRouter, NeuralRouter, RouterConfig, RouterMLP, ScheduleRouter,
-                             load_router, threshold_bound)
+from speclab.routing import replay
 from speclab.routing.evaluate import oracles
-from speclab.core.sampling import Sampling
+from speclab.routing.routers import (
+    Calibration,
+    EntropyRouter,
+    NeuralRouter,
+    RouterConfig,
+    RouterMLP,
+    ScheduleRouter,
+    load_router,
+    threshold_bound,
+)
 
 
 @pytest.fixture(scope="module")
-def models(deep):
+def models(deep, trained_eagle3, trained_dflash):
     """Trained tiny EAGLE-3 and DFlash drafters (they agree with the target often, so rounds accept drafts) and a
     random neural router."""
-    import test_dflash
-    import test_eagle3
     torch.manual_seed(3)
     mlp = RouterMLP(RouterConfig(deep.hidden_size, max(deep.hidden_size // 8, 1), 0.0)).eval()
-    return {"eagle3": test_eagle3.train_tiny(deep), "dflash": test_dflash.train_tiny(deep), "router": mlp}
+    return {"eagle3": trained_eagle3, "dflash": trained_dflash, "router": mlp}
 
 
 def entropies(target, prompt: str, n: int = 40) -> np.ndarray:
@@ -70,8 +73,8 @@ def test_routed_greedy_equals_ar(deep, models, thresholds, eager, deferred):
         runs = [("whiflash-entropy", t) for t in thresholds + ends] + [("whiflash-neural", t) for t in (-0.5, 0.0, 0.5)]
         for method, t in runs:
             evs = []
-            res = generate(deep, p, method, **models, threshold=t, eager=eager, deferred=deferred, max_new_tokens=40,
-                           on_round=evs.append)
+            res = generate(deep, p, method, models=models, threshold=t, eager=eager, deferred=deferred,
+                           max_new_tokens=40, on_round=evs.append)
             assert res.token_ids == ar.token_ids, (p, method, t)
             switched += sum(a.drafter != b.drafter for a, b in zip(evs, evs[1:]))
         sched = ScheduleRouter(["eagle3", "dflash", "dflash", "eagle3"] * 20, eager=bool(eager))
@@ -83,7 +86,7 @@ def test_routed_greedy_equals_ar(deep, models, thresholds, eager, deferred):
 
 def _live_rounds(target, models, ids, spec, n):
     evs = []
-    res = generate(target, ids, spec, **models, max_new_tokens=n, on_round=evs.append)
+    res = generate(target, ids, spec, models=models, max_new_tokens=n, on_round=evs.append)
     return res, [(e.drafter, e.n_accepted, len(e.committed), e.backlog) for e in evs]
 
 
@@ -98,7 +101,8 @@ def test_replay_equals_live(deep, models, thresholds):
         pred = replay.neural_signal(prof, models["router"])
         for spec, choice, eager in (
                 [(f"whiflash-entropy:threshold={t}", replay.entropy_choice(prof, [t]), False) for t in thresholds]
-                + [(f"whiflash-entropy:threshold={thresholds[1]}+eager=1", replay.entropy_choice(prof, [thresholds[1]]), True)]
+                + [(f"whiflash-entropy:threshold={thresholds[1]}+eager=1", replay.entropy_choice(prof, [thresholds[1]]),
+                    True)]
                 + [(f"whiflash-neural:threshold={t}", replay.signal_choice(pred, [t]), False)
                    for t in np.quantile(pred, [0.3, 0.7])]):
             res, live = _live_rounds(deep, models, ids, spec, n)
@@ -116,8 +120,8 @@ def test_lazy_and_eager_catch_up_draft_alike(deep, models, thresholds):
         trees = {}
         for eager in (0, 1):
             evs = []
-            generate(deep, p, "whiflash-entropy", **models, threshold=thresholds[1], eager=eager, max_new_tokens=40,
-                     on_round=evs.append)
+            generate(deep, p, "whiflash-entropy", models=models, threshold=thresholds[1], eager=eager,
+                     max_new_tokens=40, on_round=evs.append)
             trees[eager] = [(e.drafter, e.tree.tokens.tolist(), e.tree.parents.tolist(), e.backlog) for e in evs]
         assert [t[:3] for t in trees[0]] == [t[:3] for t in trees[1]]
         assert sum(t[3] for t in trees[0]) > sum(t[3] for t in trees[1])  # lazy digests more at once, less often
@@ -141,24 +145,24 @@ def test_oracles_are_ordered(deep, models, tmp_path):
     for a, b in zip(profs, back):
         assert (a.accepted == b.accepted).all() and (a.width == b.width).all() and (a.tokens == b.tokens).all()
         assert torch.equal(a.hidden, b.hidden) and np.allclose(a.entropy, b.entropy) and a.category == b.category
-    t = oracles(profs).set_index(["policy", "category"]).al
+    t = oracles(profs).set_index(["policy", "category"]).tau
     for c in ("a", "b", "all"):
-        assert t["oracle-token", c] >= t["oracle-prompt", c] >= t["oracle-task", c] >= max(t["eagle3", c], t["dflash", c])
+        best_drafter = max(t["eagle3", c], t["dflash", c])
+        assert t["oracle-token", c] >= t["oracle-prompt", c] >= t["oracle-task", c] >= best_drafter
     assert t["oracle-token", "all"] > max(t["eagle3", "all"], t["dflash", "all"])  # strictly: the drafters differ
-    sw = replay.summarize(replay.replay_table(profs, {"e": (lambda p: replay.entropy_choice(p, np.linspace(0, 6, 25)),
-                                                            list(np.linspace(0, 6, 25)))}), by=("value",))
-    assert t["oracle-token", "all"] >= sw.al.max()
+    sw = replay.summarize_walks(replay.replay_table(profs, {"e": (lambda p: replay.entropy_choice(
+        p, np.linspace(0, 6, 25)), list(np.linspace(0, 6, 25)))}), by=("value",))
+    assert t["oracle-token", "all"] >= sw.tau.max()
 
 
 def test_routed_sampling_keeps_target_distribution(tiny_v8):
     """Routed decoding under sampling (entropy and neural routers that switch between an EAGLE-3 and a DFlash
     drafter within a decode): the first two sampled tokens follow the target's exact joint distribution. Power:
     a sample of the joint at temperature 0.7 is told apart by the same test."""
-    import test_dflash
-    import test_eagle3
-    from test_sampling import N_RUNS, PROMPT, V, chi2_p, exact_joint, told_apart
+    from helpers import random_dflash, random_eagle3
     from speclab.drafters.dflash import DFlashDrafter
     from speclab.drafters.eagle3 import Eagle3Drafter
+    from test_sampling import N_RUNS, PROMPT, V, chi2_p, exact_joint, told_apart
 
     target = tiny_v8
     want = exact_joint(target, PROMPT, Sampling(1.0))
@@ -172,13 +176,13 @@ def test_routed_sampling_keeps_target_distribution(tiny_v8):
     with torch.no_grad():
         pred = mlp(torch.stack([o.hidden[-1] for o in outs]))
     for router in (EntropyRouter(float(ent.median())), NeuralRouter(mlp, float(pred.median()))):
-        drafters = {"eagle3": Eagle3Drafter(test_eagle3.random_drafter(target, 2), target, depth=2, top_k=1),
-                    "dflash": DFlashDrafter(test_dflash.random_drafter(target, 4, mask_id=V - 1), target, block_size=3,
-                                            markov=False)}
+        drafters = {"eagle3": Eagle3Drafter(random_eagle3(target, 2), target, depth=2, tree_topk=1, total_tokens=8),
+                    "dflash": DFlashDrafter(random_dflash(target, 4, mask_id=V - 1), target, block_size=3,
+                                            markov=False, tree_topk=1, total_tokens=16)}
         counts, used = np.zeros(V * V), set()
         for seed in range(N_RUNS):
             res = decode(target, PROMPT, drafters, router, max_new_tokens=3,
-                         listeners=(lambda ev: used.add(ev.drafter),), sampling=Sampling(1.0, seed=seed))
+                         listeners=(lambda ev, used=used: used.add(ev.drafter),), sampling=Sampling(1.0, seed=seed))
             a, b = res.new_ids.tolist()[:2]
             counts[a * V + b] += 1
         assert used == {"eagle3", "dflash"}
@@ -194,11 +198,13 @@ def test_replay_is_greedy_only():
 
 def test_calibrated_threshold_by_category(deep, models, tmp_path, monkeypatch):
     monkeypatch.setenv("SPECLAB_ZOO", str(tmp_path))
-    Calibration({"entropy": {"code": 0.25, "*": 2.5}, "neural": {"*": -0.75}}, deep.fingerprint).save(tmp_path / "calibration.json")
+    Calibration({"entropy": {"code": 0.25, "*": 2.5}, "neural": {"*": -0.75}}, deep.fingerprint).save(
+        tmp_path / "calibration.json")
 
     def thr(method, category, **kw):
         evs = []
-        generate(deep, PROMPTS[0], method, **models, category=category, max_new_tokens=4, on_round=evs.append, **kw)
+        generate(deep, PROMPTS[0], method, models=models, category=category, max_new_tokens=4, on_round=evs.append,
+                 **kw)
         return evs[0].decision.threshold
 
     assert thr("whiflash-entropy", "code") == 0.25
@@ -230,6 +236,7 @@ def test_router_checkpoint_round_trip(deep, tmp_path):
 def test_cost_model_recovers_known_costs(tmp_path):
     """Rounds whose phases follow known linear costs (plus noise) give back those costs."""
     import pyarrow as pa
+
     from speclab.trace import TraceStore
 
     rng = np.random.default_rng(0)
@@ -243,14 +250,18 @@ def test_cost_model_recovers_known_costs(tmp_path):
             d = rng.integers(0, 2, n)
             w = np.where(d == 0, rng.integers(1, 9, n), rng.integers(3, 7, n))
             back = rng.integers(1, 80, n)
-            noise = lambda: rng.normal(0, 0.01, n)
+
+            def noise(n=n):
+                return rng.normal(0, 0.01, n)
             s.append({"rounds": pa.table({
                 "run_id": np.full(n, rid), "round": np.arange(n, dtype=np.int32),
                 "drafter": np.array(replay.DRAFTERS)[d], "n_drafted": w.astype(np.int32),
                 "n_accepted": np.zeros(n, np.int32), "committed": np.ones(n, np.int32),
-                "t_draft_ms": np.take(truth["draft"], d) + noise(), "t_verify_ms": truth["v0"] + truth["v1"] * (w + 1) + noise(),
+                "t_draft_ms": np.take(truth["draft"], d) + noise(),
+                "t_verify_ms": truth["v0"] + truth["v1"] * (w + 1) + noise(),
                 "t_catchup_ms": np.take(truth["c0"], d) + np.take(truth["c1"], d) * back + noise(),
-                "t_route_ms": np.take(truth["other"], d) + noise(), "t_commit_ms": np.zeros(n), "t_record_ms": np.zeros(n),
+                "t_route_ms": np.take(truth["other"], d) + noise(), "t_commit_ms": np.zeros(n),
+                "t_record_ms": np.zeros(n),
                 "backlog": back.astype(np.int32)})})
             s.finish_run(rid, "done", prefill_ms=truth["p0"] + truth["p1"] * P, elapsed_s=1.0, new_tokens=n, rounds=n)
         s.drain()
@@ -284,7 +295,7 @@ def test_routing_cli_refuses_bad_input_in_one_line(case, argv, says, tmp_path, c
     argv = [x.format(tmp=tmp_path) for x in argv]
     rc = main(argv + ([] if "--db" in argv else ["--db", str(db)]))
     out, err = capsys.readouterr()
-    lines = [ln for ln in err.splitlines() if ln.startswith("speclab: error:")]
+    lines = error_lines(err)
     assert rc == 2 and len(lines) == 1 and says in lines[0], (rc, err)
     assert "loading" not in err and out == ""
     with TraceStore(db, read_only=True) as s:
@@ -296,8 +307,19 @@ def test_bench_pipeline_profiles_replays_calibrates(deep, models, thresholds, tm
     the cost model, every live run replayed identically, Table 1, a sweep with its best thresholds, switch costs
     and lazy vs eager."""
     from speclab.bench.run import BenchConfig, run_bench
-    from speclab.routing.evaluate import (best_thresholds, get_profiles, lazy_vs_eager, modeled_table, profile_bench,
-                                 replayed_runs, routing_table, sweep, switch_table, wide)
+    from speclab.routing.calibration import grid
+    from speclab.routing.evaluate import (
+        best_thresholds,
+        get_profiles,
+        lazy_vs_eager,
+        modeled_table,
+        profile_bench,
+        replayed_runs,
+        routing_table,
+        sweep,
+        switch_table,
+        wide,
+    )
     from speclab.trace import TraceStore
 
     t = thresholds[1]
@@ -314,15 +336,39 @@ def test_bench_pipeline_profiles_replays_calibrates(deep, models, thresholds, tm
         assert len(rep) == 4 * 5 and rep.identical.all() and (rep.modeled_s > 0).all()
         orc = oracles(profs, cost)
         table = routing_table(store, bench, orc)
-        assert {"eagle3", "dflash", "oracle-token", specs[3]} <= set(table.method) and len(wide(table)) == table.method.nunique()
+        assert {"eagle3", "dflash", "oracle-token", specs[3]} <= set(table.method)
+        assert len(wide(table)) == table.method.nunique()
         mt = modeled_table(rep, orc)
         assert set(mt.category) == {"code", "stories", "literature", "math", "all"}
         sw = sweep(profs, cost, "entropy", [0.0, t, 99.0])
         best = best_thresholds(sw)
         assert set(best) == {"*", "code", "stories", "literature", "math"}
+        eager = store.query("SELECT method, bool_and(eager) AS eager FROM runs WHERE bench_id = ? GROUP BY method",
+                            [bench]).set_index("method").eager
+        assert eager.to_dict() == {s: s == specs[4] for s in specs}  # runs.eager, written by each run
         le = lazy_vs_eager(store, bench)
-        assert set(le.lazy) == {specs[3]} and (le.al_lazy == le.al_eager).all()
-        assert isinstance(switch_table(store, bench), type(le))
+        assert set(le.lazy) == {specs[3]} and set(le.eager) == {specs[4]} and (le.tau_lazy == le.tau_eager).all()
+        assert set(le.category) == {"code", "stories", "literature", "math", "all"}
+        # the live switch table counts every drafter change of the lazy routed runs, from their rounds
+        switches = 0
+        for m in (specs[3], specs[5]):
+            for rid in store.query("SELECT run_id FROM runs WHERE method = ?", [m]).run_id:
+                d = store.rounds(int(rid)).drafter.tolist()
+                switches += sum(a != b for a, b in zip(d, d[1:]))
+        st = switch_table(store, bench)
+        assert switches > 0 and st.switches.sum() == switches
+        assert set(st.drafter) <= {"eagle3", "dflash"} and st.share_of_round.between(0, 1).all()
+        # the cost model's error on the live runs: modeled / measured tokens/s - 1, the modeled time being the
+        # replayed runs' (identical rounds), the measured the runs' own
+        err = replay.model_error_table(cost, store, bench).set_index("method")
+        runs = store.query("SELECT method, sum(new_tokens) AS t, sum(elapsed_s) AS s FROM runs WHERE bench_id = ? "
+                           "GROUP BY method", [bench]).set_index("method")
+        lazy = rep[rep.method != specs[4]].groupby("method")[["tokens", "modeled_s"]].sum()
+        assert set(err.index) == set(specs[1:4]) | {specs[5]}  # eager runs left out: their catch-up holds two drafters
+        for m, x in err.iterrows():
+            assert x.tokens_per_s_live == pytest.approx(runs.t[m] / runs.s[m])
+            assert x.tokens_per_s_modeled == pytest.approx(lazy.tokens[m] / lazy.modeled_s[m])
+            assert x.model_error == pytest.approx(x.tokens_per_s_modeled / x.tokens_per_s_live - 1)
         from speclab import viz
         from speclab.routing.evaluate import router_rounds
         run = store.query("SELECT run_id, prompt_id FROM runs WHERE method = ?", [specs[5]]).iloc[0]
@@ -332,6 +378,21 @@ def test_bench_pipeline_profiles_replays_calibrates(deep, models, thresholds, tm
         assert chosen == rr.n_accepted.tolist() and rr.pos.iloc[0] == 0 and not rr.switch.iloc[0]
         fig = viz.router_figure(rr)
         assert {t.name for t in fig.data} >= {"signal", "threshold", "eagle3 would accept", "dflash would accept"}
+        # the reports `speclab routing`, `sweep` and `calibrate` write, built by the library
+        from speclab.cli.common import write_report
+        from speclab.routing.calibration import Calibrator, calibrate
+        from speclab.routing.evaluate import live_specs, routing_report, run_live, sweep_report
+        report = routing_report(store, bench, profs, cost, models["router"])
+        assert "Lazy vs eager" in report.text and "model error" in report.text and len(report.figs) == 4
+        run_live(store, bench, deep, models, live_specs("entropy", [1.25]), log=lambda s: None)
+        report = sweep_report(store, bench, profs, cost, "entropy", [0.0, 1.25, 99.0], live_thresholds=[1.25])
+        live = report.figs[0].data[-1]  # a live point per category, over the replayed lines
+        assert "Live runs at chosen thresholds" in report.text and live.name.endswith("(live)")
+        paths = write_report(report, tmp_path / "r" / "sweep.md")
+        assert [x.suffix for x in paths] == [".md", ".html"] and "model_error" in paths[0].read_text()
+        best, report = calibrate(Calibrator(store, bench, profs, cost, models["router"]), ["entropy", "neural"])
+        assert best["entropy"] == best_thresholds(sweep(profs, cost, "entropy", grid("entropy")))
+        assert set(best["neural"]) == set(best["entropy"]) and len(report.figs) == 2
 
 
 def test_calibrator_replays_saves_and_confirms_live(deep, models, thresholds, tmp_path, monkeypatch):
@@ -358,7 +419,7 @@ def test_calibrator_replays_saves_and_confirms_live(deep, models, thresholds, tm
         point = cal.at("entropy", t, "code")
         from speclab.routing.evaluate import sweep
         same = sweep(cal.profiles, cal.cost, "entropy", [t])
-        assert point["al"] == same[same.category == "code"].al.iloc[0]
+        assert point["tau"] == same[same.category == "code"].tau.iloc[0]
         best = cal.best("entropy", "all")
         assert best["tokens_per_s"] == cal.curve("entropy").query("category == 'all'").tokens_per_s.max()
         refs = cal.references()
@@ -374,7 +435,7 @@ def test_calibrator_replays_saves_and_confirms_live(deep, models, thresholds, tm
         assert default_threshold("entropy", "code", deep.fingerprint) == 0.5
         assert default_threshold("entropy", "math", deep.fingerprint) == 0.75  # 'all' is the global '*'
         live = cal.confirm(deep, models, "entropy", t, "code", 1, log=lambda s: None)
-        assert live.prompts[0] == 1 and live.al_live[0] == pytest.approx(live.al_replay[0])
+        assert live.prompts[0] == 1 and live.tau_live[0] == pytest.approx(live.tau_replay[0])
         assert live.tokens_per_s_live[0] > 0
 
 
@@ -385,7 +446,7 @@ def test_live_router_rounds_equal_the_trace(deep, models, thresholds, tmp_path):
 
     with TraceStore(tmp_path / "r.duckdb") as store:
         evs = []
-        res = generate(deep, PROMPTS[0], "whiflash-entropy", **models, threshold=thresholds[1], max_new_tokens=32,
+        res = generate(deep, PROMPTS[0], "whiflash-entropy", models=models, threshold=thresholds[1], max_new_tokens=32,
                        trace=store, on_round=evs.append)
         store.drain()
         live, traced = event_rounds(evs), router_rounds(store, res.run_id)
@@ -399,3 +460,37 @@ def test_live_router_rounds_equal_the_trace(deep, models, thresholds, tmp_path):
     part = replay.profile_sequence(deep, drafters, ids, torch.tensor(res.token_ids), 32, positions=starts)
     assert (part.accepted[:, starts] == full.accepted[:, starts]).all()
     assert (np.delete(part.accepted, starts, axis=1) == -1).all()
+
+
+def test_best_threshold_is_one_rule_everywhere():
+    """The best threshold of a sweep (`best_per_category`): per category the highest modeled tokens/s, the lowest
+    threshold among equals. `best_thresholds` (what `speclab calibrate` saves) and `Calibrator.best` (the app's
+    and the notebook widget's optimum) give the same."""
+    from types import SimpleNamespace
+
+    import pandas as pd
+
+    from speclab.routing.calibration import Calibrator
+    from speclab.routing.evaluate import best_per_category, best_thresholds
+    sw = pd.DataFrame({"category": ["a"] * 4 + ["all"] * 3, "threshold": [1.5, 0.0, 0.5, 1.0, 0.0, 0.5, 1.0],
+                       "tokens_per_s": [2.0, 1.0, 3.0, 3.0, 5.0, 4.0, 6.0], "tau": [1.0] * 7})
+    best = best_per_category(sw)
+    assert best.loc["a", "threshold"] == 0.5 and best.loc["all", "threshold"] == 1.0
+    assert best_thresholds(sw) == {"a": 0.5, "*": 1.0}
+    cal = Calibrator(None, "b", [SimpleNamespace(category="a")], None, curves={"entropy": sw})
+    assert cal.best("entropy", "a")["threshold"] == 0.5 and cal.best("entropy", "all")["threshold"] == 1.0
+
+
+def test_calibration_grids_are_one_definition():
+    """`GRIDS` is what every calibration sweeps: the calibrator (the app, the notebook widget) and, by default,
+    `speclab calibrate` and `speclab sweep`."""
+    from speclab.cli.main import parser
+    from speclab.routing.calibration import GRIDS, grid, grid_text
+    from speclab.routing.evaluate import parse_thresholds
+    for router, (start, stop, step) in GRIDS.items():
+        g = grid(router)
+        assert g[0] == start and g[-1] == stop and g[1] - g[0] == pytest.approx(step)
+        assert parse_thresholds(grid_text(router)) == g  # the text the CLI resolves its default grid from
+    ca = parser().parse_args(["calibrate"])
+    sw = parser().parse_args(["sweep", "--router", "neural"])
+    assert ca.entropy_grid is None and ca.neural_grid is None and sw.grid is None  # None: the router's GRIDS

@@ -9,13 +9,14 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-from conftest import build_tiny
+from helpers import NoTok as _NoTok
+from helpers import build_tiny
 from speclab.core.engine import decode
-from speclab.drafters.sps import StandaloneDraft
 from speclab.core.sampling import Sampling, logits_to_probs, sample
 from speclab.core.target import Target
 from speclab.core.tree import DraftTree
 from speclab.core.verify import verify_sampling
+from speclab.drafters.sps import StandaloneDraft
 
 V = 8
 N_RUNS = 1200  # decodes per end-to-end test (the depth-2 power check rejects at p ~ 1e-11)
@@ -56,6 +57,7 @@ def pq():
     return p, q
 
 
+@pytest.mark.slow
 def test_verify_sampled_multi_candidate_node_keeps_p(pq):
     """Three children drawn i.i.d. from q at the root (SpecInfer-style): the first token still follows p."""
     p, q = pq
@@ -67,6 +69,7 @@ def test_verify_sampled_multi_candidate_node_keeps_p(pq):
     assert chi2_p(counts, q.numpy()) < 1e-3  # the test can tell p from q
 
 
+@pytest.mark.slow
 def test_verify_deterministic_candidates_keep_p(pq):
     """Top-3 of q as point-mass candidates (EAGLE-style tree level): the first token still follows p."""
     p, q = pq
@@ -93,10 +96,6 @@ def tiny_vocab(tmp_path_factory):
         model.eos_ids = []
         return model
     return make(3, "target"), make(4, "draft")
-
-
-class _NoTok:
-    eos_token_id = None
 
 
 def exact_joint(target, prompt, s: Sampling, n=2) -> np.ndarray:
@@ -190,6 +189,7 @@ CASES = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", list(CASES))
 def test_speculative_sampling_matches_target_distribution(tiny_vocab, case):
     """The first two decoded tokens follow the target's exact joint distribution (under the same temperature,
@@ -201,7 +201,8 @@ def test_speculative_sampling_matches_target_distribution(tiny_vocab, case):
     target, draft = tiny_vocab
     s = Sampling(**{"temperature": 1.0, **skw})
     want = exact_joint(target, prompt, s)
-    drafter = IIDTree(draft) if params is None else StandaloneDraft(draft, **params)
+    drafter = IIDTree(draft) if params is None else StandaloneDraft(draft,
+                                                                    **{"tree_topk": 1, "stop_prob": 0.0, **params})
     counts, one_round = decode_counts(target, drafter, s, prompt, deferred, seed0=list(CASES).index(case) * N_RUNS)
     assert one_round > N_RUNS // 40  # both tested tokens were accepted drafts, and not rarely
     assert chi2_p(counts, want) > 1e-3
@@ -221,25 +222,28 @@ def tiny_vocab_bf16(tiny_vocab):
     return bf16(tiny_vocab[0], True), bf16(tiny_vocab[1], False)
 
 
+@pytest.mark.slow
 def test_bf16_exact_speculative_sampling_matches_target_distribution(tiny_vocab_bf16):
     """Sampling in bf16 (logits in fp32, exact mode) keeps the target's distribution; power as above."""
     target, draft = tiny_vocab_bf16
     assert target.dtype == torch.bfloat16 and target.exact
     s = Sampling(1.0)
     want = exact_joint(target, PROMPT, s)
-    counts, one_round = decode_counts(target, StandaloneDraft(draft, k=2), s, seed0=len(CASES) * N_RUNS)
+    counts, one_round = decode_counts(target, StandaloneDraft(draft, k=2, tree_topk=1, stop_prob=0.0), s,
+                                      seed0=len(CASES) * N_RUNS)
     assert one_round > N_RUNS // 40
     assert chi2_p(counts, want) > 1e-3
     assert told_apart(exact_joint(draft, PROMPT, s), want)
 
 
+@pytest.mark.slow
 def test_depth2_verified_against_wrong_q_is_detected(tiny_vocab):
     """Power at depth 2: the end-to-end test rejects a sampled chain whose depth-2 token is verified against the
     wrong draft distribution. The first token is still right, so the rejection comes from the second."""
     target, draft = tiny_vocab
     s = Sampling(1.0)
     want = exact_joint(target, PROMPT, s)
-    counts, one_round = decode_counts(target, WrongDepth2Q(draft, k=2), s)
+    counts, one_round = decode_counts(target, WrongDepth2Q(draft, k=2, tree_topk=1, stop_prob=0.0), s)
     assert one_round > N_RUNS // 40
     assert chi2_p(counts.reshape(V, V).sum(1), want.reshape(V, V).sum(1)) > 1e-3  # first token: fine
     assert chi2_p(counts, want) < 1e-3  # the joint: told apart

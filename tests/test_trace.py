@@ -4,7 +4,7 @@ import sys
 
 import pytest
 
-from conftest import PROMPTS
+from helpers import PROMPTS
 from speclab.errors import TraceError
 from speclab.generate import generate
 from speclab.trace import SCHEMA_VERSION, TraceStore
@@ -29,11 +29,12 @@ def test_round_trip_every_token_with_its_position(qwen3, store):
 
 @pytest.mark.parametrize("method,params", [("sps", {"k": 3}), ("sps", {"k": 3, "tree_topk": 2}), ("pld", {"k": 4})])
 def test_rounds_agree_with_draft_nodes_and_tokens(qwen3, qwen3_draft, store, method, params):
-    res = generate(qwen3, PROMPTS[3], method, draft=qwen3_draft, max_new_tokens=30, trace=store, **params)
+    res = generate(qwen3, PROMPTS[3], method, models={"draft": qwen3_draft}, max_new_tokens=30, trace=store, **params)
     rid = res.run_id
     per_round = store.query("""
         SELECT r.round, r.n_accepted, r.n_drafted, r.committed,
-               (SELECT count(*) FROM draft_nodes d WHERE d.run_id = r.run_id AND d.round = r.round AND d.accepted) AS acc_nodes,
+               (SELECT count(*) FROM draft_nodes d
+                WHERE d.run_id = r.run_id AND d.round = r.round AND d.accepted) AS acc_nodes,
                (SELECT count(*) FROM draft_nodes d WHERE d.run_id = r.run_id AND d.round = r.round) AS nodes,
                (SELECT count(*) FROM tokens t WHERE t.run_id = r.run_id AND t.round = r.round) AS toks
         FROM rounds r WHERE r.run_id = ? ORDER BY r.round""", [rid])
@@ -62,6 +63,7 @@ def test_failed_run_is_marked_and_earlier_runs_survive(qwen3, store):
     assert store.tokens(ok.run_id).token_id.tolist() == ok.token_ids
 
 
+@pytest.mark.slow
 def test_killed_process_leaves_earlier_runs_readable(tmp_path, model_dir):
     """A process killed mid-run: earlier runs are intact, the cut run is marked interrupted on the next open."""
     db = tmp_path / "k.duckdb"
@@ -124,19 +126,23 @@ def test_locked_file_gives_clear_error(tmp_path):
 
 
 def test_metrics_from_sql_match_the_decode(qwen3, qwen3_draft, store):
-    from speclab.metrics import position_acceptance, run_metrics, summarize
-    res = generate(qwen3, PROMPTS[2], "sps", draft=qwen3_draft, k=3, max_new_tokens=30, trace=store)
+    from speclab.metrics import position_acceptance, run_metrics, run_summary
+    res = generate(qwen3, PROMPTS[2], "sps", models={"draft": qwen3_draft}, k=3, max_new_tokens=30, trace=store)
     ar = generate(qwen3, PROMPTS[2], "ar", max_new_tokens=30, trace=store)
     m = run_metrics(store).set_index("run_id")
     d = res.decode
     assert m.loc[res.run_id, "tau"] == pytest.approx(len(res.token_ids) / d.rounds)
     assert m.loc[res.run_id, "target_calls_per_token"] == pytest.approx(d.target_calls / len(res.token_ids))
-    assert m.loc[ar.run_id, "tau"] == pytest.approx(1.0) and m.loc[ar.run_id, "acceptance_rate"] != m.loc[ar.run_id, "acceptance_rate"]
+    assert m.loc[ar.run_id, "tau"] == pytest.approx(1.0)
+    assert m.loc[ar.run_id, "acceptance_rate"] != m.loc[ar.run_id, "acceptance_rate"]  # NaN: AR drafts nothing
     drafted = store.rounds(res.run_id)
     assert m.loc[res.run_id, "acceptance_rate"] == pytest.approx(drafted.n_accepted.sum() / drafted.n_drafted.sum())
     pa = position_acceptance(store, [res.run_id])
     assert pa.depth.tolist() == [1, 2, 3] and (pa.acceptance.diff().dropna() <= 0).all()  # a chain: monotone
-    assert set(summarize(store).method) == {"ar", "sps"}
+    nodes = store.draft_nodes(res.run_id)  # per depth: rounds with an accepted node there / rounds reaching it
+    want = [g[g.accepted]["round"].nunique() / g["round"].nunique() for _, g in nodes.groupby("depth")]
+    assert pa.acceptance.tolist() == pytest.approx(want) and want[0] > 0 and len(set(want)) > 1
+    assert set(run_summary(store).method) == {"ar", "sps"}
     assert len(store.query("SELECT * FROM run_metrics")) == 2  # the same SQL as a view in the file
 
 
@@ -145,9 +151,11 @@ def test_safe_query_is_read_only_capped_and_stoppable(qwen3, tmp_path):
     generate(qwen3, PROMPTS[0], "ar", max_new_tokens=12, trace=s)
     df, truncated = s.safe_query("SELECT pos, text FROM tokens ORDER BY pos", max_rows=5)
     assert len(df) == 5 and truncated and list(df.columns) == ["pos", "text"]
-    for bad, msg in [("DROP TABLE tokens", "single read-only SELECT"), ("SELECT 1; DELETE FROM runs", "single read-only SELECT"),
+    for bad, msg in [("DROP TABLE tokens", "single read-only SELECT"),
+                     ("SELECT 1; DELETE FROM runs", "single read-only SELECT"),
                      ("UPDATE runs SET status = 'x'", "single read-only SELECT"), ("SELEC oops", "invalid SQL"),
-                     ("SELECT * FROM read_csv('/etc/passwd')", "query failed"), ("SELECT * FROM 'http://example.com/x.csv'", "query failed"),
+                     ("SELECT * FROM read_csv('/etc/passwd')", "query failed"),
+                     ("SELECT * FROM 'http://example.com/x.csv'", "query failed"),
                      ("ATTACH '/tmp/other.db'", "single read-only SELECT"), ("", "empty")]:
         with pytest.raises(TraceError, match=msg):
             s.safe_query(bad)
@@ -168,7 +176,7 @@ def test_eos_inside_accepted_drafts_cuts_the_accepted_nodes_too(qwen3, model_dir
     cut = next(i for i in range(1, 4) if ref[i] not in ref[:i])  # a token first generated inside round 0's drafts
     qwen3.eos_ids = [ref[cut]]
     try:
-        res = generate(qwen3, PROMPTS[1], "sps", draft=same, k=4, max_new_tokens=12, trace=store)
+        res = generate(qwen3, PROMPTS[1], "sps", models={"draft": same}, k=4, max_new_tokens=12, trace=store)
     finally:
         qwen3.eos_ids = [0]
     assert res.token_ids == ref[: cut + 1] and res.decode.stopped == "eos" and res.decode.rounds == 1
@@ -188,7 +196,7 @@ def test_interleaved_runs_count_only_their_own_time(qwen3, qwen3_draft, store):
 
     from speclab.generate import Generation
     from speclab.metrics import run_metrics, tokens_per_s
-    gens = [Generation(qwen3, PROMPTS[0], "sps", draft=qwen3_draft, k=3, max_new_tokens=24, trace=store),
+    gens = [Generation(qwen3, PROMPTS[0], "sps", models={"draft": qwen3_draft}, k=3, max_new_tokens=24, trace=store),
             Generation(qwen3, PROMPTS[1], "ar", max_new_tokens=24, trace=store)]
     iters = [iter(g) for g in gens]
     held = 0.0
@@ -206,7 +214,8 @@ def test_interleaved_runs_count_only_their_own_time(qwen3, qwen3_draft, store):
         rid, d = g.run_id, g.result.decode
         run = store.query("SELECT * FROM runs WHERE run_id = ?", [rid]).iloc[0]
         own_ms = run.prefill_ms + store.query("""SELECT sum(t_route_ms + t_catchup_ms + t_draft_ms + t_verify_ms +
-                                                 t_commit_ms + t_record_ms) AS s FROM rounds WHERE run_id = ?""", [rid]).s[0]
+                                                 t_commit_ms + t_record_ms) AS s FROM rounds WHERE run_id = ?""",
+                                              [rid]).s[0]
         flush_ms = run.elapsed_s * 1e3 - own_ms
         assert 0 <= flush_ms < 50  # the trace's last batch is all that is added
         assert run.elapsed_s == pytest.approx(g.result.elapsed_s) and run.wall_s > run.elapsed_s + 0.5 * held
@@ -222,7 +231,7 @@ def test_token_probabilities_equal_a_full_forward(qwen3, qwen3_draft, store, par
     import torch
 
     from speclab.generate import encode_prompt
-    res = generate(qwen3, PROMPTS[0], "sps", draft=qwen3_draft, max_new_tokens=30, trace=store, **params)
+    res = generate(qwen3, PROMPTS[0], "sps", models={"draft": qwen3_draft}, max_new_tokens=30, trace=store, **params)
     prompt = encode_prompt(qwen3, PROMPTS[0])
     seq = torch.cat([prompt, torch.tensor(res.token_ids)])
     logp = torch.log_softmax(qwen3.forward(seq, qwen3.new_cache()).logits, -1)[prompt.numel() - 1 : -1]
@@ -246,3 +255,29 @@ def test_a_failed_background_write_is_reported_not_lost(qwen3, store, monkeypatc
     monkeypatch.undo()
     res = generate(qwen3, PROMPTS[0], "ar", max_new_tokens=6, trace=store)  # the store goes on working
     assert store.tokens(res.run_id).token_id.tolist() == res.token_ids
+
+
+def test_eager_is_a_column_written_by_the_run_and_migrated(qwen3, tmp_path):
+    """`runs.eager` says whether the run's router caught every drafter up every round (what replay, the switch
+    table and lazy-vs-eager read); a schema-4 trace opened for writing gets the column, filled from its runs'
+    parameters, and is refused read-only until then."""
+    import duckdb
+
+    with TraceStore(tmp_path / "new.duckdb") as s:
+        generate(qwen3, PROMPTS[0], "ar", max_new_tokens=4, trace=s)
+        assert s.runs().eager.tolist() == [False]
+    old = tmp_path / "old.duckdb"
+    with TraceStore(old) as s:
+        for method, params in (("whiflash-entropy:eager=1", '{"eager": 1, "threshold": 1.0}'),
+                               ("whiflash-entropy", '{"eager": 0, "threshold": 1.0}'), ("ar", "{}")):
+            s.execute("INSERT INTO runs (run_id, method, params_json, status) VALUES (nextval('run_id_seq'), ?, ?, "
+                      "'done')", [method, params])
+    con = duckdb.connect(str(old))  # back to schema 4: no eager column
+    con.execute("ALTER TABLE runs DROP COLUMN eager")
+    con.execute("UPDATE meta SET value = '4' WHERE key = 'schema_version'")
+    con.close()
+    with pytest.raises(TraceError, match="older than this speclab's"):
+        TraceStore(old, read_only=True)
+    with TraceStore(old) as s:
+        runs = s.query("SELECT method, eager FROM runs ORDER BY run_id")
+    assert runs.eager.tolist() == [True, False, False] and SCHEMA_VERSION == 5

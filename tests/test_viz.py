@@ -1,7 +1,7 @@
 """speclab.viz on real traces: token shading HTML, draft trees and per-round charts."""
 import pytest
 
-from conftest import PROMPTS
+from helpers import PROMPTS
 from speclab import viz
 from speclab.generate import Generation, generate
 from speclab.metrics import position_acceptance
@@ -11,7 +11,8 @@ from speclab.trace import TraceStore, token_columns, vocab_text
 @pytest.fixture(scope="module")
 def traced(qwen3, qwen3_draft, tmp_path_factory):
     store = TraceStore(tmp_path_factory.mktemp("viz") / "v.duckdb")
-    runs = {m: generate(qwen3, PROMPTS[0], m, draft=qwen3_draft, k=3, tree_topk=2, max_new_tokens=24, trace=store).run_id
+    runs = {m: generate(qwen3, PROMPTS[0], m, models={"draft": qwen3_draft}, k=3, tree_topk=2, max_new_tokens=24,
+                        trace=store).run_id
             for m in ("ar", "sps", "pld")}
     yield store, runs
     store.close()
@@ -34,7 +35,7 @@ def test_token_spans_shade_by_source_with_details(traced):
 def test_live_event_columns_equal_the_trace(qwen3, qwen3_draft, traced):
     """What the app renders live is what the trace stores."""
     store, _ = traced
-    g = Generation(qwen3, PROMPTS[1], "sps", draft=qwen3_draft, k=3, max_new_tokens=20, trace=store)
+    g = Generation(qwen3, PROMPTS[1], "sps", models={"draft": qwen3_draft}, k=3, max_new_tokens=20, trace=store)
     live = [token_columns([ev], vocab_text(qwen3.tokenizer)) for ev in g]
     toks = store.tokens(g.run_id)
     assert [t for c in live for t in c["text"]] == toks.text.tolist()
@@ -52,7 +53,8 @@ def test_tree_and_round_charts_from_trace(traced):
     rounds = store.query("SELECT * FROM rounds WHERE run_id IN (?, ?, ?)", list(runs.values()))
     rounds["label"] = rounds.run_id.astype(str)
     assert len(viz.accepted_per_round(rounds).data) == 3
-    assert [b.name for b in viz.phase_breakdown(rounds).data] == ["route", "catchup", "draft", "verify", "commit", "record"]
+    phases = ["route", "catchup", "draft", "verify", "commit", "record"]
+    assert [b.name for b in viz.phase_breakdown(rounds).data] == phases
     pos = position_acceptance(store, [rid])
     pos["method"] = "sps"
     assert list(viz.position_acceptance(pos).data[0].x) == [1, 2, 3]

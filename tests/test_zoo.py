@@ -1,15 +1,15 @@
 """The zoo is the product's default: it loads offline, the draft and the EAGLE-3 and DFlash drafters fit the
 target, and greedy speculative decoding on it equals AR for one prompt of every domain."""
-import json
 
 import pytest
 
+from helpers import demo_rows
 from speclab import generate, zoo
+from speclab.core.target import Target
 from speclab.drafters.dflash import load_dflash
 from speclab.drafters.eagle3 import load_eagle3
-from speclab.core.target import Target
 
-PROMPTS = [json.loads(l) for l in (zoo.REPO_ROOT / "data" / "prompts" / "demo.jsonl").read_text().splitlines()]
+PROMPTS = demo_rows()
 
 
 @pytest.fixture(scope="module")
@@ -32,8 +32,8 @@ def test_zoo_models_load_offline_and_fit(zoo_models):
 def test_zoo_speculative_greedy_equals_ar(zoo_models, row):
     target, draft = zoo_models
     ar = generate(target, row["prompt"], "ar", max_new_tokens=40)
-    sps = generate(target, row["prompt"], "sps", draft=draft, k=4, max_new_tokens=40)
-    tree = generate(target, row["prompt"], "sps", draft=draft, k=3, tree_topk=3, max_new_tokens=40)
+    sps = generate(target, row["prompt"], "sps", models={"draft": draft}, k=4, max_new_tokens=40)
+    tree = generate(target, row["prompt"], "sps", models={"draft": draft}, k=3, tree_topk=3, max_new_tokens=40)
     pld = generate(target, row["prompt"], "pld", k=6, max_new_tokens=40)
     assert sps.token_ids == ar.token_ids and tree.token_ids == ar.token_ids and pld.token_ids == ar.token_ids
     assert sps.decode.rounds < len(ar.token_ids)  # the zoo draft really gets tokens accepted
@@ -59,7 +59,7 @@ def test_zoo_eagle3_greedy_equals_ar(zoo_models, zoo_eagle3, row):
     ar = generate(target, row["prompt"], "ar", max_new_tokens=40)
     for spec, deferred in [("eagle3", True), ("eagle3:tree_topk=1+depth=4", False),
                            ("eagle3:depth=4+tree_topk=3+total_tokens=10", True)]:
-        res = generate(target, row["prompt"], spec, eagle3=zoo_eagle3, max_new_tokens=40, deferred=deferred)
+        res = generate(target, row["prompt"], spec, models={"eagle3": zoo_eagle3}, max_new_tokens=40, deferred=deferred)
         assert res.token_ids == ar.token_ids, spec
         assert res.decode.rounds < len(ar.token_ids)  # drafts are accepted
 
@@ -83,6 +83,6 @@ def test_zoo_dflash_greedy_equals_ar(zoo_models, zoo_dflash, row):
     target = zoo_models[0]
     ar = generate(target, row["prompt"], "ar", max_new_tokens=40)
     for spec, deferred in [("dflash", True), ("dflash:markov=0", False), ("dflash:block_size=16", True)]:
-        res = generate(target, row["prompt"], spec, dflash=zoo_dflash, max_new_tokens=40, deferred=deferred)
+        res = generate(target, row["prompt"], spec, models={"dflash": zoo_dflash}, max_new_tokens=40, deferred=deferred)
         assert res.token_ids == ar.token_ids, spec
         assert res.decode.rounds < len(ar.token_ids)  # drafts are accepted

@@ -22,7 +22,7 @@ MT_BENCH_CATEGORIES = {"writing", "roleplay", "reasoning", "math", "coding", "ex
 def _jsonl(path: Path) -> list[dict]:
     opener = gzip.open if path.suffix == ".gz" else open
     with opener(path, "rt", encoding="utf-8") as f:
-        return [json.loads(l) for l in f if l.strip()]
+        return [json.loads(line) for line in f if line.strip()]
 
 
 def _spec_bench(category: str) -> list[dict]:
@@ -42,9 +42,11 @@ def _code() -> list[dict]:
 
 
 def _math() -> list[dict]:
-    gsm = [{"prompt_id": f"gsm8k-{i}", "category": "math", "prompt": f"Question: {r['question'].strip()}\nAnswer:", "chat": False}
+    gsm = [{"prompt_id": f"gsm8k-{i}", "category": "math", "prompt": f"Question: {r['question'].strip()}\nAnswer:",
+            "chat": False}
            for i, r in enumerate(_jsonl(PROMPTS / "gsm8k" / "test.jsonl"))]
-    m500 = [{"prompt_id": r["unique_id"], "category": "math", "prompt": f"Question: {r['problem'].strip()}\nAnswer:", "chat": False}
+    m500 = [{"prompt_id": r["unique_id"], "category": "math", "prompt": f"Question: {r['problem'].strip()}\nAnswer:",
+             "chat": False}
             for r in _jsonl(PROMPTS / "math500" / "test.jsonl")]
     return [x for pair in zip(gsm, m500) for x in pair]
 

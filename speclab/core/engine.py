@@ -1,43 +1,56 @@
 """The decode loop: route, catch up, draft, verify (one target forward), commit, record.
 
-Read `decode_rounds` top to bottom: it is the whole algorithm. AR decoding is the same loop with no drafter.
+Read `decode_rounds` top to bottom: it is the whole algorithm, one screen (gpt-fast's speculative loop is the
+model); the steps it calls follow it in the order they run. AR decoding is the same loop with no drafter.
 
 The engine owns the committed sequence (`Committed`: preallocated token ids and, when a drafter asks for target
-layers, the target's features of those tokens). Each round one index of kept verification rows (the root and
-the accepted path) updates the target's KV cache, the feature buffer and the router's signals together.
+layers, the target's features of those tokens) and the target's KV cache, both sized once for the whole decode.
+The drafters and what each has been handed of the sequence live in a `DrafterPool` (speclab/core/pool.py), which
+also does the lazy catch-up. Each round one index of kept verification rows (the root and the accepted path)
+updates the KV cache, the feature buffer and the router's signals together (`commit_rows`).
 
 Deferred (the default): the target's bonus token is not forwarded on its own; it is the root of the next round
 and leads that round's verification batch (one target call per round). So at round start the committed tokens
 x_0..x_{n-1} all exist but features only for x_0..x_{n-2}: the pending root x_{n-1} has none yet.
-Not deferred: the bonus token is forwarded alone at the end of its round (two target calls per round), so at
-round start every committed token x_0..x_{n-1} has its feature and the root's next-token distribution is known.
-Either way a drafter gets token x_t paired with f_{t-1} (EAGLE's pairing), which both modes always have.
+Not deferred: the bonus token is forwarded alone at the end of its round (`forward_root`: two target calls per
+round), so at round start every committed token x_0..x_{n-1} has its feature and the root's own row (its
+next-token distribution) is known. Only `prefill` and `forward_root` know the mode; `verify_batch` sees whether
+the root's row is already there. Either way a drafter gets token x_t paired with f_{t-1} (EAGLE's pairing),
+which both modes always have.
 
 Router signals (`speclab.routing.routers.Signals`) describe the position that produced the last committed token: the
 entropy of the target distribution it was drawn from and that row's final-norm hidden state; both come from the
-verification row of the last kept node (the prefill's last row in the first round). They are computed only when
-the router asks for them.
+verification row of the last kept node (the prefill's last row in the first round), kept as one `Row`. They are
+computed only when the router asks for them.
 
-With nobody listening (no trace, no callback) no RoundEvent is built and phases are not synchronised on CUDA.
+Timing: `with clock.phase(name)` times each step as a contiguous lap of one clock. With nobody listening (no
+trace, no callback) no RoundEvent is built and phases are not synchronised on CUDA (once, at the end).
 """
 from __future__ import annotations
 
 import math
 import time
+from collections import deque
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Callable, Iterator
+from typing import NamedTuple
 
 import torch
 
 from kernels import ops as kernel_ops
-from speclab.drafters.base import Drafter
-from speclab.errors import InvalidInput
-from speclab.metrics import tokens_per_s
-from speclab.routing.routers import Decision, FixedRouter, Router, Signals
+from speclab.core.pool import DrafterPool, feature_columns, feature_layers
 from speclab.core.sampling import Sampling
 from speclab.core.target import Target, forward_clock, keep_cache
 from speclab.core.tree import DraftTree, tree_attention_mask, tree_position_ids
 from speclab.core.verify import verify
+from speclab.drafters.base import Drafter
+from speclab.errors import InvalidInput
+from speclab.metrics import tokens_per_s
+from speclab.routing.routers import Decision, FixedRouter, Router, Signals
+
+__all__ = ["PHASES", "HISTORY", "RoundEvent", "DecodeResult", "Committed", "Row", "PhaseClock", "Verified",
+           "decode", "decode_rounds", "prefill", "signals", "verify_batch", "cut", "commit_rows", "forward_root",
+           "round_event", "entropy", "check_request", "feature_layers", "feature_columns"]
 
 PHASES = ("route", "catchup", "draft", "verify", "commit", "record")
 HISTORY = 32  # rounds of accept-length history a router sees
@@ -66,20 +79,6 @@ class RoundEvent:
     @property
     def n_accepted(self) -> int:
         return self.accepted.numel()
-
-
-def round_event(rnd, name, tree, accepted, new, logits, bonus, timings, calls, backlog, pos0, decision) -> RoundEvent:
-    """What the listeners need, in five tensor ops over the verification logits (no host sync, no per-token
-    work); `token_columns` derives the per-token figures from it, in batches."""
-    lse, ent = kernel_ops.softmax_entropy(logits)  # one pass over the vocabulary (a Triton kernel on CUDA)
-    rows = tree.parents + 1
-    return RoundEvent(rnd, name, tree, accepted, new, logits[rows, tree.tokens].float() - lse[rows], ent,
-                      logits[:, bonus].float() - lse, timings, calls, backlog, pos0, decision)
-
-
-def entropy(logits: torch.Tensor) -> torch.Tensor:
-    """Entropy (nats, T = 1) of every row of logits [..., V] (`kernels.ops.softmax_entropy`)."""
-    return kernel_ops.softmax_entropy(logits.reshape(-1, logits.shape[-1]))[1].reshape(logits.shape[:-1])
 
 
 @dataclass
@@ -125,9 +124,23 @@ class Committed:
         self.n_feats = start + feats.shape[0]
 
 
+class Row(NamedTuple):
+    """One position's target output: the next-token logits [1, V] and the final-norm hidden state [1, d] (None
+    unless the router asks for it). The row that drew the last committed token is the router's signal source; the
+    root's own row (not deferred) is row 0 of the next verification."""
+    logits: torch.Tensor
+    hidden: torch.Tensor | None
+
+    @classmethod
+    def of(cls, logits: torch.Tensor, hidden: torch.Tensor | None, i: torch.Tensor | slice) -> Row:
+        """Row `i` (a one-element index or slice) of a forward's logits and hidden states (None stays None)."""
+        return cls(logits[i], None if hidden is None else hidden[i])
+
+
 class PhaseClock:
-    """Contiguous laps of one round, in ms. Synchronises CUDA at each lap only when asked (traced runs); the
-    untraced path synchronises once, at the end of the decode."""
+    """Contiguous laps of one round, in ms: `with clock.phase(name):` times a step from the end of the previous
+    lap. Synchronises CUDA at each lap only when asked (traced runs); the untraced path synchronises once, at
+    the end of the decode (the last commit's phase sets `.sync`)."""
 
     def __init__(self, device: torch.device, sync: bool):
         self.cuda = device.type == "cuda"
@@ -146,33 +159,23 @@ class PhaseClock:
         self.ms[phase] = self.ms.get(phase, 0.0) + (t - self.t) * 1e3
         self.t = t
 
-
-def feature_layers(target: Target, drafters: dict[str, Drafter]) -> tuple[int, ...]:
-    """The union of the target layers the drafters draft from, checked against the target."""
-    layers = sorted({i for d in drafters.values() for i in getattr(d, "layers", ())})
-    bad = [i for i in layers if not 0 <= i < target.num_layers]
-    if bad:
-        raise InvalidInput(f"a drafter asks for target layer(s) {bad}, but the target has {target.num_layers} layers "
-                           f"(0..{target.num_layers - 1})")
-    return tuple(layers)
+    def phase(self, name: str) -> _Phase:
+        return _Phase(self, name)
 
 
-def feature_columns(wanted: tuple[int, ...], layers: tuple[int, ...], d: int, device) -> torch.Tensor | None:
-    """Column index of a drafter's layers in the concatenated features (None: it wants them all, in order, or none)."""
-    if not wanted or tuple(wanted) == layers:
-        return None
-    return torch.cat([torch.arange(layers.index(i) * d, (layers.index(i) + 1) * d) for i in wanted]).to(device)
+class _Phase:
+    """`with clock.phase(name) as p:` laps `name` when the block ends (not on an exception); `p.sync = True`
+    synchronises CUDA first."""
 
+    def __init__(self, clock: PhaseClock, name: str):
+        self.clock, self.name, self.sync = clock, name, False
 
-def check_request(target: Target, prompt_ids: torch.Tensor, max_new_tokens: int) -> None:
-    if prompt_ids.numel() == 0:
-        raise InvalidInput("the prompt is empty (it tokenizes to no tokens)")
-    if max_new_tokens < 1:
-        raise InvalidInput(f"max_new_tokens must be at least 1 (got {max_new_tokens})")
-    if prompt_ids.numel() + max_new_tokens > target.max_context:
-        raise InvalidInput(
-            f"prompt has {prompt_ids.numel()} tokens; with max_new_tokens={max_new_tokens} that exceeds the "
-            f"model's context of {target.max_context} tokens")
+    def __enter__(self) -> _Phase:
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is None:
+            self.clock.lap(self.name, self.sync)
 
 
 def decode(target: Target, prompt_ids: torch.Tensor, drafters: dict[str, Drafter] | None = None,
@@ -207,161 +210,202 @@ def decode_rounds(target: Target, prompt_ids: torch.Tensor, drafters: dict[str, 
     router = router or FixedRouter(next(iter(drafters), None))
     prompt_ids = prompt_ids.detach().cpu().long().flatten()
     check_request(target, prompt_ids, max_new_tokens)
-    layers = feature_layers(target, drafters)
-    dev, d_model = target.device, target.hidden_size
+    pool = DrafterPool(drafters, target)  # checks the layers the drafters ask for
+    layers, dev, n_prompt = pool.layers, target.device, prompt_ids.numel()
     gen = torch.Generator().manual_seed(sampling.seed) if sampling.seed is not None else None
     eos = torch.tensor(target.eos_ids or [-1])
-    want_entropy, want_hidden = "entropy" in router.needs, "hidden" in router.needs
-    eager = getattr(router, "eager", False)
+    want_hidden, eager = "hidden" in router.needs, getattr(router, "eager", False)
     record = record or bool(listeners)
     clock = PhaseClock(dev, sync=record)
     wall0 = time.perf_counter()
 
-    # prefill: the KV cache, the features of the prompt and the first round's signals
+    # prefill: the KV cache (sized once, for the whole decode), the prompt's features, the first round's signals
     clock.start()
     calls0, model0 = target.calls, forward_clock.seconds
-    n_prompt = prompt_ids.numel()
-    seq = Committed(prompt_ids, n_prompt + max_new_tokens, len(layers) * d_model, dev, target.dtype)
-    cache = target.new_cache(n_prompt + max_new_tokens)
-    sig_logits = sig_hidden = root_logits = root_hidden = None
-    if deferred:
-        if n_prompt > 1:
-            out = target.prefill(seq.ids[: n_prompt - 1], cache, layers, hidden=want_hidden)
-            sig_logits, sig_hidden = out.logits[-1:], out.hidden
-    else:
-        out = target.prefill(seq.ids[:n_prompt], cache, layers, last=min(2, n_prompt), hidden=want_hidden)
-        root_logits, root_hidden = out.logits[-1:], out.hidden[-1:] if want_hidden else None
-        if n_prompt > 1:
-            sig_logits, sig_hidden = out.logits[-2:-1], out.hidden[-2:-1] if want_hidden else None
-    if layers and (n_prompt > 1 or not deferred):
-        seq.set_features(0, out.features)
-    cols = {name: feature_columns(getattr(d, "layers", ()), layers, d_model, dev) for name, d in drafters.items()}
-
-    def features(name: str, a: int, b: int) -> torch.Tensor | None:
-        """The target's features of tokens a..b-1, the columns of drafter `name`'s layers."""
-        if not getattr(drafters[name], "layers", ()):
-            return None
-        f = seq.feats[a:b]
-        return f if cols[name] is None else f.index_select(1, cols[name])
-
-    seen, unread = {}, {}  # per drafter: tokens it has been handed; prompt tokens it holds undigested since reset
-    for name, d in drafters.items():
-        d.reset(seq.ids[:n_prompt], features(name, 0, n_prompt - 1))
-        seen[name], unread[name] = n_prompt, n_prompt - 1
-    clock.lap("prefill")
+    with clock.phase("prefill"):
+        seq = Committed(prompt_ids, n_prompt + max_new_tokens, len(layers) * target.hidden_size, dev, target.dtype)
+        cache = target.new_cache(n_prompt + max_new_tokens)
+        last, root = prefill(target, cache, seq, layers, want_hidden, deferred)  # rows: see `prefill`
+        pool.reset(seq)
     prefill_ms = clock.ms["prefill"]
     n_calls, model_s = target.calls - calls0, forward_clock.seconds - model0
     totals = dict.fromkeys(PHASES, 0.0)
-    history_acc: list[int] = []
-    history_drafters: list[str | None] = []
-    rnd, stopped = 0, "max_new_tokens"
+    history: deque[tuple[int, str | None]] = deque(maxlen=HISTORY)  # (accept length, drafter) of recent rounds
+    rnd, done, at_eos = 0, False, False
 
-    while seq.n - n_prompt < max_new_tokens:
+    while not done:
         clock.start()
-        calls_before, model_before = target.calls, forward_clock.seconds
+        calls0, model0 = target.calls, forward_clock.seconds
+        with clock.phase("route"):  # the router picks this round's drafter from the row that drew the last token
+            decision = router.choose(signals(rnd, last, router.needs, history)) if drafters else None
+            name = decision.choice if decision is not None else None
+        with clock.phase("catchup"):  # lazily: only the chosen drafter, everything since it last looked
+            backlog = pool.catch_up(name, seq, eager)
+        with clock.phase("draft"):
+            room = max_new_tokens - (seq.n - n_prompt) - 1  # the bonus token always fits
+            drafter = pool.drafters[name] if name is not None and room > 0 else None
+            tree = drafter.propose(room, sampling, gen).to(dev) if drafter is not None else DraftTree.empty(dev)
+        with clock.phase("verify"):  # ONE target forward over the pending root (deferred) and the flattened tree
+            v = verify_batch(target, cache, seq, tree, root, layers, want_hidden, sampling, gen)
+        with clock.phase("commit") as commit:  # kept rows (root + accepted path): KV cache, features, signals
+            accepted = v.accepted.to(dev)
+            new = torch.cat([tree.tokens[accepted].cpu(), torch.tensor([v.bonus])])
+            new, accepted, at_eos = cut(new, accepted, max_new_tokens - (seq.n - n_prompt), eos, stop_on_eos)
+            done = at_eos or seq.n + new.numel() - n_prompt >= max_new_tokens
+            commit.sync = done  # the decode's end: synchronise CUDA (once, on the untraced path)
+            last = commit_rows(cache, seq, v, accepted, done)
+            pos0 = seq.n - n_prompt
+            seq.append(new)
+            if drafter is not None:  # it keeps what was accepted (its draft KV)
+                drafter.commit(tree, accepted)
+            if not done:
+                root = forward_root(target, cache, seq, layers, want_hidden, deferred)
+            history.append((accepted.numel(), name))
+        calls = target.calls - calls0
+        n_calls, model_s = n_calls + calls, model_s + forward_clock.seconds - model0
 
-        # route: the router picks the drafter of this round from the signals of the last committed token
-        decision, name = None, None
-        if drafters:
-            signals = Signals(rnd, float(entropy(sig_logits)[0])
-                              if want_entropy and sig_logits is not None else math.nan,
-                              sig_hidden[0] if want_hidden and sig_hidden is not None else None,
-                              history_acc[-HISTORY:], history_drafters[-HISTORY:])
-            decision = router.choose(signals)
-            name = decision.choice
-        clock.lap("route")
-
-        # catch up: the chosen drafter digests every token committed since it last looked (lazily, only now;
-        # an eager router keeps every drafter current instead)
-        backlog = 0
-        for nm in (drafters if eager else [name] if name is not None else []):
-            s = seen[nm]
-            if nm == name:  # what it digests: tokens since it last looked, and the prompt on its first turn
-                backlog = seq.n - s + unread.pop(nm, 0)
-            drafters[nm].catch_up(seq.ids[s : seq.n], features(nm, s - 1, seq.n - 1))
-            seen[nm] = seq.n
-            unread.pop(nm, None)
-        clock.lap("catchup")
-
-        # draft
-        room = max_new_tokens - (seq.n - n_prompt) - 1  # the bonus token always fits
-        proposed = name is not None and room > 0
-        tree = drafters[name].propose(room, sampling, gen).to(dev) if proposed else DraftTree.empty(dev)
-        clock.lap("draft")
-
-        # verify: ONE target forward over the root (deferred) and the flattened tree
-        past = cache.get_seq_length()
-        chain = tree.is_chain  # causal mask and consecutive positions: the forward's defaults
-        mask = None if chain else tree_attention_mask(tree.ancestors, past, target.dtype, with_root=deferred)
-        pos = None if chain else tree_position_ids(tree.depth, past, deferred)
-        out = None
-        if deferred:
-            inp = torch.cat([seq.ids[seq.n - 1 : seq.n].to(dev), tree.tokens])
-            out = target.forward(inp, cache, pos, mask, layers=layers, hidden=want_hidden)
-            logits = out.logits
-        elif len(tree):
-            out = target.forward(tree.tokens, cache, pos, mask, layers=layers, hidden=want_hidden)
-            logits = torch.cat([root_logits, out.logits])
-        else:
-            logits = root_logits
-        verdict = verify(tree, logits, sampling, gen)
-        clock.lap("verify")
-
-        # commit: the kept rows (root + accepted path) go to the KV cache, the features and the next signals
-        accepted = verdict.accepted.to(dev)
-        new = torch.cat([tree.tokens[accepted].cpu(), torch.tensor([verdict.bonus])])
-        m = min(new.numel(), max_new_tokens - (seq.n - n_prompt))
-        hit = torch.isin(new[:m], eos).nonzero() if stop_on_eos else new[:0]
-        if hit.numel():
-            m, stopped = int(hit[0]) + 1, "eos"
-        new, accepted = new[:m], accepted[:m]  # an EOS inside the accepted drafts cuts both
-        done = stopped == "eos" or seq.n + m - n_prompt >= max_new_tokens
-        kept = torch.cat([accepted.new_zeros(1), accepted + 1]) if deferred else accepted
-        keep_cache(cache, past, kept)
-        bonus_row = accepted[-1:] + 1 if accepted.numel() else accepted.new_zeros(1)  # row that drew the bonus
-        if want_entropy:
-            sig_logits = logits[bonus_row]
-        if want_hidden:
-            sig_hidden = out.hidden[bonus_row] if deferred else (out.hidden[bonus_row - 1] if accepted.numel() else root_hidden)
-        if layers and out is not None and not done:
-            seq.set_features(seq.n - 1 if deferred else seq.n, out.features[kept])
-        pos0 = seq.n - n_prompt
-        seq.append(new)
-        if proposed:
-            drafters[name].commit(tree, accepted)
-        if not deferred and not done:  # the bonus token alone: its features and the next root distribution
-            out = target.forward(new[-1:].to(dev), cache, layers=layers, hidden=want_hidden)
-            root_logits, root_hidden = out.logits, out.hidden
-            if layers:
-                seq.set_features(seq.n - 1, out.features)
-        history_acc.append(accepted.numel())
-        history_drafters.append(name)
-        clock.lap("commit", sync=done)
-        calls = target.calls - calls_before
-        n_calls += calls
-        model_s += forward_clock.seconds - model_before
-
-        # record: the RoundEvent for the listeners (only when someone listens)
         ev = None
-        if record:
-            ev = round_event(rnd, name, tree, accepted, new, logits, verdict.bonus, clock.ms, calls, backlog, pos0,
-                             decision)
-            if keep_logits:
-                ev.logits = logits
-            for fn in listeners:
-                fn(ev)
-            clock.lap("record")
-        for k, v in clock.ms.items():
-            totals[k] += v
+        if record:  # the RoundEvent for the listeners (only when someone listens)
+            with clock.phase("record"):
+                ev = round_event(rnd, name, tree, accepted, new, v.logits, v.bonus, clock.ms, calls, backlog, pos0,
+                                 decision)
+                ev.logits = v.logits if keep_logits else None
+                for fn in listeners:
+                    fn(ev)
+        totals = {k: totals[k] + clock.ms[k] for k in PHASES}
         if ev is not None:
             ev.elapsed_ms = prefill_ms + sum(totals.values())
-        if len(history_acc) > 4 * HISTORY:
-            del history_acc[:-HISTORY], history_drafters[:-HISTORY]
         yield ev
         rnd += 1
-        if done:
-            break
 
-    return DecodeResult(prompt_ids, seq.ids[n_prompt : seq.n].clone(), rnd, n_calls, stopped, prefill_ms, totals,
-                        model_s, time.perf_counter() - wall0)
+    return DecodeResult(prompt_ids, seq.ids[n_prompt : seq.n].clone(), rnd, n_calls,
+                        "eos" if at_eos else "max_new_tokens", prefill_ms, totals, model_s, time.perf_counter() - wall0)
 
+
+# ---- the steps of a round, in the order they run ----
+
+def prefill(target: Target, cache, seq: Committed, layers: tuple[int, ...], hidden: bool,
+            deferred: bool) -> tuple[Row | None, Row | None]:
+    """The prompt into the KV cache and its features into `seq`. Returns the row that drew the prompt's last token
+    (the first round's signals; None for a one-token prompt) and the root's own row: None when deferred (the
+    last prompt token is the pending root, forwarded first in the first verification), else its row (forwarded
+    here, with the rest of the prompt)."""
+    n = seq.n
+    if deferred:
+        if n == 1:
+            return None, None
+        out = target.prefill(seq.ids[: n - 1], cache, layers, hidden=hidden)
+        last: Row | None = Row.of(out.logits, out.hidden, slice(-1, None))
+        root = None
+    else:  # the logits (and hidden states) of the prompt's last two rows
+        out = target.prefill(seq.ids[:n], cache, layers, last=min(2, n), hidden=hidden)
+        root = Row.of(out.logits, out.hidden, slice(-1, None))
+        last = Row.of(out.logits, out.hidden, slice(-2, -1)) if n > 1 else None
+    if out.features is not None:  # the drafters draft from target layers
+        seq.set_features(0, out.features)
+    return last, root
+
+
+def signals(rnd: int, last: Row | None, needs: frozenset[str], history: deque[tuple[int, str | None]]) -> Signals:
+    """What the router asks for (`needs`), of the row that drew the last committed token (no row: nan / None),
+    and the recent rounds' accept lengths and drafters."""
+    ent = float(entropy(last.logits)[0]) if "entropy" in needs and last is not None else math.nan
+    hidden = last.hidden[0] if "hidden" in needs and last is not None and last.hidden is not None else None
+    return Signals(rnd, ent, hidden, [a for a, _ in history], [d for _, d in history])
+
+
+@dataclass
+class Verified:
+    """A verified batch: what commit needs."""
+    accepted: torch.Tensor  # [a] node indices of the accepted path, root side first (the verdict)
+    bonus: int  # the target's token after the accepted path (correction or bonus)
+    logits: torch.Tensor  # [n + 1, V]: row 0 = the root's next-token distribution, row i + 1 = node i's
+    hidden: torch.Tensor | None  # [n + 1, d]: the final-norm hidden states of those rows (when the router asks)
+    features: torch.Tensor | None  # the target's features of the forwarded rows (None: no layers or no forward)
+    past: int  # KV cache length before the batch
+    lead: int  # forwarded rows before the tree's: 1 = the pending root (deferred), 0 = none
+
+
+def verify_batch(target: Target, cache, seq: Committed, tree: DraftTree, root: Row | None, layers: tuple[int, ...],
+                 hidden: bool, sampling: Sampling, gen: torch.Generator | None) -> Verified:
+    """ONE target forward over the round's new rows, the pending root (when `root` is None: deferred) and the
+    flattened tree, under the tree's mask and positions (a chain: the forward's causal defaults); then the verdict
+    over the logits of every row, the root's first (`speclab.core.verify.verify`). With the root's row known and
+    no tree there is nothing to forward."""
+    past = cache.get_seq_length()
+    with_root, chain = root is None, tree.is_chain
+    mask = None if chain else tree_attention_mask(tree.ancestors, past, target.dtype, with_root=with_root)
+    pos = None if chain else tree_position_ids(tree.depth, past, with_root)
+    if root is None:  # deferred: the pending root leads the batch
+        inp = torch.cat([seq.ids[seq.n - 1 : seq.n].to(target.device), tree.tokens])
+        out = target.forward(inp, cache, pos, mask, layers=layers, hidden=hidden)
+        logits, hid, feats = out.logits, out.hidden, out.features
+    elif len(tree):  # the root's row is known: the tree alone, after it
+        out = target.forward(tree.tokens, cache, pos, mask, layers=layers, hidden=hidden)
+        logits, feats = torch.cat([root.logits, out.logits]), out.features
+        hid = None if root.hidden is None or out.hidden is None else torch.cat([root.hidden, out.hidden])
+    else:
+        logits, hid, feats = root.logits, root.hidden, None
+    verdict = verify(tree, logits, sampling, gen)
+    return Verified(verdict.accepted, verdict.bonus, logits, hid, feats, past, int(with_root))
+
+
+def cut(new: torch.Tensor, accepted: torch.Tensor, room: int, eos: torch.Tensor,
+        stop_on_eos: bool = True) -> tuple[torch.Tensor, torch.Tensor, bool]:
+    """A round's tokens `new` (the accepted drafts, then the target's token) and its accepted nodes, cut to the
+    `room` left and, when stopping on EOS, after the first of the `eos` ids among them (an EOS inside the
+    accepted drafts cuts both); and whether an EOS ended them."""
+    m = min(new.numel(), room)
+    hit = torch.isin(new[:m], torch.as_tensor(eos)).nonzero() if stop_on_eos else new[:0]
+    if hit.numel():
+        m = int(hit[0]) + 1
+    return new[:m], accepted[:m], bool(hit.numel())
+
+
+def commit_rows(cache, seq: Committed, v: Verified, accepted: torch.Tensor, done: bool) -> Row:
+    """Keep the batch's kept rows, the root (when it led the batch) and the accepted path: their KV and (unless the
+    decode is done) their features, from the root's position on. Returns the row that drew the round's last token
+    (the next round's signals)."""
+    kept = torch.cat([torch.arange(v.lead, device=accepted.device), accepted + v.lead])
+    keep_cache(cache, v.past, kept)
+    if v.features is not None and not done:
+        seq.set_features(seq.n - v.lead, v.features[kept])
+    row = accepted[-1:] + 1 if accepted.numel() else accepted.new_zeros(1)
+    return Row.of(v.logits, v.hidden, row)
+
+
+def forward_root(target: Target, cache, seq: Committed, layers: tuple[int, ...], hidden: bool,
+                 deferred: bool) -> Row | None:
+    """The next round's root (the round's last token): deferred, nothing now (it leads the next verification batch:
+    None); not deferred, forwarded alone now for its features and its row (its next-token distribution)."""
+    if deferred:
+        return None
+    out = target.forward(seq.ids[seq.n - 1 : seq.n].to(target.device), cache, layers=layers, hidden=hidden)
+    if out.features is not None:
+        seq.set_features(seq.n - 1, out.features)
+    return Row(out.logits, out.hidden)
+
+
+def round_event(rnd, name, tree, accepted, new, logits, bonus, timings, calls, backlog, pos0, decision) -> RoundEvent:
+    """What the listeners need, in five tensor ops over the verification logits (no host sync, no per-token
+    work); `token_columns` derives the per-token figures from it, in batches."""
+    lse, ent = kernel_ops.softmax_entropy(logits)  # one pass over the vocabulary (a Triton kernel on CUDA)
+    rows = tree.parents + 1
+    return RoundEvent(rnd, name, tree, accepted, new, logits[rows, tree.tokens].float() - lse[rows], ent,
+                      logits[:, bonus].float() - lse, timings, calls, backlog, pos0, decision)
+
+
+def entropy(logits: torch.Tensor) -> torch.Tensor:
+    """Entropy (nats, T = 1) of every row of logits [..., V] (`kernels.ops.softmax_entropy`)."""
+    return kernel_ops.softmax_entropy(logits.reshape(-1, logits.shape[-1]))[1].reshape(logits.shape[:-1])
+
+
+def check_request(target: Target, prompt_ids: torch.Tensor, max_new_tokens: int) -> None:
+    if prompt_ids.numel() == 0:
+        raise InvalidInput("the prompt is empty (it tokenizes to no tokens)")
+    if max_new_tokens < 1:
+        raise InvalidInput(f"max_new_tokens must be at least 1 (got {max_new_tokens})")
+    if prompt_ids.numel() + max_new_tokens > target.max_context:
+        raise InvalidInput(
+            f"prompt has {prompt_ids.numel()} tokens; with max_new_tokens={max_new_tokens} that exceeds the "
+            f"model's context of {target.max_context} tokens")

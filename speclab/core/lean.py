@@ -120,7 +120,8 @@ class LeanDecoder:
         if getattr(a, "q_norm", None) is not None:  # one [q_heads + kv_heads, D] weight for both norms
             qk_norm = torch.cat([a.q_norm.weight.expand(self.n_heads, -1), a.k_norm.weight.expand(self.n_kv, -1)])
         return {"in_norm": layer.input_layernorm.weight, "post_norm": layer.post_attention_layernorm.weight,
-                "qkv": qkv, "qkv_bias": qkv_bias, "qk_norm": qk_norm, "o": a.o_proj.weight, "o_bias": a.o_proj.bias, "gate_up": gate_up, "down": m.down_proj.weight}
+                "qkv": qkv, "qkv_bias": qkv_bias, "qk_norm": qk_norm, "o": a.o_proj.weight, "o_bias": a.o_proj.bias,
+                "gate_up": gate_up, "down": m.down_proj.weight}
 
     def _rope_table(self, n: int) -> None:
         self.cos, self.sin = rope_tables(self.inv_freq, self.rope_scale, n, self.dtype)
@@ -135,8 +136,9 @@ class LeanDecoder:
             return KVCache(len(self.layers), self.n_kv, self.head_dim, torch.float32, self.device, width)
         return KVCache(len(self.layers), self.n_kv, self.head_dim, self.dtype, self.device, capacity)
 
-    def forward(self, ids: torch.Tensor, cache: KVCache, pos: torch.Tensor | None = None, mask: torch.Tensor | None = None,
-                layers: tuple[int, ...] = (), last: int | None = None, hidden: bool = False):
+    def forward(self, ids: torch.Tensor, cache: KVCache, pos: torch.Tensor | None = None,
+                mask: torch.Tensor | None = None, layers: tuple[int, ...] = (), last: int | None = None,
+                hidden: bool = False):
         """(logits, features, hidden) for `ids` [n] after the cache's tokens.
 
         logits [n or last, vocab]; features [n, len(layers) * d]: the outputs of those decoder layers, concatenated
@@ -167,7 +169,8 @@ class LeanDecoder:
 
     def _layers(self, ids, cache: KVCache, start: int, cos, sin, attend, layers):
         """The decoder layers over rows `ids` written at cache slots start..start+n; `attend(q, k_cache, v_cache, end)`
-        is the attention of queries [heads, n, D] over the layer's cache up to slot `end` (the fused kernel, or exact mode's fixed-shape one)."""
+        is the attention of queries [heads, n, D] over the layer's cache up to slot `end` (the fused kernel, or exact
+        mode's fixed-shape one)."""
         n = ids.numel()
         H, KV, D, eps = self.n_heads, self.n_kv, self.head_dim, self.eps
         h = self.embed[ids]
@@ -196,15 +199,15 @@ class LeanDecoder:
         H, KV = self.n_heads, self.n_kv
 
         def attend(q, k_cache, v_cache, end):
-            return F.scaled_dot_product_attention(q[None], k_cache[None, :, :end], v_cache[None, :, :end], attn_mask=mask,
-                                                  scale=self.scaling, enable_gqa=H != KV)[0]
+            return F.scaled_dot_product_attention(q[None], k_cache[None, :, :end], v_cache[None, :, :end],
+                                                  attn_mask=mask, scale=self.scaling, enable_gqa=H != KV)[0]
         return attend
 
     def _exact_forward(self, ids, cache: KVCache, pos, mask, layers, last, hidden):
         """The same forward, batch-invariant: rows go through in tiles of exactly `tile` rows (the last tile padded),
         and every tile attends over the same `exact_width` cache slots, so every matmul, norm and softmax of a row
         has the same shape whether 1 row or n rows are forwarded: a row's result never depends on how many rows
-        run with it. Costs a tile's rows for a 1-row call and a fixed attention width (`speclab forward-costs`)."""
+        run with it. Costs a tile's rows for a 1-row call and a fixed attention width (`speclab costs forward`)."""
         n, start, T, W = ids.numel(), cache.length, self.tile, cache.k.shape[2]
         if cache.k.dtype != torch.float32 or start + -(-n // T) * T > W:
             raise ValueError(f"exact mode: {n} rows after {start} cached need more than the {W} slots of the "

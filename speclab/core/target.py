@@ -5,8 +5,8 @@ loaded target can serve several sessions. Everything runs under `torch.inference
 
 Two backends compute the same forward: `lean` (speclab/core/lean.py: the Llama family over the model's own
 weights, a preallocated KV cache; per call 1.2-1.5x faster for the zoo target and 1.9-2.3x for the zoo
-draft on CPU, `speclab forward-costs`) and `hf` (the transformers forward with a DynamicCache, for every other architecture).
-`auto` picks lean where it applies.
+draft on CPU, `speclab costs forward`) and `hf` (the transformers forward with a DynamicCache, for every other
+architecture). `auto` picks lean where it applies.
 """
 from __future__ import annotations
 
@@ -16,9 +16,9 @@ from pathlib import Path
 
 import torch
 
-from speclab.errors import ModelNotFound
 from speclab.core.lean import KVCache, LeanDecoder, supports
 from speclab.core.precision import Head, check_logits, dtype_name, pick_dtype
+from speclab.errors import ModelNotFound
 
 BACKENDS = ("auto", "lean", "hf")
 
@@ -35,7 +35,8 @@ def check_model_dir(name_or_path: str | Path) -> Path:
     path = Path(name_or_path).expanduser()
     if not path.is_dir() and (path.exists() or str(name_or_path).startswith((".", "/", "~"))
                               or str(name_or_path).count("/") > 1):
-        raise ModelNotFound(f"no model directory at {path.resolve()} (a model is a folder with config.json and weights)")
+        raise ModelNotFound(f"no model directory at {path.resolve()} "
+                            "(a model is a folder with config.json and weights)")
     if path.is_dir() and not (path / "config.json").exists():
         raise ModelNotFound(f"{path.resolve()} has no config.json: not a Hugging Face model directory")
     return path
@@ -159,7 +160,7 @@ class Target:
 
     @classmethod
     def load(cls, name_or_path: str | Path, device=None, dtype=None, backend: str = "auto", logits: str = "fp32",
-             exact: bool = False) -> "Target":
+             exact: bool = False) -> Target:
         model, tok = load_causal_lm(name_or_path, device, dtype)
         return cls(model, tok, name=str(name_or_path), backend=backend, logits=logits, exact=exact)
 
@@ -237,10 +238,11 @@ class Target:
         """The transformers forward; layer outputs come from forward hooks that live for this call only."""
         kept: dict[int, torch.Tensor] = {}
         hooks = [self.layers[i].register_forward_hook(
-            lambda _m, _i, out, i=i: kept.__setitem__(i, out[0] if isinstance(out, tuple) else out)) for i in set(layers)]
+            lambda _m, _i, out, i=i: kept.__setitem__(i, out[0] if isinstance(out, tuple) else out))
+            for i in set(layers)]
         try:
-            out = self.decoder(input_ids=ids[None], position_ids=None if pos is None else pos[None], attention_mask=mask,
-                               past_key_values=cache, use_cache=True)
+            out = self.decoder(input_ids=ids[None], position_ids=None if pos is None else pos[None],
+                               attention_mask=mask, past_key_values=cache, use_cache=True)
         finally:
             for hk in hooks:
                 hk.remove()

@@ -9,6 +9,8 @@ from dataclasses import dataclass
 
 import torch
 
+from kernels.reference import ancestor_mask
+
 
 @dataclass
 class DraftTree:
@@ -38,22 +40,23 @@ class DraftTree:
     def ancestors(self) -> torch.Tensor:
         """[n, n] bool: ancestors[i, j] = node j is on the path from the root to node i (i included)."""
         if self._anc is None:
-            self._anc = ancestor_matrix(self.parents)
+            self._anc = ancestor_mask(self.parents)
         return self._anc
 
     @classmethod
-    def empty(cls, device="cpu") -> "DraftTree":
+    def empty(cls, device="cpu") -> DraftTree:
         z = torch.zeros(0, dtype=torch.long, device=device)
         return cls.chain(z, torch.zeros(0, device=device))
 
     @classmethod
-    def chain(cls, tokens: torch.Tensor, draft_probs: torch.Tensor, draft_dists: torch.Tensor | None = None) -> "DraftTree":
+    def chain(cls, tokens: torch.Tensor, draft_probs: torch.Tensor,
+              draft_dists: torch.Tensor | None = None) -> DraftTree:
         n = tokens.numel()
         tree = cls(tokens, torch.arange(-1, n - 1, device=tokens.device), draft_probs, draft_dists)
         tree._chain = True
         return tree
 
-    def to(self, device) -> "DraftTree":
+    def to(self, device) -> DraftTree:
         if self.tokens.device == torch.device(device):
             return self
         tree = DraftTree(self.tokens.to(device), self.parents.to(device), self.draft_probs.to(device),
@@ -97,22 +100,9 @@ def depths(parents: torch.Tensor) -> torch.Tensor:
     return depth
 
 
-def ancestor_matrix(parents: torch.Tensor) -> torch.Tensor:
-    """A[i, j] = node j is node i or one of its ancestors ([n, n] bool), by repeated squaring of the parent relation."""
-    n = parents.numel()
-    eye = torch.eye(n, dtype=torch.bool, device=parents.device)
-    if n == 0:
-        return eye
-    a = eye.clone()
-    has = parents >= 0
-    a[has.nonzero().flatten(), parents[has]] = True
-    for _ in range(max(1, (n - 1).bit_length())):
-        a = a | (a.float() @ a.float()).bool()
-    return a
-
-
 def tree_attention_mask(anc: torch.Tensor, past_len: int, dtype: torch.dtype, with_root: bool) -> torch.Tensor:
-    """Additive mask [1, 1, q, past_len + q] for verifying a tree (ancestor matrix `anc`) after `past_len` cached tokens.
+    """Additive mask [1, 1, q, past_len + q] for verifying a tree (ancestor matrix `anc`) after `past_len` cached
+    tokens.
 
     With `with_root`, the first query is the root token (the pending last committed token) and every node
     also sees it. 0 = attend, finfo(dtype).min = blocked (a bool or 0/1 mask is silently wrong with eager).
@@ -134,6 +124,17 @@ def tree_position_ids(depth: torch.Tensor, past_len: int, with_root: bool) -> to
     if with_root:
         return torch.cat([torch.zeros(1, dtype=torch.long, device=depth.device), depth]) + past_len
     return depth - 1 + past_len
+
+
+def check_dynamic_tree(method: str, name: str, value: int, depth: int, topk: int) -> None:
+    """A dynamic tree (`dynamic_tree`) of `depth` levels expands topk + (depth - 1) topk^2 candidates: refused
+    (InvalidInput) beyond 64 verifications' worth of nodes."""
+    from speclab.checks import MAX_TREE_NODES
+    from speclab.errors import InvalidInput
+    expanded = topk + (depth - 1) * topk ** 2
+    if topk > 1 and expanded > 64 * MAX_TREE_NODES:
+        raise InvalidInput(f"{method} tree: {name} {value} x tree_topk {topk} expands {expanded} candidate nodes, more "
+                           f"than {64 * MAX_TREE_NODES}; lower {name} or tree_topk")
 
 
 def dynamic_tree(root_logp: torch.Tensor, expand, depth: int, k: int, total: int, state,

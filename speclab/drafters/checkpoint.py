@@ -90,3 +90,14 @@ def place(model: torch.nn.Module, path, target=None, device=None, dtype=None) ->
         device, dtype = device or target.device, dtype or target.dtype
     model.name = str(path)
     return model.to(device=device or "cpu", dtype=dtype or torch.float32).eval().requires_grad_(False)
+
+
+def check_fits(what: str, where: Path, target, vocab_size: int, width: int, reads: str) -> None:
+    """What every drafter checks against its target: the same vocabulary, and the width of what it `reads` from the
+    target (ModelNotFound naming both)."""
+    if vocab_size != target.vocab_size:
+        raise ModelNotFound(f"the {what} in {where} has vocabulary {vocab_size}, the target {target.vocab_size}: it "
+                            "was trained for another target")
+    if width != target.hidden_size:
+        raise ModelNotFound(f"the {what} in {where} reads {reads} of width {width}, the target's are "
+                            f"{target.hidden_size}: it was trained for another target")

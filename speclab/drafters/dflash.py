@@ -37,18 +37,22 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from speclab.checks import MAX_TREE_NODES, Bound
+from speclab.core.lean import KVCache, apply_rope, rope_inv_freq, rope_tables
+from speclab.core.precision import rms_norm32
+from speclab.core.sampling import Sampling, logits_to_probs, sample
+from speclab.core.target import forward_clock
+from speclab.core.tree import DraftTree, check_dynamic_tree, dynamic_tree
 from speclab.drafters.checkpoint import (
+    check_fits,
     load_strict,
     place,
     read_checkpoint,
     save_checkpoint,
 )
+from speclab.drafters.layers import MLP, Attention
+from speclab.drafters.registry import DrafterEntry, ModelRole, Param
 from speclab.errors import InvalidInput, ModelNotFound
-from speclab.core.lean import KVCache, apply_rope, rope_inv_freq, rope_tables
-from speclab.core.precision import rms_norm32
-from speclab.core.sampling import Sampling, logits_to_probs, sample
-from speclab.core.target import forward_clock
-from speclab.core.tree import DraftTree, dynamic_tree
 
 
 def default_layer_ids(num_layers: int, n: int = 5) -> tuple[int, ...]:
@@ -94,7 +98,7 @@ class DFlashConfig:
         self.target_layer_ids = tuple(int(j) for j in self.target_layer_ids)
 
     @classmethod
-    def from_dict(cls, d: dict) -> "DFlashConfig":
+    def from_dict(cls, d: dict) -> DFlashConfig:
         d = dict(d)
         dc = d.get("dflash_config") or {}
 
@@ -115,9 +119,11 @@ class DFlashConfig:
                    vocab_size=d["vocab_size"], target_layer_ids=tuple(get("target_layer_ids")),
                    mask_token_id=int(get("mask_token_id")), block_size=int(get("block_size", 16)),
                    num_target_layers=get("num_target_layers"), head_dim=d.get("head_dim"),
-                   rms_norm_eps=d.get("rms_norm_eps", 1e-6), max_position_embeddings=d.get("max_position_embeddings", 2048),
+                   rms_norm_eps=d.get("rms_norm_eps", 1e-6),
+                   max_position_embeddings=d.get("max_position_embeddings", 2048),
                    rope_theta=d.get("rope_theta", rope.get("rope_theta", 10000.0)),
-                   rope_scaling=d.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None),
+                   rope_scaling=(d.get("rope_scaling")
+                                 or (rope if rope.get("rope_type", "default") != "default" else None)),
                    attention_bias=bool(d.get("attention_bias", False)), markov_rank=int(get("markov_rank", 0) or 0),
                    input_embedding_scale=float(get("input_embedding_scale", 1.0)),
                    output_multiplier=float(get("output_multiplier", 1.0)),
@@ -128,35 +134,17 @@ class DFlashConfig:
              if k not in ("extra", "target_layer_ids", "mask_token_id", "input_embedding_scale", "output_multiplier")}
         out = {"architectures": ["DFlashDraftModel"], "model_type": "qwen3", "hidden_act": "silu",
                "tie_word_embeddings": False, **self.extra, **d}
-        out["dflash_config"] = {**(self.extra.get("dflash_config") or {}), "target_layer_ids": list(self.target_layer_ids),
-                                "mask_token_id": self.mask_token_id}
+        out["dflash_config"] = {**(self.extra.get("dflash_config") or {}),
+                                "target_layer_ids": list(self.target_layer_ids), "mask_token_id": self.mask_token_id}
         return out
-
-
-class _Attention(nn.Module):
-    def __init__(self, c: DFlashConfig):
-        super().__init__()
-        self.q_proj = nn.Linear(c.hidden_size, c.num_attention_heads * c.head_dim, bias=c.attention_bias)
-        self.k_proj = nn.Linear(c.hidden_size, c.num_key_value_heads * c.head_dim, bias=c.attention_bias)
-        self.v_proj = nn.Linear(c.hidden_size, c.num_key_value_heads * c.head_dim, bias=c.attention_bias)
-        self.o_proj = nn.Linear(c.num_attention_heads * c.head_dim, c.hidden_size, bias=c.attention_bias)
-        self.q_norm = nn.RMSNorm(c.head_dim, eps=c.rms_norm_eps)
-        self.k_norm = nn.RMSNorm(c.head_dim, eps=c.rms_norm_eps)
-
-
-class _MLP(nn.Module):
-    def __init__(self, c: DFlashConfig):
-        super().__init__()
-        self.gate_proj = nn.Linear(c.hidden_size, c.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(c.hidden_size, c.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(c.intermediate_size, c.hidden_size, bias=False)
 
 
 class _Layer(nn.Module):
     def __init__(self, c: DFlashConfig):
         super().__init__()
-        self.self_attn = _Attention(c)
-        self.mlp = _MLP(c)
+        self.self_attn = Attention(c.hidden_size, c.hidden_size, c.num_attention_heads, c.num_key_value_heads,
+                                   c.head_dim, c.attention_bias, qk_norm_eps=c.rms_norm_eps)
+        self.mlp = MLP(c.hidden_size, c.intermediate_size)
         self.input_layernorm = nn.RMSNorm(c.hidden_size, eps=c.rms_norm_eps)
         self.post_attention_layernorm = nn.RMSNorm(c.hidden_size, eps=c.rms_norm_eps)
 
@@ -241,12 +229,8 @@ def load_dflash(path: str | Path, target=None, device=None, dtype=None) -> DFlas
 
 
 def _check_against(cfg: DFlashConfig, target, where: Path) -> None:
-    if cfg.vocab_size != target.vocab_size:
-        raise ModelNotFound(f"the DFlash drafter in {where} has vocabulary {cfg.vocab_size}, the target "
-                            f"{target.vocab_size}: it was trained for another target")
-    if cfg.hidden_size != target.hidden_size:
-        raise ModelNotFound(f"the DFlash drafter in {where} has width {cfg.hidden_size}, the target "
-                            f"{target.hidden_size}: it shares the target's embedding and head, so it must match")
+    check_fits("DFlash drafter", where, target, cfg.vocab_size, cfg.hidden_size,
+               "the embeddings and features (it shares the target's embedding and head)")
     bad = [j for j in cfg.target_layer_ids if not 0 <= j < target.num_layers]
     if bad:
         raise ModelNotFound(f"the DFlash drafter in {where} reads target layers {list(cfg.target_layer_ids)}, but the "
@@ -260,10 +244,9 @@ class DFlashDrafter:
     """The DFlash drafter behind speclab's drafter protocol (speclab/drafters/base.py)."""
     name = "dflash"
 
-    def __init__(self, model: DFlashModel, target, block_size: int | None = None, markov: bool = True,
-                 tree_topk: int = 1, total_tokens: int = 16):
+    def __init__(self, model: DFlashModel, target, *, block_size: int, markov: bool, tree_topk: int,
+                 total_tokens: int):
         c = model.config
-        block_size = block_size or c.block_size
         if block_size < 2 or tree_topk < 1 or total_tokens < 1:
             raise ValueError(f"dflash needs block_size >= 2 (a block is the root and at least one mask), tree_topk and "
                              f"total_tokens >= 1 (got {block_size}, {tree_topk}, {total_tokens})")
@@ -310,7 +293,8 @@ class DFlashDrafter:
             self.cache.reserve(m)
             end = self.known + m
             for i in range(len(self.m.layers)):
-                self.cache.k[i, :, self.known:end], self.cache.v[i, :, self.known:end] = self.m.context_kv(i, ctx, cos, sin)
+                self.cache.k[i, :, self.known:end], self.cache.v[i, :, self.known:end] = self.m.context_kv(
+                    i, ctx, cos, sin)
             self.cache.length = self.known = end
 
     @torch.inference_mode()
@@ -326,8 +310,9 @@ class DFlashDrafter:
         for i in range(len(self.m.layers)):
             q, k, v = self.m.block_qkv(i, x, cos, sin)
             self.cache.k[i, :, start:end], self.cache.v[i, :, start:end] = k, v
-            o = F.scaled_dot_product_attention(q[None], self.cache.k[i : i + 1, :, :end], self.cache.v[i : i + 1, :, :end],
-                                               scale=self.scale, enable_gqa=self.H != self.KV)[0]
+            o = F.scaled_dot_product_attention(q[None], self.cache.k[i : i + 1, :, :end],
+                                               self.cache.v[i : i + 1, :, :end], scale=self.scale,
+                                               enable_gqa=self.H != self.KV)[0]
             x = self.m.finish(i, x, o)
         x = x[1:]  # the target's head (its top logits in fp32 when the target's are), after the drafter's own norm
         h = rms_norm32(x, self.m.norm.weight, self.m.norm.eps) if self.target.fp32_logits else self.m.norm(x)
@@ -384,3 +369,34 @@ class DFlashDrafter:
         accepted tokens come back in the next catch-up with the target's features."""
         if self.cache is not None:
             self.cache.crop(self.known)
+
+
+def _check(p: dict, target) -> None:
+    check_dynamic_tree("dflash", "block_size", p["block_size"], p["block_size"] - 1, p["tree_topk"])
+
+
+def _same_decode(p: dict) -> dict:
+    """Without a tree (tree_topk 1) total_tokens plays no part."""
+    return {**p, "total_tokens": 16} if p["tree_topk"] == 1 else p
+
+
+# CPU defaults picked by `speclab grid` on the zoo in the default dtype (data/zoo/dflash/README.md has the table);
+# GPU preset: DFlash's evaluations
+PARAMS = (Param("markov", 1, lambda t: Bound(0, 1), grid=(0, 1),
+                help="1 = DSpark's Markov head when the drafter has one, 0 = the plain parallel readout"),
+          Param("block_size", 4, lambda t: Bound(2, min(MAX_TREE_NODES, t.max_context) + 1), gpu=16,
+                grid=(2, 3, 4, 5, 6, 8, 10, 12, 16), help="block rows (the root + block_size - 1 masks)"),
+          Param("tree_topk", 1, lambda t: Bound(1, t.vocab_size), help="children per row in a tree (1 = a chain)"),
+          Param("total_tokens", 16, lambda t: Bound(1, min(MAX_TREE_NODES, t.max_context)),
+                help="draft nodes kept from the tree"))
+
+ENTRY = DrafterEntry(
+    name="dflash", params=PARAMS, check=_check, same_decode=_same_decode,
+    build=lambda target, model, markov, **params: DFlashDrafter(model, target, markov=bool(markov), **params),
+    methods={"dflash": "DFlash: a block of masks drafted in one forward from the target's features (block_size "
+                       "rows: block_size - 1 tokens); markov = 1 adds DSpark's Markov head when the drafter has one; "
+                       "tree_topk > 1 makes a tree of the rows' top-k (best total_tokens kept)"},
+    model=ModelRole("dflash", "--dflash", "DFlash", "a DFlash drafter",
+                    lambda path, target, paths: load_dflash(path, target),
+                    zoo="dflash", card="data/zoo/dflash/README.md",
+                    help="DFlash drafter directory for dflash (public layout; default: the zoo's)"))

@@ -20,7 +20,7 @@ uses (1, 3, 5): low, middle and the input of the last layer.
 Drafting (EAGLE-2's dynamic tree): the root's top-k children; then `depth - 1` times the k best frontier nodes
 (cumulative log-probability) are forwarded in one drafter call under a tree mask and expanded by their top-k;
 at the end the best `total_tokens` nodes of everything expanded form the tree (ancestor-closed, since a score
-only falls along a path). top_k = 1 is a chain. The tree is deterministic, so verification treats its nodes as
+only falls along a path). tree_topk = 1 is a chain. The tree is deterministic, so verification treats its nodes as
 point masses: lossless under sampling as well.
 
 Catch-up with KV-only prefill: the backlog (tokens accepted since the drafter last looked, with the target's
@@ -38,18 +38,22 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from speclab.checks import MAX_TREE_NODES, Bound
+from speclab.core.lean import KVCache, apply_rope, rope_inv_freq, rope_tables
+from speclab.core.precision import Head, rms_norm32
+from speclab.core.sampling import Sampling
+from speclab.core.target import forward_clock
+from speclab.core.tree import DraftTree, check_dynamic_tree, dynamic_tree
 from speclab.drafters.checkpoint import (
+    check_fits,
     load_strict,
     place,
     read_checkpoint,
     save_checkpoint,
 )
+from speclab.drafters.layers import MLP, Attention
+from speclab.drafters.registry import DrafterEntry, ModelRole, Param
 from speclab.errors import ModelNotFound
-from speclab.core.lean import KVCache, apply_rope, rope_inv_freq, rope_tables
-from speclab.core.precision import Head, rms_norm32
-from speclab.core.sampling import Sampling
-from speclab.core.target import forward_clock
-from speclab.core.tree import DraftTree, dynamic_tree
 
 
 def default_layer_ids(num_layers: int) -> tuple[int, int, int]:
@@ -91,7 +95,7 @@ class Eagle3Config:
         return tuple(j - 1 for j in self.layer_ids)
 
     @classmethod
-    def from_dict(cls, d: dict, num_target_layers: int | None = None) -> "Eagle3Config":
+    def from_dict(cls, d: dict, num_target_layers: int | None = None) -> Eagle3Config:
         d = dict(d)
         eagle = d.get("eagle_config") or {}
         ids = eagle.get("eagle_aux_hidden_state_layer_ids")
@@ -112,7 +116,8 @@ class Eagle3Config:
                    head_dim=d.get("head_dim"), rms_norm_eps=d.get("rms_norm_eps", 1e-6),
                    max_position_embeddings=d.get("max_position_embeddings", 2048),
                    rope_theta=d.get("rope_theta", rope.get("rope_theta", 10000.0)),
-                   rope_scaling=d.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None),
+                   rope_scaling=(d.get("rope_scaling")
+                                 or (rope if rope.get("rope_type", "default") != "default" else None)),
                    extra={k: v for k, v in d.items() if k not in known})
 
     def to_dict(self) -> dict:
@@ -124,31 +129,15 @@ class Eagle3Config:
         return out
 
 
-class _Attention(nn.Module):
-    def __init__(self, c: Eagle3Config):
-        super().__init__()
-        self.q_proj = nn.Linear(2 * c.hidden_size, c.num_attention_heads * c.head_dim, bias=False)
-        self.k_proj = nn.Linear(2 * c.hidden_size, c.num_key_value_heads * c.head_dim, bias=False)
-        self.v_proj = nn.Linear(2 * c.hidden_size, c.num_key_value_heads * c.head_dim, bias=False)
-        self.o_proj = nn.Linear(c.num_attention_heads * c.head_dim, c.hidden_size, bias=False)
-
-
-class _MLP(nn.Module):
-    def __init__(self, c: Eagle3Config):
-        super().__init__()
-        self.gate_proj = nn.Linear(c.hidden_size, c.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(c.hidden_size, c.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(c.intermediate_size, c.hidden_size, bias=False)
-
-
 class _MidLayer(nn.Module):
     def __init__(self, c: Eagle3Config):
         super().__init__()
         self.hidden_norm = nn.RMSNorm(c.hidden_size, eps=c.rms_norm_eps)
         self.input_layernorm = nn.RMSNorm(c.hidden_size, eps=c.rms_norm_eps)
         self.post_attention_layernorm = nn.RMSNorm(c.hidden_size, eps=c.rms_norm_eps)
-        self.self_attn = _Attention(c)
-        self.mlp = _MLP(c)
+        self.self_attn = Attention(2 * c.hidden_size, c.hidden_size, c.num_attention_heads, c.num_key_value_heads,
+                                   c.head_dim)
+        self.mlp = MLP(c.hidden_size, c.intermediate_size)
 
 
 class Eagle3Model(nn.Module):
@@ -229,12 +218,7 @@ def load_eagle3(path: str | Path, target=None, device=None, dtype=None) -> Eagle
 
 
 def _check_against(cfg: Eagle3Config, target, where: Path) -> None:
-    if cfg.vocab_size != target.vocab_size:
-        raise ModelNotFound(f"the EAGLE-3 drafter in {where} has vocabulary {cfg.vocab_size}, the target "
-                            f"{target.vocab_size}: it was trained for another target")
-    if cfg.target_hidden_size != target.hidden_size:
-        raise ModelNotFound(f"the EAGLE-3 drafter in {where} reads features of width {cfg.target_hidden_size}, the "
-                            f"target's are {target.hidden_size}: it was trained for another target")
+    check_fits("EAGLE-3 drafter", where, target, cfg.vocab_size, cfg.target_hidden_size, "features")
     bad = [j for j in cfg.layer_ids if not 1 <= j < target.num_layers]
     if bad:
         raise ModelNotFound(f"the EAGLE-3 drafter in {where} reads hidden_states {list(cfg.layer_ids)}, but the "
@@ -246,11 +230,13 @@ class Eagle3Drafter:
     """The EAGLE-3 drafter behind speclab's drafter protocol (speclab/drafters/base.py)."""
     name = "eagle3"
 
-    def __init__(self, model: Eagle3Model, target, depth: int = 4, top_k: int = 1, total_tokens: int = 8,
+    def __init__(self, model: Eagle3Model, target, *, depth: int, tree_topk: int, total_tokens: int,
                  kv_only: bool = True):
-        if depth < 1 or top_k < 1 or total_tokens < 1:
-            raise ValueError(f"eagle3 needs depth, top_k and total_tokens >= 1 (got {depth}, {top_k}, {total_tokens})")
-        self.m, self.depth, self.top_k, self.total_tokens, self.kv_only = model, depth, top_k, total_tokens, kv_only
+        if depth < 1 or tree_topk < 1 or total_tokens < 1:
+            raise ValueError(f"eagle3 needs depth, tree_topk and total_tokens >= 1 (got {depth}, {tree_topk}, "
+                             f"{total_tokens})")
+        self.m, self.depth, self.tree_topk, self.total_tokens = model, depth, tree_topk, total_tokens
+        self.kv_only = kv_only
         self.layers = model.config.target_layers
         c = model.config
         self.H, self.KV, self.D = c.num_attention_heads, c.num_key_value_heads, c.head_dim
@@ -338,7 +324,7 @@ class Eagle3Drafter:
         depth = min(self.depth, max_depth)
         if depth <= 0 or self.root_logits is None:
             return DraftTree.empty(self.device)
-        if self.top_k == 1:
+        if self.tree_topk == 1:
             return self._chain(min(depth, self.total_tokens))
         return self._tree(depth)
 
@@ -373,7 +359,7 @@ class Eagle3Drafter:
     def _tree(self, depth: int) -> DraftTree:
         """EAGLE-2 dynamic tree (speclab.core.tree.dynamic_tree): each depth's frontier is one drafter call under a tree
         mask over its ancestors' cache slots; a node's state is (its parent's output, its parent's slot)."""
-        k, dev = self.top_k, self.device
+        k, dev = self.tree_topk, self.device
         n_slots_max = k * (depth - 1)
         slot_anc = torch.zeros(n_slots_max, n_slots_max, dtype=torch.bool, device=dev)
         slots = 0
@@ -401,3 +387,34 @@ class Eagle3Drafter:
         if self.cache is not None:
             self.cache.crop(self.known)
         self.root_logits = self.root_h = None
+
+
+def _check(p: dict, target) -> None:
+    check_dynamic_tree("eagle3", "depth", p["depth"], p["depth"], p["tree_topk"])
+
+
+def _same_decode(p: dict) -> dict:
+    """A chain (tree_topk 1) drafts min(depth, total_tokens) tokens: that is all that tells two chains apart."""
+    if p["tree_topk"] != 1:
+        return p
+    n = min(p["depth"], p["total_tokens"])
+    return {**p, "depth": n, "total_tokens": n}
+
+
+# CPU defaults picked by `speclab grid` on the zoo in the default dtype (data/zoo/eagle3/README.md has the table);
+# GPU presets: EAGLE-3's evaluations (WhiFlash's Table 7)
+PARAMS = (Param("depth", 2, lambda t: Bound(1, t.max_context), gpu=8, grid=(3, 4, 5, 6), help="draft tree depth"),
+          Param("tree_topk", 2, lambda t: Bound(1, t.vocab_size), gpu=10, grid=(1, 2, 3, 4),
+                help="children per expanded node (1 = a chain)"),
+          Param("total_tokens", 8, lambda t: Bound(1, min(MAX_TREE_NODES, t.max_context)), gpu=60,
+                grid=(4, 6, 8, 12, 16), help="draft nodes kept from the expanded tree"))
+
+ENTRY = DrafterEntry(
+    name="eagle3", params=PARAMS, check=_check, same_decode=_same_decode,
+    build=lambda target, model, **params: Eagle3Drafter(model, target, **params),
+    methods={"eagle3": "EAGLE-3: one-layer drafter on the target's features; dynamic tree (depth, tree_topk, "
+                       "total_tokens), a chain when tree_topk = 1"},
+    model=ModelRole("eagle3", "--eagle", "EAGLE-3", "an EAGLE-3 drafter",
+                    lambda path, target, paths: load_eagle3(path, target),
+                    zoo="eagle3", card="data/zoo/eagle3/README.md",
+                    help="EAGLE-3 drafter directory for eagle3 (public layout; default: the zoo's)"))

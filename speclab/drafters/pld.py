@@ -3,17 +3,21 @@ from __future__ import annotations
 
 import torch
 
+from speclab.checks import Bound
 from speclab.core.sampling import Sampling
 from speclab.core.tree import DraftTree
+from speclab.drafters.registry import DrafterEntry, Param
+from speclab.errors import InvalidInput
 
 
 class PromptLookup:
     name = "pld"
     layers: tuple[int, ...] = ()
 
-    def __init__(self, k: int = 8, max_ngram: int = 3, min_ngram: int = 1):
+    def __init__(self, *, k: int, max_ngram: int, min_ngram: int):
         if k < 1 or min_ngram < 1 or max_ngram < min_ngram:
-            raise ValueError(f"pld needs k >= 1 and 1 <= min_ngram <= max_ngram (got k={k}, ngram {min_ngram}..{max_ngram})")
+            raise ValueError(f"pld needs k >= 1 and 1 <= min_ngram <= max_ngram "
+                             f"(got k={k}, ngram {min_ngram}..{max_ngram})")
         self.k, self.max_ngram, self.min_ngram = k, max_ngram, min_ngram
         self.ids = torch.zeros(0, dtype=torch.long)
 
@@ -40,3 +44,16 @@ class PromptLookup:
 
     def commit(self, tree: DraftTree, accepted: torch.Tensor) -> None:
         pass
+
+
+def _check(p: dict, target) -> None:
+    if p["min_ngram"] > p["max_ngram"]:
+        raise InvalidInput(f"pld: min_ngram ({p['min_ngram']}) must not exceed max_ngram ({p['max_ngram']})")
+
+
+ENTRY = DrafterEntry(
+    name="pld", build=lambda target, model, **params: PromptLookup(**params), check=_check,
+    methods={"pld": "prompt lookup: n-gram match in prompt + output, no model"},
+    params=(Param("k", 8, lambda t: Bound(1, t.max_context), help="tokens proposed after a match"),
+            Param("max_ngram", 3, lambda t: Bound(1, 64), help="longest n-gram matched"),
+            Param("min_ngram", 1, lambda t: Bound(1, 64), help="shortest n-gram matched")))

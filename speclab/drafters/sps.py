@@ -14,20 +14,23 @@ from __future__ import annotations
 
 import torch
 
+from speclab.checks import MAX_TREE_NODES, Bound
 from speclab.core.sampling import Sampling, logits_to_probs, sample
 from speclab.core.target import Target, keep_cache
 from speclab.core.tree import DraftTree
+from speclab.drafters.registry import DrafterEntry, ModelRole, Param
+from speclab.errors import InvalidInput
 
 
 class StandaloneDraft:
     name = "sps"
     layers: tuple[int, ...] = ()
 
-    def __init__(self, model: Target, k: int = 4, tree_topk: int = 1, stop_prob: float = 0.0):
+    def __init__(self, model: Target, *, k: int, tree_topk: int, stop_prob: float):
         if k < 1 or tree_topk < 1 or not 0 <= stop_prob < 1:
             raise ValueError(f"sps needs k >= 1, tree_topk >= 1 and 0 <= stop_prob < 1 "
                              f"(got k={k}, tree_topk={tree_topk}, stop_prob={stop_prob})")
-        self.model, self.k, self.topk, self.stop_prob = model, k, tree_topk, stop_prob
+        self.model, self.k, self.tree_topk, self.stop_prob = model, k, tree_topk, stop_prob
         self.cache = None
         self.backlog = torch.zeros(0, dtype=torch.long)
         self.root_logits = None  # [1, V]: the draft's distribution after the last committed token
@@ -54,7 +57,7 @@ class StandaloneDraft:
         self.n_forwarded = 0
         if depth <= 0:
             return DraftTree.empty()
-        if self.topk == 1:
+        if self.tree_topk == 1:
             return self._chain(self.root_logits, depth, sampling, generator)
         return self._tree(self.root_logits, depth, self.known)
 
@@ -84,7 +87,7 @@ class StandaloneDraft:
         """Top-k tree: each level expands the frontier by its top-k children and keeps the best `topk` by
         cumulative log-prob; the whole level is one draft call under a tree mask. Deterministic, so
         verification treats the children as point masses (lossless under sampling too)."""
-        m, dev, k = self.model, self.model.device, self.topk
+        m, dev, k = self.model, self.model.device, self.tree_topk
         n_max = depth * k
         tokens = torch.zeros(n_max, dtype=torch.long, device=dev)
         parents = torch.zeros(n_max, dtype=torch.long, device=dev)
@@ -108,7 +111,8 @@ class StandaloneDraft:
             if level == depth:
                 break
             allowed = torch.cat([torch.ones(new.numel(), committed, dtype=torch.bool, device=dev), anc[new, :n]], dim=1)
-            mask = torch.zeros(allowed.shape, dtype=m.dtype, device=dev).masked_fill_(~allowed, torch.finfo(m.dtype).min)
+            mask = torch.zeros(allowed.shape, dtype=m.dtype, device=dev).masked_fill_(
+                ~allowed, torch.finfo(m.dtype).min)
             pos = committed - 1 + level + torch.zeros_like(new)
             logits = m.forward(new_tok, self.cache, pos, mask.view(1, 1, *allowed.shape)).logits
             self.n_forwarded = n
@@ -122,3 +126,33 @@ class StandaloneDraft:
         keep_cache(self.cache, self.known, keep.to(self.model.device))
         self.known += keep.numel()
         self.reused = keep.numel()
+
+
+def _build(target, model: Target, **params) -> StandaloneDraft:
+    if model.vocab_size != target.vocab_size:
+        raise InvalidInput(f"draft vocabulary ({model.vocab_size}) differs from the target's ({target.vocab_size}): "
+                           "sps needs a draft model with the target's tokenizer")
+    return StandaloneDraft(model, **params)
+
+
+def _check(p: dict, target) -> None:
+    nodes = p["k"] * p["tree_topk"]
+    most = min(MAX_TREE_NODES, target.max_context)
+    if p["tree_topk"] > 1 and nodes > most:
+        raise InvalidInput(f"sps tree: k x tree_topk = {p['k']} x {p['tree_topk']} = {nodes} nodes, more than the "
+                           f"{most} one verification takes; lower k or tree_topk")
+
+
+def _load(path, target, paths) -> Target:
+    return Target.load(path, device=paths.device, dtype=paths.dtype, backend=paths.backend, logits=paths.logits)
+
+
+ENTRY = DrafterEntry(
+    name="sps", build=_build, check=_check,
+    methods={"sps": "standalone draft model (SpS): chain of k, or a top-k tree"},
+    model=ModelRole("draft", "--draft", "draft", "a draft model", _load, zoo="draft", card="data/zoo/README.md",
+                    help="draft model for sps (default: the zoo draft)"),
+    params=(Param("k", 4, lambda t: Bound(1, t.max_context), help="draft length (a chain) or depth (a tree)"),
+            Param("tree_topk", 1, lambda t: Bound(1, t.vocab_size), help="children per level (1 = a chain)"),
+            Param("stop_prob", 0.0, lambda t: Bound(0.0, 1.0, hi_open=True),
+                  help="end a chain after a draft token below this probability (0 = always k tokens)")))

@@ -3,30 +3,34 @@ batch form): find or run the suite's bench (AR for the sequences to profile, EAG
 model), profile it, replay any threshold instantly, save the chosen one to the calibration file the routers read,
 and confirm it live.
 
-A `Calibrator` holds one bench's profiles and cost model; every replay goes through `speclab.routing.evaluate` (the sweep,
-the single drafters and the oracles of the routing report), so the figures here are the report's.
+A `Calibrator` holds one bench's profiles and cost model; every replay goes through `speclab.routing.evaluate` (the
+sweep, the best threshold, the single drafters and the oracles of the routing report), so the figures here are the
+report's. `GRIDS` are the thresholds every calibration sweeps (the CLI's defaults, the app's slider, the notebook
+widget), so all of them save the same threshold for the same bench.
 """
 from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
 
-import numpy as np
 import pandas as pd
 
+from speclab.errors import InvalidInput
+from speclab.metrics import model_error, tau, tokens_per_s
 from speclab.routing import evaluate as routing
 from speclab.routing import replay
-from speclab.errors import InvalidInput
 from speclab.routing.routers import (
     Calibration,
     calibration_path,
     load_calibration,
     threshold_bound,
 )
+from speclab.viz import Report
 
 BENCH_METHODS = ["ar", "eagle3", "dflash"]
 ROUTERS = ("entropy", "neural")
-GRIDS = {"entropy": (0.0, 6.0, 0.05), "neural": (-3.0, 3.0, 0.05)}  # start, stop, step of the replayed curve
+# start, stop (included), step of every calibration sweep: entropy in nats, neural in predicted Delta tau (tokens)
+GRIDS = {"entropy": (0.0, 6.0, 0.05), "neural": (-3.0, 3.0, 0.05)}
 REFERENCES = ("eagle3", "dflash", "oracle-task", "oracle-prompt", "oracle-token", "oracle-token-time")
 
 
@@ -42,8 +46,13 @@ def check_threshold(router: str, threshold, vocab_size: int) -> float:
 
 
 def grid(router: str) -> list[float]:
-    a, b, s = GRIDS[check_router(router)]
-    return [round(float(x), 10) for x in np.arange(a, b + s / 2, s)]
+    """The thresholds a calibration of `router` sweeps (`GRIDS`)."""
+    return routing.threshold_range(*GRIDS[check_router(router)])
+
+
+def grid_text(router: str) -> str:
+    """`GRIDS[router]` as the CLI writes a grid: 'start:stop:step'."""
+    return ":".join(f"{x:g}" for x in GRIDS[check_router(router)])
 
 
 def find_bench(store, suite: str, limit: int, max_new_tokens: int) -> str | None:
@@ -76,6 +85,7 @@ class Calibrator:
     mlp: object = None  # the neural router's MLP (neural curves need it)
     reused: bool = False  # profiles came from the trace, not made now
     curves: dict = field(default_factory=dict)
+    grids: dict = field(default_factory=dict)  # router -> thresholds to sweep instead of `grid(router)`
 
     @classmethod
     def prepare(cls, store, target, models: dict, suite: str, limit: int, max_new_tokens: int, log=print):
@@ -113,15 +123,16 @@ class Calibrator:
         return category
 
     def curve(self, router: str) -> pd.DataFrame:
-        """AL and modeled tokens/s per (category, threshold) over the router's grid (replayed once, then cached)."""
+        """tau and modeled tokens/s per (category, threshold) over the router's grid (replayed once, then cached)."""
         if router not in self.curves:
             if router == "neural" and self.mlp is None:
                 raise InvalidInput("a neural calibration needs the neural router (--router-model, or the zoo's)")
-            self.curves[router] = routing.sweep(self.profiles, self.cost, check_router(router), grid(router), self.mlp)
+            thresholds = self.grids.get(router) or grid(router)
+            self.curves[router] = routing.sweep(self.profiles, self.cost, check_router(router), thresholds, self.mlp)
         return self.curves[router]
 
     def references(self) -> pd.DataFrame:
-        """Each drafter alone and the oracles, per category: AL and modeled tokens/s (the routing report's)."""
+        """Each drafter alone and the oracles, per category: tau and modeled tokens/s (the routing report's)."""
         if "refs" not in self.curves:
             orc = routing.oracles(self.profiles, self.cost, routing.switch_backlog(self.store, self.bench_id))
             self.curves["refs"] = orc[orc.policy.isin(REFERENCES)]
@@ -133,14 +144,14 @@ class Calibrator:
         return sw[sw.category == self.check_category(category)].iloc[0].to_dict()
 
     def best(self, router: str, category: str) -> dict:
-        c = self.curve(router)
-        c = c[c.category == self.check_category(category)]
-        return c.loc[c.tokens_per_s.idxmax()].to_dict()
+        """The best threshold's row of the curve for one category (`speclab.routing.evaluate.best_per_category`)."""
+        return routing.best_per_category(self.curve(router)).loc[self.check_category(category)].to_dict()
 
     def confirm(self, target, models: dict, router: str, threshold: float, category: str, prompts: int,
                 log=print) -> pd.DataFrame:
         """Decode `prompts` of the bench's prompts of `category` live at `threshold` (traced into the bench) and
-        set measured AL and tokens/s beside the replayed / modeled ones for the same prompts."""
+        set measured tau and tokens/s beside the replayed / modeled ones for the same prompts (and the model error,
+        `speclab.metrics.model_error`)."""
         spec = f"whiflash-{check_router(router)}:threshold={float(threshold):g}"
         cat = self.check_category(category)
         chosen = [p for p in self.profiles if cat == "all" or p.category == cat][:prompts]
@@ -151,14 +162,33 @@ class Calibrator:
         runs = self.store.query(f"""SELECT run_id, new_tokens, rounds, elapsed_s FROM runs WHERE bench_id = ? AND
                                     method = ? AND status = 'done' AND prompt_id IN ({q}) ORDER BY run_id DESC
                                     LIMIT ?""", [self.bench_id, spec, *ids, len(ids)])
-        from speclab.metrics import tau, tokens_per_s
         sw = routing.sweep(chosen, self.cost, router, [float(threshold)], self.mlp)
         modeled = sw[sw.category == "all"].iloc[0]
         measured_tps = tokens_per_s(runs.new_tokens.sum(), runs.elapsed_s.sum())
         return pd.DataFrame([{"threshold": float(threshold), "category": cat, "prompts": len(runs),
-                              "al_live": tau(runs.new_tokens.sum(), runs.rounds.sum()), "al_replay": modeled.al,
+                              "tau_live": tau(runs.new_tokens.sum(), runs.rounds.sum()), "tau_replay": modeled.tau,
                               "tokens_per_s_live": measured_tps, "tokens_per_s_modeled": modeled.tokens_per_s,
-                              "model_error": modeled.tokens_per_s / measured_tps - 1 if measured_tps else np.nan}])
+                              "model_error": model_error(modeled.tokens_per_s, measured_tps)}])
+
+
+def calibrate(cal: Calibrator, routers) -> tuple[dict, Report]:
+    """The best threshold per category (and '*': the best single one over all) of each router on the calibrator's
+    bench, by replay over its grid: {router: {category: threshold}} (what `save_thresholds` writes) and the
+    report (each drafter alone and the oracles for reference, each router's best rows and its sweep)."""
+    from speclab import viz
+    refs = cal.references()
+    text = ["## For reference: each drafter alone and the oracles (replayed, modeled tokens/s)", "",
+            refs[["policy", "category", "tau", "tokens_per_s"]].to_markdown(index=False, floatfmt=".3f"), ""]
+    best, figs = {}, []
+    for r in routers:
+        sw = cal.curve(r)
+        best[r] = routing.best_thresholds(sw)
+        top = routing.best_per_category(sw)
+        text += [f"## {r}: best threshold per category (modeled tokens/s)", "",
+                 top[["category", "threshold", "tau", "tokens_per_s", "switches", "eagle3_share"]]
+                 .to_markdown(index=False, floatfmt=".3f"), ""]
+        figs.append(viz.sweep_figure(sw, None, "tokens_per_s", f"whiflash-{r}: modeled tokens/s by threshold"))
+    return best, Report("WhiFlash calibration", "\n".join(text), figs)
 
 
 def save_thresholds(router: str, thresholds: dict, fingerprint: str, info: dict, path=None) -> Calibration:

@@ -2,12 +2,13 @@
 per-category table of the paper's Table 1 (drafters, oracles, routers), with the switch-cost and lazy-vs-eager
 tables. Everything reads a bench in the trace (`speclab bench`) and the bench's profiles (`speclab.routing.replay`).
 
-- AL (tau, `speclab.metrics`): tokens committed per round. Tokens/s: tokens / decode time, pooled per category.
-- Live figures come from the bench's traced runs; oracle ALs from the profiles (under greedy decoding the replay
+- tau (AL in the paper's tables, `speclab.metrics`): tokens committed per round. Tokens/s: tokens / decode time,
+  pooled per category; speedup and model error as `speclab.metrics` defines them.
+- Live figures come from the bench's traced runs; oracle taus from the profiles (under greedy decoding the replay
   of a policy is what a live run of it does, `replayed_runs` checks it on the bench's own runs).
 - Oracle-Task and Oracle-Prompt pick, in hindsight, the drafter with the best value *of the column's metric*
-  (AL for the AL column, measured tokens/s for the speed column) per category or per prompt. Oracle-Token's AL
-  is the max-AL dynamic programme; its min-time variant is only modeled (the cost model), so it is shown apart.
+  (tau for the tau column, measured tokens/s for the speed column) per category or per prompt. Oracle-Token's tau
+  is the max-tau dynamic programme; its min-time variant is only modeled (the cost model), so it is shown apart.
 """
 from __future__ import annotations
 
@@ -18,11 +19,12 @@ import numpy as np
 import pandas as pd
 import torch
 
-from speclab.routing import replay
 from speclab.errors import InvalidInput
-from speclab.metrics import tau, tokens_per_s
+from speclab.metrics import model_error, speedup, tokens_per_s
 from speclab.progress import Progress
-from speclab.routing.routers import AR, PARALLEL
+from speclab.routing import replay
+from speclab.routing.routers import DFLASH, EAGLE3
+from speclab.viz import Report
 
 ROUTED = ("whiflash-entropy", "whiflash-neural")
 
@@ -62,8 +64,8 @@ def profile_bench(store, bench_id: str, target, models: dict, params: dict | Non
     """Profile both drafters on every prompt of the bench (its AR run's output is the sequence), save them in the
     trace and return them."""
     from speclab.bench.run import format_prompt
-    from speclab.methods import build_method, method_params
     from speclab.bench.suites import load_suite
+    from speclab.methods import build_method, method_params
 
     cfg, ar = check_profilable(store, bench_id)
     params = method_params("whiflash-entropy", params or {}, target)
@@ -97,18 +99,18 @@ def get_profiles(store, bench_id: str, load=None, log=print):
 
 def signals_table(profiles, mlp=None) -> pd.DataFrame:
     """Per profiled position: the signals a router sees there (the target's entropy; the neural router's predicted
-    Delta AL with `mlp`), what each drafter would have had accepted, the true Delta AL (= AL_eagle3 - AL_dflash,
-    WhiFlash 3.3.2) and the winner ('eagle3', 'dflash' or 'tie')."""
+    Delta AL with `mlp`), what each drafter would have had accepted, the true Delta AL `delta_tau` (= tau_eagle3 -
+    tau_dflash, WhiFlash 3.3.2) and the winner ('eagle3', 'dflash' or 'tie')."""
     rows = []
     for p in profiles:
-        e, d = (p.accepted[replay.DRAFTERS.index(n)].astype(float) for n in (AR, PARALLEL))
-        df = pd.DataFrame({"prompt_id": p.prompt_id, "category": p.category, "pos": np.arange(p.n), "entropy": p.entropy,
-                           f"{AR}_accepted": e, f"{PARALLEL}_accepted": d, "delta_al": e - d})
+        e, d = (p.accepted[replay.DRAFTERS.index(n)].astype(float) for n in (EAGLE3, DFLASH))
+        df = pd.DataFrame({"prompt_id": p.prompt_id, "category": p.category, "pos": np.arange(p.n),
+                           "entropy": p.entropy, f"{EAGLE3}_accepted": e, f"{DFLASH}_accepted": d, "delta_tau": e - d})
         if mlp is not None:
             df["predicted"] = replay.neural_signal(p, mlp)
         rows.append(df)
     out = pd.concat(rows, ignore_index=True)
-    out["winner"] = np.select([out.delta_al > 0, out.delta_al < 0], [AR, PARALLEL], "tie")
+    out["winner"] = np.select([out.delta_tau > 0, out.delta_tau < 0], [EAGLE3, DFLASH], "tie")
     return out
 
 
@@ -125,6 +127,11 @@ def threshold_policy(router: str, grid, mlp=None):
     raise InvalidInput(f"--router must be entropy or neural (got {router!r})")
 
 
+def threshold_range(start: float, stop: float, step: float) -> list[float]:
+    """start, start + step, ... up to stop (included), rounded to 10 decimals: every threshold grid's points."""
+    return [float(x) for x in np.round(np.arange(start, stop + step / 2, step), 10)]
+
+
 def parse_thresholds(text: str) -> list[float]:
     """'0.5,1,2' or 'start:stop:step' (stop included) -> thresholds; InvalidInput otherwise."""
     try:
@@ -132,7 +139,7 @@ def parse_thresholds(text: str) -> list[float]:
             a, b, s = (float(x) for x in text.split(":"))
             if s <= 0 or b < a or (b - a) / s > 10000:
                 raise ValueError
-            vals = list(np.round(np.arange(a, b + s / 2, s), 10))
+            vals = threshold_range(a, b, s)
         else:
             vals = [float(x) for x in text.split(",") if x.strip()]
     except ValueError:
@@ -148,28 +155,30 @@ def with_all(df: pd.DataFrame) -> pd.DataFrame:
 
 
 def sweep(profiles, cost, router: str, grid, mlp=None) -> pd.DataFrame:
-    """Replayed AL and modeled tokens/s per (category, threshold), 'all' pooling every prompt."""
+    """Replayed tau and modeled tokens/s per (category, threshold), 'all' pooling every prompt."""
     t = replay.replay_table(profiles, threshold_policy(router, grid, mlp), cost)
-    return replay.summarize(with_all(t)).rename(columns={"value": "threshold"})
+    return replay.summarize_walks(with_all(t)).rename(columns={"value": "threshold"})
+
+
+def best_per_category(sw: pd.DataFrame) -> pd.DataFrame:
+    """The best threshold of a sweep: per category the row of the highest modeled tokens/s (the lowest threshold
+    among equals), indexed by category. What `speclab calibrate`, the app and the notebook widget save."""
+    best = sw.loc[sw.sort_values("threshold").groupby("category").tokens_per_s.idxmax()]
+    return best.set_index("category", drop=False).rename_axis(None)
 
 
 def best_thresholds(sw: pd.DataFrame) -> dict:
-    """Per category the threshold of the highest modeled tokens/s ('*' = the best single threshold over all)."""
-    best = sw.loc[sw.groupby("category").tokens_per_s.idxmax()]
+    """Per category the best threshold (`best_per_category`); '*' = the best single threshold over all."""
+    best = best_per_category(sw)
     return {("*" if c == "all" else c): float(t) for c, t in zip(best.category, best.threshold)}
-
-
-def single_drafters(profiles, cost) -> pd.DataFrame:
-    pol = {name: (lambda p, n=name: replay.fixed_choice(p, n), [None]) for name in replay.DRAFTERS}
-    return replay.summarize(with_all(replay.replay_table(profiles, pol, cost)))
 
 
 # -- oracles -------------------------------------------------------------------------------------------------------
 def oracles(profiles, cost=None, switch_backlog: float = 16.0) -> pd.DataFrame:
-    """AL per category (and 'all') of each drafter alone, Oracle-Task, Oracle-Prompt and Oracle-Token (max AL; and
+    """tau per category (and 'all') of each drafter alone, Oracle-Task, Oracle-Prompt and Oracle-Token (max tau; and
     min modeled time when a cost model is given), all from the profiles."""
     pol = {name: (lambda p, n=name: replay.fixed_choice(p, n), [None]) for name in replay.DRAFTERS}
-    pol["oracle-token"] = (replay.oracle_max_al, [None])
+    pol["oracle-token"] = (replay.oracle_max_tau, [None])
     if cost is not None:
         pol["oracle-token-time"] = (lambda p: replay.oracle_min_time(p, cost, switch_backlog), [None])
     t = replay.replay_table(profiles, pol, cost)
@@ -180,7 +189,7 @@ def oracles(profiles, cost=None, switch_backlog: float = 16.0) -> pd.DataFrame:
     best_cat = by_cat.loc[by_cat.groupby("category").rounds.idxmin()]
     per_task = single.merge(best_cat[["category", "policy"]], on=["category", "policy"]).assign(policy="oracle-task")
     rows = pd.concat([t, per_prompt, per_task], ignore_index=True)
-    out = replay.summarize(with_all(rows), by=("policy", "category"))
+    out = replay.summarize_walks(with_all(rows), by=("policy", "category"))
     # Oracle-Task over 'all' is the per-category choice pooled, not one drafter for everything
     return out
 
@@ -188,56 +197,57 @@ def oracles(profiles, cost=None, switch_backlog: float = 16.0) -> pd.DataFrame:
 def oracle_speed(store, bench_id: str) -> pd.DataFrame:
     """Oracle-Task and Oracle-Prompt tokens/s from the bench's live eagle3 and dflash runs (hindsight best)."""
     r = store.query("SELECT method, prompt_id, category, new_tokens, elapsed_s, rounds FROM runs WHERE bench_id = ? "
-                    "AND status = 'done' AND method IN (?, ?)", [bench_id, AR, PARALLEL])
+                    "AND status = 'done' AND method IN (?, ?)", [bench_id, EAGLE3, DFLASH])
     if r.empty:
         return pd.DataFrame(columns=["policy", "category", "tokens_per_s"])
     prompt = r.loc[r.groupby("prompt_id").elapsed_s.idxmin()]
     cat = r.groupby(["category", "method"]).agg(t=("new_tokens", "sum"), s=("elapsed_s", "sum")).reset_index()
-    cat["tps"] = cat.t / cat.s
+    cat["tps"] = [tokens_per_s(t, s) for t, s in zip(cat.t, cat.s)]
     best = cat.loc[cat.groupby("category").tps.idxmax()]
     task = r.merge(best[["category", "method"]], on=["category", "method"])
     rows = []
     for label, df in (("oracle-prompt", prompt), ("oracle-task", task)):
         for c, g in with_all(df).groupby("category"):
-            rows.append({"policy": label, "category": c, "tokens_per_s": tokens_per_s(g.new_tokens.sum(), g.elapsed_s.sum())})
+            rows.append({"policy": label, "category": c,
+                         "tokens_per_s": tokens_per_s(g.new_tokens.sum(), g.elapsed_s.sum())})
     return pd.DataFrame(rows)
 
 
 # -- the table -----------------------------------------------------------------------------------------------------
 def live_table(store, bench_id: str) -> pd.DataFrame:
-    """AL (tau) and tokens/s per (method, category) of the bench's traced runs, 'all' pooled, speedup vs AR: the
-    bench's own tables (`speclab.bench.run`), which use the metric definitions of `speclab.metrics`."""
-    from speclab.bench.run import bench_overall, bench_table
+    """tau and tokens/s per (method, category) of the bench's traced runs, 'all' pooled, speedup vs AR: the
+    bench's own tables (`speclab.bench.results`), which use the metric definitions of `speclab.metrics`."""
+    from speclab.bench.results import bench_overall, bench_table
     t = pd.concat([bench_overall(store, bench_id).assign(category="all"), bench_table(store, bench_id)],
                   ignore_index=True)
-    return t[t.tau.notna()].rename(columns={"tau": "al"})[["method", "category", "prompts", "al", "tokens_per_s",
-                                                         "speedup"]].reset_index(drop=True)
+    cols = ["method", "category", "prompts", "tau", "tokens_per_s", "speedup"]
+    return t[t.tau.notna()][cols].reset_index(drop=True)
 
 
 def routing_table(store, bench_id: str, orc: pd.DataFrame) -> pd.DataFrame:
     """The paper's Table 1 on a bench: rows = EAGLE-3, DFlash, the oracles (`oracles` of the bench's profiles) and
-    the bench's WhiFlash methods; per category AL and speedup (tokens/s over AR's, same bench)."""
+    the bench's WhiFlash methods; per category tau and speedup (`speclab.metrics`: over AR's, same bench)."""
     live = live_table(store, bench_id)
     spd = oracle_speed(store, bench_id)
     ar = live[live.method == "ar"].set_index("category").tokens_per_s
     rows = []
-    methods = [AR, PARALLEL] + sorted(m for m in live.method.unique() if m.startswith("whiflash"))
+    methods = [EAGLE3, DFLASH] + sorted(m for m in live.method.unique() if m.startswith("whiflash"))
     for m in methods:
         for x in live[live.method == m].itertuples():
-            rows.append({"method": m, "category": x.category, "al": x.al, "tokens_per_s": x.tokens_per_s,
+            rows.append({"method": m, "category": x.category, "tau": x.tau, "tokens_per_s": x.tokens_per_s,
                          "speedup": x.speedup, "source": "live"})
     for label in ("oracle-task", "oracle-prompt", "oracle-token", "oracle-token-time"):
         for x in orc[orc.policy == label].itertuples():
             tps = spd[(spd.policy == label) & (spd.category == x.category)].tokens_per_s
             modeled = label == "oracle-token-time"
             t = float(tps.iloc[0]) if len(tps) else (x.tokens_per_s if modeled else math.nan)
-            rows.append({"method": label, "category": x.category, "al": x.al, "tokens_per_s": t,
-                         "speedup": t / ar.get(x.category, math.nan),
+            rows.append({"method": label, "category": x.category, "tau": x.tau, "tokens_per_s": t,
+                         "speedup": speedup(t, ar.get(x.category, math.nan)),
                          "source": "modeled" if modeled else ("profiles + live" if len(tps) else "profiles")})
     return pd.DataFrame(rows)
 
 
-def wide(table: pd.DataFrame, cols=("al", "speedup")) -> pd.DataFrame:
+def wide(table: pd.DataFrame, cols=("tau", "speedup")) -> pd.DataFrame:
     """Rows = methods, columns = (category, metric): the paper's layout."""
     w = table.pivot_table(index="method", columns="category", values=list(cols), sort=False)
     w = w.swaplevel(0, 1, axis=1).sort_index(axis=1, level=0, sort_remaining=False)
@@ -251,9 +261,10 @@ def replayed_runs(store, bench_id: str, profiles, cost=None, mlp=None) -> pd.Dat
     """Every live run of the bench drafted by EAGLE-3 / DFlash alone or routed between them, replayed on its
     prompt's profile with its own policy and threshold (from `router_decisions`): whether every round's drafter,
     accept length and committed tokens agree with the live run, and the run's modeled decode time."""
-    runs = store.query("SELECT run_id, method, prompt_id, category, router, new_tokens FROM runs WHERE bench_id = ? "
-                       "AND status = 'done' AND (router IN ('entropy', 'neural') OR method IN (?, ?))",
-                       [bench_id, AR, PARALLEL])
+    runs = store.query("SELECT run_id, method, prompt_id, category, router, coalesce(eager, false) AS eager, "
+                       "new_tokens FROM runs WHERE bench_id = ? AND status = 'done' AND (router IN ('entropy', "
+                       "'neural') OR method IN (?, ?))",
+                       [bench_id, EAGLE3, DFLASH])
     by_prompt = {p.prompt_id: p for p in profiles}
     rows = []
     for r in runs.itertuples():
@@ -261,7 +272,8 @@ def replayed_runs(store, bench_id: str, profiles, cost=None, mlp=None) -> pd.Dat
         if p is None or (r.router == "neural" and mlp is None):
             continue
         live = store.query("SELECT x.round, x.drafter, x.n_accepted, x.committed, d.threshold FROM rounds x "
-                           "JOIN router_decisions d USING (run_id, round) WHERE run_id = ? ORDER BY round", [int(r.run_id)])
+                           "JOIN router_decisions d USING (run_id, round) WHERE run_id = ? ORDER BY round",
+                           [int(r.run_id)])
         thr = float(live.threshold.iloc[0]) if len(live) else math.nan
         if r.router == "neural":
             choice = replay.signal_choice(replay.neural_signal(p, mlp), [thr])
@@ -269,7 +281,7 @@ def replayed_runs(store, bench_id: str, profiles, cost=None, mlp=None) -> pd.Dat
             choice = replay.entropy_choice(p, [thr])
         else:
             choice = replay.fixed_choice(p, r.method)
-        walk = replay.walk(p, choice, "eager=1" in r.method)
+        walk = replay.walk(p, choice, bool(r.eager))
         w = walk.one(0)
         n = min(len(w), len(live))
         cols = ("drafter", "n_accepted", "committed")
@@ -289,7 +301,8 @@ def modeled_table(replayed: pd.DataFrame, oracle: pd.DataFrame) -> pd.DataFrame:
     timing noise: every method pays the same per-phase costs), and the oracles."""
     rows = []
     for (m, c), g in with_all(replayed).groupby(["method", "category"]):
-        rows.append({"method": m, "category": c, "modeled_tokens_per_s": tokens_per_s(g.tokens.sum(), g.modeled_s.sum())})
+        rows.append({"method": m, "category": c,
+                     "modeled_tokens_per_s": tokens_per_s(g.tokens.sum(), g.modeled_s.sum())})
     for x in oracle[oracle.policy.str.startswith("oracle")].itertuples():
         rows.append({"method": x.policy, "category": x.category, "modeled_tokens_per_s": x.tokens_per_s})
     return pd.DataFrame(rows)
@@ -339,7 +352,7 @@ def switch_table(store, bench_id: str, edges=(1, 8, 16, 32, 64, 128, 10 ** 9)) -
                               x.t_route_ms + x.t_catchup_ms + x.t_draft_ms + x.t_verify_ms + x.t_commit_ms
                               + coalesce(x.t_record_ms, 0) AS round_ms
                        FROM rounds x JOIN runs r USING (run_id)
-                       WHERE r.bench_id = ? AND r.router IN ('entropy', 'neural') AND r.method NOT LIKE '%eager=1%')
+                       WHERE r.bench_id = ? AND r.router IN ('entropy', 'neural') AND NOT coalesce(r.eager, false))
         WHERE prev IS NOT NULL AND prev <> drafter""", [bench_id])
     if df.empty:
         return pd.DataFrame()
@@ -353,19 +366,32 @@ def switch_table(store, bench_id: str, edges=(1, 8, 16, 32, 64, 128, 10 ** 9)) -
     return g
 
 
+def eager_pairs(store, bench_id: str) -> dict[str, str]:
+    """Each eager routed method of the bench (`runs.eager`) -> the lazy method of the same router with the same
+    parameters otherwise."""
+    r = store.query("SELECT DISTINCT method, router, coalesce(eager, false) AS eager, params_json FROM runs "
+                    "WHERE bench_id = ? AND status = 'done' AND router IN ('entropy', 'neural')", [bench_id])
+
+    def key(x) -> tuple:
+        params = {k: v for k, v in json.loads(x.params_json or "{}").items() if k != "eager"}
+        return x.router, json.dumps(params, sort_keys=True)
+    lazy = {key(x): x.method for x in r.itertuples() if not x.eager}
+    return {x.method: lazy[key(x)] for x in r.itertuples() if x.eager and key(x) in lazy}
+
+
 def lazy_vs_eager(store, bench_id: str) -> pd.DataFrame:
-    """tokens/s of each routed method lazily and eagerly (the same spec with eager=1), per category and 'all'."""
+    """tokens/s and tau of each routed method run lazily and eagerly (`eager_pairs`), per category and 'all';
+    lazy_gain = the lazy run's speedup over the eager one - 1."""
     live = live_table(store, bench_id)
     rows = []
-    for m in live.method.unique():
-        if m.startswith("whiflash") and "eager=1" in m:
-            lazy = m.replace("eager=1", "").replace(":+", ":").rstrip(":+")
-            for x in live[live.method == m].itertuples():
-                l = live[(live.method == lazy) & (live.category == x.category)]
-                if len(l):
-                    rows.append({"lazy": lazy, "eager": m, "category": x.category, "lazy_tokens_per_s": float(l.tokens_per_s.iloc[0]),
-                                 "eager_tokens_per_s": x.tokens_per_s, "lazy_gain": float(l.tokens_per_s.iloc[0]) / x.tokens_per_s - 1,
-                                 "al_lazy": float(l.al.iloc[0]), "al_eager": x.al})
+    for eager, lazy in eager_pairs(store, bench_id).items():
+        for e in live[live.method == eager].itertuples():
+            la = live[(live.method == lazy) & (live.category == e.category)]
+            if len(la):
+                tps = float(la.tokens_per_s.iloc[0])
+                rows.append({"lazy": lazy, "eager": eager, "category": e.category, "lazy_tokens_per_s": tps,
+                             "eager_tokens_per_s": e.tokens_per_s, "lazy_gain": speedup(tps, e.tokens_per_s) - 1,
+                             "tau_lazy": float(la.tau.iloc[0]), "tau_eager": e.tau})
     return pd.DataFrame(rows)
 
 
@@ -374,14 +400,156 @@ def switch_backlog(store, bench_id: str, default: float = 16.0) -> float:
     return float((t.mean_backlog * t.switches).sum() / t.switches.sum()) if len(t) else default
 
 
+# -- reports: what `speclab profile`, `sweep` and `routing` show -------------------------------------------------------
+def profile_table(profiles) -> pd.DataFrame:
+    """Per category, averaged over its prompts: tokens profiled, each drafter's mean accepted draft tokens per
+    position and the share of positions where it beats the other."""
+    rows = []
+    for p in profiles:
+        row = {"prompt_id": p.prompt_id, "category": p.category, "tokens": p.n}
+        for i, name in enumerate(replay.DRAFTERS):
+            row[f"{name}_accepted"] = p.accepted[i].mean()
+        for i, name in enumerate(replay.DRAFTERS):
+            row[f"{name}_better"] = (p.accepted[i] > p.accepted[1 - i]).mean()
+        rows.append(row)
+    return pd.DataFrame(rows).groupby("category").mean(numeric_only=True).reset_index()
+
+
+def live_specs(router: str, thresholds) -> list[str]:
+    """The method specs of a router at chosen thresholds, as `run_live` decodes them into a bench."""
+    return [f"whiflash-{router}:threshold={t:g}" for t in thresholds]
+
+
+def live_vs_replay(store, bench_id: str, profiles, cost, router: str, thresholds, mlp=None) -> pd.DataFrame:
+    """The bench's live runs of `live_specs(router, thresholds)` per category and 'all', beside the replay of the same
+    threshold: tau_live, tau_replay, tokens_per_s_live, tokens_per_s_modeled and model_error
+    (`speclab.metrics.model_error`)."""
+    at = dict(zip(live_specs(router, thresholds), (float(t) for t in thresholds)))
+    lt = live_table(store, bench_id)
+    lt = lt[lt.method.isin(at)].assign(threshold=lambda d: d.method.map(at))
+    pts = sweep(profiles, cost, router, list(at.values()), mlp)
+    live = lt.merge(pts[["category", "threshold", "tau", "tokens_per_s"]], on=["category", "threshold"],
+                    suffixes=("_live", "_replay")).rename(columns={"tokens_per_s_replay": "tokens_per_s_modeled"})
+    live["model_error"] = model_error(live.tokens_per_s_modeled, live.tokens_per_s_live)
+    return live
+
+
+def sweep_report(store, bench_id: str, profiles, cost, router: str, grid, mlp=None, live_thresholds=()) -> Report:
+    """A router's threshold sweep on a bench by replay (modeled tokens/s and tau per category), with the live runs at
+    `live_thresholds` (already in the bench: `run_live`) beside their replay."""
+    import time
+
+    from speclab import viz
+    t0 = time.perf_counter()
+    sw = sweep(profiles, cost, router, grid, mlp)
+    replay_s = time.perf_counter() - t0
+    live = live_vs_replay(store, bench_id, profiles, cost, router, live_thresholds, mlp) if len(live_thresholds) \
+        else pd.DataFrame()
+    method = f"whiflash-{router}"
+    wide_tps = sw.pivot_table(index="threshold", columns="category", values="tokens_per_s").reset_index()
+    wide_tau = sw.pivot_table(index="threshold", columns="category", values="tau").reset_index()
+    text = [f"# {method} threshold sweep on bench `{bench_id}`", "",
+            f"Replayed from profiles: {len(grid)} thresholds x {len(profiles)} prompts in {replay_s:.2f} s. Tokens/s "
+            f"from the cost model fitted to the bench's live rounds ({cost.rounds_fitted} rounds, {cost.runs_fitted} "
+            "runs).", "", "## Modeled tokens/s per category", "", wide_tps.to_markdown(index=False, floatfmt=".2f"), "",
+            "## AL (tau: tokens per round) per category", "", wide_tau.to_markdown(index=False, floatfmt=".3f")]
+    shown = None
+    if len(live):
+        cols = ["threshold", "category", "tau_live", "tau_replay", "tokens_per_s_live", "tokens_per_s_modeled",
+                "model_error"]
+        text += ["", "## Live runs at chosen thresholds (same bench) vs replay (model error: modeled / measured "
+                 "tokens/s - 1)", "", live[cols].sort_values(["threshold", "category"])
+                 .to_markdown(index=False, floatfmt=".3f")]
+        shown = live.rename(columns={"tokens_per_s_live": "tokens_per_s", "tau_live": "tau"})
+    figs = [viz.sweep_figure(sw, shown, "tokens_per_s",
+                             f"{method}: tokens/s by threshold (lines: replay + cost model; diamonds: live)"),
+            viz.sweep_figure(sw, shown, "tau", f"{method}: AL (tau) by threshold")]
+    return Report(f"{method} threshold sweep", "\n".join(text), figs)
+
+
+def bench_routers(store, bench_id: str) -> set[str]:
+    """The routing policies of the bench's runs ('entropy', 'neural', 'fixed', ...)."""
+    return set(store.query("SELECT DISTINCT router FROM runs WHERE bench_id = ? AND router IS NOT NULL",
+                           [bench_id]).router)
+
+
+def routed_runs(store, bench_id: str, prompt_id: str) -> pd.DataFrame:
+    """The bench's finished routed runs of a prompt (run_id, method): neural ones first."""
+    return store.query("SELECT run_id, method FROM runs WHERE bench_id = ? AND prompt_id = ? AND router IN "
+                       "('neural', 'entropy') AND status = 'done' ORDER BY router DESC, run_id", [bench_id, prompt_id])
+
+
+def profile_rows(profile) -> pd.DataFrame:
+    """A profile as rows (pos, drafter, accepted), by drafter then position (the volatility figure's input)."""
+    n = profile.n
+    df = pd.DataFrame({"pos": np.tile(np.arange(n), len(replay.DRAFTERS)), "drafter": np.repeat(replay.DRAFTERS, n),
+                       "accepted": profile.accepted.reshape(-1)})
+    return df.sort_values(["drafter", "pos"], ignore_index=True)
+
+
+def routing_report(store, bench_id: str, profiles, cost, mlp=None, prompt_id: str | None = None) -> Report:
+    """WhiFlash on a bench: the paper's Table 1 (tau and speedup per category: the drafters, the oracles, the
+    routers), tokens/s live and modeled, live vs replay, the cost model and its error, the switch cost, lazy vs
+    eager, the volatility of one prompt (`prompt_id`, default: the first profiled) and its routed run."""
+    from speclab import viz
+    orc = oracles(profiles, cost, switch_backlog(store, bench_id))
+    table = routing_table(store, bench_id, orc)
+    replayed = replayed_runs(store, bench_id, profiles, cost, mlp)
+    agree = replayed[replayed.routed] if len(replayed) else replayed
+    modeled = modeled_table(replayed, orc).pivot_table(index="method", columns="category",
+                                                        values="modeled_tokens_per_s", sort=False)
+    err = replay.model_error_table(cost, store, bench_id)
+    sw = switch_table(store, bench_id)
+    le = lazy_vs_eager(store, bench_id)
+    pid = prompt_id or profiles[0].prompt_id
+    profile = next((p for p in profiles if p.prompt_id == pid), None)
+    if profile is None:
+        raise InvalidInput(f"prompt {pid!r} has no profile in bench {bench_id}")
+    routed = routed_runs(store, bench_id, pid)
+    fmt = dict(index=False, floatfmt=".2f")
+    tps = table.pivot_table(index="method", columns="category", values="tokens_per_s", sort=False)
+    md = [f"# WhiFlash on bench `{bench_id}`", "",
+          "AL = tau = tokens per round; speedup = tokens/s over AR's in the same bench. Live rows: the bench's traced "
+          "runs. Oracle taus: replayed from profiles; Oracle-Task/Prompt speedups: the bench's live eagle3/dflash runs "
+          "picked in hindsight; oracle-token-time: modeled (cost model), not measured.", "",
+          "## AL (tau) and speedup per category", "", wide(table).to_markdown(**fmt), "",
+          "## Tokens/s per category", "", tps.reset_index().to_markdown(**fmt), "",
+          "## Modeled tokens/s (the same runs replayed under one cost model: no run-to-run timing noise)", "",
+          "Live tokens/s of one method and category vary by about 10% from run to run on this machine even for "
+          "identical rounds; replayed through one cost model every method pays the same per-phase costs.", "",
+          modeled.reset_index().to_markdown(**fmt), "",
+          "## Live vs replay (routed runs)", "",
+          (f"{int(agree.identical.sum())} of {len(agree)} routed runs replay identically (every round's drafter, "
+           f"accept length and committed tokens); rounds agreeing overall: {agree.rounds_agreeing.mean():.4f}"
+           if len(agree) else "no routed runs in this bench"), "",
+          "## Cost model", "", cost.table().to_markdown(index=False, floatfmt=".3f"), "",
+          f"prefill ms = {cost.prefill0:.2f} + {cost.prefill1:.3f} x prompt tokens; fitted to {cost.rounds_fitted} "
+          f"rounds of {cost.runs_fitted} runs", "",
+          "Modeled vs measured tokens/s of the live runs (model error = modeled / measured - 1):", "",
+          err.to_markdown(index=False, floatfmt=".3f"), ""]
+    if len(sw):
+        md += ["## Switch cost (live: rounds whose drafter differs from the previous round's)", "",
+               sw.to_markdown(index=False, floatfmt=".3f"), ""]
+    if len(le):
+        md += ["## Lazy vs eager catch-up", "", le.to_markdown(index=False, floatfmt=".3f"), ""]
+    figs = [viz.bench_bars(table, "tau", "AL (tau: tokens per round) per category"),
+            viz.bench_bars(table[table.source != "profiles"], "speedup", "Speedup over AR per category"),
+            viz.volatility_figure(profile_rows(profile), f"Intra-sequence volatility: prompt {pid} (from its profile)")]
+    if len(routed):
+        rr = router_rounds(store, int(routed.run_id.iloc[0]), profile)
+        figs.append(viz.router_figure(rr, f"{routed.method.iloc[0]} on prompt {pid}: router signal, choices and "
+                                          "accept lengths"))
+    return Report(f"WhiFlash on bench {bench_id}", "\n".join(md), figs)
+
+
 def run_live(store, bench_id: str, target, models: dict, specs: list[str], log=print,
              prompt_ids: list[str] | None = None) -> None:
     """Decode the bench's prompts (or those of `prompt_ids`) with more method specs (routers at chosen thresholds),
     traced into the same bench (after one untraced warm-up decode), so they sit beside its other runs in every
     table."""
     from speclab.bench.run import BenchConfig, format_prompt
-    from speclab.generate import generate
     from speclab.bench.suites import load_suite
+    from speclab.generate import generate
 
     b = bench_info(store, bench_id)
     cfg = BenchConfig(**{k: v for k, v in json.loads(b.config_json).items() if k in BenchConfig.__dataclass_fields__})
@@ -390,13 +558,13 @@ def run_live(store, bench_id: str, target, models: dict, specs: list[str], log=p
             and (prompt_ids is None or r["prompt_id"] in prompt_ids)]
     if not rows:
         raise InvalidInput(f"bench {bench_id} has none of these prompts with a finished AR run")
-    generate(target, format_prompt(target, rows[0]), specs[0], **models, max_new_tokens=8)
+    generate(target, format_prompt(target, rows[0]), specs[0], models=models, max_new_tokens=8)
     prog = Progress(len(rows) * len(specs), f"live runs in bench {bench_id}")
     i = 0
     for r in rows:
         ids = format_prompt(target, r)
         for spec in specs:
-            generate(target, ids, spec, **models, max_new_tokens=cfg.max_new_tokens, trace=store,
+            generate(target, ids, spec, models=models, max_new_tokens=cfg.max_new_tokens, trace=store,
                      prompt_id=r["prompt_id"], category=r["category"], bench_id=bench_id)
             i += 1
             prog.update(i, method=spec)

@@ -11,11 +11,12 @@ from one target forward of the whole sequence.
 
 Throughput comes from a `CostModel` fitted by least squares to the measured phases of live rounds (a bench's
 runs): drafting per drafter, verification by width, catch-up by drafter and digested tokens, the rest per
-drafter, the prefill by prompt length. `model_error` reports its error against live runs.
+drafter, the prefill by prompt length. `model_error_table` reports its error against live runs
+(`speclab.metrics.model_error`: modeled / measured tokens/s - 1).
 
 Oracles (WhiFlash section 4): Oracle-Task (the best single drafter per category), Oracle-Prompt (per prompt) and
-Oracle-Token (the best drafter every round): `max_al` by dynamic programming over positions (fewest rounds =
-highest AL over the sequence; it never loses to a coarser oracle), `min_time` by dynamic programming over
+Oracle-Token (the best drafter every round): `oracle_max_tau` by dynamic programming over positions (fewest
+rounds = highest tau over the sequence; it never loses to a coarser oracle), `min_time` by dynamic programming over
 (position, previous drafter) on the cost model with the switch cost at the mean switch backlog.
 
 Greedy only: under sampling the committed sequence depends on the drafts, so there is no single sequence to
@@ -26,20 +27,21 @@ from __future__ import annotations
 import json
 import math
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 import pandas as pd
 import torch
 
 from speclab.core.engine import entropy, feature_columns, feature_layers
-from speclab.errors import InvalidInput
-from speclab.routing.routers import AR, PARALLEL, pick
 from speclab.core.sampling import Sampling
 from speclab.core.target import Target
 from speclab.core.verify import verify_tokens
+from speclab.errors import InvalidInput
+from speclab.metrics import model_error, tau, tokens_per_s
+from speclab.routing.routers import DFLASH, EAGLE3, pick
 
-DRAFTERS = (AR, PARALLEL)  # the order of drafter indices in choice arrays: 0 = EAGLE-3, 1 = DFlash
+DRAFTERS = (EAGLE3, DFLASH)  # the order of drafter indices in choice arrays: 0 = EAGLE-3, 1 = DFlash
 
 
 @dataclass
@@ -190,7 +192,7 @@ def entropy_choice(p: Profile, thresholds) -> np.ndarray:
 def signal_choice(signal: np.ndarray, thresholds) -> np.ndarray:
     """Choices [K, N] of a threshold policy on a per-position signal (nan: no signal: DFlash)."""
     t = np.asarray(thresholds, np.float64)[:, None]
-    return np.where(np.asarray(signal)[None, :] > t, DRAFTERS.index(AR), DRAFTERS.index(PARALLEL))
+    return np.where(np.asarray(signal)[None, :] > t, DRAFTERS.index(EAGLE3), DRAFTERS.index(DFLASH))
 
 
 @torch.inference_mode()
@@ -230,7 +232,8 @@ class CostModel:
               + np.take(self.other, d))
         if eager_backlog is not None:
             o = 1 - d
-            ms = ms + np.where(eager_backlog > 0, np.take(self.catchup0, o) + np.take(self.catchup1, o) * eager_backlog, 0)
+            ms = ms + np.where(eager_backlog > 0,
+                               np.take(self.catchup0, o) + np.take(self.catchup1, o) * eager_backlog, 0)
         return ms
 
     def walk_ms(self, p: Profile, w: Walk) -> np.ndarray:
@@ -252,15 +255,15 @@ class CostModel:
 
 
 def live_rounds(store, bench_id: str) -> pd.DataFrame:
-    """Every traced round of the bench's runs whose drafter is EAGLE-3 or DFlash (any method but eager ones, whose
-    catch-up phase also holds the idle drafter's work), with its run."""
+    """Every traced round of the bench's runs whose drafter is EAGLE-3 or DFlash (any run but eager ones, whose
+    catch-up phase also holds the idle drafter's work: `runs.eager`), with its run."""
     return store.query(f"""
-        SELECT x.run_id, u.method, u.prompt_id, u.category, u.prompt_tokens, u.elapsed_s, u.prefill_ms, x.round,
-               x.drafter, x.n_drafted, x.committed, x.n_accepted, x.backlog, x.t_draft_ms, x.t_verify_ms,
+        SELECT x.run_id, u.method, u.prompt_id, u.category, u.prompt_tokens, u.new_tokens, u.elapsed_s, u.prefill_ms,
+               x.round, x.drafter, x.n_drafted, x.committed, x.n_accepted, x.backlog, x.t_draft_ms, x.t_verify_ms,
                x.t_catchup_ms, x.t_route_ms + x.t_commit_ms + coalesce(x.t_record_ms, 0) AS t_other_ms
         FROM rounds x JOIN runs u USING (run_id)
-        WHERE u.bench_id = ? AND u.status = 'done' AND x.drafter IN ('{AR}', '{PARALLEL}')
-              AND u.method NOT LIKE '%eager=1%'
+        WHERE u.bench_id = ? AND u.status = 'done' AND x.drafter IN ('{EAGLE3}', '{DFLASH}')
+              AND NOT coalesce(u.eager, false)
         ORDER BY x.run_id, x.round""", [bench_id])
 
 
@@ -268,8 +271,8 @@ def fit_costs(store, bench_id: str) -> CostModel:
     """Least-squares fit of every term of the CostModel to the bench's live rounds and prefills."""
     df = live_rounds(store, bench_id)
     if df.empty or not set(DRAFTERS) <= set(df.drafter):
-        raise InvalidInput(f"bench {bench_id} has no traced rounds of both {AR} and {PARALLEL}: run eagle3 and dflash "
-                           "(or a whiflash method) in it to fit the cost model")
+        raise InvalidInput(f"bench {bench_id} has no traced rounds of both {EAGLE3} and {DFLASH}: run eagle3 and "
+                           "dflash (or a whiflash method) in it to fit the cost model")
     di = df.drafter.map(DRAFTERS.index).to_numpy()
     draft = [float(df.t_draft_ms[(di == i) & (df.n_drafted > 0)].mean()) for i in range(len(DRAFTERS))]
     other = [float(df.t_other_ms[di == i].mean()) for i in range(len(DRAFTERS))]
@@ -278,7 +281,8 @@ def fit_costs(store, bench_id: str) -> CostModel:
     for i in range(len(DRAFTERS)):
         sel = (di == i) & (df.backlog > 0)
         x, y = df.backlog[sel].to_numpy(float), df.t_catchup_ms[sel].to_numpy(float)
-        a, b = np.linalg.lstsq(np.c_[np.ones(len(x)), x], y, rcond=None)[0] if len(np.unique(x)) > 1 else (y.mean(), 0.0)
+        a, b = (np.linalg.lstsq(np.c_[np.ones(len(x)), x], y, rcond=None)[0] if len(np.unique(x)) > 1
+                else (y.mean(), 0.0))
         c0.append(float(a))
         c1.append(float(max(b, 0.0)))
     runs = df.groupby("run_id").agg(prompt_tokens=("prompt_tokens", "first"), prefill_ms=("prefill_ms", "first"))
@@ -287,40 +291,48 @@ def fit_costs(store, bench_id: str) -> CostModel:
     return CostModel(draft, float(v[0]), float(v[1]), c0, c1, other, float(pf[0]), float(pf[1]), len(df), len(runs))
 
 
-def model_error(cost: CostModel, store, bench_id: str) -> pd.DataFrame:
-    """Modeled vs measured decode time of every live run of the bench that used the two drafters, per method:
-    the rounds a run really had (drafter, width, backlog) through the cost model, against its elapsed_s."""
+def model_error_table(cost: CostModel, store, bench_id: str) -> pd.DataFrame:
+    """The cost model against the bench's live runs that used the two drafters, per method: the rounds a run really
+    had (drafter, width, backlog) through the cost model give its modeled decode time. Columns: runs,
+    tokens_per_s_live (measured), tokens_per_s_modeled, model_error (`speclab.metrics.model_error` of those two,
+    pooled over the method's runs) and mean_abs_model_error (over its runs one by one)."""
     df = live_rounds(store, bench_id)
     df["di"] = df.drafter.map(DRAFTERS.index)
     df["ms"] = cost.round_ms(df.di.to_numpy(), df.n_drafted.to_numpy(), df.backlog.to_numpy())
     per = df.groupby("run_id").agg(method=("method", "first"), category=("category", "first"), ms=("ms", "sum"),
-                                   prompt_tokens=("prompt_tokens", "first"), elapsed_s=("elapsed_s", "first"))
+                                   prompt_tokens=("prompt_tokens", "first"), new_tokens=("new_tokens", "first"),
+                                   elapsed_s=("elapsed_s", "first"))
     per["modeled_s"] = (per.ms + cost.prefill0 + cost.prefill1 * per.prompt_tokens) / 1e3
-    per["error"] = per.modeled_s / per.elapsed_s - 1
-    return per.groupby("method").agg(runs=("error", "size"), mean_error=("error", "mean"),
-                                     mean_abs_error=("error", lambda e: e.abs().mean()),
-                                     measured_s=("elapsed_s", "sum"), modeled_s=("modeled_s", "sum")).reset_index()
+    per["error"] = model_error(per.new_tokens / per.modeled_s, per.new_tokens / per.elapsed_s)
+    out = per.groupby("method").agg(runs=("error", "size"), tokens=("new_tokens", "sum"), live_s=("elapsed_s", "sum"),
+                                    modeled_s=("modeled_s", "sum"),
+                                    mean_abs_model_error=("error", lambda e: e.abs().mean())).reset_index()
+    out["tokens_per_s_live"] = [tokens_per_s(t, s) for t, s in zip(out.tokens, out.live_s)]
+    out["tokens_per_s_modeled"] = [tokens_per_s(t, s) for t, s in zip(out.tokens, out.modeled_s)]
+    out["model_error"] = model_error(out.tokens_per_s_modeled, out.tokens_per_s_live)
+    return out[["method", "runs", "tokens_per_s_live", "tokens_per_s_modeled", "model_error", "mean_abs_model_error"]]
 
 
-def hardware_threshold(cost: CostModel, al_par: float, switch_backlog: float, widths: tuple[float, float],
+def hardware_threshold(cost: CostModel, tau_dflash: float, switch_backlog: float, widths: tuple[float, float],
                        stay_backlog: tuple[float, float] = (2.0, 2.0)) -> dict:
     """tau_neural from measured latencies (WhiFlash 3.3.2: switch only when the predicted gain outweighs the
-    cost). A round commits AL tokens; EAGLE-3's round pays off when (AL_par + Delta) / T_ar > AL_par / T_par, i.e.
-    Delta > AL_par * (T_ar - T_par) / T_par, where a drafter's round time T is the cost model's at its mean tree
-    width and usual catch-up (`stay_backlog`), and a switch adds EAGLE-3's catch-up of the mean switch backlog.
-    Returns the threshold with the numbers it came from."""
-    a, d = DRAFTERS.index(AR), DRAFTERS.index(PARALLEL)
+    cost). A round commits tau tokens; EAGLE-3's round pays off when (tau_dflash + Delta) / T_eagle3 > tau_dflash /
+    T_dflash, i.e. Delta > tau_dflash * (T_eagle3 - T_dflash) / T_dflash, where a drafter's round time T is the
+    cost model's at its mean tree width and usual catch-up (`stay_backlog`), and a switch adds EAGLE-3's catch-up
+    of the mean switch backlog.
+    Returns the threshold with the numbers it came from (the keys trained routers keep in their config.json)."""
+    a, d = DRAFTERS.index(EAGLE3), DRAFTERS.index(DFLASH)
     t = [float(cost.round_ms(i, widths[i], stay_backlog[i])) for i in range(len(DRAFTERS))]
     switch = cost.switch_ms(a, switch_backlog) - cost.switch_ms(a, stay_backlog[a])
-    return {"threshold": al_par * (t[a] + switch - t[d]) / t[d], "al_dflash": al_par, "t_eagle3_ms": t[a],
+    return {"threshold": tau_dflash * (t[a] + switch - t[d]) / t[d], "al_dflash": tau_dflash, "t_eagle3_ms": t[a],
             "t_dflash_ms": t[d], "width_eagle3": widths[a], "width_dflash": widths[d],
             "switch_backlog": switch_backlog, "switch_ms": switch,
             "rule": "AL_dflash * (T_eagle3 + switch - T_dflash) / T_dflash"}
 
 
 # -- oracles -----------------------------------------------------------------------------------------------------
-def oracle_max_al(p: Profile) -> np.ndarray:
-    """Oracle-Token (max AL): the drafter every round that minimises the number of rounds to the end (DP over
+def oracle_max_tau(p: Profile) -> np.ndarray:
+    """Oracle-Token (max tau): the drafter every round that minimises the number of rounds to the end (DP over
     positions: R(g) = 1 + min_d R(g + committed_d(g))). Choices [1, N]; ties go to the larger accept length."""
     N = p.n
     R = np.zeros(N + 1)
@@ -371,7 +383,8 @@ def save_profiles(store, bench_id: str, profiles: list[Profile], params: dict) -
         store.append({
             "profiles": pa.table({"bench_id": [bench_id] * N * D, "prompt_id": [p.prompt_id] * N * D,
                                   "category": [p.category] * N * D, "pos": np.tile(np.arange(N, dtype=np.int32), D),
-                                  "drafter": np.repeat(DRAFTERS, N), "accepted": p.accepted.reshape(-1).astype(np.int32),
+                                  "drafter": np.repeat(DRAFTERS, N),
+                                  "accepted": p.accepted.reshape(-1).astype(np.int32),
                                   "width": p.width.reshape(-1).astype(np.int32), "draft_ms": p.draft_ms.reshape(-1)}),
             "profile_positions": pa.table({
                 "bench_id": [bench_id] * N, "prompt_id": [p.prompt_id] * N, "category": [p.category] * N,
@@ -391,8 +404,8 @@ def load_profiles(store, bench_id: str) -> tuple[list[Profile], dict]:
         raise InvalidInput(f"no profiles for bench {bench_id}: make them with `speclab profile --bench {bench_id}`")
     pos = store.query("SELECT * EXCLUDE (hidden) FROM profile_positions WHERE bench_id = ? ORDER BY prompt_id, pos",
                       [bench_id])
-    hid = store.query_arrow("SELECT prompt_id, hidden FROM profile_positions WHERE bench_id = ? ORDER BY prompt_id, pos",
-                            [bench_id])
+    hid = store.query_arrow("SELECT prompt_id, hidden FROM profile_positions WHERE bench_id = ? "
+                            "ORDER BY prompt_id, pos", [bench_id])
     h = hid.column("hidden").combine_chunks()
     hidden = torch.from_numpy(h.flatten().to_numpy().reshape(len(h), -1).copy())
     prof = store.query("SELECT prompt_id, drafter, pos, accepted, width, draft_ms FROM profiles WHERE bench_id = ? "
@@ -414,7 +427,7 @@ def load_profiles(store, bench_id: str) -> tuple[list[Profile], dict]:
 
 def replay_table(profiles: list[Profile], policies: dict, cost: CostModel | None = None,
                  eager: bool = False) -> pd.DataFrame:
-    """One row per (policy label, prompt): rounds, tokens, AL, accepted, switches, EAGLE-3's share of rounds and
+    """One row per (policy label, prompt): rounds, tokens, accepted, switches, EAGLE-3's share of rounds and
     the modeled decode time. `policies` maps a label to a function Profile -> choices [K, N(, D + 1)] and the K
     values it sweeps (label -> (fn, values)); a value of None means a policy without a parameter."""
     rows = []
@@ -425,7 +438,7 @@ def replay_table(profiles: list[Profile], policies: dict, cost: CostModel | None
             live = w.start >= 0
             rounds = live.sum(0)
             sw = ((w.drafter[1:] != w.drafter[:-1]) & live[1:]).sum(0)
-            ar_share = ((w.drafter == DRAFTERS.index(AR)) & live).sum(0) / rounds
+            ar_share = ((w.drafter == DRAFTERS.index(EAGLE3)) & live).sum(0) / rounds
             acc = np.where(live, w.accepted, 0).sum(0)
             for k, v in enumerate(values):
                 rows.append({"policy": label, "value": v, "prompt_id": p.prompt_id, "category": p.category,
@@ -434,12 +447,12 @@ def replay_table(profiles: list[Profile], policies: dict, cost: CostModel | None
     return pd.DataFrame(rows)
 
 
-def summarize(df: pd.DataFrame, by=("policy", "value", "category")) -> pd.DataFrame:
-    """Pooled per group: AL (tokens per round, speclab.metrics.tau) and modeled tokens/s (tokens / modeled time)."""
-    from speclab.metrics import tau, tokens_per_s
+def summarize_walks(df: pd.DataFrame, by=("policy", "value", "category")) -> pd.DataFrame:
+    """Rows of `replay_table` pooled per group: tau (tokens per round, speclab.metrics.tau) and modeled tokens/s
+    (tokens / modeled time)."""
     g = df.groupby(list(by), dropna=False).agg(prompts=("prompt_id", "nunique"), tokens=("tokens", "sum"),
                                                rounds=("rounds", "sum"), switches=("switches", "sum"),
                                                eagle3_share=("eagle3_share", "mean"), modeled_s=("modeled_s", "sum"))
-    g["al"] = [tau(t, r) for t, r in zip(g.tokens, g.rounds)]
+    g["tau"] = [tau(t, r) for t, r in zip(g.tokens, g.rounds)]
     g["tokens_per_s"] = [tokens_per_s(t, s) for t, s in zip(g.tokens, g.modeled_s)]
     return g.reset_index()

@@ -31,7 +31,7 @@ from torch import nn
 from speclab.errors import InvalidInput, ModelNotFound
 from speclab.files import write_atomic
 
-AR, PARALLEL = "eagle3", "dflash"  # WhiFlash's m_a (autoregressive) and m_d (diffusion / parallel) drafters
+EAGLE3, DFLASH = "eagle3", "dflash"  # WhiFlash's m_a (autoregressive) and m_d (diffusion / parallel) drafters
 ENTROPY_FALLBACK = 1.0  # nats: the entropy threshold when nothing is calibrated for the target
 
 
@@ -78,7 +78,7 @@ class FixedRouter:
 def pick(signal: float, threshold: float) -> str:
     """WhiFlash's decision rule, shared by both policies and by replay: EAGLE-3 when signal > threshold, DFlash
     otherwise (also when there is no signal: the first round of a one-token prompt)."""
-    return AR if signal > threshold else PARALLEL
+    return EAGLE3 if signal > threshold else DFLASH
 
 
 class EntropyRouter:
@@ -99,7 +99,8 @@ class RouterConfig:
     width: int  # d / 8 (WhiFlash Appendix A)
     dropout: float = 0.1
     target: str = ""  # the fingerprint of the target it was trained for (Target.fingerprint)
-    hardware_threshold: float = 0.0  # tau_neural derived from measured latencies (speclab.routing.replay.hardware_threshold)
+    hardware_threshold: float = 0.0  # tau_neural derived from measured latencies
+    # (speclab.routing.replay.hardware_threshold)
     derivation: dict = field(default_factory=dict)  # the numbers that threshold came from
 
 

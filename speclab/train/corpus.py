@@ -57,8 +57,8 @@ def _paragraph_docs(text: str, target_chars: int = 3000) -> list[str]:
 
 def _war_and_peace(path: Path) -> str:
     lines = path.read_text(encoding="utf-8").splitlines()
-    start = next(i for i, l in enumerate(lines) if l.startswith("*** START OF"))
-    end = next(i for i, l in enumerate(lines) if l.startswith("End of the Project Gutenberg"))
+    start = next(i for i, line in enumerate(lines) if line.startswith("*** START OF"))
+    end = next(i for i, line in enumerate(lines) if line.startswith("End of the Project Gutenberg"))
     body = "\n".join(lines[start + 1 : end])
     # drop the producer credit lines at the very top
     return re.sub(r"^\s*An Anonymous Volunteer, and David Widger\s*", "", body).strip() + "\n"
@@ -74,11 +74,13 @@ def domain_documents(cfg: CorpusConfig) -> dict[str, list[str]]:
     d = Path(cfg.shared_data)
     stories = (d / "tinystories" / "tinystories_val.txt").read_text(encoding="utf-8")
     shakespeare = (d / "tinyshakespeare" / "input.txt").read_text(encoding="utf-8")
-    gsm = [json.loads(l) for l in (d / "gsm8k" / "train.jsonl").read_text(encoding="utf-8").splitlines() if l.strip()]
+    gsm = [json.loads(line) for line in (d / "gsm8k" / "train.jsonl").read_text(encoding="utf-8").splitlines()
+           if line.strip()]
     return {
         "code": _stdlib_documents(cfg.code_bytes, cfg.seed),
         "stories": _paragraph_docs(stories, 1500),
-        "literature": _paragraph_docs(shakespeare, 3000) + _paragraph_docs(_war_and_peace(d / "war_and_peace" / "war_and_peace.txt"), 3000),
+        "literature": (_paragraph_docs(shakespeare, 3000)
+                       + _paragraph_docs(_war_and_peace(d / "war_and_peace" / "war_and_peace.txt"), 3000)),
         "math": [gsm8k_text(r["question"], r["answer"]) for r in gsm],
     }
 

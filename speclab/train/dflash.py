@@ -76,8 +76,9 @@ class DFlashTrainConfig:
 def new_drafter(target, cfg: DFlashTrainConfig, mask_token_id: int) -> DFlashModel:
     tc = target.config
     L = tc.num_hidden_layers
-    c = DFlashConfig(hidden_size=tc.hidden_size, intermediate_size=tc.intermediate_size, num_hidden_layers=cfg.num_layers,
-                     num_attention_heads=tc.num_attention_heads, num_key_value_heads=tc.num_key_value_heads,
+    c = DFlashConfig(hidden_size=tc.hidden_size, intermediate_size=tc.intermediate_size,
+                     num_hidden_layers=cfg.num_layers, num_attention_heads=tc.num_attention_heads,
+                     num_key_value_heads=tc.num_key_value_heads,
                      head_dim=getattr(tc, "head_dim", None), vocab_size=tc.vocab_size,
                      target_layer_ids=tuple(cfg.layer_ids or default_layer_ids(L)), mask_token_id=mask_token_id,
                      block_size=cfg.block_size, num_target_layers=L, rms_norm_eps=tc.rms_norm_eps,
@@ -125,7 +126,8 @@ def block_forward(m: DFlashModel, embed_w: torch.Tensor, head_w: torch.Tensor, i
         ck, cv = m.context_kv(i, ctx, cc, sc)
         q, k, v = m.block_qkv(i, x, cq, sq)
         o = F.scaled_dot_product_attention(q, torch.cat([ck, k], -2), torch.cat([cv, v], -2), attn_mask=mask,
-                                           scale=c.head_dim ** -0.5, enable_gqa=c.num_attention_heads != c.num_key_value_heads)
+                                           scale=c.head_dim ** -0.5,
+                                           enable_gqa=c.num_attention_heads != c.num_key_value_heads)
         x = m.finish(i, x, o)
     h = m.norm(x.view(Bw, nb, size, -1)[:, :, 1:])
     return F.linear(h, head_w) * c.output_multiplier
@@ -232,8 +234,8 @@ def train_dflash(cfg: DFlashTrainConfig, log=print) -> dict:
                         acc1=f"{last['acc'][0]:.2f}", tok_s=f"{tokens / rec['time_s']:.0f}")
             if time.time() - last_eval > cfg.eval_every_s:
                 rec["val"] = evaluate(m, embed_w, head_w, target, data, cfg)
-                log("\nstep %d val tau %s" % (step, " ".join(f"{d}={v[k]['tau']:.2f}" for d, v in rec["val"].items()
-                                                              for k in v)))
+                log(f"\nstep {step} val tau " + " ".join(f"{d}={v[k]['tau']:.2f}" for d, v in rec["val"].items()
+                                                         for k in v))
                 save()
                 last_eval = time.time()
             log_f.write(json.dumps(rec) + "\n")
@@ -251,7 +253,8 @@ def train_dflash(cfg: DFlashTrainConfig, log=print) -> dict:
 
 def val_table(val: dict) -> str:
     """Markdown: per domain and readout, the implied greedy tau of a full block and the accuracy of rows 1, 2, 4."""
-    rows = ["| domain | readout | tau (full block) | acc row 1 | acc row 2 | acc row 4 | loss |", "|---|---|---|---|---|---|---|"]
+    rows = ["| domain | readout | tau (full block) | acc row 1 | acc row 2 | acc row 4 | loss |",
+            "|---|---|---|---|---|---|---|"]
     for d, v in val.items():
         for name, r in v.items():
             a = r["acc"]

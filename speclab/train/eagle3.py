@@ -217,7 +217,7 @@ def train_eagle3(cfg: Eagle3TrainConfig, log=print) -> dict:
                         acc="/".join(f"{a:.2f}" for a in accs), tok_s=f"{rec['tokens'] / rec['time_s']:.0f}")
             if time.time() - last_eval > cfg.eval_every_s:
                 rec["val"] = evaluate(m, embed, target, data, cfg)
-                log("\nstep %d val acc %s" % (step, " ".join(f"{d}={v['acc'][0]:.3f}" for d, v in rec["val"].items())))
+                log(f"\nstep {step} val acc " + " ".join(f"{d}={v['acc'][0]:.3f}" for d, v in rec["val"].items()))
                 save()
                 last_eval = time.time()
             log_f.write(json.dumps(rec) + "\n")

@@ -177,15 +177,17 @@ def lr_at(step: int, frac: float, cfg: TrainConfig) -> float:
 
 
 def save_hf(model, tokenizer, out_dir: Path, dtype=torch.bfloat16) -> None:
-    """Save as a HF directory (safetensors in `dtype`); written to a temp dir then renamed, so a kill never leaves half a model."""
+    """Save as a HF directory (safetensors in `dtype`); written to a temp dir then renamed, so a kill never leaves half
+    a model."""
     from transformers import GenerationConfig
 
     out_dir = Path(out_dir)
     tmp = out_dir.with_name(out_dir.name + ".tmp")
     import copy
     model_copy = copy.deepcopy(model).to(dtype)
-    model_copy.generation_config = GenerationConfig(eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
-                                                    do_sample=False, max_new_tokens=128)
+    model_copy.generation_config = GenerationConfig(eos_token_id=tokenizer.eos_token_id,
+                                                    pad_token_id=tokenizer.pad_token_id, do_sample=False,
+                                                    max_new_tokens=128)
     model_copy.save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)
     if out_dir.exists():
@@ -217,7 +219,7 @@ def train_lm(cfg: TrainConfig) -> dict:
                              {"params": no_decay, "weight_decay": 0.0}], lr=cfg.lr, betas=(0.9, 0.95), fused=False)
     out = Path(cfg.out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    log_f = open(out / "train_log.jsonl", "a")
+    log_f = open(out / "train_log.jsonl", "a")  # noqa: SIM115  (the run's log: appended to all through the loop below)
     tokens_per_step = cfg.batch_size * cfg.seq_len
     budget_s = cfg.max_minutes * 60
     print(f"params {n_params/1e6:.2f} M, budget {cfg.max_minutes:.0f} min", flush=True)
@@ -254,10 +256,12 @@ def train_lm(cfg: TrainConfig) -> dict:
             step += 1
             prog.update(min(int(time.time() - t0), int(budget_s)), step=step, loss=f"{loss.item():.3f}", lr=f"{lr:.2e}",
                         tok_s=f"{step * tokens_per_step / (time.time() - t0):.0f}")
-            rec = {"step": step, "tokens": step * tokens_per_step, "loss": loss.item(), "lr": lr, "time_s": time.time() - t0}
+            rec = {"step": step, "tokens": step * tokens_per_step, "loss": loss.item(), "lr": lr,
+                   "time_s": time.time() - t0}
             if time.time() - last_eval > cfg.eval_every_s:
                 rec["val"] = evaluate(model, data, cfg.seq_len, cfg.eval_tokens, tok)
-                print(f"\nstep {step} val " + " ".join(f"{d}={v['loss']:.3f}" for d, v in rec["val"].items()), flush=True)
+                print(f"\nstep {step} val " + " ".join(f"{d}={v['loss']:.3f}" for d, v in rec["val"].items()),
+                      flush=True)
                 save_hf(model, tok, out / "model")
                 last_eval = time.time()
             log_f.write(json.dumps(rec) + "\n")
@@ -277,7 +281,7 @@ def training_curve(logs: list[Path], every: int = 100) -> list[dict]:
     every `every`-th step and every validation record are kept."""
     out, tok0, t0 = [], 0, 0.0
     for path in logs:
-        recs = [json.loads(l) for l in Path(path).read_text().splitlines() if l.strip()]
+        recs = [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
         for r in recs:
             if "val" in r or r["step"] % every == 0 or r is recs[-1]:
                 out.append({**r, "tokens": r["tokens"] + tok0, "time_s": r["time_s"] + t0})

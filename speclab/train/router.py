@@ -156,11 +156,13 @@ def measure_costs(target, models: dict, prompts, cfg: RouterTrainConfig, data: d
     for i in range(cfg.cost_prompts):
         ids = prompts[i][1]
         for spec in ("eagle3", "dflash", f"whiflash-entropy:threshold={thr}"):
-            generate(target, ids, spec, **models, max_new_tokens=cfg.new_tokens, trace=store, bench_id="router-costs")
+            generate(target, ids, spec, models=models, max_new_tokens=cfg.new_tokens, trace=store,
+                     bench_id="router-costs")
             done += 1
             prog.update(done)
     cost = fit_costs(store, "router-costs")
-    r = store.query("""SELECT drafter, backlog, n_drafted, lag(drafter) OVER (PARTITION BY run_id ORDER BY round) AS prev
+    r = store.query("""SELECT drafter, backlog, n_drafted,
+                              lag(drafter) OVER (PARTITION BY run_id ORDER BY round) AS prev
                        FROM rounds""")
     store.close()
     switch = r[r.prev.notna() & (r.prev != r.drafter)].backlog
@@ -216,7 +218,8 @@ def card(run_dir: str | Path, calibration: dict | None = None) -> str:
     pairs = torch.load(run / "pairs.pt")
     seq = torch.cat(pairs["seq"])
     n_seq = int(seq.max()) + 1
-    held = torch.from_numpy(np.random.default_rng(cfg["seed"]).permutation(n_seq)[: max(1, int(n_seq * cfg["heldout"]))])
+    held = torch.from_numpy(
+        np.random.default_rng(cfg["seed"]).permutation(n_seq)[: max(1, int(n_seq * cfg["heldout"]))])
     val = torch.isin(seq, held)
     ent, y = torch.cat(pairs["entropy"]).numpy(), torch.cat(pairs["delta"]).numpy()
     ok = val.numpy() & np.isfinite(ent)
@@ -248,7 +251,8 @@ def card(run_dir: str | Path, calibration: dict | None = None) -> str:
         f"| MSE | {h['mse']:.3f} |", f"| MSE of predicting the training mean | {h['mse_predict_mean']:.3f} |",
         f"| Pearson correlation, predicted vs true Delta AL | {h['corr']:.3f} |",
         f"| sign agreement | {h['sign_agreement']:.3f} |",
-        f"| Pearson correlation of the target's entropy H_t with Delta AL (the entropy router's signal) | {ent_corr:.3f} |",
+        "| Pearson correlation of the target's entropy H_t with Delta AL (the entropy router's signal) | "
+        f"{ent_corr:.3f} |",
         f"| true Delta AL: mean, std | {h['delta_mean']:.3f}, {h['delta_std']:.3f} |", "",
         "## Hardware-aware threshold", "",
         "EAGLE-3's round pays off when (AL_dflash + Delta) / T_eagle3 > AL_dflash / T_dflash; a switch adds EAGLE-3's "
@@ -259,7 +263,8 @@ def card(run_dir: str | Path, calibration: dict | None = None) -> str:
         f"| AL_dflash (profiled) | {hw['al_dflash']:.3f} |", f"| T_eagle3 (ms per round) | {hw['t_eagle3_ms']:.2f} |",
         f"| T_dflash (ms per round) | {hw['t_dflash_ms']:.2f} |",
         f"| mean tree width: EAGLE-3, DFlash | {hw['width_eagle3']:.2f}, {hw['width_dflash']:.2f} |",
-        f"| switch: EAGLE-3's extra catch-up for a {hw['switch_backlog']:.1f}-token backlog (ms) | {hw['switch_ms']:.2f} |",
+        f"| switch: EAGLE-3's extra catch-up for a {hw['switch_backlog']:.1f}-token backlog (ms) | "
+        f"{hw['switch_ms']:.2f} |",
         f"| **tau_neural** | **{hw['threshold']:.3f}** |", "",
         "It is the router's default when nothing is calibrated for the target; `speclab calibrate` replaces it per "
         "category (`data/zoo/calibration.json`)."]

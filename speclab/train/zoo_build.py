@@ -76,8 +76,8 @@ def build_zoo(cfg: ZooBuildConfig) -> None:
     train_eagle3(Eagle3TrainConfig(target_dir=str(zoo / "target"), corpus_dir=str(corpus), out_dir=str(work / "eagle3"),
                                    max_minutes=cfg.eagle3_minutes, seed=cfg.seed))
     _install(work / "eagle3", zoo / "eagle3", every=25)
-    print(f"[8/8] DFlash drafter with DSpark's Markov head, online from the frozen target ({cfg.dflash_minutes:.0f} min)",
-          flush=True)
+    print(f"[8/8] DFlash drafter with DSpark's Markov head, online from the frozen target "
+          f"({cfg.dflash_minutes:.0f} min)", flush=True)
     from speclab.train.dflash import DFlashTrainConfig, train_dflash
     train_dflash(DFlashTrainConfig(target_dir=str(zoo / "target"), corpus_dir=str(corpus), out_dir=str(work / "dflash"),
                                    max_minutes=cfg.dflash_minutes, seed=cfg.seed))
@@ -114,7 +114,8 @@ def evaluate_zoo(eval_tokens: int = 65536) -> str:
         res[name] = evaluate(model, data, 512, eval_tokens, tok)
         res[name]["params"] = sum(p.numel() for p in model.parameters())
     eval_tokens_note = "16,384 tokens per domain during training"
-    lines = ["| domain | target loss | draft loss | gap (nats) | target bits/byte | draft bits/byte |", "|---|---|---|---|---|---|"]
+    lines = ["| domain | target loss | draft loss | gap (nats) | target bits/byte | draft bits/byte |",
+             "|---|---|---|---|---|---|"]
     for d in res["target"]:
         if d == "params":
             continue

@@ -1,0 +1,330 @@
+"""Cost micro-benchmarks (`speclab costs forward|catchup|switch|block|kernels`): milliseconds per model call, per
+catch-up, per switch and per DFlash block on this machine, all timed by one interleaved loop
+(`timeit_interleaved`: the variants take turns every repetition, so machine drift hits all alike; medians), and
+their reports (tables and curves)."""
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+import numpy as np
+import pandas as pd
+import torch
+
+from speclab.core.sampling import Sampling
+from speclab.core.target import Target, crop_cache
+from speclab.metrics import speedup
+from speclab.progress import Progress
+from speclab.viz import Report
+
+WIDTHS = (1, 2, 4, 8, 16, 32, 64)
+
+
+def timeit_interleaved(fns: dict[str, Callable[[], object]], reps: int, calls: int = 1, each: bool = False,
+                       on_rep: Callable[[], None] | None = None) -> dict[str, float]:
+    """Median milliseconds per call of each function (called without arguments). Every repetition calls each
+    function `calls` times in turn (interleaved); a repetition's figure is the mean of its calls timed together,
+    or with `each` the median of the calls timed one by one (robust to a stray slow call). `on_rep` runs after
+    every repetition (progress)."""
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    for _ in range(reps):
+        for name, fn in fns.items():
+            if each:
+                per = []
+                for _ in range(calls):
+                    t0 = time.perf_counter()
+                    fn()
+                    per.append(time.perf_counter() - t0)
+                times[name].append(float(np.median(per)) * 1e3)
+            else:
+                t0 = time.perf_counter()
+                for _ in range(calls):
+                    fn()
+                times[name].append((time.perf_counter() - t0) / calls * 1e3)
+        if on_rep is not None:
+            on_rep()
+    return {name: float(np.median(v)) for name, v in times.items()}
+
+
+class _Bar:
+    """A progress line counting repetitions (the `on_rep` of `timeit_interleaved`)."""
+
+    def __init__(self, total: int, label: str):
+        self.bar, self.done, self.info = Progress(total, label), 0, {}
+
+    def __call__(self) -> None:
+        self.done += 1
+        self.bar.update(self.done, **self.info)
+
+
+@torch.inference_mode()
+def forward_costs(models: dict[str, Target], ns=(1, 5, 9), context: int = 200, reps: int = 15,
+                  calls: int = 20) -> pd.DataFrame:
+    """Median milliseconds per forward of n tokens after a `context`-token cache, speclab's lean forward against
+    the transformers forward on the same weights (interleaved, so drift hits both alike); `speedup` = lean's calls
+    per second over transformers' (`speclab.metrics.speedup`). On CPU this is the currency of speculative
+    decoding: a round is a few draft calls and one verification call."""
+    rows, todo = [], [(name, n) for name, t in models.items() if t.lean for n in ns]
+    bar = _Bar(len(todo) * reps, "forward costs")
+    for name, n in todo:
+        t = models[name]
+        pair = {"lean": t, "hf": Target(t.model, t.tokenizer, backend="hf")}
+        g = torch.Generator().manual_seed(0)
+        prefix = torch.randint(2, t.vocab_size, (context,), generator=g)
+        x = torch.randint(2, t.vocab_size, (n,), generator=g)
+        caches = {b: m.new_cache() for b, m in pair.items()}
+        for b, m in pair.items():
+            m.prefill(prefix, caches[b])
+
+        def call(m, cache, x=x):
+            return lambda: (m.forward(x, cache), crop_cache(cache, context))
+        bar.info = {"model": name, "n": n}
+        med = timeit_interleaved({b: call(m, caches[b]) for b, m in pair.items()}, reps, calls, on_rep=bar)
+        rows.append({"model": name, "params_m": sum(p.numel() for p in t.model.parameters()) / 1e6, "n": n,
+                     "lean_ms": med["lean"], "hf_ms": med["hf"],
+                     "speedup": speedup(1e3 / med["lean"], 1e3 / med["hf"])})
+    return pd.DataFrame(rows)
+
+
+@torch.inference_mode()
+def dtype_costs(load, dtypes=("fp32", "bf16"), ns=WIDTHS, context: int = 200, reps: int = 9,
+                calls: int = 5) -> pd.DataFrame:
+    """Median milliseconds per call by width (rows per call) and dtype, for the target (fast and exact mode) and
+    every drafter: the sps draft model, EAGLE-3's drafter (one call for a frontier of n nodes) and DFlash's (one
+    block of n rows: the root and n - 1 masks). `load(dtype)` returns (target, exact target, drafter models by
+    role) in that dtype. Per model and dtype the widths are interleaved over `reps`, each a median of `calls`."""
+    from speclab.core.precision import cpu_label
+    rows = []
+    bar = _Bar(len(dtypes) * reps, "forward costs by dtype")
+    for dt in dtypes:
+        target, exact, models = load(dt)
+        g = torch.Generator().manual_seed(0)
+        ids = torch.randint(3, target.vocab_size, (context + max(ns) + 1,), generator=g)
+        callers = {"target": _target_call(target, ids, context), "target (exact)": _target_call(exact, ids, context)}
+        if models.get("draft") is not None:
+            callers["sps draft"] = _target_call(models["draft"], ids, context)
+        if models.get("eagle3") is not None:
+            callers["eagle3 drafter"] = _eagle3_call(target, models["eagle3"], ids, context)
+        if models.get("dflash") is not None:
+            callers["dflash drafter"] = _dflash_call(target, models["dflash"], ids, context)
+        # every (model, width) that has a call (no DFlash block of 1 row), called once untimed on the way
+        fns = {(name, n): (lambda call=call, n=n: call(n)) for name, call in callers.items() for n in ns
+               if call(n) is not False}
+        bar.info = {"dtype": dt}
+        med = timeit_interleaved(fns, reps, calls, each=True, on_rep=bar)
+        rows += [{"model": name, "dtype": dt, "rows": n, "ms": ms} for (name, n), ms in med.items()]
+    df = pd.DataFrame(rows)
+    df.attrs["cpu"] = cpu_label()
+    return df
+
+
+def _target_call(t: Target, ids: torch.Tensor, context: int):
+    """One forward of n rows after a `context`-token cache, rolled back after the call."""
+    cache = t.new_cache(context + max(WIDTHS) + 8)
+    t.forward(ids[:context], cache)
+
+    def call(n):
+        t.forward(ids[context : context + n], cache)
+        crop_cache(cache, context)
+    return call
+
+
+def _eagle3_call(target: Target, eagle, ids: torch.Tensor, context: int):
+    """One EAGLE-3 drafter call for a frontier of n nodes at depth 1 after a `context`-token drafter cache."""
+    from speclab.drafters.eagle3 import Eagle3Drafter
+    d = Eagle3Drafter(eagle, target, depth=4, tree_topk=1, total_tokens=8)
+    d.reset(ids[: context + 1], target.forward(ids[:context], target.new_cache(), layers=d.layers).features)
+    d.catch_up(ids[:0], None)
+
+    def call(n):
+        d._forward_nodes(ids[context : context + n], d.root_h.expand(n, -1), 1, None)
+        d.cache.crop(d.known)
+    return call
+
+
+def _dflash_call(target: Target, dflash, ids: torch.Tensor, context: int):
+    """One DFlash drafter call for a block of n rows (the root and n - 1 masks; no block of 1: returns False)."""
+    from speclab.drafters.dflash import DFlashDrafter
+    blocks = {}
+
+    def call(n):
+        if n < 2:
+            return False
+        if n not in blocks:
+            d = blocks[n] = DFlashDrafter(dflash, target, block_size=n, markov=False, tree_topk=1, total_tokens=16)
+            d.reset(ids[: context + 1], target.forward(ids[:context], target.new_cache(), layers=d.layers).features)
+            d.catch_up(ids[:0], None)
+        blocks[n].propose(n, Sampling(), None)
+    return call
+
+
+@torch.inference_mode()
+def catchup_costs(target: Target, eagle, backlogs=(1, 4, 16, 64), context: int = 200, reps: int = 15,
+                  calls: int = 20) -> pd.DataFrame:
+    """Median milliseconds of one EAGLE-3 catch-up over a backlog of m tokens after a `context`-token drafter
+    cache: KV-only prefill (k/v projections for the backlog, the whole layer and head for its last token) against
+    a full forward of the backlog (attention, MLP and head on every row). Interleaved; real target features."""
+    from speclab.drafters.eagle3 import Eagle3Drafter
+    g = torch.Generator().manual_seed(0)
+    n = context + max(backlogs) + 1
+    ids = torch.randint(2, target.vocab_size, (n,), generator=g)
+    layers = eagle.config.target_layers
+    feats = target.forward(ids, target.new_cache(), layers=layers).features
+    drafters = {mode: Eagle3Drafter(eagle, target, depth=4, tree_topk=1, total_tokens=8,
+                                    kv_only=mode == "kv_only") for mode in ("kv_only", "full")}
+    for d in drafters.values():
+        d.reset(ids[: context + 1], feats[:context])
+        d.catch_up(ids[:0], None)
+    rows = []
+    bar = _Bar(len(backlogs) * reps, "catch-up costs")
+    for m in backlogs:
+        new_ids, new_feats = ids[context + 1 : context + 1 + m], feats[context : context + m]
+
+        def catch_up(d, new_ids=new_ids, new_feats=new_feats):
+            def call():
+                d.catch_up(new_ids, new_feats)
+                d.known = context  # forget the backlog again (the cache is overwritten in place)
+                d.cache.crop(context)
+            return call
+        bar.info = {"backlog": m}
+        med = timeit_interleaved({mode: catch_up(d) for mode, d in drafters.items()}, reps, calls, on_rep=bar)
+        rows.append({"backlog": m, "kv_only_ms": med["kv_only"], "full_ms": med["full"],
+                     "saving": 1 - med["kv_only"] / med["full"]})
+    return pd.DataFrame(rows)
+
+
+@torch.inference_mode()
+def switch_costs(target: Target, models: dict, contexts=(64, 128, 256, 512), backlogs=(1, 8, 16, 32, 64, 128),
+                 reps: int = 7) -> pd.DataFrame:
+    """WhiFlash's Table 4 here: EAGLE-3's KV-only catch-up of a backlog (`catchup_costs`) as a share of one round's
+    latency at that context: EAGLE-3 drafting with its CPU defaults + the target's verification of the tree
+    (median over `reps`). Contexts x backlogs that do not fit the context window are skipped."""
+    from speclab.core.tree import tree_attention_mask, tree_position_ids
+    from speclab.methods import build_method, method_params
+
+    eagle = models["eagle3"]
+    rows = []
+    g = torch.Generator().manual_seed(1)
+    for c in contexts:
+        fits = [b for b in backlogs if c + b + 1 <= target.max_context]
+        if not fits:
+            continue
+        ids = torch.randint(2, target.vocab_size, (c + 1,), generator=g)
+        drafters, _ = build_method("eagle3", target, models, method_params("eagle3", {}, target))
+        d = drafters["eagle3"]
+        cache = target.new_cache()
+        feats = target.forward(ids[:c], cache, layers=d.layers).features
+        d.reset(ids, feats)
+        d.catch_up(ids[:0], None)
+        trees = []
+
+        def one_round(d=d, cache=cache, ids=ids, c=c, trees=trees):
+            tree = d.propose(64, Sampling(), None)
+            mask = tree_attention_mask(tree.ancestors, c, target.dtype, with_root=True)
+            pos = tree_position_ids(tree.depth, c, True)
+            target.forward(torch.cat([ids[c:], tree.tokens]), cache, pos, mask)
+            crop_cache(cache, c)
+            d.cache.crop(d.known)  # drop the draft nodes, keep the root's state: every repetition drafts the same tree
+            trees[:] = [tree]
+        round_ms = timeit_interleaved({"round": one_round}, reps)["round"]
+        if not len(trees[0]):
+            raise RuntimeError("switch_costs: the EAGLE-3 drafter proposed no tree to verify")
+        cu = catchup_costs(target, eagle, backlogs=fits, context=c, reps=reps)
+        for x in cu.itertuples():
+            rows.append({"context": c, "backlog": x.backlog, "catchup_ms": x.kv_only_ms, "round_ms": round_ms,
+                         "share_of_round": x.kv_only_ms / round_ms})
+    return pd.DataFrame(rows)
+
+
+@torch.inference_mode()
+def block_costs(target: Target, dflash, block_sizes=(2, 4, 8, 16), context: int = 200, reps: int = 15,
+                calls: int = 10) -> pd.DataFrame:
+    """What a DFlash block costs on this machine, per block size (median ms, interleaved): one drafter call
+    (plain, and with DSpark's Markov head decoded left to right when the drafter has one; `markov_extra_ms` is
+    the head's own cost) and the target's verification forward of the block's rows (the root and the drafted
+    tokens) after a `context`-token cache. Real target features."""
+    from speclab.drafters.dflash import DFlashDrafter
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(3, target.vocab_size, (context + 1,), generator=g)
+    feats = target.forward(ids, target.new_cache(), layers=dflash.config.target_layer_ids).features
+    modes = ["plain"] + (["markov"] if dflash.has_markov else [])
+    rows = []
+    bar = _Bar(len(block_sizes) * reps, "block costs")
+    for b in block_sizes:
+        drafters = {mode: DFlashDrafter(dflash, target, block_size=b, markov=mode == "markov", tree_topk=1,
+                                       total_tokens=16) for mode in modes}
+        for d in drafters.values():
+            d.reset(ids, feats[:context])
+            d.catch_up(ids[:0], None)
+        cache = target.new_cache()
+        target.forward(ids[:context], cache)
+        block = ids[context - b + 1 : context + 1] if b <= context else ids[:b]
+
+        def verify(cache=cache, block=block):
+            target.forward(block, cache)
+            crop_cache(cache, context)
+        fns = {mode: (lambda d=d, b=b: d.propose(b, Sampling(), None)) for mode, d in drafters.items()}
+        bar.info = {"block": b}
+        med = timeit_interleaved({**fns, "verify": verify}, reps, calls, on_rep=bar)
+        row = {"block_size": b, "draft_ms": med["plain"]}
+        if "markov" in med:
+            row.update(draft_markov_ms=med["markov"], markov_extra_ms=med["markov"] - med["plain"])
+        row["verify_ms"] = med["verify"]
+        rows.append(row)
+    return pd.DataFrame(rows)
+
+
+# ---- reports: the tables and curves `speclab costs ...` print and write ----
+
+def forward_costs_report(df: pd.DataFrame, context: int) -> Report:
+    """Lean vs transformers: the table and bars of ms per call."""
+    from speclab.viz import bench_bars
+    table = df.to_markdown(index=False, floatfmt=".2f")
+    long = df.melt(id_vars=["model", "n"], value_vars=["lean_ms", "hf_ms"], var_name="method", value_name="ms")
+    long["method"] = long["method"].str.removesuffix("_ms")
+    long["category"] = long["model"] + " n=" + long["n"].astype(str)
+    return Report("Milliseconds per forward: lean vs transformers", table,
+                  [bench_bars(long, "ms", f"ms per call after a {context}-token cache (lower is better)")])
+
+
+def dtype_costs_report(df: pd.DataFrame, context: int) -> Report:
+    """ms per call by width and dtype: one row per (model, dtype), one column per width, and the curves."""
+    from speclab.viz import lines_figure
+    wide = df.pivot_table(index=["model", "dtype"], columns="rows", values="ms", sort=False).reset_index()
+    wide.columns = [c if isinstance(c, str) else f"{c} rows" for c in wide.columns]
+    table = wide.to_markdown(index=False, floatfmt=".2f")
+    text = f"ms per call after a {context}-token cache (median), on {df.attrs['cpu']}\n\n{table}"
+    curves = df.assign(**{"model / dtype": df["model"] + " " + df["dtype"]})
+    fig = lines_figure(curves, "rows", "ms", "model / dtype", f"ms per call after a {context}-token cache, by rows "
+                       "per call (lower is better)", "rows per call", "ms per call")
+    return Report(f"Milliseconds per call by width and dtype ({df.attrs['cpu']})", text, [fig])
+
+
+def cost_curves_report(df: pd.DataFrame, x: str, cols: list[str], legend: str, title: str, subtitle: str,
+                       x_title: str) -> Report:
+    """A cost table with its curves: ms over `x`, one line per column of `cols` (catch-up and block costs)."""
+    from speclab.viz import lines_figure
+    long = df.melt(id_vars=[x], value_vars=cols, var_name=legend, value_name="ms")
+    return Report(title, df.to_markdown(index=False, floatfmt=".3f"),
+                  [lines_figure(long, x, "ms", legend, subtitle, x_title=x_title)])
+
+
+def switch_costs_report(df: pd.DataFrame) -> Report:
+    """The switch cost as a share of round latency: by context x backlog, the full table, and the curves."""
+    from speclab.viz import lines_figure
+    wide = df.pivot_table(index="context", columns="backlog", values="share_of_round").reset_index()
+    text = ("EAGLE-3 catch-up (KV-only prefill) of a backlog as a share of a WhiFlash round's latency (EAGLE-3 "
+            "drafting + verification) at that context\n\n" + wide.to_markdown(index=False, floatfmt=".3f")
+            + "\n\n" + df.to_markdown(index=False, floatfmt=".3f"))
+    fig = lines_figure(df.assign(context=df.context.astype(str) + " tokens"), "backlog", "share_of_round", "context",
+                       "Switch cost as a share of round latency", x_title="backlog tokens", y_title="share of round")
+    return Report("WhiFlash switch cost", text, [fig])
+
+
+def kernels_report(df: pd.DataFrame, device: str) -> Report:
+    """Torch twin vs Triton kernel per op and size (`kernels.bench.run`'s rows)."""
+    from speclab.viz import bench_bars
+    long = df.melt(id_vars=["op", "size"], value_vars=["torch_us", "triton_us"], var_name="method", value_name="us")
+    long = long[long.us.notna()].assign(category=lambda d: d.op + " " + d["size"])
+    fig = bench_bars(long, "us", f"Median microseconds per call on {device} (lower is better)")
+    return Report("speclab costs kernels", df.to_markdown(index=False), [fig])

@@ -1,0 +1,104 @@
+"""A bench's results, all from the trace: one query per question, every figure from `speclab.metrics` (tau,
+acceptance, tokens/s, speedup over AR, per-position acceptance, equality with AR), and the bench's report
+(`bench_report`: markdown tables and plotly figures; `speclab.cli.common.write_report` writes it)."""
+from __future__ import annotations
+
+import pandas as pd
+
+from speclab.metrics import RATIOS, RUN_SUMS_SQL, SPEEDUP_SQL, position_acceptance_sql, speedup
+from speclab.trace import TraceStore
+from speclab.viz import Report
+
+
+def bench_table(store: TraceStore, bench_id: str) -> pd.DataFrame:
+    """Per category and method: tau, acceptance, tokens/s, speedup vs AR (same bench), equality with AR."""
+    return store.query(f"""
+        WITH s AS (SELECT * FROM ({RUN_SUMS_SQL}) WHERE bench_id = ?),
+        per AS (SELECT category, method, count(*) AS prompts, sum(new_tokens) AS tokens, {RATIOS}
+                FROM s GROUP BY ALL),
+        ar AS (SELECT category, tokens_per_s AS ar_tokens_per_s FROM per WHERE method = 'ar')
+        SELECT per.category, per.method, prompts, tokens, tau, acceptance_rate, tokens_per_s,
+               {SPEEDUP_SQL} AS speedup, draft_time_share, target_calls_per_token, equal_to_ar, near_tie, bug
+        FROM per JOIN ar USING (category)
+        ORDER BY category, per.method""", [bench_id])
+
+
+def bench_overall(store: TraceStore, bench_id: str) -> pd.DataFrame:
+    """The same table pooled over all categories of the bench."""
+    return store.query(f"""
+        WITH s AS (SELECT * FROM ({RUN_SUMS_SQL}) WHERE bench_id = ?),
+        per AS (SELECT method, count(*) AS prompts, sum(new_tokens) AS tokens, {RATIOS} FROM s GROUP BY method),
+        ar AS (SELECT tokens_per_s AS ar_tokens_per_s FROM per WHERE method = 'ar')
+        SELECT per.*, {SPEEDUP_SQL} AS speedup
+        FROM per LEFT JOIN ar ON true ORDER BY method""", [bench_id])
+
+
+def bench_positions(store: TraceStore, bench_id: str) -> pd.DataFrame:
+    """Per-position acceptance per method, pooled over the bench's runs (`speclab.metrics.position_acceptance_sql`)."""
+    return store.query(position_acceptance_sql("r.method", "WHERE r.bench_id = ?") + " ORDER BY r.method, n.depth",
+                       [bench_id])
+
+
+def bench_divergences(store: TraceStore, bench_id: str) -> pd.DataFrame:
+    """Outputs that differ from AR: first differing position, top-2 logit gap there, and whether that is a
+    numerical near-tie for the target's dtype (speclab.equality)."""
+    return store.query("""SELECT method, category, prompt_id, diverges_at, top2_gap, tie_tolerance,
+                                 coalesce(top2_gap <= tie_tolerance, false) AS near_tie
+                          FROM runs WHERE bench_id = ? AND diverges_at IS NOT NULL ORDER BY method, prompt_id""",
+                       [bench_id])
+
+
+def peer_ratios(overall) -> list[dict]:
+    """speclab's tokens/s over Hugging Face's for the matching method (same models, prompts and run): untraced
+    (like HF) where the bench timed it, and traced."""
+    tps = dict(zip(overall.method, overall.tokens_per_s))
+    out = []
+    for ours, peer in (("sps", "hf_assisted"), ("pld", "hf_pld")):
+        for variant in (f"{ours}-untraced", ours):
+            if variant in tps and peer in tps:
+                out.append({"speclab": variant, "peer": peer, "speclab_tokens_per_s": tps[variant],
+                            "peer_tokens_per_s": tps[peer], "ratio": speedup(tps[variant], tps[peer])})
+    return out
+
+
+def bench_report(store: TraceStore, bench_id: str) -> Report:
+    """The bench's report: markdown tables (all categories, speclab vs Hugging Face, tracing overhead, outputs that
+    differ from AR, per category, per-position acceptance) and figures; the command prints the pooled table and
+    the peer comparison."""
+    from speclab import viz
+    table, overall, pos = bench_table(store, bench_id), bench_overall(store, bench_id), bench_positions(store, bench_id)
+    bench = store.query("SELECT * FROM benches WHERE bench_id = ?", [bench_id]).iloc[0]
+    peers = pd.DataFrame(peer_ratios(overall))
+    fmt = dict(index=False, floatfmt=".3f")
+    how = store.query("SELECT any_value(dtype) AS dtype, any_value(logits_dtype) AS logits, any_value(exact) AS exact, "
+                      "any_value(cpu) AS cpu FROM runs WHERE bench_id = ? AND method = 'ar'", [bench_id]).iloc[0]
+    md = [f"# speclab bench `{bench_id}`", "",
+          (f"suite `{bench.suite}`, methods {bench.methods}, device {bench.device} ({how.cpu}), dtype {how.dtype} "
+           f"(logits {how.logits}{', exact mode' if how.exact else ''}); config `{bench.config_json}`"), "",
+          ("Equality with AR (greedy): `equal_to_ar`, `near_tie` (differs where the target's top-2 logits are within "
+           "rounding) and `bug` (differs otherwise) are shares of each method's outputs."), "",
+          "## All categories", "", overall.to_markdown(**fmt), "",
+          "tokens_per_s is over decode time (prefill + the run's own phases); model_call_share is the share of it "
+          "spent inside target and drafter forwards (CPU only: a CUDA forward returns before its kernels end), "
+          "the rest is the engine's own work; `-untraced` rows are the engine's fast path.", ""]
+    summary = [overall.to_markdown(**fmt)]
+    if len(peers):
+        md += ["## speclab vs Hugging Face (same target, draft, prompts; greedy)", "", peers.to_markdown(**fmt), ""]
+        summary += ["", peers.to_markdown(**fmt)]
+    if bench.trace_overhead == bench.trace_overhead and bench.trace_overhead is not None:
+        md += [f"Tracing overhead: traced / untraced decode time, all methods and prompts = "
+               f"**{bench.trace_overhead:.3f}**", ""]
+    divs = bench_divergences(store, bench_id)
+    if len(divs):
+        md += ["## Outputs that differ from AR", "", "First differing token and the target's top-2 logit gap there "
+               "(a near-tie is rounding; anything else is a bug until proven otherwise).", "",
+               divs.to_markdown(index=False, floatfmt=".3g"), ""]
+    md += [f"Peak RSS of the bench process: {bench.peak_rss_mb:.0f} MB", "", "## Per category", "",
+           table.to_markdown(**fmt), "", "## Per-position acceptance", "", pos.to_markdown(**fmt), ""]
+    figs = [viz.bench_bars(table, "speedup", "Speedup vs AR (tokens/s ratio, same bench)"),
+            viz.bench_bars(table, "tau", "Acceptance length tau (tokens per target verification)"),
+            viz.position_acceptance(pos)]
+    if overall.model_call_share.notna().any():
+        figs.append(viz.bench_bars(overall.assign(category="all categories"), "model_call_share",
+                                   "Share of decode time inside model forwards (target + drafter)"))
+    return Report(f"speclab bench {bench_id}", "\n".join(md), figs, summary="\n".join(summary))

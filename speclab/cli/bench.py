@@ -1,0 +1,108 @@
+"""Benchmark commands: `speclab bench` (methods on a prompt suite, traced, with its report) and `speclab grid` (a
+method's parameter grid)."""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from speclab.cli.common import _num, _positive_int, write_report
+from speclab.errors import SpeclabError
+from speclab.models import ModelPaths, add_model_args, load_models
+
+
+def cmd_bench(a: argparse.Namespace) -> int:
+    from speclab.bench.results import bench_report
+    from speclab.bench.run import BenchConfig, run_bench
+    from speclab.methods import get_method
+    from speclab.trace import TraceStore, check_trace
+
+    methods = [m.strip() for m in a.methods.split(",") if m.strip()]
+    cfg = BenchConfig(suite=a.suite, methods=methods, limit=a.limit, max_new_tokens=a.max_new_tokens,
+                      tree_topk=a.tree_topk, stop_prob=a.stop_prob, peers=a.peers, untraced=a.untraced)
+    if a.quick:
+        cfg.limit, cfg.max_new_tokens = min(cfg.limit or 2, 2), min(cfg.max_new_tokens, 64)
+    for m in methods:
+        get_method(m)
+    if "ar" not in methods:  # before any file or model is opened
+        raise SpeclabError("a benchmark needs 'ar' among its methods: speedups and equality are measured against it")
+    from speclab.bench.suites import load_suite
+    load_suite(cfg.suite, 1)  # an unknown suite, likewise
+    check_trace(a.db)  # the trace file is made once the models loaded (a refused model leaves none behind)
+    roles = {r for m in methods for r in get_method(m).needs} | ({"draft"} if cfg.peers else set())
+    target, models = load_models(ModelPaths.from_args(a), roles=roles)
+    with TraceStore(a.db) as store:
+        bench_id = run_bench(cfg, target, models, store, log=lambda s: print(s, file=sys.stderr))
+        report = bench_report(store, bench_id)
+    write_report(report, a.report)
+    print(f"bench {bench_id}: rows in {a.db}")
+    return 0
+
+
+def cmd_grid(a: argparse.Namespace) -> int:
+    from speclab.bench.grid import check_grid_keys, grid_report, param_grid, parse_grid
+    from speclab.methods import get_method, parse_spec
+
+    name = parse_spec(a.method)[0]
+    grid = parse_grid(a.grid or get_method(name).grid)
+    # the method's GPU preset rides along as a reference point unless other points are given
+    extra = [p for p in [get_method(name).gpu_params] if p]
+    try:
+        extra = [json.loads(x) for x in a.extra] if a.extra else extra
+    except json.JSONDecodeError as e:
+        raise SpeclabError(f"--extra must be a JSON object of parameters ({e.msg} at column {e.colno})") from e
+    if not all(isinstance(x, dict) for x in extra):
+        raise SpeclabError("--extra must be a JSON object of parameters, e.g. '{\"depth\": 8}'")
+    check_grid_keys(name, [*grid, *(k for p in extra for k in p)])  # before any model is loaded
+    for key, values in grid.items():  # numbers now; their ranges (which depend on the models) once loaded
+        for v in values:
+            try:
+                float(v)
+            except ValueError:
+                raise SpeclabError(f"--grid {key}={v!r}: the values of {key} are numbers") from None
+    from speclab.bench.suites import load_suite
+    load_suite(a.suite, 1)  # an unknown suite, before any model is loaded
+    target, models = load_models(ModelPaths.from_args(a), roles=get_method(name).needs)
+    df = param_grid(target, models, name, grid, suite=a.suite, limit=a.limit, max_new_tokens=a.max_new_tokens,
+                    extra=extra, log=lambda s: print(s, file=sys.stderr))
+    write_report(grid_report(df, name, grid, a.x, a.suite, a.limit, a.max_new_tokens), a.report)
+    return 0
+
+
+def add_parsers(sub) -> None:
+    """`bench` and `grid`."""
+    b = sub.add_parser("bench", help="benchmark methods on a prompt suite; markdown + HTML report, rows in DuckDB")
+    b.add_argument("--methods", default="ar,sps,pld", help="comma-separated method specs (ar is required); a spec "
+                   "fixes parameters with ':' and '+': eagle3:tree_topk=1+depth=4")
+    b.add_argument("--suite", default="zoo", help="zoo | code | math | stories | literature | spec_bench | mt_bench | "
+                   "translation | summarization | qa | math_reasoning | rag | demo")
+    b.add_argument("--limit", type=_positive_int, default=8, help="prompts per category")
+    b.add_argument("--max-new-tokens", type=_positive_int, default=128)
+    b.add_argument("--tree-topk", type=_positive_int, default=1,
+                   help="sps: children per level (eagle3 takes its own from its spec)")
+    b.add_argument("--stop-prob", type=_num(float, 0.0, 1.0, hi_open=True), default=0.0,
+                   help="sps: end a chain after a draft token below this probability; hf_assisted gets the same "
+                        "threshold (its own default is 0.4)")
+    b.add_argument("--peers", action=argparse.BooleanOptionalAction, default=True,
+                   help="also time Hugging Face assisted generation and prompt lookup")
+    b.add_argument("--untraced", action=argparse.BooleanOptionalAction, default=True,
+                   help="also time every method untraced (peer comparison and tracing overhead)")
+    b.add_argument("--quick", action="store_true", help="2 prompts per category, 64 tokens: a minute or two")
+    b.add_argument("--db", default="traces/bench.duckdb")
+    b.add_argument("--report", default="reports/bench.md")
+    add_model_args(b)
+    b.set_defaults(fn=cmd_bench)
+
+    gr = sub.add_parser("grid", help="tokens/s, tau and speedup over a grid of a method's parameters (CPU defaults)")
+    gr.add_argument("--method", default="eagle3")
+    gr.add_argument("--grid", default=None, help="param=v1,v2,...;param=... (every combination is decoded; default: "
+                    "the method's own grid)")
+    gr.add_argument("--extra", action="append", help="one more point as JSON (repeatable), e.g. "
+                    "'{\"depth\": 8, \"tree_topk\": 10, \"total_tokens\": 60}'; default: the method's GPU preset")
+    gr.add_argument("--x", default=None, help="parameter on the plot's x axis (default: the grid's last)")
+    gr.add_argument("--suite", default="zoo")
+    gr.add_argument("--limit", type=_positive_int, default=2, help="prompts per category")
+    gr.add_argument("--max-new-tokens", type=_positive_int, default=128)
+    gr.add_argument("--report", default="reports/grid.html")
+    add_model_args(gr)
+    gr.set_defaults(fn=cmd_grid)

@@ -1,0 +1,154 @@
+"""The cost micro-benchmarks as one command group: `speclab costs forward | catchup | switch | block | kernels`
+(`speclab.bench.costs`: every table and curve; the kernels' own timing loop is handed speclab's)."""
+from __future__ import annotations
+
+import argparse
+
+from speclab.cli.common import _positive_int, _positive_ints, write_report
+from speclab.errors import SpeclabError
+from speclab.models import ModelPaths, add_model_args, check_model_args, load_models
+
+
+def cmd_forward(a: argparse.Namespace) -> int:
+    from speclab.bench.costs import dtype_costs, dtype_costs_report, forward_costs, forward_costs_report
+
+    ns = _positive_ints(a.n or ("1,2,4,8,16,32,64" if a.by_dtype else "1,5,9"), "--n")
+    if a.by_dtype:
+        from speclab.core.precision import check_dtype
+        dtypes = [check_dtype(d.strip()) for d in a.dtypes.split(",") if d.strip()]
+        if not dtypes or "auto" in dtypes:
+            raise SpeclabError(f"--dtypes {a.dtypes!r}: name the dtypes to compare, e.g. fp32,bf16")
+        check_model_args(a)
+
+        def load(dt):
+            a.dtype = dt
+            target, models = load_models(ModelPaths.from_args(a), roles=("draft", "eagle3", "dflash"))
+            a.exact = True
+            exact, _ = load_models(ModelPaths.from_args(a), roles=())
+            a.exact = False
+            return target, exact, models
+        df = dtype_costs(load, dtypes, ns, context=a.context, reps=a.reps)
+        write_report(dtype_costs_report(df, a.context), a.report)
+        return 0
+    target, models = load_models(ModelPaths.from_args(a), roles=("draft",))
+    df = forward_costs({"target": target, "draft": models["draft"]}, ns=ns, context=a.context, reps=a.reps)
+    if df.empty:
+        raise SpeclabError("neither model runs on the lean forward (see speclab.core.lean.supports): nothing to "
+                           "compare")
+    write_report(forward_costs_report(df, a.context), a.report)
+    return 0
+
+
+def cmd_catchup(a: argparse.Namespace) -> int:
+    from speclab.bench.costs import catchup_costs, cost_curves_report
+
+    backlogs = _positive_ints(a.backlog, "--backlog")
+    target, models = load_models(ModelPaths.from_args(a), roles=("eagle3",))
+    df = catchup_costs(target, models["eagle3"], backlogs=backlogs, context=a.context, reps=a.reps)
+    write_report(cost_curves_report(df, "backlog", ["kv_only_ms", "full_ms"], "catch-up",
+                                    "EAGLE-3 catch-up: KV-only prefill vs a full forward of the backlog",
+                                    f"ms per catch-up after a {a.context}-token drafter cache (lower is better)",
+                                    "backlog tokens"), a.report)
+    return 0
+
+
+def cmd_switch(a: argparse.Namespace) -> int:
+    from speclab.bench.costs import switch_costs, switch_costs_report
+
+    backlogs = _positive_ints(a.backlog, "--backlog")
+    contexts = _positive_ints(a.context, "--context")
+    target, models = load_models(ModelPaths.from_args(a), roles=("eagle3", "dflash"))
+    df = switch_costs(target, models, contexts=contexts, backlogs=backlogs, reps=a.reps)
+    write_report(switch_costs_report(df), a.report)
+    return 0
+
+
+def cmd_block(a: argparse.Namespace) -> int:
+    from speclab.bench.costs import block_costs, cost_curves_report
+
+    sizes = _positive_ints(a.block_size, "--block-size")
+    if min(sizes) < 2:
+        raise SpeclabError(f"--block-size: a block is the root and at least one mask, so sizes start at 2 (got "
+                           f"{min(sizes)})")
+    target, models = load_models(ModelPaths.from_args(a), roles=("dflash",))
+    df = block_costs(target, models["dflash"], block_sizes=sizes, context=a.context, reps=a.reps)
+    parts = [c for c in ("draft_ms", "draft_markov_ms", "verify_ms") if c in df]
+    write_report(cost_curves_report(df, "block_size", parts, "part",
+                                    "DFlash: what a block costs (drafter call, Markov head, verification)",
+                                    f"ms per block after a {a.context}-token context (lower is better)",
+                                    "block size (rows)"), a.report)
+    return 0
+
+
+def cmd_kernels(a: argparse.Namespace) -> int:
+    import pandas as pd
+    import torch
+
+    from kernels import bench
+    from speclab.bench.costs import kernels_report, timeit_interleaved
+    from speclab.progress import Progress
+
+    device = a.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise SpeclabError("--device cuda: no CUDA device here")
+    if device != "cuda":
+        print(f"speclab costs kernels: no GPU ({device}): Triton runs here only in interpreter mode (correctness "
+              "tests, not speed), so only the torch twins are timed")
+    prog = Progress(sum(len(s) for s in bench.SIZES.values()), "costs kernels")
+    df = pd.DataFrame(bench.run(device, a.reps, on_step=lambda i, n, op: prog.update(i, op=op),
+                                timeit=timeit_interleaved))
+    write_report(kernels_report(df, device), a.report)
+    return 0
+
+
+def add_parsers(sub) -> None:
+    """`costs` and its commands."""
+    c = sub.add_parser("costs", help="cost micro-benchmarks: ms per model call (forward), EAGLE-3 catch-up, switch "
+                       "and DFlash block; the kernels against their torch twins")
+    cs = c.add_subparsers(dest="costs_cmd", required=True)
+    f = cs.add_parser("forward", help="ms per model call: speclab's lean forward vs the transformers forward")
+    add_model_args(f)
+    f.add_argument("--n", default=None, help="tokens per call (comma-separated; default 1,5,9, or 1,2,4,...,64 with "
+                   "--by-dtype)")
+    f.add_argument("--by-dtype", action="store_true", help="ms per call by width and dtype for the target (fast and "
+                   "exact) and every drafter, instead of lean vs transformers")
+    f.add_argument("--dtypes", default="fp32,bf16", help="with --by-dtype: the dtypes to compare")
+    f.add_argument("--context", type=_positive_int, default=200, help="tokens already in the KV cache")
+    f.add_argument("--reps", type=_positive_int, default=15,
+                   help="interleaved repetitions (20 calls each); the median is shown")
+    f.add_argument("--report", default="reports/forward_costs.html")
+    f.set_defaults(fn=cmd_forward)
+
+    cc = cs.add_parser("catchup", help="ms per EAGLE-3 catch-up: KV-only prefill vs a full backlog forward")
+    cc.add_argument("--backlog", default="1,2,4,8,16,32,64", help="backlog lengths (comma-separated)")
+    cc.add_argument("--context", type=_positive_int, default=200, help="tokens already in the drafter's cache")
+    cc.add_argument("--reps", type=_positive_int, default=15,
+                    help="interleaved repetitions (20 calls each); the median is shown")
+    cc.add_argument("--report", default="reports/catchup_costs.html")
+    add_model_args(cc)
+    cc.set_defaults(fn=cmd_catchup)
+
+    sc = cs.add_parser("switch", help="EAGLE-3 catch-up at a switch as a share of round latency, by context "
+                        "and backlog (WhiFlash Table 4)")
+    sc.add_argument("--context", default="64,128,256,512", help="tokens already in the caches (comma-separated)")
+    sc.add_argument("--backlog", default="1,8,16,32,64,128", help="backlog lengths (comma-separated)")
+    sc.add_argument("--reps", type=_positive_int, default=7, help="interleaved repetitions; the median is shown")
+    sc.add_argument("--report", default="reports/switch_costs.html")
+    add_model_args(sc)
+    sc.set_defaults(fn=cmd_switch)
+
+    bc = cs.add_parser("block", help="ms per DFlash block: drafter call, Markov head, verification, by block "
+                        "size")
+    add_model_args(bc)
+    bc.add_argument("--block-size", default="2,3,4,6,8,12,16", help="block sizes (comma-separated)")
+    bc.add_argument("--context", type=_positive_int, default=200, help="tokens already in the caches")
+    bc.add_argument("--reps", type=_positive_int, default=15, help="interleaved repetitions; the median is shown")
+    bc.add_argument("--report", default="reports/block_costs.html")
+    bc.set_defaults(fn=cmd_block)
+
+    kb = cs.add_parser("kernels", help="the small hot ops: torch twin vs Triton kernel per op and size "
+                       "(Triton timed only on CUDA)")
+    kb.add_argument("--device", choices=["cpu", "cuda"], help="default: cuda when present")
+    kb.add_argument("--reps", type=_positive_int, default=50)
+    kb.add_argument("--report", default="reports/kernels.html")
+    kb.set_defaults(fn=cmd_kernels)

@@ -1,0 +1,167 @@
+"""Routing commands (WhiFlash) on a bench: `speclab profile` (counterfactual profiles), `sweep` (a router's
+thresholds by replay, and live), `calibrate` (the best thresholds into the calibration file) and `routing` (the
+paper's Table 1 and the rest of the report). Every figure and table comes from `speclab.routing`."""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from speclab.cli.common import write_report
+from speclab.errors import SpeclabError
+from speclab.models import ModelPaths, add_model_args, load_models
+from speclab.viz import Report
+
+
+def _bench_store(a: argparse.Namespace):
+    """The bench's trace (opened for writing: profiles and live runs go in) and the bench id (default: latest)."""
+    from speclab.routing.evaluate import bench_info, latest_bench
+    from speclab.trace import TraceStore
+
+    if not Path(a.db).exists():
+        raise SpeclabError(f"no trace database at {a.db}: run `speclab bench` first (with ar, eagle3 and dflash)")
+    store = TraceStore(a.db)
+    bench_id = a.bench or latest_bench(store)
+    bench_info(store, bench_id)
+    return store, bench_id
+
+
+def _routing_setup(a: argparse.Namespace, store, bench_id: str, need_mlp: bool):
+    """Profiles (made when missing), the cost model fitted to the bench and the neural router when needed."""
+    from speclab.routing.evaluate import check_profilable, get_profiles
+    from speclab.routing.replay import fit_costs
+
+    loaded = {}
+
+    def load():
+        if not loaded:
+            roles = ("eagle3", "dflash", "router") if need_mlp else ("eagle3", "dflash")
+            loaded["m"] = load_models(ModelPaths.from_args(a), roles=roles)
+        return loaded["m"]
+
+    cost = fit_costs(store, bench_id)  # before any model loads: a bench without the drafters' rounds fails fast
+    check_profilable(store, bench_id)
+    profiles = get_profiles(store, bench_id, load, log=lambda s: print(s, file=sys.stderr))
+    mlp = load()[1]["router"] if need_mlp else None
+    return profiles, cost, mlp, load
+
+
+def cmd_profile(a: argparse.Namespace) -> int:
+    from speclab.routing.evaluate import check_profilable, profile_bench, profile_table
+
+    store, bench_id = _bench_store(a)
+    with store:
+        check_profilable(store, bench_id)
+        target, models = load_models(ModelPaths.from_args(a), roles=("eagle3", "dflash"))
+        profs = profile_bench(store, bench_id, target, models, log=lambda s: print(s, file=sys.stderr))
+    write_report(Report(f"profiles of bench {bench_id}", profile_table(profs).to_markdown(index=False, floatfmt=".3f")),
+                 None)
+    print(f"\nprofiles of bench {bench_id}: tables profiles / profile_positions in {a.db}")
+    return 0
+
+
+def _router(text: str) -> str:
+    if text not in ("entropy", "neural"):
+        raise SpeclabError(f"--router must be entropy or neural (got {text!r})")
+    return text
+
+
+def cmd_sweep(a: argparse.Namespace) -> int:
+    from speclab.routing.calibration import grid_text
+    from speclab.routing.evaluate import live_specs, parse_thresholds, run_live, sweep_report
+
+    router = _router(a.router)
+    grid = parse_thresholds(a.grid or grid_text(router))
+    live_pts = parse_thresholds(a.live) if a.live else []
+    store, bench_id = _bench_store(a)
+    with store:
+        profiles, cost, mlp, load = _routing_setup(a, store, bench_id, router == "neural")
+        if live_pts:
+            target, models = load()
+            run_live(store, bench_id, target, models, live_specs(router, live_pts),
+                     log=lambda s: print(s, file=sys.stderr))
+        report = sweep_report(store, bench_id, profiles, cost, router, grid, mlp, live_pts)
+    write_report(report, a.report)
+    return 0
+
+
+def cmd_calibrate(a: argparse.Namespace) -> int:
+    from speclab.routing.calibration import Calibrator, calibrate, grid_text, save_thresholds
+    from speclab.routing.evaluate import parse_thresholds
+    from speclab.routing.routers import calibration_path
+
+    routers = [r.strip() for r in a.router.split(",") if r.strip()]
+    bad = [r for r in routers if r not in ("entropy", "neural")]
+    if bad or not routers:
+        raise SpeclabError(f"--router must be entropy, neural or both, comma-separated (got {a.router!r})")
+    given = {"entropy": a.entropy_grid, "neural": a.neural_grid}
+    grids = {r: parse_thresholds(text) for r, text in given.items() if text}  # the rest: the calibration grid
+    out = Path(a.out) if a.out else calibration_path()
+    store, bench_id = _bench_store(a)
+    with store:
+        profiles, cost, mlp, load = _routing_setup(a, store, bench_id, "neural" in routers)
+        target = load()[0]
+        cal = Calibrator(store, bench_id, profiles, cost, mlp, reused=True, grids=grids)
+        best, report = calibrate(cal, routers)
+        info = {"bench": bench_id, "db": str(a.db), "prompts": len(profiles),
+                "grids": {r: given[r] or grid_text(r) for r in routers},
+                "cost_model": cost.__dict__, "command": "speclab calibrate " + " ".join(sys.argv[2:])}
+        for r in routers:
+            save_thresholds(r, best[r], target.fingerprint, info, out)
+    write_report(report, a.report)
+    print(f"wrote {out}")
+    return 0
+
+
+def cmd_routing(a: argparse.Namespace) -> int:
+    from speclab.routing.evaluate import bench_routers, routing_report
+
+    store, bench_id = _bench_store(a)
+    with store:
+        neural = "neural" in bench_routers(store, bench_id)
+        profiles, cost, mlp, _ = _routing_setup(a, store, bench_id, neural)
+        report = routing_report(store, bench_id, profiles, cost, mlp, a.prompt_id)
+    write_report(report, a.report)
+    return 0
+
+
+def add_parsers(sub) -> None:
+    """`profile`, `sweep`, `calibrate` and `routing`."""
+    def bench_args(p, report: str | None = None) -> None:
+        """The options of the commands that read a bench (profile, sweep, calibrate, routing)."""
+        p.add_argument("--bench", help="bench id (default: the latest finished bench in --db)")
+        p.add_argument("--db", default="traces/bench.duckdb")
+        if report:
+            p.add_argument("--report", default=report)
+        add_model_args(p)
+
+    pr = sub.add_parser("profile", help="counterfactual acceptance profiles of EAGLE-3 and DFlash at every position of "
+                        "a bench's AR outputs (greedy), for replay, oracles, sweeps and calibration")
+    bench_args(pr)
+    pr.set_defaults(fn=cmd_profile)
+
+    sw = sub.add_parser("sweep", help="a WhiFlash router's threshold sweep on a bench: by replay of its profiles "
+                        "(instant) and live at chosen thresholds")
+    sw.add_argument("--router", required=True, help="entropy | neural")
+    sw.add_argument("--grid", default=None, help="thresholds: start:stop:step or a comma-separated list (default: the "
+                    "router's calibration grid, speclab.routing.calibration.GRIDS)")
+    sw.add_argument("--live", default="", help="thresholds to also run live on the bench's prompts (into the bench)")
+    bench_args(sw, "reports/sweep.html")
+    sw.set_defaults(fn=cmd_sweep)
+
+    ca = sub.add_parser("calibrate", help="the best threshold per category (and a global one) of the WhiFlash "
+                        "routers by replay on a bench, written to data/zoo/calibration.json")
+    ca.add_argument("--router", default="entropy,neural", help="entropy, neural or both (comma-separated)")
+    ca.add_argument("--entropy-grid", default=None, help="thresholds in nats (default: the calibration grid, "
+                    "speclab.routing.calibration.GRIDS, which the app and the notebook widget sweep too)")
+    ca.add_argument("--neural-grid", default=None, help="thresholds on the predicted Delta tau (default: the "
+                    "calibration grid)")
+    ca.add_argument("--out", help="calibration file (default: data/zoo/calibration.json)")
+    bench_args(ca, "reports/calibration.html")
+    ca.set_defaults(fn=cmd_calibrate)
+
+    ro = sub.add_parser("routing", help="WhiFlash's Table 1 on a bench (EAGLE-3, DFlash, oracles, routers: AL and "
+                        "speedup per category), live vs replay, cost-model error, switch cost, lazy vs eager")
+    ro.add_argument("--prompt-id", help="the sequence of the volatility figure (default: the first profiled)")
+    bench_args(ro, "reports/routing.html")
+    ro.set_defaults(fn=cmd_routing)

@@ -1,0 +1,226 @@
+"""What several test modules share: tiny models built from configs (no downloads), the test prompts, the tiny
+EAGLE-3 and DFlash drafters (random, and trained for a few seconds: conftest.py trains each once per session), the
+CLI run in-process or as a subprocess, and the check that bad input gets exactly one error line."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from speclab.zoo import REPO_ROOT, tokenizer_dir
+
+PROMPTS = ["def add(a, b):\n    return", "Once upon a time, a little dog", "Question: Tom has 3 apples. How many",
+           "KING HENRY:\nWhat say you"]
+
+
+def demo_rows() -> list[dict]:
+    """The rows of data/prompts/demo.jsonl (one prompt per zoo category)."""
+    path = REPO_ROOT / "data" / "prompts" / "demo.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+class NoTok:
+    """The tokenizer of a target built over a bare vocabulary (tiny exact-distribution tests): no text, no EOS."""
+    eos_token_id = None
+
+
+# ---- tiny models ------------------------------------------------------------------------------------------------
+
+def tiny_config(arch: str, vocab_size: int, hidden: int = 64, layers: int = 2, init: float = 0.3, ctx: int = 512):
+    from transformers import LlamaConfig, Qwen3Config
+
+    common = dict(vocab_size=vocab_size, hidden_size=hidden, intermediate_size=hidden * 2, num_hidden_layers=layers,
+                  num_attention_heads=4, num_key_value_heads=2, head_dim=hidden // 4, max_position_embeddings=ctx,
+                  initializer_range=init, eos_token_id=0, pad_token_id=1, bos_token_id=None, tie_word_embeddings=False)
+    cfg = Qwen3Config(**common) if arch == "qwen3" else LlamaConfig(**common)
+    cfg._attn_implementation = "sdpa"
+    return cfg
+
+
+def build_tiny(arch: str, out: Path, seed: int, vocab_size: int | None = None, tokenizer=True, **kw) -> Path:
+    """A random tiny model (large init so distributions are peaked: argmax ties are then vanishingly rare)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tokenizer_dir()) if tokenizer else None
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(tiny_config(arch, vocab_size or len(tok), **kw))
+    model.save_pretrained(out)
+    if tok is not None:
+        tok.save_pretrained(out)
+    return out
+
+
+def perturbed(src: Path, out: Path, noise: float, seed: int) -> Path:
+    """A draft that agrees with the target often but not always: the target's weights plus noise."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(src)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn(p.shape, generator=g) * noise * p.std())
+    model.save_pretrained(out)
+    AutoTokenizer.from_pretrained(src).save_pretrained(out)
+    return out
+
+
+def save_bert(out: Path, tokenizer_src: Path) -> Path:
+    """A small BERT (a masked LM, not a causal one) with a working tokenizer: what the CLI must refuse as a model."""
+    from transformers import AutoTokenizer, BertConfig, BertForMaskedLM
+
+    BertForMaskedLM(BertConfig(vocab_size=300, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                               intermediate_size=64)).save_pretrained(out)
+    AutoTokenizer.from_pretrained(tokenizer_src).save_pretrained(out)
+    return out
+
+
+def own_text_windows(target, length: int = 48):
+    """[n, length] windows of the target's own text (its greedy and sampled continuations of PROMPTS): what a
+    drafter trained for a few seconds in a test learns to agree with."""
+    from speclab.generate import generate
+
+    ids = [target.tokenizer(p)["input_ids"] for p in PROMPTS]
+    texts = [p + generate(target, torch.tensor(p), "ar", max_new_tokens=length, temperature=t, seed=i).token_ids
+             for i, p in enumerate(ids) for t in (0.0, 1.0)]
+    return torch.tensor([t[:length] for t in texts if len(t) >= length])
+
+
+# ---- tiny EAGLE-3 drafters --------------------------------------------------------------------------------------
+
+def eagle3_config(target, draft_vocab: int | None = None):
+    from speclab.drafters.eagle3 import Eagle3Config, default_layer_ids
+
+    c = target.config
+    return Eagle3Config(hidden_size=c.hidden_size, intermediate_size=c.intermediate_size,
+                        num_attention_heads=c.num_attention_heads, num_key_value_heads=c.num_key_value_heads,
+                        head_dim=c.head_dim, vocab_size=target.vocab_size,
+                        draft_vocab_size=draft_vocab or target.vocab_size, target_hidden_size=c.hidden_size,
+                        layer_ids=default_layer_ids(target.num_layers), rms_norm_eps=c.rms_norm_eps,
+                        max_position_embeddings=c.max_position_embeddings)
+
+
+def random_eagle3(target, seed: int, draft_vocab: int | None = None):
+    from speclab.drafters.eagle3 import Eagle3Model
+
+    torch.manual_seed(seed)
+    m = Eagle3Model(eagle3_config(target, draft_vocab))
+    if draft_vocab:  # a reduced vocabulary: every other target id, mapped back with d2t / t2d
+        keep = torch.arange(0, 2 * draft_vocab, 2)
+        m.d2t.copy_(keep - torch.arange(draft_vocab))
+        m.t2d.zero_()
+        m.t2d[keep] = True
+    return m.eval().requires_grad_(False)
+
+
+def train_tiny_eagle3(target, steps: int = 120, seed: int = 0):
+    """A drafter trained for a few seconds with speclab's own training step (training-time test, 3 steps) on the
+    target's own text (its greedy and sampled continuations of the test prompts): it agrees with the target
+    often, so trees get accepted paths. Its last step's per-depth accuracies are in `train_acc`."""
+    from speclab.drafters.eagle3 import Eagle3Model
+    from speclab.train.eagle3 import target_features, ttt_forward, ttt_loss
+
+    torch.manual_seed(seed)
+    windows = own_text_windows(target)
+    m = Eagle3Model(eagle3_config(target))
+    with torch.no_grad():
+        m.lm_head.weight.copy_(target.model.get_output_embeddings().weight)
+    opt = torch.optim.AdamW(m.parameters(), lr=3e-3)
+    embed = target.model.get_input_embeddings()
+    feats, logp = target_features(target.model, windows, m.config.layer_ids)
+    for _ in range(steps):
+        loss, _, accs = ttt_loss(ttt_forward(m, embed, windows, feats, 3), logp, m.t2d, 0.8)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+    m.train_acc = accs
+    return m.eval().requires_grad_(False)
+
+
+# ---- tiny DFlash drafters ---------------------------------------------------------------------------------------
+
+def dflash_config(target, markov_rank: int = 0, layers: int = 2, mask_id: int = 2):
+    from speclab.drafters.dflash import DFlashConfig, default_layer_ids
+
+    c = target.config
+    return DFlashConfig(hidden_size=c.hidden_size, intermediate_size=c.intermediate_size, num_hidden_layers=layers,
+                        num_attention_heads=c.num_attention_heads, num_key_value_heads=c.num_key_value_heads,
+                        head_dim=c.head_dim, vocab_size=target.vocab_size,
+                        target_layer_ids=default_layer_ids(target.num_layers), mask_token_id=mask_id, block_size=8,
+                        rms_norm_eps=c.rms_norm_eps, max_position_embeddings=c.max_position_embeddings,
+                        markov_rank=markov_rank)
+
+
+def random_dflash(target, seed: int, markov_rank: int = 0, mask_id: int = 2):
+    from speclab.drafters.dflash import DFlashModel
+
+    torch.manual_seed(seed)
+    m = DFlashModel(dflash_config(target, markov_rank, mask_id=mask_id))
+    with torch.no_grad():  # larger weights than the default init: peaked, varied drafts
+        for p in m.parameters():
+            if p.dim() == 2:
+                p.normal_(0, 0.08)
+    return m.eval().requires_grad_(False)
+
+
+def train_tiny_dflash(target, steps: int = 150, seed: int = 0):
+    """A drafter trained for a few seconds with speclab's own training step (random anchors, blocks of 2..8, the
+    Markov head on both readouts) on the target's own text (its greedy and sampled continuations of the test
+    prompts): it agrees with the target often, so blocks get accepted prefixes. Its last step's metrics are in
+    `train_metrics`."""
+    from speclab.drafters.dflash import DFlashModel
+    from speclab.train.dflash import block_forward, block_loss, pick_blocks, target_features
+
+    torch.manual_seed(seed)
+    rng = np.random.default_rng(seed)
+    windows = own_text_windows(target)
+    m = DFlashModel(dflash_config(target, markov_rank=8))
+    embed_w = target.model.get_input_embeddings().weight
+    head_w = target.model.get_output_embeddings().weight
+    feats, top = target_features(target.model, windows, m.config.target_layer_ids)
+    opt = torch.optim.AdamW(m.parameters(), lr=3e-3)
+    for _ in range(steps):
+        size = int(rng.integers(2, 9))
+        anchors = pick_blocks(windows.shape[1], size, 64, rng)
+        loss, metrics = block_loss(m, block_forward(m, embed_w, head_w, windows, feats, anchors, size), windows, top,
+                                   anchors, 4.0)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+    m.train_metrics = metrics
+    return m.eval().requires_grad_(False)
+
+
+# ---- the command line -------------------------------------------------------------------------------------------
+
+def run_cli(*args: str, timeout: float = 300, **kw) -> subprocess.CompletedProcess:
+    """`python -m speclab.cli ARGS` in a fresh process from the repository root (its output captured as text)."""
+    return subprocess.run([sys.executable, "-m", "speclab.cli", *args], capture_output=True, text=True,
+                          timeout=timeout, cwd=REPO_ROOT, check=False, **kw)
+
+
+def error_lines(err: str, prefix: str = "speclab: error:") -> list[str]:
+    """The lines of stderr that are speclab's error messages."""
+    return [ln for ln in err.splitlines() if ln.startswith(prefix)]
+
+
+def assert_one_error_line(argv: list[str], says: str | tuple[str, ...], capsys) -> str:
+    """`speclab ARGV` run in-process: exit code 2, stdout empty, and stderr exactly one line, speclab's error line,
+    holding `says` (or one of them). Argparse's own errors (SystemExit) count alike. Returns that line."""
+    from speclab.cli import main
+
+    capsys.readouterr()  # what the test's own set-up printed
+    try:
+        rc = main(argv)
+    except SystemExit as e:  # argparse's own errors end the process, with the same one line and exit code 2
+        rc = e.code
+    out, err = capsys.readouterr()
+    lines = [ln for ln in err.splitlines() if ln.strip()]
+    says = (says,) if isinstance(says, str) else says
+    assert rc == 2 and len(lines) == 1 and lines[0].startswith("speclab: error:"), (argv, rc, err)
+    assert any(s in lines[0] for s in says), (argv, lines[0])
+    assert out == ""
+    return lines[0]
