@@ -89,6 +89,15 @@ def own_text_windows(target, length: int = 48):
     return torch.tensor([t[:length] for t in texts if len(t) >= length])
 
 
+def start_drafter(drafter, target, prompt: str) -> torch.Tensor:
+    """Hand a drafter a prompt as the engine does at a decode's start (`reset` with the prompt's target features,
+    then an empty first `catch_up`), ready to `propose`. Returns the prompt's ids."""
+    ids = target.tokenizer(prompt, return_tensors="pt")["input_ids"][0]
+    drafter.reset(ids, target.forward(ids, target.new_cache(), layers=drafter.layers).features[:-1])
+    drafter.catch_up(ids[:0], None)
+    return ids
+
+
 # ---- tiny EAGLE-3 drafters --------------------------------------------------------------------------------------
 
 def eagle3_config(target, draft_vocab: int | None = None):

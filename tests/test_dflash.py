@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-from helpers import PROMPTS, build_tiny
+from helpers import PROMPTS, build_tiny, start_drafter
 from helpers import random_dflash as random_drafter
 from speclab.core.sampling import Sampling
 from speclab.core.target import Target
@@ -63,10 +63,7 @@ def _write_public(model: DFlashModel, out, bin_file: bool, rank_in_config: bool 
 
 def _block_once(model, target, prompt, block_size=6, markov=True):
     d = DFlashDrafter(model, target, block_size=block_size, markov=markov, tree_topk=1, total_tokens=16)
-    ids = target.tokenizer(prompt, return_tensors="pt")["input_ids"][0]
-    out = target.forward(ids, target.new_cache(), layers=d.layers)
-    d.reset(ids, out.features[:-1])
-    d.catch_up(ids[:0], None)
+    start_drafter(d, target, prompt)
     return d.propose(64, Sampling(), None)
 
 
@@ -178,9 +175,7 @@ def test_tree_from_the_rows_top_k(deep, trained_dflash):
     m = trained_dflash
     chain = _block_once(m, deep, PROMPTS[0], block_size=5)
     d = DFlashDrafter(m, deep, block_size=5, markov=True, tree_topk=3, total_tokens=9)
-    ids = deep.tokenizer(PROMPTS[0], return_tensors="pt")["input_ids"][0]
-    d.reset(ids, deep.forward(ids, deep.new_cache(), layers=d.layers).features[:-1])
-    d.catch_up(ids[:0], None)
+    start_drafter(d, deep, PROMPTS[0])
     t = d.propose(64, Sampling(), None)
     assert len(t) == 9 and int(t.depth.max()) <= 4 and bool((t.parents < torch.arange(len(t))).all())
     first = [i for i in range(len(t)) if int(t.parents[i]) == -1]
@@ -198,15 +193,11 @@ def test_markov_head_changes_the_draft_and_block_size_bounds_it(deep, drafters):
     with torch.no_grad():  # and it is the bias of the token drafted just before, row by row
         prev = torch.cat([deep.tokenizer(PROMPTS[0], return_tensors="pt")["input_ids"][0][-1:], markov.tokens[:-1]])
         d = DFlashDrafter(m, deep, block_size=6, markov=True, tree_topk=1, total_tokens=16)
-        ids = deep.tokenizer(PROMPTS[0], return_tensors="pt")["input_ids"][0]
-        d.reset(ids, deep.forward(ids, deep.new_cache(), layers=d.layers).features[:-1])
-        d.catch_up(ids[:0], None)
+        start_drafter(d, deep, PROMPTS[0])
         want = (d.block_logits(6) + m.markov_bias(prev)).argmax(-1)
     assert torch.equal(markov.tokens, want)
     d = DFlashDrafter(m, deep, block_size=8, markov=True, tree_topk=1, total_tokens=16)
-    ids = deep.tokenizer(PROMPTS[0], return_tensors="pt")["input_ids"][0]
-    d.reset(ids, deep.forward(ids, deep.new_cache(), layers=d.layers).features[:-1])
-    d.catch_up(ids[:0], None)
+    start_drafter(d, deep, PROMPTS[0])
     assert len(d.propose(3, Sampling(), None)) == 3  # never deeper than the engine allows
 
 

@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-from helpers import PROMPTS, build_tiny
+from helpers import PROMPTS, build_tiny, start_drafter
 from helpers import random_eagle3 as random_drafter
 from speclab.core.sampling import Sampling
 from speclab.core.target import Target
@@ -67,10 +67,7 @@ def _write_public(model: Eagle3Model, out, vllm_names: bool, bin_file: bool, emb
 
 def _draft_once(model, target, prompt, depth=4, top_k=3, total=8):
     d = Eagle3Drafter(model, target, depth=depth, tree_topk=top_k, total_tokens=total)
-    ids = target.tokenizer(prompt, return_tensors="pt")["input_ids"][0]
-    out = target.forward(ids, target.new_cache(), layers=d.layers)
-    d.reset(ids, out.features[:-1])
-    d.catch_up(ids[:0], None)
+    start_drafter(d, target, prompt)
     return d.propose(depth, Sampling(), None)
 
 

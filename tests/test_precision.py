@@ -102,6 +102,7 @@ def zoo_bf16():
             "exact": Target.load(zoo.default_target(), dtype="bf16", exact=True)}
 
 
+@pytest.mark.slow
 def test_fp32_logits_of_the_bf16_forward_match_an_fp32_reference(zoo_bf16):
     ref = Target.load(zoo.default_target(), dtype="fp32")
     ids = ref.tokenizer(PROMPTS[0] + " " + PROMPTS[1], return_tensors="pt")["input_ids"][0]
@@ -122,6 +123,7 @@ def test_fp32_logits_of_the_bf16_forward_match_an_fp32_reference(zoo_bf16):
 
 # ---- exact mode: a row's result never depends on how many rows run with it ------------------------------------------
 
+@pytest.mark.slow
 def test_exact_mode_rows_are_bitwise_invariant_to_the_batch(zoo_bf16):
     t = zoo_bf16["exact"]
     ids = torch.randint(3, t.vocab_size, (100,), generator=torch.Generator().manual_seed(1))
@@ -160,6 +162,7 @@ def test_exact_mode_rows_are_bitwise_invariant_to_the_batch(zoo_bf16):
     assert not torch.equal(a, fast.forward(ids[40:48], c8).logits)
 
 
+@pytest.mark.slow
 def test_exact_mode_wide_eagle3_tree_equals_ar(zoo_bf16, drafters):
     """The case that found the slot-order softmax: a 17-row EAGLE-3 tree on a zoo prompt parted from AR at token
     125 (a top-2 gap of 0.002) until each row's softmax ran in sequence order."""
@@ -189,6 +192,7 @@ def drafters(zoo_bf16):
     return out
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["model", "fp32", "exact"])
 def test_bf16_greedy_equals_ar_or_differs_at_a_near_tie(zoo_bf16, drafters, mode):
     t, models = zoo_bf16[mode], drafters[mode]
@@ -207,6 +211,7 @@ def test_bf16_greedy_equals_ar_or_differs_at_a_near_tie(zoo_bf16, drafters, mode
     assert len(kinds["equal"]) >= len(PROMPTS) * (len(METHODS) - 1) // 2  # most outputs are equal in any mode
 
 
+@pytest.mark.slow
 def test_runs_record_how_they_computed(zoo_bf16, tmp_path):
     with TraceStore(tmp_path / "t.duckdb") as s:
         for t in zoo_bf16.values():

@@ -155,6 +155,7 @@ def test_oracles_are_ordered(deep, models, tmp_path):
     assert t["oracle-token", "all"] >= sw.tau.max()
 
 
+@pytest.mark.slow
 def test_routed_sampling_keeps_target_distribution(tiny_v8):
     """Routed decoding under sampling (entropy and neural routers that switch between an EAGLE-3 and a DFlash
     drafter within a decode): the first two sampled tokens follow the target's exact joint distribution. Power:

@@ -28,6 +28,7 @@ def test_zoo_models_load_offline_and_fit(zoo_models):
     assert sizes < 150e6  # the whole zoo stays small enough to ship in the repository
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("row", PROMPTS, ids=[r["category"] for r in PROMPTS])
 def test_zoo_speculative_greedy_equals_ar(zoo_models, row):
     target, draft = zoo_models
@@ -52,6 +53,7 @@ def test_zoo_eagle3_fits_the_target(zoo_models, zoo_eagle3):
     assert zoo_eagle3.embed_tokens is None  # it shares the target's embedding
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("row", PROMPTS, ids=[r["category"] for r in PROMPTS])
 def test_zoo_eagle3_greedy_equals_ar(zoo_models, zoo_eagle3, row):
     """The trained drafter: the CPU default, a chain and a wider tree, deferred and not."""
@@ -77,6 +79,7 @@ def test_zoo_dflash_fits_the_target(zoo_models, zoo_dflash):
     assert zoo_dflash.has_markov and c.block_size == 16
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("row", PROMPTS, ids=[r["category"] for r in PROMPTS])
 def test_zoo_dflash_greedy_equals_ar(zoo_models, zoo_dflash, row):
     """The trained drafter: the CPU default (Markov head on), without the head, and the GPU preset's block of 16."""

@@ -31,7 +31,7 @@ from __future__ import annotations
 import math
 import time
 from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Generator
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -120,6 +120,7 @@ class Committed:
 
     def set_features(self, start: int, feats: torch.Tensor) -> None:
         """Features of the tokens from `start` on (contiguous with those already there)."""
+        assert self.feats is not None, "no drafter asked for target layers"
         self.feats[start : start + feats.shape[0]] = feats
         self.n_feats = start + feats.shape[0]
 
@@ -198,7 +199,8 @@ def decode_rounds(target: Target, prompt_ids: torch.Tensor, drafters: dict[str, 
                   router: Router | None = None, max_new_tokens: int = 128, sampling: Sampling | None = None,
                   deferred: bool = True, stop_on_eos: bool = True,
                   listeners: tuple[Callable[[RoundEvent], None], ...] = (),
-                  record: bool = True, keep_logits: bool = False) -> Iterator[RoundEvent | None]:
+                  record: bool = True,
+                  keep_logits: bool = False) -> Generator[RoundEvent | None, None, DecodeResult]:
     """The decode loop as a generator: one item per round (its RoundEvent, or None when not `record`ing), and
     the DecodeResult as its return value. Listeners are called inside the round (timed as "record"). Several
     decodes can be interleaved round by round (the app's side-by-side view); their time counts only the

@@ -218,7 +218,8 @@ class LeanDecoder:
         else:  # the caller's additive [1, 1, n, start + n] tree mask, widened to W slots
             allowed = torch.zeros(n, W, dtype=torch.bool, device=self.device)
             allowed[:, : start + n] = mask[0, 0] == 0
-        hs, kept_all = [], {i: [] for i in layers}
+        hs: list[torch.Tensor] = []
+        kept_all: dict[int, list[torch.Tensor]] = {i: [] for i in layers}
         for r0 in range(0, n, T):
             m = min(T, n - r0)
             tid = torch.zeros(T, dtype=ids.dtype, device=self.device)

@@ -40,7 +40,7 @@ def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).replace("torch.", "")
 
 
-def check_dtype(name) -> str:
+def check_dtype(name):
     """`name` if it names a dtype speclab runs in ('auto' included), else InvalidInput."""
     if isinstance(name, torch.dtype):
         return name

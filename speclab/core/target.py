@@ -13,6 +13,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -68,8 +69,9 @@ def load_causal_lm(name_or_path: str | Path, device=None, dtype=None):
         if archs and not any(a.endswith(("ForCausalLM", "LMHeadModel", "ForConditionalGeneration")) for a in archs):
             raise ModelNotFound(f"{where} holds a {', '.join(archs)} (config.json 'architectures'), not a causal "
                                 "language model: speculative decoding needs a left-to-right LM")
-        model, info = AutoModelForCausalLM.from_pretrained(  # mismatches are reported below, by name
+        loaded: Any = AutoModelForCausalLM.from_pretrained(  # (model, loading info); mismatches named below
             src, local_files_only=True, dtype=dt, output_loading_info=True, ignore_mismatched_sizes=True)
+        model, info = loaded
     except (OSError, ValueError, RuntimeError, SafetensorError) as e:
         if isinstance(e, ModelNotFound):
             raise
@@ -311,7 +313,7 @@ def keep_cache(cache, start: int, keep: torch.Tensor) -> None:
 
 
 def _eos_ids(model, tokenizer) -> list[int]:
-    ids = set()
+    ids: set[int] = set()
     for src in (getattr(model, "generation_config", None), model.config):
         e = getattr(src, "eos_token_id", None) if src is not None else None
         if e is not None:

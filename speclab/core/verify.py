@@ -69,7 +69,7 @@ def verify_sampling(tree: DraftTree, target_probs: torch.Tensor, generator: torc
     p = target_probs[0]
     while True:
         kids = children.get(node, [])
-        q = tree.draft_dists[node + 1].to(p.device) if tree.sampled and kids else None
+        q = tree.draft_dists[node + 1].to(p.device) if tree.draft_dists is not None and kids else None
         nxt = None
         for c in kids:
             x = tokens[c]
@@ -98,7 +98,7 @@ def _verify_sampled_chain(tree: DraftTree, target_probs: torch.Tensor, generator
     if n == 0:
         return Verdict(tree.tokens, int(sample(target_probs[0], generator)))
     p = target_probs[:n]
-    q = tree.draft_dists[:n].to(p.device) if tree.sampled else \
+    q = tree.draft_dists[:n].to(p.device) if tree.draft_dists is not None else \
         torch.nn.functional.one_hot(tree.tokens.to(p.device), p.shape[-1]).to(p.dtype)  # a point mass at x
     accept, resid = kernel_ops.sampling_accept(p, q, tree.tokens.to(p.device), u[:n].to(p.device))
     a = int(accept.long().cumprod(0).sum())  # the first rejection ends the path

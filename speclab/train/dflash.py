@@ -35,20 +35,12 @@ from speclab.drafters.dflash import (
 )
 from speclab.files import write_atomic
 from speclab.progress import Progress
+from speclab.train import lm
 from speclab.train.corpus import DOMAINS
-from speclab.train.lm import (
-    checkpoint_on_interrupt,
-    frozen_target_setup,
-    lr_at,
-    online_run,
-    sample_windows,
-    val_curve,
-    val_windows,
-)
 
 
 @dataclass
-class DFlashTrainConfig:
+class DFlashTrainConfig(lm.Schedule, seq_len=256, lr=1.5e-3, min_lr=5e-5, warmup_steps=20, weight_decay=0.0):
     target_dir: str
     corpus_dir: str
     out_dir: str
@@ -58,19 +50,12 @@ class DFlashTrainConfig:
     markov_rank: int = 64  # 0: no Markov head
     gamma: float = 4.0  # loss weight exp(-(k - 1) / gamma) of block row k
     rows: int = 512  # block rows per window (anchors = rows // block size of the step; blocks may overlap)
-    seq_len: int = 256
-    batch_size: int = 8
-    lr: float = 1.5e-3
-    min_lr: float = 5e-5
-    warmup_steps: int = 20
-    weight_decay: float = 0.0
-    max_minutes: float = 60.0
     init_from: str | None = None  # a DFlash directory to resume from (optimizer moments restart)
     eval_every_s: float = 600.0
     eval_windows: int = 8
     seed: int = 0
     threads: int = 2
-    domain_weights: dict = field(default_factory=lambda: {"code": 0.3, "stories": 0.15, "literature": 0.3, "math": 0.25})
+    domain_weights: dict = field(default_factory=lm.DOMAIN_WEIGHTS.copy)
 
 
 def new_drafter(target, cfg: DFlashTrainConfig, mask_token_id: int) -> DFlashModel:
@@ -178,7 +163,7 @@ def evaluate(m, embed_w, head_w, target, data, cfg: DFlashTrainConfig) -> dict:
     res = {}
     size = cfg.block_size
     for d in DOMAINS:
-        ids = val_windows(data, d, cfg.eval_windows, cfg.seq_len)
+        ids = lm.val_windows(data, d, cfg.eval_windows, cfg.seq_len)
         feats, logp = target_features(target, ids, m.config.target_layer_ids)
         anchors = torch.arange(1, cfg.seq_len - size + 1, size)
         logits = block_forward(m, embed_w, head_w, ids, feats, anchors, size)
@@ -188,7 +173,7 @@ def evaluate(m, embed_w, head_w, target, data, cfg: DFlashTrainConfig) -> dict:
 
 
 def train_dflash(cfg: DFlashTrainConfig, log=print) -> dict:
-    tok, data, target, rng = frozen_target_setup(cfg)
+    tok, data, target, rng = lm.frozen_target_setup(cfg)
     mask_id = tok.convert_tokens_to_ids(tok.mask_token) if tok.mask_token else None
     if mask_id is None:
         raise ValueError(f"the tokenizer of {cfg.target_dir} has no mask token (DFlash drafts blocks of masks)")
@@ -196,7 +181,7 @@ def train_dflash(cfg: DFlashTrainConfig, log=print) -> dict:
     head_w = target.get_output_embeddings().weight
     m = load_dflash(cfg.init_from).float().requires_grad_(True) if cfg.init_from else new_drafter(target, cfg, mask_id)
     m.train()
-    params, opt, out, log_f = online_run(m, cfg)
+    params, opt, out, log_f = lm.online_run(m, cfg)
     n_params = sum(p.numel() for p in params)
     budget = cfg.max_minutes * 60
     log(f"dflash: {n_params / 1e6:.2f} M trainable params, {m.config.num_hidden_layers} layers, target layers "
@@ -210,12 +195,12 @@ def train_dflash(cfg: DFlashTrainConfig, log=print) -> dict:
         card = json.dumps({"train_config": asdict(cfg), "steps": step, "tokens": tokens}, indent=1)
         m.save(out / "model", extra_files={"train_config.json": card + "\n"})
 
-    with checkpoint_on_interrupt(save, log, out / "model"):
+    with lm.checkpoint_on_interrupt(save, log, out / "model"):
         while time.time() - t0 < budget:
-            lr = lr_at(step, (time.time() - t0) / budget, cfg)
+            lr = lm.lr_at(step, (time.time() - t0) / budget, cfg)
             for g in opt.param_groups:
                 g["lr"] = lr
-            ids = sample_windows(data, cfg.domain_weights, cfg, rng)  # [B, seq_len + 1]
+            ids = lm.sample_windows(data, cfg.domain_weights, cfg, rng)  # [B, seq_len + 1]
             feats, logp = target_features(target, ids, m.config.target_layer_ids)
             size = int(rng.integers(2, cfg.block_size + 1))
             anchors = pick_blocks(ids.shape[1], size, cfg.rows, rng)
@@ -265,5 +250,5 @@ def val_table(val: dict) -> str:
 
 def curve_table(records: list[dict]) -> str:
     """Markdown: tokens seen, minutes and per domain the implied tau (base / markov) at each validation."""
-    return val_curve(records, lambda d: f"{d} tau (base / markov)",
-                     lambda v: " / ".join(f"{x['tau']:.2f}" for x in v.values()))
+    return lm.val_curve(records, lambda d: f"{d} tau (base / markov)",
+                        lambda v: " / ".join(f"{x['tau']:.2f}" for x in v.values()))

@@ -30,20 +30,12 @@ from speclab.drafters.eagle3 import (
 )
 from speclab.files import write_atomic
 from speclab.progress import Progress
+from speclab.train import lm
 from speclab.train.corpus import DOMAINS
-from speclab.train.lm import (
-    checkpoint_on_interrupt,
-    frozen_target_setup,
-    lr_at,
-    online_run,
-    sample_windows,
-    val_curve,
-    val_windows,
-)
 
 
 @dataclass
-class Eagle3TrainConfig:
+class Eagle3TrainConfig(lm.Schedule, seq_len=256, min_lr=5e-5, warmup_steps=20, weight_decay=0.0):
     target_dir: str
     corpus_dir: str
     out_dir: str
@@ -52,19 +44,12 @@ class Eagle3TrainConfig:
     intermediate_size: int | None = None  # None = the target's
     ttt_steps: int = 3  # unrolled steps (step 0 included)
     step_weight: float = 0.8
-    seq_len: int = 256
-    batch_size: int = 8
-    lr: float = 2e-3
-    min_lr: float = 5e-5
-    warmup_steps: int = 20
-    weight_decay: float = 0.0
-    max_minutes: float = 60.0  # wall-clock budget; the LR schedule follows it (speclab.train.lm.lr_at)
     init_from: str | None = None  # an EAGLE-3 directory to resume from (optimizer moments restart)
     eval_every_s: float = 600.0
     eval_windows: int = 8  # validation windows per domain
     seed: int = 0
     threads: int = 2
-    domain_weights: dict = field(default_factory=lambda: {"code": 0.3, "stories": 0.15, "literature": 0.3, "math": 0.25})
+    domain_weights: dict = field(default_factory=lm.DOMAIN_WEIGHTS.copy)
 
 
 def new_drafter(target, cfg: Eagle3TrainConfig, token_counts: np.ndarray | None = None) -> Eagle3Model:
@@ -162,7 +147,7 @@ def evaluate(m, embed, target, data, cfg: Eagle3TrainConfig) -> dict:
     m.eval()
     res = {}
     for d in DOMAINS:
-        ids = val_windows(data, d, cfg.eval_windows, cfg.seq_len)
+        ids = lm.val_windows(data, d, cfg.eval_windows, cfg.seq_len)
         feats, logp = target_features(target, ids, m.config.layer_ids)
         logits = ttt_forward(m, embed, ids, feats, cfg.ttt_steps)
         _, losses, accs = ttt_loss(logits, logp, m.t2d, cfg.step_weight)
@@ -172,7 +157,7 @@ def evaluate(m, embed, target, data, cfg: Eagle3TrainConfig) -> dict:
 
 
 def train_eagle3(cfg: Eagle3TrainConfig, log=print) -> dict:
-    _, data, target, rng = frozen_target_setup(cfg)
+    _, data, target, rng = lm.frozen_target_setup(cfg)
     embed = target.get_input_embeddings()
     if cfg.init_from:
         m = load_eagle3(cfg.init_from).float().requires_grad_(True)
@@ -182,7 +167,7 @@ def train_eagle3(cfg: Eagle3TrainConfig, log=print) -> dict:
             counts = sum(np.bincount(data[d]["train"], minlength=target.config.vocab_size) for d in DOMAINS)
         m = new_drafter(target, cfg, counts)
     m.train()
-    params, opt, out, log_f = online_run(m, cfg)
+    params, opt, out, log_f = lm.online_run(m, cfg)
     n_params = sum(p.numel() for p in params)
     budget = cfg.max_minutes * 60
     log(f"eagle3: {n_params / 1e6:.2f} M trainable params, layers (hidden_states) {m.config.layer_ids}, "
@@ -196,13 +181,13 @@ def train_eagle3(cfg: Eagle3TrainConfig, log=print) -> dict:
         card = json.dumps({"train_config": asdict(cfg), "steps": step, "tokens": step * tokens_per_step}, indent=1)
         m.save(out / "model", extra_files={"train_config.json": card + "\n"})
 
-    with checkpoint_on_interrupt(save, log, out / "model"):
+    with lm.checkpoint_on_interrupt(save, log, out / "model"):
         while time.time() - t0 < budget:
             elapsed = time.time() - t0
-            lr = lr_at(step, elapsed / budget, cfg)
+            lr = lm.lr_at(step, elapsed / budget, cfg)
             for g in opt.param_groups:
                 g["lr"] = lr
-            ids = sample_windows(data, cfg.domain_weights, cfg, rng)  # [B, seq_len + 1]
+            ids = lm.sample_windows(data, cfg.domain_weights, cfg, rng)  # [B, seq_len + 1]
             feats, logp = target_features(target, ids, m.config.layer_ids)
             logits = ttt_forward(m, embed, ids, feats, cfg.ttt_steps)
             loss, losses, accs = ttt_loss(logits, logp, m.t2d, cfg.step_weight)
@@ -247,4 +232,5 @@ def val_table(val: dict) -> str:
 def curve_table(records: list[dict]) -> str:
     """Markdown: tokens seen, minutes, and per domain the validation accuracy at TTT steps 0 and last, at each
     validation of a (joined) training log."""
-    return val_curve(records, lambda d: f"{d} acc step 0 / last", lambda v: f"{v['acc'][0]:.3f} / {v['acc'][-1]:.3f}")
+    return lm.val_curve(records, lambda d: f"{d} acc step 0 / last",
+                        lambda v: f"{v['acc'][0]:.3f} / {v['acc'][-1]:.3f}")

@@ -23,6 +23,8 @@ from speclab.files import write_atomic
 from speclab.progress import Progress
 from speclab.train.corpus import DOMAINS, EOS_TEXT, read_split
 
+DOMAIN_WEIGHTS = {"code": 0.3, "stories": 0.15, "literature": 0.3, "math": 0.25}  # the training mix of every recipe
+
 
 @dataclass
 class ModelShape:
@@ -35,13 +37,10 @@ class ModelShape:
     max_position_embeddings: int = 1024
 
 
-@dataclass
-class TrainConfig:
-    corpus_dir: str
-    tokenizer_dir: str
-    out_dir: str
-    shape: ModelShape = field(default_factory=ModelShape)
-    teacher: str | None = None  # HF dir of the model to distil from
+@dataclass(kw_only=True)
+class Schedule:
+    """The batches and the LR schedule (`lr_at`) of a training run: the fields every training config shares,
+    keyword-only. A config with other defaults names them as class keywords: `class C(Schedule, lr=1e-3)`."""
     seq_len: int = 512
     batch_size: int = 8
     lr: float = 2e-3
@@ -50,13 +49,30 @@ class TrainConfig:
     weight_decay: float = 0.1
     max_minutes: float = 60.0  # wall-clock budget: the LR schedule runs on elapsed time, so a busy machine
     # costs tokens, never the deadline
+
+    def __init_subclass__(cls, **defaults) -> None:
+        super().__init_subclass__()
+        own = cls.__dict__.get("__annotations__", {})
+        for name, value in defaults.items():  # re-declared here: the field keeps its place, with this default
+            own[name] = Schedule.__dataclass_fields__[name].type
+            setattr(cls, name, field(default=value, kw_only=True))
+        cls.__annotations__ = own
+
+
+@dataclass
+class TrainConfig(Schedule):
+    corpus_dir: str
+    tokenizer_dir: str
+    out_dir: str
+    shape: ModelShape = field(default_factory=ModelShape)
+    teacher: str | None = None  # HF dir of the model to distil from
     init_from: str | None = None  # HF dir to start from (resume a cut-off run; optimizer moments restart)
     eval_every_s: float = 600.0
     eval_tokens: int = 16384  # per domain
     seed: int = 0
     threads: int = 2
     compile: bool = True  # torch.compile pays ~1.2x here for runs longer than a few minutes
-    domain_weights: dict = field(default_factory=lambda: {"code": 0.3, "stories": 0.15, "literature": 0.3, "math": 0.25})
+    domain_weights: dict = field(default_factory=DOMAIN_WEIGHTS.copy)
 
 
 def tokenize_corpus(corpus_dir: Path, tokenizer, cache_dir: Path) -> dict[str, dict[str, np.ndarray]]:
@@ -168,7 +184,7 @@ def evaluate(model, data: dict, seq_len: int, eval_tokens: int, tokenizer=None) 
     return res
 
 
-def lr_at(step: int, frac: float, cfg: TrainConfig) -> float:
+def lr_at(step: int, frac: float, cfg: Schedule) -> float:
     """Linear warm-up over steps, then cosine decay over the fraction of the time budget used."""
     if step < cfg.warmup_steps:
         return cfg.lr * (step + 1) / cfg.warmup_steps
