@@ -302,7 +302,8 @@ def test_sigterm_in_the_middle_of_a_bench_marks_it_interrupted(model_dir, tmp_pa
 @pytest.mark.slow
 def test_a_full_disk_keeps_earlier_runs_and_marks_the_failed_one(model_dir, tmp_path):
     """The trace cannot grow (RLIMIT_FSIZE, as a full disk does to a write): the command ends with one line naming
-    the trace and the system's reason, earlier runs keep every token, and the run being written is `failed`."""
+    the trace and the system's reason, earlier runs keep every token, and the run being written is `failed` (or,
+    when not even its status can be written, `interrupted` at the next open)."""
     import resource
     import signal
 
@@ -325,8 +326,14 @@ def test_a_full_disk_keeps_earlier_runs_and_marks_the_failed_one(model_dir, tmp_
     with TraceStore(db, read_only=True) as s:
         runs = s.runs().set_index("run_id")
         assert runs.loc[first, "status"] == "done" and len(s.tokens(first)) == 8  # earlier runs are intact
-        assert runs.status.iloc[-1] == "failed" and "File too large" in runs.error.iloc[-1]
-        assert "running" not in set(runs.status)
+        last = runs.iloc[-1]
+        # the run being written is `failed` with the system's reason when its status still fits; when not even
+        # that write fits (the WAL is at the limit), it stays `running` in the file ...
+        assert last.status == "running" or (last.status == "failed" and "File too large" in last.error)
+        assert set(runs.status) <= {"done", "failed", "running"}
+    with TraceStore(db) as s:  # ... and the next open that can write marks it interrupted: nothing stays running
+        assert "running" not in set(s.runs().status)
+        assert s.runs().set_index("run_id").loc[first, "status"] == "done"
 
 
 @pytest.mark.parametrize("cmd", ["generate", "bench", "grid", "costs catchup", "costs block", "costs switch"])
