@@ -114,9 +114,7 @@ def method_params(spec: str, given: dict, target) -> dict:
     name, fixed = parse_spec(spec)
     m = METHODS[name]
     given = {**given, **fixed}
-    gpu = getattr(target.device, "type", "cpu") == "cuda"
-    out = {p.name: _param(p, given.get(p.name), p.gpu if gpu and p.gpu is not None else p.default, target)
-           for p in m.params}
+    out = {p.name: _param(p, given.get(p.name), p.default_on(target), target) for p in m.params}
     if m.check:
         m.check(out, target)
     return out

@@ -14,7 +14,7 @@ from __future__ import annotations
 import functools
 import importlib
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from speclab.checks import Bound
@@ -43,6 +43,11 @@ class Param:
     @property
     def kind(self) -> type:
         return float if self.default is None else type(self.default)
+
+    def default_on(self, target) -> int | float | None:
+        """The default for `target`: the GPU preset on CUDA (where there is one), else the CPU default."""
+        on_cuda = getattr(target.device, "type", "cpu") == "cuda"
+        return self.gpu if on_cuda and self.gpu is not None else self.default
 
 
 @dataclass(frozen=True)
@@ -78,11 +83,6 @@ class DrafterEntry:
     model: ModelRole | None = None
     check: Callable | None = None
     same_decode: Callable | None = None
-    gpu_note: str = field(default="", compare=False)  # where the GPU presets come from
-
-    def defaults(self, device_type: str = "cpu") -> dict:
-        gpu = device_type == "cuda"
-        return {p.name: p.gpu if gpu and p.gpu is not None else p.default for p in self.params}
 
 
 @functools.cache
@@ -96,5 +96,5 @@ def build_drafter(name: str, target, models: dict, **params):
     """Drafter `name` built for `target` from `models` (by role), the given parameters over its defaults (the
     GPU ones on CUDA)."""
     e = drafters()[name]
-    full = {**e.defaults(getattr(target.device, "type", "cpu")), **params}
+    full = {**{p.name: p.default_on(target) for p in e.params}, **params}
     return e.build(target, models.get(e.model.role) if e.model else None, **full)

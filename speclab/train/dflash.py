@@ -40,7 +40,8 @@ from speclab.train.corpus import DOMAINS
 
 
 @dataclass
-class DFlashTrainConfig(lm.Schedule, seq_len=256, lr=1.5e-3, min_lr=5e-5, warmup_steps=20, weight_decay=0.0):
+class DFlashTrainConfig(lm.OnlineSchedule):
+    lr: float = field(default=1.5e-3, kw_only=True)
     target_dir: str
     corpus_dir: str
     out_dir: str

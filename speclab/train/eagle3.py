@@ -35,7 +35,7 @@ from speclab.train.corpus import DOMAINS
 
 
 @dataclass
-class Eagle3TrainConfig(lm.Schedule, seq_len=256, min_lr=5e-5, warmup_steps=20, weight_decay=0.0):
+class Eagle3TrainConfig(lm.OnlineSchedule):
     target_dir: str
     corpus_dir: str
     out_dir: str

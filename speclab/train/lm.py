@@ -40,7 +40,7 @@ class ModelShape:
 @dataclass(kw_only=True)
 class Schedule:
     """The batches and the LR schedule (`lr_at`) of a training run: the fields every training config shares,
-    keyword-only. A config with other defaults names them as class keywords: `class C(Schedule, lr=1e-3)`."""
+    keyword-only (the target's and the draft's recipe; the online drafter trainings use `OnlineSchedule`)."""
     seq_len: int = 512
     batch_size: int = 8
     lr: float = 2e-3
@@ -50,13 +50,14 @@ class Schedule:
     max_minutes: float = 60.0  # wall-clock budget: the LR schedule runs on elapsed time, so a busy machine
     # costs tokens, never the deadline
 
-    def __init_subclass__(cls, **defaults) -> None:
-        super().__init_subclass__()
-        own = cls.__dict__.get("__annotations__", {})
-        for name, value in defaults.items():  # re-declared here: the field keeps its place, with this default
-            own[name] = Schedule.__dataclass_fields__[name].type
-            setattr(cls, name, field(default=value, kw_only=True))
-        cls.__annotations__ = own
+
+@dataclass(kw_only=True)
+class OnlineSchedule(Schedule):
+    """The online drafter trainings' schedule (EAGLE-3, DFlash): shorter windows, a short warm-up, no decay."""
+    seq_len: int = 256
+    min_lr: float = 5e-5
+    warmup_steps: int = 20
+    weight_decay: float = 0.0
 
 
 @dataclass
