@@ -139,9 +139,9 @@ def train_tiny_eagle3(target, steps: int = 120, seed: int = 0):
         m.lm_head.weight.copy_(target.model.get_output_embeddings().weight)
     opt = torch.optim.AdamW(m.parameters(), lr=3e-3)
     embed = target.model.get_input_embeddings()
-    feats, logp = target_features(target.model, windows, m.config.layer_ids)
+    feats, dist = target_features(target.model, windows, m.config.layer_ids)
     for _ in range(steps):
-        loss, _, accs = ttt_loss(ttt_forward(m, embed, windows, feats, 3), logp, m.t2d, 0.8)
+        loss, _, accs, _, _ = ttt_loss(ttt_forward(m, embed, windows, feats, 3), dist, m, 0.8)
         loss.backward()
         opt.step()
         opt.zero_grad()

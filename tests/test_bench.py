@@ -46,6 +46,7 @@ def test_bench_runs_methods_and_peers_and_reports(qwen3, qwen3_draft, tmp_path):
     md, html = write_report(bench_report(store, bench_id), tmp_path / "r" / "bench.md")
     assert "speclab vs Hugging Face" in md.read_text() and "plotly" in html.read_text()
     assert "Per-position acceptance" in md.read_text()
+    assert "dtype float32 (logits float32)" in md.read_text()  # the runs' dtype (a column, not the row's own)
     store.close()
 
 

@@ -73,8 +73,9 @@ def bench_report(store: TraceStore, bench_id: str) -> Report:
     how = store.query("SELECT any_value(dtype) AS dtype, any_value(logits_dtype) AS logits, any_value(exact) AS exact, "
                       "any_value(cpu) AS cpu FROM runs WHERE bench_id = ? AND method = 'ar'", [bench_id]).iloc[0]
     md = [f"# speclab bench `{bench_id}`", "",
-          (f"suite `{bench.suite}`, methods {bench.methods}, device {bench.device} ({how.cpu}), dtype {how.dtype} "
-           f"(logits {how.logits}{', exact mode' if how.exact else ''}); config `{bench.config_json}`"), "",
+          (f"suite `{bench.suite}`, methods {bench.methods}, device {bench.device} ({how['cpu']}), "
+           f"dtype {how['dtype']} (logits {how['logits']}{', exact mode' if how['exact'] else ''}); "
+           f"config `{bench.config_json}`"), "",
           ("Equality with AR (greedy): `equal_to_ar`, `near_tie` (differs where the target's top-2 logits are within "
            "rounding) and `bug` (differs otherwise) are shares of each method's outputs."), "",
           "## All categories", "", overall.to_markdown(**fmt), "",

@@ -1,4 +1,5 @@
-"""Training commands: `speclab train target | draft | eagle3 | dflash | router` and `speclab zoo build | eval`."""
+"""Training commands: `speclab train target | draft | eagle3 | dflash | router`, `speclab data regenerate` and
+`speclab zoo build | eval`."""
 from __future__ import annotations
 
 import argparse
@@ -17,10 +18,106 @@ def cmd_zoo(a: argparse.Namespace) -> int:
         build_zoo(ZooBuildConfig(shared_data=a.shared_data, target_minutes=a.target_minutes,
                                  draft_pretrain_minutes=a.draft_pretrain_minutes, draft_minutes=a.draft_minutes,
                                  draft_more_minutes=a.draft_more_minutes, eagle3_minutes=a.eagle3_minutes,
-                                 dflash_minutes=a.dflash_minutes,
+                                 dflash_minutes=a.dflash_minutes, regen_modes=tuple(a.regen_modes.split(",")),
+                                 v2_minutes=a.v2_minutes,
                                  seed=a.seed))
     elif a.zoo_cmd == "eval":
         print(evaluate_zoo(eval_tokens=a.eval_tokens))
+    return 0
+
+
+def check_data(folders: str, regenerated_ok: bool = True) -> None:
+    """--corpus: one or more folders (comma-separated), each a text corpus (<domain>.train.txt / .val.txt) or, for
+    the drafter trainings, a regenerated one (`speclab data regenerate`); else one line saying what is missing."""
+    from speclab.train.corpus import DOMAINS
+    from speclab.train.regenerate import is_regenerated
+
+    names = [f for f in str(folders).split(",") if f.strip()]
+    if not names:
+        raise SpeclabError(f"--corpus {folders!r} names no folder")
+    for f in names:
+        regen = is_regenerated(f)
+        if regen and not regenerated_ok:
+            raise SpeclabError(f"--corpus {f} is regenerated data: this training reads a text corpus")
+        ext = "npz" if regen else "txt"
+        missing = [f"{d}.{s}.{ext}" for d in DOMAINS for s in ("train", "val")
+                   if not (Path(f) / f"{d}.{s}.{ext}").is_file()]
+        if missing:
+            raise SpeclabError(f"--corpus {f} lacks {', '.join(missing[:3])}{' ...' if len(missing) > 3 else ''} (a "
+                               f"corpus is a folder of <domain>.train.txt / <domain>.val.txt for {', '.join(DOMAINS)}"
+                               + (", or of the .npz files of `speclab data regenerate`)" if regenerated_ok else ")"))
+
+
+def _modes(text: str) -> str:
+    """--regen-modes: greedy, sample or mix, comma-separated (argparse's one-line error otherwise)."""
+    modes = [m for m in text.split(",") if m]
+    bad = [m for m in modes if m not in ("greedy", "sample", "mix")]
+    if not modes or bad or len(set(modes)) < len(modes):
+        raise argparse.ArgumentTypeError(f"{text!r}: give distinct modes among greedy, sample, mix, comma-separated")
+    return ",".join(modes)
+
+
+def _precision(name: str) -> str:
+    """--precision auto: bf16 autocast where a decode would run in bf16 (`speclab.core.precision.auto_choice`)."""
+    if name != "auto":
+        return name
+    import torch
+
+    from speclab.core.precision import auto_choice
+    return "bf16" if auto_choice("cpu").dtype == torch.bfloat16 else "fp32"
+
+
+def _curve(a: argparse.Namespace) -> int:
+    """`speclab train curve --out RUN --drafter ROLE`: every kept checkpoint of a drafter training decoded on the
+    zoo prompts (speclab.train.curve)."""
+    from speclab.bench.suites import load_suite
+    from speclab.models import ModelPaths, load_models
+    from speclab.train.curve import checkpoints, curve_markdown, measure_curve
+
+    if not a.drafter:
+        raise SpeclabError("train curve needs --drafter (eagle3 or dflash: the kind of drafter the run trained)")
+    if not checkpoints(a.out):
+        raise SpeclabError(f"--out {a.out} holds no checkpoint (OUT/model or OUT/checkpoints/<tokens>)")
+    target, _ = load_models(ModelPaths(dtype=None if a.precision == "auto" else a.precision), roles=())
+    from speclab.methods import ROLES
+    role = ROLES[a.drafter]
+    records = measure_curve(a.out, a.drafter, target, lambda path, t: role.load(path, t, None),
+                            load_suite("zoo", a.limit), new_tokens=a.new_tokens,
+                            log=lambda s: print(s, file=sys.stderr, flush=True))
+    print(curve_markdown(records))
+    return 0
+
+
+def cmd_data(a: argparse.Namespace) -> int:
+    """`speclab data regenerate`: the target's own continuations (speclab.train.regenerate)."""
+    from speclab import zoo
+    from speclab.core.target import check_model_dir, quiet_loads
+    from speclab.files import check_writable
+    from speclab.train.regenerate import RegenConfig, regenerate
+    quiet_loads()
+    target = str(check_model_dir(a.target or zoo.default_target()))
+    corpus = a.corpus or str(zoo.REPO_ROOT / "data" / "corpus")
+    check_data(corpus, regenerated_ok=False)
+    if "," in corpus:
+        raise SpeclabError(f"--corpus {corpus}: regenerate reads one corpus folder")
+    ctx = json.loads((Path(target) / "config.json").read_text()).get("max_position_embeddings")
+    if ctx and a.prompt_len + a.new_tokens > ctx:
+        raise SpeclabError(f"--prompt-len {a.prompt_len} + --new-tokens {a.new_tokens} exceed the target's context "
+                           f"of {ctx} positions")
+    try:
+        if Path(a.out).exists() and not Path(a.out).is_dir():
+            raise ValueError("it is a file, not a folder")
+        check_writable(Path(a.out) / "provenance.json", "the regenerated data")
+    except ValueError as e:
+        raise SpeclabError(f"--out {a.out}: {e}") from e
+    cfg = RegenConfig(target_dir=target, corpus_dir=corpus, out_dir=a.out, mode=a.mode,
+                      train_sequences=a.train_sequences, val_sequences=a.val_sequences, prompt_len=a.prompt_len,
+                      new_tokens=a.new_tokens, batch=a.batch, dtype=a.dtype, seed=a.seed)
+    try:
+        prov = regenerate(cfg, log=lambda s: print(s, file=sys.stderr, flush=True))
+    except ValueError as e:
+        raise SpeclabError(str(e)) from e
+    print(json.dumps({k: prov[k] for k in ("sampling", "new_tokens", "seconds_this_run", "dtype")}, indent=1))
     return 0
 
 
@@ -31,18 +128,13 @@ def cmd_train(a: argparse.Namespace) -> int:
     from speclab.train.zoo_build import DRAFT_SHAPE, TARGET_SHAPE
     quiet_loads()
     corpus = a.corpus or str(zoo.REPO_ROOT / "data" / "corpus")
-    from speclab.train.corpus import DOMAINS
-    missing = [f"{d}.{s}.txt" for d in DOMAINS for s in ("train", "val")
-               if not (Path(corpus) / f"{d}.{s}.txt").is_file()]
-    if a.what != "router" and missing:
-        raise SpeclabError(f"--corpus {corpus} lacks {', '.join(missing[:3])}{' ...' if len(missing) > 3 else ''} "
-                           "(a corpus is a folder of <domain>.train.txt / <domain>.val.txt for "
-                           f"{', '.join(DOMAINS)})")
+    if a.what != "router" or a.corpus:
+        check_data(corpus, regenerated_ok=a.what in ("eagle3", "dflash"))
     from speclab.files import check_writable
     try:  # the run directory can be made and written, before any model or data is loaded
         if Path(a.out).exists() and not Path(a.out).is_dir():
             raise ValueError("it is a file, not a folder")
-        check_writable(Path(a.out) / "model", "the run")
+        check_writable(Path(a.out) / ("curve.json" if a.what == "curve" else "train_log.jsonl"), "the run")
     except ValueError as e:
         raise SpeclabError(f"--out {a.out}: {e}") from e
     if a.teacher:
@@ -53,11 +145,14 @@ def cmd_train(a: argparse.Namespace) -> int:
             check_dir(a.init_from, {"eagle3": "EAGLE-3 drafter", "dflash": "DFlash drafter"}[a.what])
         else:
             check_model_dir(a.init_from)
+    if a.what == "curve":
+        return _curve(a)
     if a.what == "eagle3":
         from speclab.train.eagle3 import Eagle3TrainConfig, train_eagle3, val_table
         cfg = Eagle3TrainConfig(target_dir=a.teacher or str(zoo.default_target()), corpus_dir=corpus, out_dir=a.out,
                                 max_minutes=a.minutes, seed=a.seed, init_from=a.init_from, lr=a.lr or 2e-3,
-                                ttt_steps=a.ttt_steps)
+                                ttt_steps=a.ttt_steps, precision=_precision(a.precision), loss_topk=a.loss_topk,
+                                draft_vocab_size=a.draft_vocab, threads=a.threads)
         summary = train_eagle3(cfg, log=lambda s: print(s, file=sys.stderr, flush=True))
         print(json.dumps({k: summary[k] for k in ("params", "steps", "tokens", "minutes")}, indent=1))
         print(val_table(summary["val"]))
@@ -66,7 +161,8 @@ def cmd_train(a: argparse.Namespace) -> int:
         from speclab.train.dflash import DFlashTrainConfig, train_dflash, val_table
         cfg = DFlashTrainConfig(target_dir=a.teacher or str(zoo.default_target()), corpus_dir=corpus, out_dir=a.out,
                                 max_minutes=a.minutes, seed=a.seed, init_from=a.init_from, lr=a.lr or 1.5e-3,
-                                block_size=a.block_size, markov_rank=a.markov_rank, num_layers=a.layers)
+                                block_size=a.block_size, markov_rank=a.markov_rank, num_layers=a.layers,
+                                precision=_precision(a.precision), threads=a.threads)
         summary = train_dflash(cfg, log=lambda s: print(s, file=sys.stderr, flush=True))
         print(json.dumps({k: summary[k] for k in ("params", "steps", "tokens", "minutes")}, indent=1))
         print(val_table(summary["val"]))
@@ -106,20 +202,32 @@ def add_parsers(sub) -> None:
     """`train` and `zoo`."""
     t = sub.add_parser("train", help="train the zoo target, distil the zoo draft, train an EAGLE-3 or DFlash "
                        "drafter online from the frozen target, or WhiFlash's neural router from profiles (long)")
-    t.add_argument("what", choices=["target", "draft", "eagle3", "dflash", "router"])
+    t.add_argument("what", choices=["target", "draft", "eagle3", "dflash", "router", "curve"],
+                   help="curve: decode the zoo prompts with every checkpoint a drafter training (--out) kept")
+    t.add_argument("--drafter", choices=["eagle3", "dflash"], help="curve: the kind of drafter --out trained")
+    t.add_argument("--limit", type=_positive_int, default=2, help="curve: zoo prompts per category")
     t.add_argument("--out", required=True, help="run directory (checkpoints in OUT/model, log in OUT/train_log.jsonl)")
     t.add_argument("--minutes", type=_num(float, 0.01),
                    help="wall-clock budget; the LR schedule follows it (not for router)")
     t.add_argument("--sequences", type=_positive_int, default=240, help="router: corpus prompts profiled (their "
                    "greedy continuations give the (h_t, Delta AL) pairs; a fifth held out)")
-    t.add_argument("--new-tokens", type=_positive_int, default=96, help="router: tokens generated per prompt")
+    t.add_argument("--new-tokens", type=_positive_int, default=96, help="router, curve: tokens generated per prompt")
     t.add_argument("--epochs", type=_positive_int, default=12, help="router: passes over the pairs (the profiles "
                    "are collected once and reused from OUT/pairs.pt when the run is repeated)")
     t.add_argument("--cost-prompts", type=_positive_int, default=6, help="router: prompts decoded live to fit the "
                    "cost model of the hardware-aware threshold")
     t.add_argument("--eagle", help="router: the EAGLE-3 drafter (default: the zoo's)")
     t.add_argument("--dflash", help="router: the DFlash drafter (default: the zoo's)")
-    t.add_argument("--corpus", help="folder of <domain>.train.txt / .val.txt (default: data/corpus)")
+    t.add_argument("--corpus", help="folder of <domain>.train.txt / .val.txt (default: data/corpus); eagle3 and "
+                   "dflash also read folders of `speclab data regenerate`, several joined by commas")
+    t.add_argument("--precision", choices=["auto", "fp32", "bf16"], default="auto",
+                   help="eagle3, dflash: the drafter in fp32 or in bf16 autocast (the target then in bf16); auto: "
+                   "bf16 where the CPU computes it natively (README \"Training the drafters\"); curve: the decodes' "
+                   "dtype")
+    t.add_argument("--loss-topk", type=_num(int, 0), default=32, help="eagle3: the loss against the target's k most "
+                   "likely tokens, renormalised (0: its full distribution)")
+    t.add_argument("--draft-vocab", type=_num(int, 2), default=None, help="eagle3: the draft head's vocabulary, the "
+                   "training data's most frequent tokens (default: the target's whole vocabulary, or --init-from's)")
     t.add_argument("--teacher", help="draft, eagle3, dflash: the target to learn from (default: the zoo target)")
     t.add_argument("--ttt-steps", type=_positive_int, default=3,
                    help="eagle3: training-time-test steps (unrolled on its own "
@@ -134,11 +242,33 @@ def add_parsers(sub) -> None:
     t.add_argument("--lr", type=_num(float, 1e-8, 1.0), default=None,
                    help="peak learning rate (default: the zoo recipe's)")
     t.add_argument("--seed", type=_num(int, 0, 2**63 - 1), default=0)
+    t.add_argument("--threads", type=_num(int, 1, 256), default=2, help="eagle3, dflash: torch threads (two runs side "
+                   "by side on a 2-core machine: 1 each)")
     t.set_defaults(fn=cmd_train)
+
+    d = sub.add_parser("data", help="drafter training data: the target's own continuations of corpus prompts")
+    ds = d.add_subparsers(dest="data_cmd", required=True)
+    dr = ds.add_parser("regenerate", help="continue prompts cut from every domain's corpus splits with the target, "
+                       "batched, resumable (README \"Training data\")")
+    dr.add_argument("--out", required=True, help="folder for <domain>.<split>.npz and provenance.json; a rerun with "
+                    "the same settings resumes")
+    dr.add_argument("--mode", choices=["greedy", "sample", "mix"], default="mix",
+                    help="greedy continuations, sampled at temperature 1, or every other row sampled")
+    dr.add_argument("--train-sequences", type=_positive_int, default=1024, help="per domain")
+    dr.add_argument("--val-sequences", type=_positive_int, default=32, help="per domain, from the validation split")
+    dr.add_argument("--prompt-len", type=_positive_int, default=64, help="prompt tokens cut from the corpus")
+    dr.add_argument("--new-tokens", type=_positive_int, default=192, help="tokens the target writes per prompt")
+    dr.add_argument("--batch", type=_num(int, 1, 4096), default=64, help="sequences per forward")
+    dr.add_argument("--dtype", choices=["auto", "fp32", "bf16"], default="auto")
+    dr.add_argument("--target", help="the target (default: the zoo's)")
+    dr.add_argument("--corpus", help="the text corpus the prompts are cut from (default: data/corpus)")
+    dr.add_argument("--seed", type=_num(int, 0, 2**31 - 1), default=0)
+    d.set_defaults(fn=cmd_data)
 
     z = sub.add_parser("zoo", help="build or evaluate the zoo models in data/zoo")
     zs = z.add_subparsers(dest="zoo_cmd", required=True)
-    zb = zs.add_parser("build", help="re-create corpus, tokenizer, target and draft (long: hours on CPU)")
+    zb = zs.add_parser("build", help="re-create corpus, tokenizer, target, draft, the drafters and their regenerated "
+                       "training data (long: hours on CPU)")
     zb.add_argument("--shared-data", default="../shared/data")
     zb.add_argument("--target-minutes", type=_num(float, 0.01), default=100.0)
     zb.add_argument("--draft-pretrain-minutes", type=_num(float, 0.01), default=20.0)
@@ -150,6 +280,11 @@ def add_parsers(sub) -> None:
     zb.add_argument("--dflash-minutes", type=_num(float, 0.01), default=95.0,
                     help="DFlash drafter (+ Markov head), online from "
                     "the target")
+    zb.add_argument("--regen-modes", type=_modes, default="greedy,sample",
+                    help="how the target continues the prompts of the drafters' second training, one folder each "
+                    "(README \"Training the drafters\")")
+    zb.add_argument("--v2-minutes", type=_num(float, 0.01), default=60.0,
+                    help="both drafters on the regenerated data, side by side")
     zb.add_argument("--seed", type=_num(int, 0, 2**63 - 1), default=0)
     ze = zs.add_parser("eval", help="per-domain validation loss and bits per byte of the zoo models")
     ze.add_argument("--eval-tokens", type=_positive_int, default=65536)

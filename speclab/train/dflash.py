@@ -8,13 +8,15 @@ context features of the chosen layers and its next-token distributions. Then, as
 - each block attends to the context features of positions < a_j and, bidirectionally, to its own rows; never to
   another block (many blocks per window in one forward, one mask);
 - the loss of row k is the cross-entropy against the target's distribution at position a_j + k - 1 (its top 32
-  tokens; distillation: the drafter learns what verification compares it with), weighted exp(-(k - 1) / gamma);
+  tokens and one bucket for the rest, `lm.topk_soft_ce`; distillation: the drafter learns what verification
+  compares it with), weighted exp(-(k - 1) / gamma);
 - the block size is drawn per step from 2..block_size, so every block size a user picks at decode time was seen.
 
 With a Markov head the same backbone is trained on both readouts, the base logits U and U + W1[x_{k-1}] W2 (the
 true previous token, teacher-forced): one drafter serves `dflash:markov=0` and `dflash:markov=1`, and the
-measured gain of the head is the head's alone. Everything runs in fp32 (bf16 backward is ~50x slower on these
-CPUs). The drafter's layers start as copies of the target's first layers (same shapes), its norms at one.
+measured gain of the head is the head's alone. `precision="bf16"` runs the target in bf16 and the drafter in bf16
+autocast (`speclab.train.speed` measures both on the CPU at hand). The drafter's layers start as copies of the
+target's first layers (same shapes), its norms at one.
 """
 from __future__ import annotations
 
@@ -99,7 +101,7 @@ def block_forward(m: DFlashModel, embed_w: torch.Tensor, head_w: torch.Tensor, i
     pos = (anchors[:, None] + k_in[None]).flatten()  # [nb * size]
     blk = ids[:, anchors][:, :, None].expand(Bw, nb, size).clone()
     blk[:, :, 1:] = c.mask_token_id
-    x = F.embedding(blk.flatten(1), embed_w) * c.input_embedding_scale  # [Bw, R, H]
+    x = F.embedding(blk.flatten(1), embed_w).float() * c.input_embedding_scale  # [Bw, R, H]
     cos, sin = m.rope(T + size, torch.float32)
     cq, sq = cos[pos][:, None], sin[pos][:, None]
     cc, sc = cos[:T, None], sin[:T, None]
@@ -136,7 +138,7 @@ def block_loss(m: DFlashModel, logits: torch.Tensor, ids: torch.Tensor, target_t
     total, metrics = 0.0, {}
     for name, lg in readouts.items():
         lg = lg.float()
-        ce = lg.logsumexp(-1) - (p * lg.gather(-1, idx)).sum(-1)  # [Bw, nb, size - 1]
+        ce = lm.topk_soft_ce(lg, p, idx)  # [Bw, nb, size - 1]
         total = total + (ce * w).sum(-1).mean() / w.sum()
         match = (lg.detach().argmax(-1) == top).float()
         metrics[name] = {"loss": float(ce.detach().mean()), "acc": match.mean((0, 1)).tolist(),
@@ -146,14 +148,13 @@ def block_loss(m: DFlashModel, logits: torch.Tensor, ids: torch.Tensor, target_t
 
 def target_features(target, ids: torch.Tensor, layer_ids, top: int = 32):
     """Context features (outputs of `layer_ids`: HF hidden_states[j + 1]) and the target's next-token distribution
-    as its `top` most likely tokens (probabilities renormalised over them, ids; the first is the argmax), no grad.
-    The top 32 carry nearly all the mass of the zoo target's distributions and make the loss a gather instead of
-    a product over the vocabulary (the loss was half of a step)."""
+    as its `top` most likely tokens (`lm.top_tokens`: probabilities under the full softmax, ids; the first is the
+    argmax; the mass left is the loss's rest bucket), no grad. The loss is then a gather instead of a product over
+    the vocabulary (the loss was half of a step)."""
     with torch.no_grad():
         out = target(input_ids=ids, output_hidden_states=True)
         feats = torch.cat([out.hidden_states[j + 1] for j in layer_ids], -1).float()
-        vals, idx = out.logits.float().topk(top, -1)
-    return feats, (torch.softmax(vals, -1), idx)
+    return feats, lm.top_tokens(out.logits, top)
 
 
 @torch.no_grad()
@@ -167,7 +168,8 @@ def evaluate(m, embed_w, head_w, target, data, cfg: DFlashTrainConfig) -> dict:
         ids = lm.val_windows(data, d, cfg.eval_windows, cfg.seq_len)
         feats, logp = target_features(target, ids, m.config.target_layer_ids)
         anchors = torch.arange(1, cfg.seq_len - size + 1, size)
-        logits = block_forward(m, embed_w, head_w, ids, feats, anchors, size)
+        with lm.autocast(cfg.precision):
+            logits = block_forward(m, embed_w, head_w, ids, feats, anchors, size)
         _, res[d] = block_loss(m, logits, ids, logp, anchors, cfg.gamma)
     m.train()
     return res
@@ -205,7 +207,8 @@ def train_dflash(cfg: DFlashTrainConfig, log=print) -> dict:
             feats, logp = target_features(target, ids, m.config.target_layer_ids)
             size = int(rng.integers(2, cfg.block_size + 1))
             anchors = pick_blocks(ids.shape[1], size, cfg.rows, rng)
-            logits = block_forward(m, embed_w, head_w, ids, feats, anchors, size)
+            with lm.autocast(cfg.precision):
+                logits = block_forward(m, embed_w, head_w, ids, feats, anchors, size)
             loss, metrics = block_loss(m, logits, ids, logp, anchors, cfg.gamma)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(params, 1.0)
@@ -213,16 +216,17 @@ def train_dflash(cfg: DFlashTrainConfig, log=print) -> dict:
             opt.zero_grad(set_to_none=True)
             step += 1
             tokens += ids.numel()
-            rec = {"step": step, "tokens": tokens, "block": size, "loss": float(loss), "metrics": metrics, "lr": lr,
-                   "time_s": time.time() - t0}
+            rec = {"step": step, "tokens": tokens, "block": size, "loss": float(loss.detach()), "metrics": metrics,
+                   "lr": lr, "time_s": time.time() - t0}
             last = metrics.get("markov", metrics["base"])
-            prog.update(min(int(time.time() - t0), int(budget)), step=step, loss=f"{float(loss):.3f}",
+            prog.update(min(int(time.time() - t0), int(budget)), step=step, loss=f"{float(loss.detach()):.3f}",
                         acc1=f"{last['acc'][0]:.2f}", tok_s=f"{tokens / rec['time_s']:.0f}")
             if time.time() - last_eval > cfg.eval_every_s:
                 rec["val"] = evaluate(m, embed_w, head_w, target, data, cfg)
                 log(f"\nstep {step} val tau " + " ".join(f"{d}={v[k]['tau']:.2f}" for d, v in rec["val"].items()
                                                          for k in v))
                 save()
+                lm.snapshot(out, tokens)
                 last_eval = time.time()
             log_f.write(json.dumps(rec) + "\n")
             log_f.flush()

@@ -10,13 +10,20 @@ x_{i+2}. Step s reads its own step-(s-1) output at row i with the token x_{i+s+1
 predicts x_{i+s+2}; its query attends to the step-0 keys of rows <= i (the context, causal) and to row i's own
 keys of steps 1..s (its draft ancestors): exactly what a depth-(s+1) node sees when drafting. The loss of step s
 is the cross-entropy of the drafter against the target's distribution at position i + s + 1 (= KL + the
-target's entropy), weighted 0.8^s as in EAGLE-3; the accuracy (draft argmax = target argmax) per step is logged.
+target's entropy; over the full vocabulary, or over the target's `loss_topk` most likely tokens and one bucket for
+the rest, `lm.topk_soft_ce`),
+weighted 0.8^s as in EAGLE-3. Logged per step: the accuracy (the draft's argmax, as a target token, equals the
+target's argmax) and the implied greedy tau of a chain as deep as the unroll: 1 + the mean number of leading
+steps that match (step s reads the true token, which is the draft's own exactly when the steps before matched).
+
+`precision="bf16"` runs the target in bf16 (the features a bf16 decode gives the drafter) and the drafter in bf16
+autocast; this CPU has native bf16 (`speclab.train.speed` measures both).
 """
 from __future__ import annotations
 
 import json
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 import numpy as np
 import torch
@@ -43,6 +50,7 @@ class Eagle3TrainConfig(lm.OnlineSchedule):
     draft_vocab_size: int | None = None  # None = the target's vocabulary; smaller = the most frequent tokens
     intermediate_size: int | None = None  # None = the target's
     ttt_steps: int = 3  # unrolled steps (step 0 included)
+    loss_topk: int = 0  # 0: the target's full distribution; k: its k most likely tokens + a bucket for the rest
     step_weight: float = 0.8
     init_from: str | None = None  # an EAGLE-3 directory to resume from (optimizer moments restart)
     eval_every_s: float = 600.0
@@ -70,13 +78,38 @@ def new_drafter(target, cfg: Eagle3TrainConfig, token_counts: np.ndarray | None 
     if dv < vocab:
         if token_counts is None:
             raise ValueError("a reduced draft vocabulary needs token counts")
-        keep = torch.from_numpy(np.argsort(-token_counts, kind="stable")[:dv]).sort().values
-        m.d2t.copy_(keep - torch.arange(dv))
-        m.t2d.zero_()
-        m.t2d[keep] = True
+        keep = frequent_tokens(token_counts, dv)
+        _set_vocab(m, keep)
     with torch.no_grad():
         m.lm_head.weight.copy_(target.get_output_embeddings().weight[keep].float())
     return m
+
+
+def frequent_tokens(token_counts: np.ndarray, n: int) -> torch.Tensor:
+    """The ids of the `n` most frequent tokens, ascending (a draft vocabulary)."""
+    return torch.from_numpy(np.argsort(-token_counts, kind="stable")[:n]).sort().values
+
+
+def _set_vocab(m: Eagle3Model, keep: torch.Tensor) -> None:
+    """d2t / t2d of a draft vocabulary `keep` (target ids, ascending)."""
+    m.d2t.copy_(keep - torch.arange(keep.numel()))
+    m.t2d.zero_()
+    m.t2d[keep] = True
+
+
+def shrink_vocab(m: Eagle3Model, keep: torch.Tensor) -> Eagle3Model:
+    """A copy of a trained drafter whose head keeps only the target tokens `keep` (a subset of its vocabulary):
+    everything else is the same weights, so a full-vocabulary drafter can go on training with a smaller head."""
+    draft_ids = m.t2d.cumsum(0) - 1  # target id -> row of the current head
+    if not bool(m.t2d[keep].all()):
+        raise ValueError("the new draft vocabulary must be inside the drafter's")
+    small = Eagle3Model(replace(m.config, draft_vocab_size=keep.numel()))
+    state = {k: v for k, v in m.state_dict().items() if k not in ("lm_head.weight", "d2t", "t2d")}
+    small.load_state_dict(state, strict=False)
+    with torch.no_grad():
+        small.lm_head.weight.copy_(m.lm_head.weight[draft_ids[keep]])
+    _set_vocab(small, keep)
+    return small
 
 
 def ttt_forward(m: Eagle3Model, embed: torch.nn.Embedding, ids: torch.Tensor, feats: torch.Tensor, steps: int):
@@ -96,7 +129,7 @@ def ttt_forward(m: Eagle3Model, embed: torch.nn.Embedding, ids: torch.Tensor, fe
     for s in range(steps):
         tok = F.pad(ids[:, 1 + s :], (0, s), value=0)  # x_{i+s+1}, padded past the window
         p = pos + s
-        q, k, v = m.qkv(embed(tok), h, cos[p][:, None], sin[p][:, None])  # [B, heads, R, D]
+        q, k, v = m.qkv(embed(tok).float(), h, cos[p][:, None], sin[p][:, None])  # [B, heads, R, D]
         k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
         if s == 0:
             k0, v0 = k, v
@@ -115,43 +148,83 @@ def ttt_forward(m: Eagle3Model, embed: torch.nn.Embedding, ids: torch.Tensor, fe
     return out
 
 
-def ttt_loss(logits: list[torch.Tensor], target_logp: torch.Tensor, t2d: torch.Tensor | None, weight: float):
-    """(weighted loss, per-step loss, per-step accuracy) against the target's log-probs [B, T, V]."""
-    B, T, V = target_logp.shape
-    R = T - 1
-    if t2d is not None and not bool(t2d.all()):  # reduced vocabulary: the target's distribution over it, renormalised
-        target_logp = torch.log_softmax(target_logp[..., t2d], -1)
-    p, p_top = target_logp.exp(), target_logp.argmax(-1)
-    total, losses, accs = 0.0, [], []
+def ttt_loss(logits: list[torch.Tensor], target: tuple, m: Eagle3Model, weight: float):
+    """(weighted loss, per-step loss, per-step accuracy, implied greedy tau, per-step sampling acceptance) against
+    the target's distributions: `target` is `target_features`' (log-probs [B, T, V], None) or (top probabilities
+    [B, T, k], their ids); the sampling acceptance sum(min(p, q)) needs the full distributions (else [])."""
+    first, idx = target
+    t2d, d2t = m.t2d, m.d2t
+    reduced = not bool(t2d.all())
+    if idx is None:
+        p_top = first.argmax(-1)
+        p, idx = first.exp(), None
+        if reduced:  # the target's distribution over the draft vocabulary, renormalised
+            p = torch.softmax(first[..., t2d], -1)
+    else:
+        p_top, p, keep = idx[..., 0], first, None
+        if reduced:  # the top tokens outside the draft vocabulary are dropped (`topk_soft_ce`); ids into it
+            keep = t2d[idx]
+            idx = ((t2d.cumsum(0) - 1)[idx]).clamp_min(0)
+    R = first.shape[1] - 1
+    total, losses, accs, matches, alphas = 0.0, [], [], [], []
     for s, lg in enumerate(logits):
         n = R - s  # rows whose prediction lies inside the window
-        q_log = torch.log_softmax(lg[:, :n].float(), -1)
-        loss = -(p[:, 1 + s : 1 + s + n] * q_log).sum(-1).mean()
-        acc = (q_log.argmax(-1) == p_top[:, 1 + s : 1 + s + n]).float().mean()
+        lg = lg[:, :n].float()
+        if idx is None:
+            loss = (lg.logsumexp(-1) - (p[:, 1 + s : 1 + s + n] * lg).sum(-1)).mean()
+        else:
+            sl = slice(1 + s, 1 + s + n)
+            loss = lm.topk_soft_ce(lg, p[:, sl], idx[:, sl], None if keep is None else keep[:, sl]).mean()
+        draft = lg.detach().argmax(-1)
+        match = (draft + d2t[draft]) == p_top[:, 1 + s : 1 + s + n]
+        if target[1] is None:  # the acceptance probability of one sampled draft token: sum min(p, q)
+            pt = first[:, 1 + s : 1 + s + n].exp()
+            alphas.append(float(torch.minimum(pt[..., t2d] if reduced else pt, torch.softmax(lg.detach(), -1))
+                                .sum(-1).mean()))
         total = total + weight ** s * loss
         losses.append(float(loss.detach()))
-        accs.append(float(acc))
-    return total, losses, accs
+        accs.append(float(match.float().mean()))
+        matches.append(match[:, : R - len(logits) + 1])
+    lead = torch.stack(matches, -1).float().cumprod(-1).sum(-1)
+    return total, losses, accs, 1.0 + float(lead.mean()), alphas
 
 
-def target_features(target, ids: torch.Tensor, layer_ids) -> tuple[torch.Tensor, torch.Tensor]:
+def sampled_tau(alphas: list[float]) -> float:
+    """The expected tokens per round of a chain drafted at temperature 1, implied by per-step acceptance
+    probabilities (each step taken as independent of the last): 1 + a0 + a0 a1 + ..."""
+    return 1.0 + float(np.cumprod(alphas).sum()) if alphas else float("nan")
+
+
+def target_features(target, ids: torch.Tensor, layer_ids, topk: int = 0) -> tuple[torch.Tensor, tuple]:
+    """The drafter's input features (fp32) and the target's next-token distributions: (log-probs, None) over the
+    vocabulary, or (probabilities, ids) of its `topk` most likely tokens (`lm.top_tokens`; the rest is one bucket
+    of the loss, `lm.topk_soft_ce`)."""
     with torch.no_grad():
         out = target(input_ids=ids, output_hidden_states=True)
-    feats = torch.cat([out.hidden_states[j] for j in layer_ids], -1).float()
-    return feats, torch.log_softmax(out.logits.float(), -1)
+        feats = torch.cat([out.hidden_states[j] for j in layer_ids], -1).float()
+        if topk:
+            return feats, lm.top_tokens(out.logits, topk)
+        return feats, (torch.log_softmax(out.logits.float(), -1), None)
+
+
+def train_step(m: Eagle3Model, embed, target, ids: torch.Tensor, cfg: Eagle3TrainConfig):
+    """One step's forward and loss (the caller runs the backward): `ttt_loss`'s tuple."""
+    feats, tgt = target_features(target, ids, m.config.layer_ids, cfg.loss_topk)
+    with lm.autocast(cfg.precision):
+        logits = ttt_forward(m, embed, ids, feats, cfg.ttt_steps)
+    return ttt_loss(logits, tgt, m, cfg.step_weight)
 
 
 @torch.no_grad()
 def evaluate(m, embed, target, data, cfg: Eagle3TrainConfig) -> dict:
-    """Per domain: per-step loss and accuracy on validation windows."""
+    """Per domain, on validation windows, against the target's full distributions: per-step loss, accuracy and
+    sampling acceptance, and the implied greedy and sampled tau of a chain as deep as the unroll."""
     m.eval()
     res = {}
     for d in DOMAINS:
         ids = lm.val_windows(data, d, cfg.eval_windows, cfg.seq_len)
-        feats, logp = target_features(target, ids, m.config.layer_ids)
-        logits = ttt_forward(m, embed, ids, feats, cfg.ttt_steps)
-        _, losses, accs = ttt_loss(logits, logp, m.t2d, cfg.step_weight)
-        res[d] = {"loss": losses, "acc": accs}
+        _, losses, accs, tau, alphas = train_step(m, embed, target, ids, replace(cfg, loss_topk=0))
+        res[d] = {"loss": losses, "acc": accs, "tau": tau, "alpha": alphas, "tau_sampled": sampled_tau(alphas)}
     m.train()
     return res
 
@@ -159,12 +232,15 @@ def evaluate(m, embed, target, data, cfg: Eagle3TrainConfig) -> dict:
 def train_eagle3(cfg: Eagle3TrainConfig, log=print) -> dict:
     _, data, target, rng = lm.frozen_target_setup(cfg)
     embed = target.get_input_embeddings()
+    counts = None
+    if cfg.draft_vocab_size:  # the draft vocabulary: the training data's most frequent tokens
+        counts = sum(np.bincount(data[d]["train"], minlength=target.config.vocab_size) for d in DOMAINS)
     if cfg.init_from:
-        m = load_eagle3(cfg.init_from).float().requires_grad_(True)
+        m = load_eagle3(cfg.init_from).float()
+        if cfg.draft_vocab_size and cfg.draft_vocab_size < m.config.draft_vocab_size:
+            m = shrink_vocab(m, frequent_tokens(counts * m.t2d.numpy(), cfg.draft_vocab_size))
+        m.requires_grad_(True)
     else:
-        counts = None
-        if cfg.draft_vocab_size:
-            counts = sum(np.bincount(data[d]["train"], minlength=target.config.vocab_size) for d in DOMAINS)
         m = new_drafter(target, cfg, counts)
     m.train()
     params, opt, out, log_f = lm.online_run(m, cfg)
@@ -188,22 +264,22 @@ def train_eagle3(cfg: Eagle3TrainConfig, log=print) -> dict:
             for g in opt.param_groups:
                 g["lr"] = lr
             ids = lm.sample_windows(data, cfg.domain_weights, cfg, rng)  # [B, seq_len + 1]
-            feats, logp = target_features(target, ids, m.config.layer_ids)
-            logits = ttt_forward(m, embed, ids, feats, cfg.ttt_steps)
-            loss, losses, accs = ttt_loss(logits, logp, m.t2d, cfg.step_weight)
+            loss, losses, accs, tau, _ = train_step(m, embed, target, ids, cfg)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(params, 1.0)
             opt.step()
             opt.zero_grad(set_to_none=True)
             step += 1
-            rec = {"step": step, "tokens": step * tokens_per_step, "loss": float(loss), "step_loss": losses,
-                   "step_acc": accs, "lr": lr, "time_s": time.time() - t0}
-            prog.update(min(int(time.time() - t0), int(budget)), step=step, loss=f"{float(loss):.3f}",
+            rec = {"step": step, "tokens": step * tokens_per_step, "loss": float(loss.detach()), "step_loss": losses,
+                   "step_acc": accs, "tau": tau, "lr": lr, "time_s": time.time() - t0}
+            prog.update(min(int(time.time() - t0), int(budget)), step=step, loss=f"{float(loss.detach()):.3f}",
                         acc="/".join(f"{a:.2f}" for a in accs), tok_s=f"{rec['tokens'] / rec['time_s']:.0f}")
             if time.time() - last_eval > cfg.eval_every_s:
                 rec["val"] = evaluate(m, embed, target, data, cfg)
-                log(f"\nstep {step} val acc " + " ".join(f"{d}={v['acc'][0]:.3f}" for d, v in rec["val"].items()))
+                log(f"\nstep {step} val tau greedy/sampled " + " ".join(f"{d}={v['tau']:.2f}/{v['tau_sampled']:.2f}"
+                                                                       for d, v in rec["val"].items()))
                 save()
+                lm.snapshot(out, rec["tokens"])
                 last_eval = time.time()
             log_f.write(json.dumps(rec) + "\n")
             log_f.flush()
@@ -219,18 +295,20 @@ def train_eagle3(cfg: Eagle3TrainConfig, log=print) -> dict:
 
 
 def val_table(val: dict) -> str:
-    """Markdown: per domain, the validation accuracy (draft argmax = target argmax) at every TTT step."""
+    """Markdown: per domain, the implied greedy tau of a chain as deep as the unroll, the validation accuracy
+    (draft argmax = target argmax) at every TTT step and the step-0 loss."""
     steps = len(next(iter(val.values()))["acc"])
-    rows = ["| domain | " + " | ".join(f"acc step {s}" for s in range(steps)) + " | loss step 0 |",
-            "|---|" + "---|" * (steps + 1)]
+    rows = ["| domain | tau (chain of " + str(steps) + ") | " + " | ".join(f"acc step {s}" for s in range(steps))
+            + " | loss step 0 |", "|---|---|" + "---|" * (steps + 1)]
     for d, v in val.items():
-        rows.append(f"| {d} | " + " | ".join(f"{a:.3f}" for a in v["acc"]) + f" | {v['loss'][0]:.3f} |")
+        rows.append(f"| {d} | {v.get('tau', float('nan')):.2f} | " + " | ".join(f"{a:.3f}" for a in v["acc"])
+                    + f" | {v['loss'][0]:.3f} |")
     return "\n".join(rows)
 
 
-
 def curve_table(records: list[dict]) -> str:
-    """Markdown: tokens seen, minutes, and per domain the validation accuracy at TTT steps 0 and last, at each
-    validation of a (joined) training log."""
-    return lm.val_curve(records, lambda d: f"{d} acc step 0 / last",
-                        lambda v: f"{v['acc'][0]:.3f} / {v['acc'][-1]:.3f}")
+    """Markdown: tokens seen, minutes, and per domain the implied tau (where logged) and the validation accuracy
+    at TTT steps 0 and last, at each validation of a (joined) training log."""
+    return lm.val_curve(records, lambda d: f"{d} tau; acc step 0 / last",
+                        lambda v: (f"{v['tau']:.2f}; " if "tau" in v else "")
+                        + f"{v['acc'][0]:.3f} / {v['acc'][-1]:.3f}")

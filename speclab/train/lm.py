@@ -58,6 +58,7 @@ class OnlineSchedule(Schedule):
     min_lr: float = 5e-5
     warmup_steps: int = 20
     weight_decay: float = 0.0
+    precision: str = "fp32"  # PRECISIONS: the drafter in fp32, or in bf16 autocast with the target in bf16
 
 
 @dataclass
@@ -118,16 +119,69 @@ def checkpoint_on_interrupt(save, log, where):
 
 
 def frozen_target_setup(cfg):
-    """What online drafter training starts from (`cfg`: target_dir, corpus_dir, seed, threads): seeds, the
-    tokenizer, the tokenized corpus and the target in fp32, frozen. -> (tokenizer, data, target, rng)."""
+    """What online drafter training starts from (`cfg`: target_dir, corpus_dir, seed, threads, precision): seeds,
+    the tokenizer, the token data (`corpus_dir`: one or more text corpora or regenerated folders, comma-separated;
+    `speclab.train.regenerate.load_token_data`) and the target, frozen: in fp32, or in bf16 when the training
+    runs in bf16 autocast (then the drafter learns from the features a bf16 decode gives it).
+    -> (tokenizer, data, target, rng)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from speclab.train.regenerate import load_token_data
 
     torch.manual_seed(cfg.seed)
     torch.set_num_threads(cfg.threads)
     tok = AutoTokenizer.from_pretrained(cfg.target_dir)
-    data = tokenize_corpus(Path(cfg.corpus_dir), tok, Path(cfg.corpus_dir) / ".tokens")
-    target = AutoModelForCausalLM.from_pretrained(cfg.target_dir, dtype=torch.float32).eval().requires_grad_(False)
+    data = load_token_data(cfg.corpus_dir, tok)
+    dtype = torch.bfloat16 if cfg.precision == "bf16" else torch.float32
+    target = AutoModelForCausalLM.from_pretrained(cfg.target_dir, dtype=dtype).eval().requires_grad_(False)
     return tok, data, target, np.random.default_rng(cfg.seed)
+
+
+PRECISIONS = ("fp32", "bf16")  # an online drafter training: everything in fp32, or bf16 autocast (weights fp32)
+
+
+def autocast(precision: str):
+    """The drafter's forward (and so its backward) in bf16 autocast, or nothing for fp32."""
+    if precision == "bf16":
+        return torch.autocast("cpu", dtype=torch.bfloat16)
+    return contextlib.nullcontext()
+
+
+def top_tokens(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A distribution by its `k` most likely tokens: (their probabilities under the full softmax, their ids). The
+    mass left over is the rest bucket of `topk_soft_ce`."""
+    vals, idx = torch.log_softmax(logits.float(), -1).topk(k, -1)
+    return vals.exp(), idx
+
+
+def topk_soft_ce(lg: torch.Tensor, p: torch.Tensor, idx: torch.Tensor, keep: torch.Tensor | None = None):
+    """Per-row cross-entropy of logits lg [..., V] against a distribution known by its top tokens (probabilities p
+    [..., k] under the full distribution, ids idx into lg) plus one bucket for everything else:
+    -sum_i p_i log q_i - p_rest log q_rest. The rest bucket keeps the drafter's tail mass calibrated: renormalising
+    the top tokens instead teaches it that the tail is empty, which costs acceptance under sampling (measured:
+    README "Training the drafters"). `keep` [..., k] drops top tokens lg cannot express (a reduced draft
+    vocabulary); the rest is then renormalised over what is left. A gather and two logsumexps: no product over the
+    vocabulary."""
+    lse = lg.logsumexp(-1)
+    top = lg.gather(-1, idx)
+    p_rest = (1.0 - p.sum(-1)).clamp_min(0.0)
+    if keep is not None:
+        p = p * keep
+        top = top.masked_fill(~keep, float("-inf"))
+        total = p.sum(-1) + p_rest
+        p, p_rest = p / total[..., None], p_rest / total
+    log_rest = torch.log(-torch.expm1((top.logsumexp(-1) - lse).clamp(max=-1e-7)))  # log(1 - q(top))
+    return -(p * (top - lse[..., None]).masked_fill(p == 0, 0.0)).sum(-1) - p_rest * log_rest
+
+
+def snapshot(out: Path, tokens: int) -> None:
+    """Keep a copy of the checkpoint just saved (out/model) as out/checkpoints/<tokens>, so every validation point
+    of the curve can later be decoded on the zoo prompts (`speclab train curve`)."""
+    import shutil
+
+    dest = out / "checkpoints" / f"{tokens:012d}"
+    if not dest.exists():
+        shutil.copytree(out / "model", dest)
 
 
 def online_run(m: torch.nn.Module, cfg):
@@ -141,10 +195,12 @@ def online_run(m: torch.nn.Module, cfg):
 
 
 def val_windows(data: dict, domain: str, n: int, seq_len: int) -> torch.Tensor:
-    """[<= n, seq_len] consecutive windows from the start of a domain's validation split."""
+    """[<= n, seq_len] windows spread evenly over a domain's validation split (so a split joined from several
+    folders, greedy and sampled text, is validated on all of them)."""
     arr = data[domain]["val"]
     n = min(n, len(arr) // seq_len)
-    return torch.from_numpy(arr[: n * seq_len].astype(np.int64)).view(n, seq_len)
+    starts = np.linspace(0, len(arr) - seq_len, n).astype(np.int64)
+    return torch.from_numpy(np.stack([arr[s : s + seq_len] for s in starts]).astype(np.int64))
 
 
 def sample_windows(data: dict, weights: dict, cfg, rng: np.random.Generator) -> torch.Tensor:
