@@ -101,6 +101,22 @@ def test_an_interrupted_regeneration_resumes_to_the_same_data(deep, corpus, rege
         regenerate(_cfg(deep, corpus, out, seed=4), log=lambda s: None)
 
 
+def test_the_command_regenerates_and_reports(deep, corpus, tmp_path, capsys):
+    from speclab.cli import main
+
+    out = tmp_path / "g"
+    argv = ["data", "regenerate", "--target", deep.name, "--corpus", str(corpus), "--out", str(out), "--mode",
+            "greedy", "--train-sequences", "2", "--val-sequences", "1", "--prompt-len", "8", "--new-tokens", "4",
+            "--dtype", "fp32"]
+    assert main(argv) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["sampling"] == "argmax" and report["new_tokens"] == 4 * 3 * 4 and report["dtype"] == "float32"
+    stamp = (out / "code.train.npz").stat().st_mtime_ns
+    assert main(argv) == 0  # run again: complete, so nothing is generated or rewritten
+    assert json.loads(capsys.readouterr().out)["new_tokens"] == 48
+    assert (out / "code.train.npz").stat().st_mtime_ns == stamp
+
+
 def test_token_data_joins_rows_by_eos_and_folders_by_domain(deep, corpus, regenerated):
     one = load_token_data(str(regenerated), deep.tokenizer)
     z = np.load(regenerated / "math.train.npz")["ids"]

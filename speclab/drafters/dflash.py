@@ -384,7 +384,7 @@ def _same_decode(p: dict) -> dict:
 # GPU preset: DFlash's evaluations
 PARAMS = (Param("markov", 1, lambda t: Bound(0, 1), grid=(0, 1),
                 help="1 = DSpark's Markov head when the drafter has one, 0 = the plain parallel readout"),
-          Param("block_size", 4, lambda t: Bound(2, min(MAX_TREE_NODES, t.max_context) + 1), gpu=16,
+          Param("block_size", 5, lambda t: Bound(2, min(MAX_TREE_NODES, t.max_context) + 1), gpu=16,
                 grid=(2, 3, 4, 5, 6, 8, 10, 12, 16), help="block rows (the root + block_size - 1 masks)"),
           Param("tree_topk", 1, lambda t: Bound(1, t.vocab_size), help="children per row in a tree (1 = a chain)"),
           Param("total_tokens", 16, lambda t: Bound(1, min(MAX_TREE_NODES, t.max_context)),

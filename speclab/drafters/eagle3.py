@@ -403,7 +403,7 @@ def _same_decode(p: dict) -> dict:
 
 # CPU defaults picked by `speclab grid` on the zoo in the default dtype (data/zoo/eagle3/README.md has the table);
 # GPU presets: EAGLE-3's evaluations (WhiFlash's Table 7)
-PARAMS = (Param("depth", 2, lambda t: Bound(1, t.max_context), gpu=8, grid=(3, 4, 5, 6), help="draft tree depth"),
+PARAMS = (Param("depth", 3, lambda t: Bound(1, t.max_context), gpu=8, grid=(3, 4, 5, 6), help="draft tree depth"),
           Param("tree_topk", 2, lambda t: Bound(1, t.vocab_size), gpu=10, grid=(1, 2, 3, 4),
                 help="children per expanded node (1 = a chain)"),
           Param("total_tokens", 8, lambda t: Bound(1, min(MAX_TREE_NODES, t.max_context)), gpu=60,

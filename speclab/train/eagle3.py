@@ -1,9 +1,8 @@
 """Train an EAGLE-3 drafter online from a frozen target, with training-time test (EAGLE-3, Li et al. 2025).
 
-No feature dump on disk: every batch of corpus windows goes through the frozen target first (no
-grad), which gives the three feature layers and its next-token distributions; then the drafter is unrolled on
-its own outputs for `ttt_steps` steps. Everything runs in fp32: on these CPUs (no AMX) a bf16 matmul's backward
-is ~50x slower than fp32's.
+No feature dump on disk: every batch of windows (corpus text or the target's own continuations,
+`speclab.train.regenerate`) goes through the frozen target first (no grad), which gives the three feature layers
+and its next-token distributions; then the drafter is unrolled on its own outputs for `ttt_steps` steps.
 
 Row i of a window pairs the target's feature f_i with the token x_{i+1}. Step 0 reads fc(f_i) and predicts
 x_{i+2}. Step s reads its own step-(s-1) output at row i with the token x_{i+s+1} (at position i + s) and

@@ -9,7 +9,8 @@ like the zoo prompts, half random windows), and the frozen target continues each
   with the final norm and the head in fp32 as in speclab's decodes (`speclab.core.precision`);
 - greedy, or sampled at temperature 1 (a seeded generator per shard, so a resumed run draws the same tokens);
   `mix` samples every other row of a batch and decodes the rest greedily;
-- resumable: each batch is a shard file written whole; a rerun with the same settings skips the shards there;
+- resumable: each batch is a shard file written whole; a rerun with the same settings skips the shards there (and
+  does nothing once the run is complete);
 - stored as token ids with their provenance: `<domain>.<split>.npz` holds `ids` [n, prompt_len + new_tokens]
   (uint16), `offset` (the prompt's first token in the tokenized split), `opening` (the prompt starts a document)
   and `sampled` (which decoding made the row); `provenance.json` holds the settings, the target and the counts.
@@ -131,6 +132,9 @@ def regenerate(cfg: RegenConfig, log=print) -> dict:
         raise ValueError(f"{out} holds a regeneration with other settings ({saved}); give another --out or the same "
                          "settings to resume it")
     write_atomic(saved, json.dumps(settings, indent=1))
+    if (out / PROVENANCE).exists():  # a finished run with these settings: nothing to do
+        log(f"regenerate: {out} is complete (provenance.json); nothing to generate")
+        return json.loads((out / PROVENANCE).read_text())
     torch.set_num_threads(cfg.threads)
     tok = AutoTokenizer.from_pretrained(cfg.target_dir)
     eos = tok.convert_tokens_to_ids(EOS_TEXT)

@@ -31,62 +31,60 @@ class _Laps:
         self.t = now
 
 
-def eagle3_step_ms(cfg, target, data, steps: int) -> dict:
-    from speclab.train.corpus import DOMAINS
-    from speclab.train.eagle3 import frequent_tokens, new_drafter, target_features, ttt_forward, ttt_loss
-
-    counts = sum(np.bincount(data[d]["train"], minlength=target.config.vocab_size) for d in DOMAINS)
-    m = new_drafter(target, cfg, counts if cfg.draft_vocab_size else None)
-    assert cfg.draft_vocab_size is None or m.t2d.sum() == frequent_tokens(counts, cfg.draft_vocab_size).numel()
+def _step_ms(m, cfg, data, steps: int, features, forward, loss) -> dict:
+    """Median ms of each part of `steps` training steps (after two warm-up steps) of drafter `m`:
+    features(ids) -> the target's part, forward(ids, feats) under the autocast of cfg.precision, loss(ids, feats,
+    logits, out) -> the loss tensor; then the backward and the optimizer step."""
     opt = torch.optim.AdamW(list(m.parameters()), lr=1e-4)
-    embed = target.get_input_embeddings()
     rng = np.random.default_rng(0)
     rows = []
     for i in range(steps + 2):
         ids = lm.sample_windows(data, lm.DOMAIN_WEIGHTS, cfg, rng)
         clock = _Laps()
-        feats, tgt = target_features(target, ids, m.config.layer_ids, cfg.loss_topk)
+        out = features(ids)
         clock.lap()
         with lm.autocast(cfg.precision):
-            logits = ttt_forward(m, embed, ids, feats, cfg.ttt_steps)
+            logits = forward(ids, out)
         clock.lap()
-        loss = ttt_loss(logits, tgt, m, cfg.step_weight)[0]
+        value = loss(ids, logits, out)
         clock.lap()
-        loss.backward()
+        value.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
         clock.lap()
         if i >= 2:
             rows.append(clock.laps)
     return _row(rows, cfg.batch_size * cfg.seq_len)
+
+
+def eagle3_step_ms(cfg, target, data, steps: int) -> dict:
+    from speclab.train.corpus import DOMAINS
+    from speclab.train.eagle3 import new_drafter, target_features, ttt_forward, ttt_loss
+
+    counts = sum(np.bincount(data[d]["train"], minlength=target.config.vocab_size) for d in DOMAINS)
+    m = new_drafter(target, cfg, counts if cfg.draft_vocab_size else None)
+    embed = target.get_input_embeddings()
+    return _step_ms(m, cfg, data, steps,
+                    lambda ids: target_features(target, ids, m.config.layer_ids, cfg.loss_topk),
+                    lambda ids, out: ttt_forward(m, embed, ids, out[0], cfg.ttt_steps),
+                    lambda ids, logits, out: ttt_loss(logits, out[1], m, cfg.step_weight)[0])
 
 
 def dflash_step_ms(cfg, target, data, steps: int, mask_id: int) -> dict:
     from speclab.train.dflash import block_forward, block_loss, new_drafter, pick_blocks, target_features
 
     m = new_drafter(target, cfg, mask_id)
-    opt = torch.optim.AdamW(list(m.parameters()), lr=1e-4)
     embed_w, head_w = target.get_input_embeddings().weight, target.get_output_embeddings().weight
-    rng = np.random.default_rng(0)
-    rows = []
-    for i in range(steps + 2):
-        ids = lm.sample_windows(data, lm.DOMAIN_WEIGHTS, cfg, rng)
-        anchors = pick_blocks(ids.shape[1], cfg.block_size, cfg.rows, rng)
-        clock = _Laps()
-        feats, top = target_features(target, ids, m.config.target_layer_ids)
-        clock.lap()
-        with lm.autocast(cfg.precision):
-            logits = block_forward(m, embed_w, head_w, ids, feats, anchors, cfg.block_size)
-        clock.lap()
-        loss = block_loss(m, logits, ids, top, anchors, cfg.gamma)[0]
-        clock.lap()
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        clock.lap()
-        if i >= 2:
-            rows.append(clock.laps)
-    return _row(rows, cfg.batch_size * cfg.seq_len)
+    rng = np.random.default_rng(1)
+    anchors = {}  # per window batch: drawn with the features, outside the timed forward
+
+    def features(ids):
+        anchors["a"] = pick_blocks(ids.shape[1], cfg.block_size, cfg.rows, rng)
+        return target_features(target, ids, m.config.target_layer_ids)
+
+    return _step_ms(m, cfg, data, steps, features,
+                    lambda ids, out: block_forward(m, embed_w, head_w, ids, out[0], anchors["a"], cfg.block_size),
+                    lambda ids, logits, out: block_loss(m, logits, ids, out[1], anchors["a"], cfg.gamma)[0])
 
 
 def _row(rows: list[tuple], tokens: int) -> dict:
