@@ -155,10 +155,8 @@ def ttt_loss(logits: list[torch.Tensor], target: tuple, m: Eagle3Model, weight: 
     t2d, d2t = m.t2d, m.d2t
     reduced = not bool(t2d.all())
     if idx is None:
-        p_top = first.argmax(-1)
-        p, idx = first.exp(), None
-        if reduced:  # the target's distribution over the draft vocabulary, renormalised
-            p = torch.softmax(first[..., t2d], -1)
+        p_top = first.argmax(-1)  # reduced: the target's distribution over the draft vocabulary, renormalised
+        p = torch.softmax(first[..., t2d], -1) if reduced else first.exp()
     else:
         p_top, p, keep = idx[..., 0], first, None
         if reduced:  # the top tokens outside the draft vocabulary are dropped (`topk_soft_ce`); ids into it

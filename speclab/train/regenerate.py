@@ -150,11 +150,10 @@ def regenerate(cfg: RegenConfig, log=print) -> dict:
         f"{cfg.prompt_len} prompt + {cfg.new_tokens} new tokens each, {dtype} ({why})")
     prog = Progress(total, "regenerate (tokens)")
     done, t0 = 0, time.time()
-    for k, (d, split, i, rows) in enumerate(plan):
+    for shard_no, (d, split, i, rows) in enumerate(plan):
         name = _shard_name(d, split, i)
         if (shard_dir / name).exists():
             continue
-        shard_no = plan.index((d, split, i, rows))
         rng = np.random.default_rng([cfg.seed, shard_no])
         offsets, opening = pick_prompts(data[d][split], eos, rows, cfg.prompt_len, rng)
         prompts = torch.from_numpy(np.stack([data[d][split][o : o + cfg.prompt_len] for o in offsets]).astype(np.int64))
@@ -166,7 +165,7 @@ def regenerate(cfg: RegenConfig, log=print) -> dict:
         _save_npz(shard_dir / name, ids=ids.numpy().astype(np.uint16), offset=offsets, opening=opening,
                   sampled=sampled.numpy())
         done += rows * cfg.new_tokens
-        prog.update(done, shard=f"{k + 1}/{len(plan)}", tok_s=f"{done / (time.time() - t0):.0f}")
+        prog.update(done, shard=f"{shard_no + 1}/{len(plan)}", tok_s=f"{done / (time.time() - t0):.0f}")
     summary = _assemble(cfg, out, plan, dtype, time.time() - t0, total)
     log(f"regenerate: {summary['new_tokens']} new tokens in {out}")
     return summary
