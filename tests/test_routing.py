@@ -52,9 +52,12 @@ def _ids(target, prompt):
 
 
 def policies(deep):
-    """Thresholds that route both ways on these prompts: the quartiles of the target's entropies."""
-    e = np.concatenate([entropies(deep, p) for p in PROMPTS[:2]])
-    return [float(x) for x in np.quantile(e, [0.25, 0.5, 0.75])]
+    """Thresholds that route both ways on these prompts: near the quartiles of the target's entropies, each midway
+    between two neighbouring ones, so that no position's entropy sits on a threshold (a quartile can be one of
+    them, and there the last bits of a live verification forward and of the profile's forward decide differently)."""
+    e = np.unique(np.concatenate([entropies(deep, p) for p in PROMPTS[:3]]))
+    at = (np.array([0.25, 0.5, 0.75]) * (len(e) - 2)).astype(int)
+    return [float((e[i] + e[i + 1]) / 2) for i in at]
 
 
 @pytest.fixture(scope="module")
@@ -315,6 +318,7 @@ def test_bench_pipeline_profiles_replays_calibrates(deep, models, thresholds, tm
         lazy_vs_eager,
         modeled_table,
         profile_bench,
+        replay_agreement,
         replayed_runs,
         routing_table,
         sweep,
@@ -394,6 +398,22 @@ def test_bench_pipeline_profiles_replays_calibrates(deep, models, thresholds, tm
         best, report = calibrate(Calibrator(store, bench, profs, cost, models["router"]), ["entropy", "neural"])
         assert best["entropy"] == best_thresholds(sweep(profs, cost, "entropy", grid("entropy")))
         assert set(best["neural"]) == set(best["entropy"]) and len(report.figs) == 2
+        # profiles replay the bench's runs in its dtype: `speclab routing` loads the models in it, another is refused,
+        # and profiles made in another dtype are made again (or refused where nothing can load models)
+        from speclab.cli.main import parser
+        from speclab.cli.routing import _bench_paths
+        from speclab.errors import SpeclabError
+        argv = ["routing", "--db", str(tmp_path / "b.duckdb")]
+        assert _bench_paths(parser().parse_args(argv), store, bench).dtype == "float32"
+        with pytest.raises(SpeclabError, match="ran in float32"):
+            _bench_paths(parser().parse_args(argv + ["--dtype", "bf16"]), store, bench)
+        store.execute("UPDATE runs SET dtype = 'bfloat16' WHERE bench_id = ?", [bench])
+        with pytest.raises(InvalidInput, match="were made in float32, its runs in bfloat16"):
+            get_profiles(store, bench)
+        with pytest.raises(InvalidInput, match="ran in bfloat16, the target is loaded in float32"):
+            get_profiles(store, bench, lambda: (deep, models))
+        assert "in bfloat16 a profile's target features" in replay_agreement(
+            store, bench, rep.assign(identical=False, routed=True))
 
 
 def test_calibrator_replays_saves_and_confirms_live(deep, models, thresholds, tmp_path, monkeypatch):
@@ -495,3 +515,26 @@ def test_calibration_grids_are_one_definition():
     ca = parser().parse_args(["calibrate"])
     sw = parser().parse_args(["sweep", "--router", "neural"])
     assert ca.entropy_grid is None and ca.neural_grid is None and sw.grid is None  # None: the router's GRIDS
+
+
+def test_router_data_extends_and_refuses_other_settings(deep, models, tmp_path):
+    """`speclab train router`'s profiles: prompt i depends only on (seed, i), so a larger run resumes a smaller one's
+    cache and a smaller run reads the first sequences of a larger one's; a cache from other settings is refused."""
+    from speclab.errors import SpeclabError
+    from speclab.train.router import RouterTrainConfig, collect, corpus_prompts
+
+    rng = np.random.default_rng(0)
+    data = {d: {"train": rng.integers(0, 200, 500)} for d in ("code", "stories", "literature", "math")}
+    def cfg(n, new_tokens=6):
+        return RouterTrainConfig(corpus_dir="-", out_dir="-", sequences=n, prompt_tokens=8, new_tokens=new_tokens)
+
+    small, large = corpus_prompts(data, cfg(2)), corpus_prompts(data, cfg(4))
+    assert [d for d, _ in small] == [d for d, _ in large[:2]]
+    assert all(torch.equal(a, b) for (_, a), (_, b) in zip(small, large))
+    cache = tmp_path / "pairs.pt"
+    two = collect(deep, models, small, cfg(2), cache, log=lambda s: None)
+    four = collect(deep, models, large, cfg(4), cache, log=lambda s: None)
+    assert len(four["al"]) == 4 and all(torch.equal(a, b) for a, b in zip(two["delta"], four["delta"][:2]))
+    assert len(collect(deep, models, small, cfg(2), cache, log=lambda s: None)["al"]) == 2
+    with pytest.raises(SpeclabError, match="other settings \\(new_tokens\\)"):
+        collect(deep, models, small, cfg(2, new_tokens=7), cache, log=lambda s: None)

@@ -26,17 +26,37 @@ def _bench_store(a: argparse.Namespace):
     return store, bench_id
 
 
+def _bench_paths(a: argparse.Namespace, store, bench_id: str) -> ModelPaths:
+    """The models of the options in the bench's dtype (profiles and live runs added to a bench compute as its runs
+    did): --dtype auto means the bench's; another dtype than the bench's is refused."""
+    from dataclasses import replace
+
+    from speclab.core.precision import DTYPES
+    from speclab.routing.evaluate import DTYPE_OPTION, bench_dtype
+
+    paths, want = ModelPaths.from_args(a), bench_dtype(store, bench_id)
+    paths.check()
+    if want is None:
+        return paths
+    if paths.dtype in (None, "auto"):
+        return replace(paths, dtype=want)
+    if DTYPES[paths.dtype] != DTYPES[want]:
+        raise SpeclabError(f"--dtype {paths.dtype}: bench {bench_id} ran in {want}; its profiles and live runs are "
+                           f"made in the same dtype (leave --dtype out, or give {DTYPE_OPTION.get(want, want)})")
+    return paths
+
+
 def _routing_setup(a: argparse.Namespace, store, bench_id: str, need_mlp: bool):
     """Profiles (made when missing), the cost model fitted to the bench and the neural router when needed."""
     from speclab.routing.evaluate import check_profilable, get_profiles
     from speclab.routing.replay import fit_costs
 
-    loaded = {}
+    loaded, paths = {}, _bench_paths(a, store, bench_id)
 
     def load():
         if not loaded:
             roles = ("eagle3", "dflash", "router") if need_mlp else ("eagle3", "dflash")
-            loaded["m"] = load_models(ModelPaths.from_args(a), roles=roles)
+            loaded["m"] = load_models(paths, roles=roles)
         return loaded["m"]
 
     cost = fit_costs(store, bench_id)  # before any model loads: a bench without the drafters' rounds fails fast
@@ -52,7 +72,7 @@ def cmd_profile(a: argparse.Namespace) -> int:
     store, bench_id = _bench_store(a)
     with store:
         check_profilable(store, bench_id)
-        target, models = load_models(ModelPaths.from_args(a), roles=("eagle3", "dflash"))
+        target, models = load_models(_bench_paths(a, store, bench_id), roles=("eagle3", "dflash"))
         profs = profile_bench(store, bench_id, target, models, log=lambda s: print(s, file=sys.stderr))
     write_report(Report(f"profiles of bench {bench_id}", profile_table(profs).to_markdown(index=False, floatfmt=".3f")),
                  None)

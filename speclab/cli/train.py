@@ -175,7 +175,8 @@ def cmd_train(a: argparse.Namespace) -> int:
         cfg = RouterTrainConfig(corpus_dir=corpus, out_dir=a.out, sequences=a.sequences, seed=a.seed,
                                 lr=a.lr or 1e-3, new_tokens=a.new_tokens, cost_prompts=a.cost_prompts,
                                 epochs=a.epochs)
-        target = Target.load(a.teacher or zoo.default_target(), device="cpu", dtype="fp32")
+        target = Target.load(a.teacher or zoo.default_target(), device="cpu",
+                             dtype=None if a.precision == "auto" else a.precision)
         models = {"eagle3": load_eagle3(a.eagle or zoo.default_eagle3(), target),
                   "dflash": load_dflash(a.dflash or zoo.default_dflash(), target)}
         summary = train_router(cfg, target, models, log=lambda s: print(s, file=sys.stderr, flush=True))
@@ -222,8 +223,8 @@ def add_parsers(sub) -> None:
                    "dflash also read folders of `speclab data regenerate`, several joined by commas")
     t.add_argument("--precision", choices=["auto", "fp32", "bf16"], default="auto",
                    help="eagle3, dflash: the drafter in fp32 or in bf16 autocast (the target then in bf16); auto: "
-                   "bf16 where the CPU computes it natively (README \"Training the drafters\"); curve: the decodes' "
-                   "dtype")
+                   "bf16 where the CPU computes it natively (README \"Training the drafters\"); curve, router: the "
+                   "decodes' dtype (the router's profiles and round timings)")
     t.add_argument("--loss-topk", type=_num(int, 0), default=32, help="eagle3: the loss against the target's k most "
                    "likely tokens, renormalised (0: its full distribution)")
     t.add_argument("--draft-vocab", type=_num(int, 2), default=None, help="eagle3: the draft head's vocabulary, the "

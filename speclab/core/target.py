@@ -168,8 +168,8 @@ class Target:
 
     @property
     def fp32_logits(self) -> bool:
-        """Whether the head refines low-precision logits to fp32 (`speclab.core.precision.Head`); drafters that use the
-        target's head norm in fp32 then too."""
+        """Whether the head refines low-precision logits to fp32 (`speclab.core.precision.Head`). Drafters' logits
+        stay in their dtype: verification accepts by the target's."""
         return self._head.refine
 
     @property
@@ -276,8 +276,13 @@ class Target:
     @torch.inference_mode()
     def lm_head(self, h: torch.Tensor) -> torch.Tensor:
         """The LM head alone (no final norm) over already-normed states [..., d] (fp32 or the model's dtype) ->
-        float32 logits (`speclab.core.precision.Head`; DFlash norms with its own `norm`)."""
+        float32 logits (`speclab.core.precision.Head`)."""
         return self._head(h)
+
+    @property
+    def head_weight(self) -> torch.Tensor:
+        """The LM head's weight [V, d] in the model's dtype (DFlash drafts through it, after its own norm)."""
+        return self._head.weight
 
 
 def _final_norm(decoder):

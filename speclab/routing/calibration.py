@@ -55,14 +55,16 @@ def grid_text(router: str) -> str:
     return ":".join(f"{x:g}" for x in GRIDS[check_router(router)])
 
 
-def find_bench(store, suite: str, limit: int, max_new_tokens: int) -> str | None:
-    """The latest finished bench of `suite` with these settings whose methods include AR, EAGLE-3 and DFlash."""
+def find_bench(store, suite: str, limit: int, max_new_tokens: int, dtype: str | None = None) -> str | None:
+    """The latest finished bench of `suite` with these settings (and runs in `dtype`) whose methods include AR,
+    EAGLE-3 and DFlash."""
     b = store.query("SELECT bench_id, methods, config_json FROM benches WHERE suite = ? AND status = 'done' "
                     "ORDER BY started_at DESC", [suite])
     for bench_id, methods, cfg in zip(b.bench_id, b.methods, b.config_json):
         c = json.loads(cfg)
         if set(BENCH_METHODS) <= set(methods.split(",")) and c.get("limit") == limit and \
-                c.get("max_new_tokens") == max_new_tokens:
+                c.get("max_new_tokens") == max_new_tokens and \
+                (dtype is None or routing.bench_dtype(store, str(bench_id)) in (None, dtype)):
             return str(bench_id)
     return None
 
@@ -97,7 +99,7 @@ class Calibrator:
         limit = check_number("prompts per category", limit, int, Bound(1, 64))
         max_new_tokens = check_number("max new tokens", max_new_tokens, int, Bound(8, 1024))
         check_suite(suite, limit)
-        bench_id = find_bench(store, suite, limit, max_new_tokens)
+        bench_id = find_bench(store, suite, limit, max_new_tokens, target.precision["dtype"])
         reused = bench_id is not None
         if bench_id is None:
             log(f"running bench of {', '.join(BENCH_METHODS)} on {suite} ...")
@@ -105,12 +107,14 @@ class Calibrator:
                               peers=False, untraced=False)
             bench_id = run_bench(cfg, target, models, store, log=log)
             store.drain()
-        try:
-            profiles = replay.load_profiles(store, bench_id)[0]
-        except InvalidInput:
-            reused = False
+        made = []
+
+        def load():
+            made.append(True)
             log(f"profiling bench {bench_id} ...")
-            profiles = routing.profile_bench(store, bench_id, target, models, log=log)
+            return target, models
+        profiles = routing.get_profiles(store, bench_id, load, log=log)
+        reused = reused and not made
         return cls(store, bench_id, profiles, replay.fit_costs(store, bench_id), models.get("router"), reused)
 
     @property

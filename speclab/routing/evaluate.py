@@ -60,14 +60,36 @@ def check_profilable(store, bench_id: str):
     return cfg, ar
 
 
+def bench_dtype(store, bench_id: str) -> str | None:
+    """The dtype the bench's AR runs computed in ('float32', 'bfloat16', ...; None for a trace without it). Profiles
+    replay the bench's runs, so they are made in it: the drafters' inputs are then rounded as they were live."""
+    d = store.query("SELECT DISTINCT dtype FROM runs WHERE bench_id = ? AND method = 'ar' AND status = 'done' AND "
+                    "dtype IS NOT NULL", [bench_id]).dtype.tolist()
+    if len(d) > 1:
+        raise InvalidInput(f"bench {bench_id} mixes AR runs in {', '.join(sorted(d))}: profile one dtype's bench")
+    return d[0] if d else None
+
+
+def check_bench_dtype(store, bench_id: str, target) -> None:
+    """InvalidInput unless `target` computes in the bench's dtype."""
+    want, have = bench_dtype(store, bench_id), target.precision["dtype"]
+    if want is not None and want != have:
+        raise InvalidInput(f"bench {bench_id} ran in {want}, the target is loaded in {have}: profiles replay the "
+                           f"bench's runs, so load it in {want} (--dtype {DTYPE_OPTION.get(want, want)})")
+
+
+DTYPE_OPTION = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
+
+
 def profile_bench(store, bench_id: str, target, models: dict, params: dict | None = None, log=print):
-    """Profile both drafters on every prompt of the bench (its AR run's output is the sequence), save them in the
-    trace and return them."""
+    """Profile both drafters on every prompt of the bench (its AR run's output is the sequence) with the target in
+    the bench's dtype, save them in the trace (with that dtype) and return them."""
     from speclab.bench.run import format_prompt
     from speclab.bench.suites import load_suite
     from speclab.methods import build_method, method_params
 
     cfg, ar = check_profilable(store, bench_id)
+    check_bench_dtype(store, bench_id, target)
     params = method_params("whiflash-entropy", params or {}, target)
     drafters, _ = build_method("whiflash-entropy", target, models, params)
     rows = {str(r["prompt_id"]): r for r in load_suite(cfg.suite, cfg.limit)}
@@ -82,14 +104,24 @@ def profile_bench(store, bench_id: str, target, models: dict, params: dict | Non
                                            torch.tensor(toks.to_numpy(np.int64)), cfg.max_new_tokens,
                                            str(r.prompt_id), r.category))
         prog.update(i + 1)
-    replay.save_profiles(store, bench_id, out, {k: v for k, v in params.items() if k not in ("threshold", "eager")})
+    replay.save_profiles(store, bench_id, out, {**{k: v for k, v in params.items() if k not in ("threshold", "eager")},
+                                                "dtype": target.precision["dtype"]})
     return out
 
 
 def get_profiles(store, bench_id: str, load=None, log=print):
-    """The bench's profiles, made first (with the models from `load()`) when there are none."""
+    """The bench's profiles, made (with the models from `load()`) when there are none or when they were made in
+    another dtype than the bench's runs (profiles saved before the dtype was recorded are taken as they are)."""
+    want = bench_dtype(store, bench_id)
     try:
-        return replay.load_profiles(store, bench_id)[0]
+        profiles, meta = replay.load_profiles(store, bench_id)
+        made = meta.get("dtype", want)
+        if made == want:
+            return profiles
+        if load is None:
+            raise InvalidInput(f"the profiles of bench {bench_id} were made in {made}, its runs in {want}: make them "
+                               f"again with `speclab profile --bench {bench_id}`")
+        log(f"the profiles of bench {bench_id} were made in {made}, its runs in {want}: profiling again")
     except InvalidInput:
         if load is None:
             raise
@@ -487,6 +519,27 @@ def profile_rows(profile) -> pd.DataFrame:
     return df.sort_values(["drafter", "pos"], ignore_index=True)
 
 
+def replay_agreement(store, bench_id: str, agree: pd.DataFrame) -> str:
+    """How many routed runs replay identically, and why the others do not: an output that leaves AR's at a near-tie
+    (the profile follows AR's output), or, outside float32, a draft that rounds differently."""
+    if not len(agree):
+        return "no routed runs in this bench"
+    text = (f"{int(agree.identical.sum())} of {len(agree)} routed runs replay identically (every round's drafter, "
+            f"accept length and committed tokens); rounds agreeing overall: {agree.rounds_agreeing.mean():.4f}.")
+    off = agree[~agree.identical]
+    if not len(off):
+        return text
+    eq = store.query("SELECT run_id, equal_to_ar FROM run_metrics WHERE bench_id = ?", [bench_id])
+    off_ar = int((off.merge(eq, on="run_id").equal_to_ar == 0).sum())
+    dtype = bench_dtype(store, bench_id) or "float32"
+    why = (f"in {dtype} a profile's target features come from one forward over AR's output and a live run's from its "
+           "verification forwards: they round differently, and a drafter's near-tie can flip (in float32 every run "
+           "replays identically: tests/test_routing.py)" if dtype != "float32" else
+           "in float32 this is not rounding: a bug to report")
+    return (f"{text} Of the {len(off)} that differ, {off_ar} leave AR's output at a near-tie (their profile follows "
+            f"AR's output); {len(off) - off_ar} keep AR's output but draft differently somewhere: {why}.")
+
+
 def routing_report(store, bench_id: str, profiles, cost, mlp=None, prompt_id: str | None = None) -> Report:
     """WhiFlash on a bench: the paper's Table 1 (tau and speedup per category: the drafters, the oracles, the
     routers), tokens/s live and modeled, live vs replay, the cost model and its error, the switch cost, lazy vs
@@ -519,9 +572,7 @@ def routing_report(store, bench_id: str, profiles, cost, mlp=None, prompt_id: st
           "identical rounds; replayed through one cost model every method pays the same per-phase costs.", "",
           modeled.reset_index().to_markdown(**fmt), "",
           "## Live vs replay (routed runs)", "",
-          (f"{int(agree.identical.sum())} of {len(agree)} routed runs replay identically (every round's drafter, "
-           f"accept length and committed tokens); rounds agreeing overall: {agree.rounds_agreeing.mean():.4f}"
-           if len(agree) else "no routed runs in this bench"), "",
+          replay_agreement(store, bench_id, agree), "",
           "## Cost model", "", cost.table().to_markdown(index=False, floatfmt=".3f"), "",
           f"prefill ms = {cost.prefill0:.2f} + {cost.prefill1:.3f} x prompt tokens; fitted to {cost.rounds_fitted} "
           f"rounds of {cost.runs_fitted} runs", "",

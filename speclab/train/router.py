@@ -42,31 +42,52 @@ class RouterTrainConfig:
     domain_weights: dict = field(default_factory=lambda: {"code": 1.0, "stories": 1.0, "literature": 1.0, "math": 1.0})
 
 
-def corpus_prompts(data: dict, cfg: RouterTrainConfig, rng: np.random.Generator) -> list[tuple[str, torch.Tensor]]:
-    """(domain, prompt ids) cut at random from the domains' training splits, domains drawn by their weights."""
+def corpus_prompts(data: dict, cfg: RouterTrainConfig) -> list[tuple[str, torch.Tensor]]:
+    """(domain, prompt ids) cut at random from the domains' training splits, domains drawn by their weights. Prompt i
+    depends only on the seed and i, so a run with more --sequences extends (and resumes) a smaller one."""
     doms = list(cfg.domain_weights)
     p = np.array([cfg.domain_weights[d] for d in doms], float)
     out = []
-    for i in rng.choice(len(doms), size=cfg.sequences, p=p / p.sum()):
-        arr = data[doms[i]]["train"]
+    for i in range(cfg.sequences):
+        rng = np.random.default_rng([cfg.seed, i])
+        dom = doms[int(rng.choice(len(doms), p=p / p.sum()))]
+        arr = data[dom]["train"]
         s = int(rng.integers(0, len(arr) - cfg.prompt_tokens))
-        out.append((doms[i], torch.from_numpy(arr[s : s + cfg.prompt_tokens].astype(np.int64))))
+        out.append((dom, torch.from_numpy(arr[s : s + cfg.prompt_tokens].astype(np.int64))))
     return out
+
+
+def drafter_params(target) -> dict:
+    """The drafters' settings the router learns to choose between: WhiFlash's defaults on this target's device."""
+    from speclab.methods import method_params
+    return method_params("whiflash-entropy", {}, target)
 
 
 def collect(target, models: dict, prompts, cfg: RouterTrainConfig, cache: Path, log=print) -> dict:
     """Profiles of every prompt's greedy continuation -> pairs {hidden [n, d], delta [n], seq [n], domain [n]};
-    saved to `cache` every 10 sequences and resumed from it."""
+    saved to `cache` every 10 sequences and resumed from it. A cache made with other settings (target, dtype,
+    drafters, prompts) is refused rather than mixed in."""
     from speclab.core.engine import decode
-    from speclab.methods import build_method, method_params
+    from speclab.errors import SpeclabError
+    from speclab.methods import build_method
     from speclab.routing.replay import profile_sequence
 
+    params = drafter_params(target)
+    key = {"target": target.fingerprint, "dtype": target.precision["dtype"], "drafters": params,
+           "prompt_tokens": cfg.prompt_tokens, "new_tokens": cfg.new_tokens, "seed": cfg.seed,
+           "domain_weights": cfg.domain_weights}
     done = torch.load(cache) if cache.exists() else {"hidden": [], "delta": [], "seq": [], "domain": [], "al": [],
-                                                     "entropy": []}
+                                                     "entropy": [], "key": key}
+    if done.get("key") != key:
+        diff = sorted(k for k in key if (done.get("key") or {}).get(k) != key[k])
+        raise SpeclabError(f"{cache} was collected with other settings ({', '.join(diff)}): use another --out, or "
+                           "delete it to collect again")
+    for k in ("hidden", "delta", "seq", "domain", "al", "entropy"):  # a larger run's cache serves a smaller one
+        done[k] = done[k][: len(prompts)]
     start, t0, minutes0 = len(done["al"]), time.time(), done.get("minutes", 0.0)
     if start:
         log(f"router data: resuming after {start} sequences ({cache})")
-    drafters, _ = build_method("whiflash-entropy", target, models, method_params("whiflash-entropy", {}, target))
+    drafters, _ = build_method("whiflash-entropy", target, models, params)
     prog = Progress(len(prompts), "profile sequences")
     prog.update(start)
     for i in range(start, len(prompts)):
@@ -122,7 +143,7 @@ def fit(data: dict, cfg: RouterTrainConfig, hidden_size: int, log=print):
             loss.backward()
             opt.step()
             sched.step()
-            tot += float(loss) * len(idx)
+            tot += loss.item() * len(idx)
         m.eval()
         with torch.no_grad():
             pv = m(hv)
@@ -180,7 +201,7 @@ def train_router(cfg: RouterTrainConfig, target, models: dict, log=print) -> dic
     out = Path(cfg.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     data_c = tokenize_corpus(Path(cfg.corpus_dir), target.tokenizer, Path(cfg.corpus_dir) / ".tokens")
-    prompts = corpus_prompts(data_c, cfg, np.random.default_rng(cfg.seed))
+    prompts = corpus_prompts(data_c, cfg)
     pairs = collect(target, models, prompts, cfg, out / "pairs.pt", log)
     collect_min = pairs.get("minutes", 0.0)
     m, records, heldout = fit(pairs, cfg, target.hidden_size, log)
@@ -189,7 +210,8 @@ def train_router(cfg: RouterTrainConfig, target, models: dict, log=print) -> dic
     hw = hardware_threshold(cost, float(al[DRAFTERS.index("dflash")]), switch_backlog, widths, stays)
     m.config.target, m.config.hardware_threshold, m.config.derivation = target.fingerprint, hw["threshold"], hw
     summary = {"train_config": asdict(cfg), "collect_minutes": collect_min, "heldout": heldout,
-               "al_profiled": dict(zip(DRAFTERS, map(float, al))), "hardware_threshold": hw,
+               "al_profiled": dict(zip(DRAFTERS, map(float, al))), "dtype": target.precision["dtype"],
+               "drafter_params": drafter_params(target), "hardware_threshold": hw,
                "cost_model": asdict(cost), "curve": records}
     m.save(out / "model", extra={})
     (out / "model" / "train_summary.json").write_text(json.dumps(summary, indent=1) + "\n")
@@ -198,6 +220,13 @@ def train_router(cfg: RouterTrainConfig, target, models: dict, log=print) -> dic
             f.write(json.dumps(r) + "\n")
     (out / "model" / "README.md").write_text(card(out))
     return summary
+
+
+def eagle3_shape(p: dict) -> str:
+    """EAGLE-3's draft shape in words: 'a chain of depth 4' or 'depth 3, top-2, 8 nodes'."""
+    if p.get("tree_topk") == 1:
+        return f"a chain of depth {p.get('depth', '?')}"
+    return f"depth {p.get('depth', '?')}, top-{p.get('tree_topk', '?')}, {p.get('total_tokens', '?')} nodes"
 
 
 def curve_table(records: list[dict], every: int = 5) -> str:
@@ -225,13 +254,15 @@ def card(run_dir: str | Path, calibration: dict | None = None) -> str:
     ok = val.numpy() & np.isfinite(ent)
     ent_corr = pearson(ent[ok], y[ok])
     doms = {d: pairs["domain"].count(d) for d in sorted(set(pairs["domain"]))}
-    al = s["al_profiled"]
+    al, dp = s["al_profiled"], s.get("drafter_params", {})
     lines = [
         "# WhiFlash-Neural router (speclab zoo)", "",
         "An MLP on the zoo target's final-norm hidden state h_t (512 -> 64 -> GELU -> dropout 0.1 -> 1) predicting "
-        "Delta AL_t = AL_eagle3 - AL_dflash: how many more draft tokens the zoo's EAGLE-3 drafter (depth 2, top-2, 8 "
-        "nodes) would get accepted than its DFlash drafter (block 6, Markov head) in a round starting at position t. "
-        "`whiflash-neural` routes to EAGLE-3 when the prediction exceeds its threshold.", "",
+        f"Delta AL_t = AL_eagle3 - AL_dflash: how many more draft tokens the zoo's EAGLE-3 drafter "
+        f"({eagle3_shape(dp)}) would get accepted than its DFlash drafter (block {dp.get('block_size', '?')}"
+        f"{', Markov head' if dp.get('markov', 1) else ''}) in a round starting at position t, the target in "
+        f"{s.get('dtype', 'float32')}. `whiflash-neural` routes to EAGLE-3 when the prediction exceeds its "
+        "threshold.", "",
         "## Data", "",
         f"- {n_seq} prompts of {cfg['prompt_tokens']} tokens cut at random from the training splits of the four zoo "
         f"domains, mixed evenly (task-agnostic, like the paper's corpus): {doms}.",
