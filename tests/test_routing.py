@@ -389,6 +389,19 @@ def test_bench_pipeline_profiles_replays_calibrates(deep, models, thresholds, tm
         from speclab.routing.evaluate import live_specs, routing_report, run_live, sweep_report
         report = routing_report(store, bench, profs, cost, models["router"])
         assert "Lazy vs eager" in report.text and "model error" in report.text and len(report.figs) == 4
+        # the volatility figure in numbers: shares of positions, leader changes counted from the signals table
+        from speclab.routing.evaluate import signals_table, volatility_table
+        vt = volatility_table(profs, models["router"]).set_index("category")
+        assert "Intra-sequence volatility" in report.text and set(vt.index) == {"code", "stories", "literature",
+                                                                                  "math", "all"}
+        assert np.allclose(vt[["eagle3_better", "dflash_better", "tie"]].sum(axis=1), 1.0)
+        sig = signals_table(profs, models["router"])
+        changes = 0
+        for _, q in sig.groupby("prompt_id"):
+            w = [x for x in q.winner if x != "tie"]
+            changes += sum(a != b for a, b in zip(w, w[1:]))
+        assert vt.leader_changes_per_100["all"] == pytest.approx(100 * changes / len(sig))
+        assert vt.r_neural["all"] == pytest.approx(np.corrcoef(sig.predicted, sig.delta_tau)[0, 1])
         run_live(store, bench, deep, models, live_specs("entropy", [1.25]), log=lambda s: None)
         report = sweep_report(store, bench, profs, cost, "entropy", [0.0, 1.25, 99.0], live_thresholds=[1.25])
         live = report.figs[0].data[-1]  # a live point per category, over the replayed lines

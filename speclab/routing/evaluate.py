@@ -376,6 +376,26 @@ def with_counterfactual(rr: pd.DataFrame, profile=None) -> pd.DataFrame:
 
 
 # -- switching -----------------------------------------------------------------------------------------------------
+def volatility_table(profiles, mlp=None) -> pd.DataFrame:
+    """The intra-sequence volatility figure in numbers (WhiFlash's Figure 2), per category and 'all': the share of
+    profiled positions where EAGLE-3 or DFlash would have more accepted, or both the same; how often the leader
+    changes along a sequence (per 100 positions, ties skipped); mean |Delta AL|; and how the routers' signals track
+    Delta AL (Pearson r of the target's entropy and, with `mlp`, of the neural router's prediction)."""
+    s = signals_table(profiles, mlp)
+    rows = []
+    for cat, g in [*s.groupby("category", sort=True), ("all", s)]:
+        leaders = (q.winner[q.winner != "tie"].to_numpy() for _, q in g.groupby("prompt_id"))
+        changes = sum(int((w[1:] != w[:-1]).sum()) for w in leaders)
+        row = {"category": cat, "eagle3_better": (g.winner == EAGLE3).mean(),
+               "dflash_better": (g.winner == DFLASH).mean(), "tie": (g.winner == "tie").mean(),
+               "leader_changes_per_100": 100 * changes / len(g), "mean_abs_delta": g.delta_tau.abs().mean(),
+               "r_entropy": g.entropy.corr(g.delta_tau)}
+        if mlp is not None:
+            row["r_neural"] = g.predicted.corr(g.delta_tau)
+        rows.append(row)
+    return pd.DataFrame(rows)
+
+
 def switch_table(store, bench_id: str, edges=(1, 8, 16, 32, 64, 128, 10 ** 9)) -> pd.DataFrame:
     """Live switch cost: rounds whose drafter differs from the previous round's, by backlog bucket: the catch-up
     time as a share of that round's latency (the paper's Table 4, measured in real routed runs)."""
@@ -571,6 +591,10 @@ def routing_report(store, bench_id: str, profiles, cost, mlp=None, prompt_id: st
           "Live tokens/s of one method and category vary by about 10% from run to run on this machine even for "
           "identical rounds; replayed through one cost model every method pays the same per-phase costs.", "",
           modeled.reset_index().to_markdown(**fmt), "",
+          "## Intra-sequence volatility (from the profiles)", "",
+          "Per profiled position, which drafter would have more accepted in a round starting there; leader changes "
+          "along each sequence; and the Pearson r of the routers' signals with Delta AL = AL_eagle3 - AL_dflash.", "",
+          volatility_table(profiles, mlp).to_markdown(index=False, floatfmt=".3f"), "",
           "## Live vs replay (routed runs)", "",
           replay_agreement(store, bench_id, agree), "",
           "## Cost model", "", cost.table().to_markdown(index=False, floatfmt=".3f"), "",
