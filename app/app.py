@@ -59,22 +59,25 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m app", description="the speclab app (Gradio)")
     add_model_args(ap)
     ap.add_argument("--db", default="traces/app.duckdb", help="trace database (default traces/app.duckdb)")
-    ap.add_argument("--calibration", help="calibration file the routers read and the calibration tab writes "
-                                          "(default: the zoo's data/zoo/calibration.json)")
+    ap.add_argument("--calibration", help="your calibration file: the calibration tab writes it and routers read it "
+                                          "first, the zoo's data/zoo/calibration.json where it has no threshold "
+                                          "(default: calibration.json beside --db)")
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--port", type=int, default=7860)
     a = ap.parse_args(argv)
     try:
         check_model_args(a)
         check_port(a.host, a.port)
-        if a.calibration:  # the calibration tab saves there: refused now if it could not
-            from speclab.files import check_writable
-            try:
-                check_writable(a.calibration, "the calibration file")
-            except ValueError as e:
-                raise InvalidInput(f"--calibration {a.calibration}: {e}") from e
-            from speclab.routing.routers import CALIBRATION_ENV
-            os.environ[CALIBRATION_ENV] = str(Path(a.calibration).resolve())
+        # the calibration tab saves to the user's file (never to the zoo's shipped one, which stays the fallback):
+        # --calibration, else calibration.json beside the trace; refused now if it could not be written
+        from speclab.files import check_writable
+        from speclab.routing.routers import CALIBRATION_ENV
+        calibration = Path(a.calibration or Path(a.db).parent / "calibration.json")
+        try:
+            check_writable(calibration, "the calibration file")
+        except ValueError as e:
+            raise InvalidInput(f"--calibration {calibration}: {e}") from e
+        os.environ[CALIBRATION_ENV] = str(calibration.resolve())
         print(f"speclab app: opening trace {a.db} ...", flush=True)
         store = TraceStore(a.db)
         target, models = load_models(ModelPaths.from_args(a), log=lambda s: print(f"speclab app: {s}", flush=True))

@@ -126,8 +126,8 @@ def build(lab: Lab) -> None:
     bench = gr.State(None)
     with gr.Row():
         suite = gr.Dropdown(list(SUITES), value="zoo-calibration", label="Prompt suite", elem_id="cal_suite")
-        limit = gr.Number(2, label="prompts per category (1-64)", precision=0, elem_id="cal_limit")
-        max_new = gr.Number(64, label="max new tokens (8-1024)", precision=0, elem_id="cal_max_new")
+        limit = gr.Number(2, label="prompts per category (1-64)", elem_id="cal_limit")
+        max_new = gr.Number(64, label="max new tokens (8-1024)", elem_id="cal_max_new")
         router = gr.Radio(list(ROUTERS), value="neural", label="router", elem_id="cal_router")
         go = gr.Button("Profile", variant="primary", elem_id="cal_profile")
     status = gr.Markdown("Profile a suite: its bench (AR, EAGLE-3, DFlash) and profiles are reused from the trace "
@@ -139,7 +139,7 @@ def build(lab: Lab) -> None:
     plot = gr.Plot(label="Calibration", elem_id="cal_plot")
     with gr.Row():
         save = gr.Button("Save threshold", elem_id="cal_save")
-        n_live = gr.Number(2, label="prompts to confirm (1-16)", precision=0, elem_id="cal_n")
+        n_live = gr.Number(2, label="prompts to confirm (1-16)", elem_id="cal_n")
         confirm = gr.Button("Confirm live", elem_id="cal_confirm")
     saved = gr.Markdown("", elem_id="cal_saved")
     live_msg = gr.Markdown("", elem_id="cal_live_msg")

@@ -105,14 +105,14 @@ def build(lab: Lab) -> dict:
                                            min_width=160, info=p.help or None)
                         else:
                             w = gr.Number(defaults[p.name], label=label, elem_id=f"p-{name}-{p.name}", min_width=110,
-                                          precision=0 if p.kind is int else None, info=p.help or None)
+                                          info=p.help or None)  # no precision: 2.5 reaches the check, not rounded
                         widgets.append(w)
                         keys.append((name, p.name))
     with gr.Row():
         deferred = gr.Checkbox(True, label="deferred bonus token")
-        max_new = gr.Number(96, label="max new tokens", precision=0, elem_id="max_new")
+        max_new = gr.Number(96, label="max new tokens", elem_id="max_new")
         temperature = gr.Number(0.0, label="temperature (0 = greedy)", elem_id="temperature")
-        seed = gr.Number(0, label="seed", precision=0, elem_id="seed")
+        seed = gr.Number(0, label="seed", elem_id="seed")
         shade = gr.Radio(["depth", "draft_prob"], value="depth", label="shade by", elem_id="shade")
     run = gr.Button("Decode side by side", variant="primary", elem_id="run")
     status = gr.Markdown("", elem_id="status")

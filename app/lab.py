@@ -11,6 +11,7 @@ import gradio as gr
 from speclab.core.precision import precision_label
 from speclab.core.target import Target
 from speclab.errors import InvalidInput, SpeclabError
+from speclab.routing.routers import calibration_path
 from speclab.trace import TraceStore, vocab_text
 from speclab.zoo import display_path
 
@@ -26,7 +27,8 @@ class Lab:
     def header(self) -> str:
         roles = " · ".join(f"{role} `{display_path(getattr(m, 'name', '-'))}`" for role, m in self.models.items())
         return (f"# speclab · speculative decoding lab\ntarget `{display_path(self.target.name)}` · {roles} · "
-                f"trace `{display_path(self.store.path)}` · {self.target.device.type} · {precision_label(self.target)}")
+                f"trace `{display_path(self.store.path)}` · calibration `{display_path(calibration_path())}` (the "
+                f"zoo's where it has none) · {self.target.device.type} · {precision_label(self.target)}")
 
     def warm_up(self) -> None:
         """Decode a few tokens with every method once, untraced, so the first decode a user asks for streams its

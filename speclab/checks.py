@@ -62,9 +62,12 @@ def _shown(value) -> str:
         return repr(value)
 
 
+MAX_TEMPERATURE = 10.0  # past this the target's distribution is close to uniform noise: a typo, not an experiment
+
+
 def check_sampling(temperature=0.0, top_k=0, top_p=1.0, seed=None, vocab_size: int | None = None):
     """The sampling parameters, checked: (temperature, top_k, top_p, seed)."""
-    temperature = check_number("temperature", temperature, float, Bound(0.0))
+    temperature = check_number("temperature", temperature, float, Bound(0.0, MAX_TEMPERATURE))
     top_k = check_number("top_k", top_k, int, Bound(0, vocab_size))
     top_p = check_number("top_p", top_p, float, Bound(0.0, 1.0))
     if top_p == 0:

@@ -12,7 +12,8 @@ import time
 import pytest
 
 from app.probe import CHROMIUM_ARGS, TAP, choose_methods, free_port, probe_once, start_app
-from speclab.zoo import REPO_ROOT
+from speclab.routing.routers import zoo_calibration_path
+from speclab.zoo import REPO_ROOT, display_path
 
 CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
 ART = REPO_ROOT / "tests" / "artifacts"
@@ -26,11 +27,13 @@ if not os.path.exists(CHROMIUM):
 
 @pytest.fixture(scope="module")
 def app(tmp_path_factory):
-    """The app on the zoo with a scratch trace and a scratch calibration file (the zoo's stays untouched)."""
+    """The app on the zoo with a scratch trace; no --calibration, so the user's calibration file is the default one
+    beside the trace (the zoo's shipped file stays untouched: `zoo_calibration` is its text at start)."""
     tmp = tmp_path_factory.mktemp("app")
     port = free_port()
-    proc = start_app(tmp / "app.duckdb", port, tmp / "app.log", ["--calibration", str(tmp / "calibration.json")])
-    yield {"url": f"http://127.0.0.1:{port}", "calibration": tmp / "calibration.json"}
+    shipped = zoo_calibration_path().read_bytes()
+    proc = start_app(tmp / "app.duckdb", port, tmp / "app.log")
+    yield {"url": f"http://127.0.0.1:{port}", "calibration": tmp / "calibration.json", "zoo_calibration": shipped}
     proc.terminate()
     proc.wait(timeout=30)
 
@@ -167,6 +170,23 @@ def test_bad_input_gets_one_clear_message_and_starts_no_run(page):
     page.keyboard.press("Tab")
     page.click("#run")
     error_toast(page, "max_new_tokens must be an integer of at least 1")
+    page.fill("#max_new input", "2.5")  # an integer refuses a fraction: not rounded behind the user's back
+    page.keyboard.press("Tab")
+    page.click("#run")
+    assert "(got 2.5)" in error_toast(page, "max_new_tokens must be an integer")
+    page.fill("#max_new input", "16")
+    choose_methods(page, ["ar", "eagle3"])
+    page.fill("#p-eagle3-depth input", "2.5")
+    page.keyboard.press("Tab")
+    page.click("#run")
+    assert "(got 2.5)" in error_toast(page, "eagle3: depth must be an integer")
+    page.fill("#p-eagle3-depth input", "4")
+    page.fill("#temperature input", "1e9")  # a temperature past any use: one message, nothing decoded
+    page.keyboard.press("Tab")
+    page.click("#run")
+    error_toast(page, "temperature must be a finite number from 0 to 10")
+    page.fill("#temperature input", "0")
+    choose_methods(page, ["ar"])
     # the earlier decode is still on the page: bad input blanks nothing
     assert page.locator("#col3 .tok").count() > 0 and page.locator("#status").inner_text().startswith("done")
     assert _runs(page) == runs_before  # nothing started, nothing half-written
@@ -228,6 +248,11 @@ def test_calibration_replays_saves_and_confirms_live(page, app):
     wait_text(page, "#cal_saved", "saved")
     saved = json.loads(app["calibration"].read_text())
     assert saved["thresholds"]["entropy"]["*"] == 2.5
+    # shipped files are never rewritten: the save went to the user's file beside the trace, which the header and
+    # the message name, and the zoo's calibration is byte for byte what it was
+    assert zoo_calibration_path().read_bytes() == app["zoo_calibration"]
+    assert app["calibration"].name in page.locator("#cal_saved").inner_text()
+    assert display_path(app["calibration"]) in page.locator("#header").inner_text()
     good = app["calibration"].read_text()  # a calibration file that cannot be written: one message, nothing saved
     app["calibration"].unlink()
     app["calibration"].mkdir()

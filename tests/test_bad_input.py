@@ -120,8 +120,9 @@ FILES = {"empty": b"", "blank": b"\n  \n", "binary": bytes(range(256)) * 4,
 
 WF = ["--eagle", "{eagle3}", "--dflash", "{dflash}"]  # drafters that fit the tiny target
 BAD = [  # (case, argv, what the one line must say)
-    ("temperature-nan", ["--temperature", "nan"], "temperature must be a finite number of at least 0 (got nan)"),
-    ("temperature-negative", ["--temperature", "-1"], "temperature must be a finite number of at least 0 (got -1.0)"),
+    ("temperature-nan", ["--temperature", "nan"], "temperature must be a finite number from 0 to 10 (got nan)"),
+    ("temperature-negative", ["--temperature", "-1"], "temperature must be a finite number from 0 to 10 (got -1.0)"),
+    ("temperature-huge", ["--temperature", "1e9"], "from 0 to 10 (got 1000000000.0)"),
     ("temperature-inf", ["--temperature", "inf"], "temperature must be a finite number"),
     ("top-p-zero", ["--temperature", "1", "--top-p", "0"], "top_p must be a finite number above 0"),
     ("top-p-above-1", ["--top-p", "1.5"], "top_p must be a finite number from 0 to 1 (got 1.5)"),

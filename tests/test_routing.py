@@ -222,6 +222,15 @@ def test_calibrated_threshold_by_category(deep, models, tmp_path, monkeypatch):
     (tmp_path / "calibration.json").write_text("{oops")
     with pytest.raises(InvalidInput, match="not a speclab calibration file"):
         thr("whiflash-entropy", "code")
+    # a user's file (the app's, $SPECLAB_CALIBRATION) is read first; the zoo's shipped file is the fallback for
+    # what the user's file does not calibrate
+    Calibration({"entropy": {"code": 0.25, "*": 2.5}, "neural": {"*": -0.75}}, deep.fingerprint).save(
+        tmp_path / "calibration.json")
+    Calibration({"entropy": {"*": 1.75}}, deep.fingerprint).save(tmp_path / "mine.json")
+    monkeypatch.setenv("SPECLAB_CALIBRATION", str(tmp_path / "mine.json"))
+    assert thr("whiflash-entropy", "code") == 1.75 and thr("whiflash-neural", "code") == -0.75
+    monkeypatch.setenv("SPECLAB_CALIBRATION", str(tmp_path / "none-yet.json"))  # not saved yet: the zoo's
+    assert thr("whiflash-entropy", "code") == 0.25
 
 
 def test_router_checkpoint_round_trip(deep, tmp_path):

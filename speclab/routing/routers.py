@@ -196,11 +196,17 @@ CALIBRATION_ENV = "SPECLAB_CALIBRATION"  # another calibration file for every ro
 
 
 def calibration_path() -> Path:
-    """The calibration file routers read and `speclab calibrate` / the app write: $SPECLAB_CALIBRATION, else the
-    zoo's."""
+    """The calibration file `speclab calibrate` and the app write and routers read first: $SPECLAB_CALIBRATION (a
+    user's file: the app sets it to its --calibration, or to calibration.json beside its trace), else the zoo's."""
     import os
     if os.environ.get(CALIBRATION_ENV):
         return Path(os.environ[CALIBRATION_ENV])
+    return zoo_calibration_path()
+
+
+def zoo_calibration_path() -> Path:
+    """The zoo's shipped calibration (`make whiflash` makes it): the fallback of a user's file, never written by
+    the app."""
     from speclab.zoo import zoo_dir
     return zoo_dir() / "calibration.json"
 
@@ -232,9 +238,10 @@ def load_calibration(path: str | Path | None = None) -> Calibration:
 
 def default_threshold(policy: str, category: str | None, target: str | None = None,
                       mlp: RouterMLP | None = None) -> float:
-    """The threshold a router uses when none is given: calibrated (category, then global), else the neural
-    router's hardware-aware one, else ENTROPY_FALLBACK."""
-    v = load_calibration().threshold(policy, category, target)
-    if v is not None:
-        return v
+    """The threshold a router uses when none is given: calibrated (category, then global) in the user's file
+    (`calibration_path`), else in the zoo's, else the neural router's hardware-aware one, else ENTROPY_FALLBACK."""
+    for path in dict.fromkeys([calibration_path(), zoo_calibration_path()]):
+        v = load_calibration(path).threshold(policy, category, target) if path.exists() else None
+        if v is not None:
+            return v
     return mlp.config.hardware_threshold if policy == "neural" and mlp is not None else ENTROPY_FALLBACK
