@@ -76,7 +76,8 @@ def main(argv: list[str] | None = None) -> int:
         try:
             check_writable(calibration, "the calibration file")
         except ValueError as e:
-            raise InvalidInput(f"--calibration {calibration}: {e}") from e
+            where = "--calibration" if a.calibration else "the calibration file beside --db,"
+            raise InvalidInput(f"{where} {calibration}: {e}") from e
         os.environ[CALIBRATION_ENV] = str(calibration.resolve())
         print(f"speclab app: opening trace {a.db} ...", flush=True)
         store = TraceStore(a.db)
