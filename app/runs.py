@@ -82,7 +82,9 @@ class Runs:
                                    title=f"run {rid}, round {int(rnd)}: no draft (target step)")
         root = self.lab.store.query("SELECT text FROM tokens WHERE run_id = ? AND round < ? ORDER BY pos DESC LIMIT 1",
                                     [rid, int(rnd)])
-        return viz.tree_figure(nodes, root.text[0] if len(root) else "prompt", f"run {rid}, round {int(rnd)}")
+        drafter = self.lab.store.query("SELECT drafter FROM rounds WHERE run_id = ? AND round = ?", [rid, int(rnd)])
+        who = f"{drafter.drafter[0]}'s draft" if len(drafter) and drafter.drafter[0] else "draft"
+        return viz.tree_figure(nodes, root.text[0] if len(root) else "prompt", f"run {rid}, round {int(rnd)}: {who}")
 
     def table(self, method=None, category=None):
         df = self.lab.store.runs(method=method or None, category=category or None)

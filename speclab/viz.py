@@ -190,12 +190,16 @@ def tree_figure(nodes, root_text: str = "root", title: str = "") -> go.Figure:
                 customdata=[[r.node, _fmt(r.draft_prob), _fmt(r.target_prob)] for r in sel],
                 hovertemplate=("node %{customdata[0]}<br>%{text}<br>draft p %{customdata[1]}"
                                "<br>target p %{customdata[2]}<extra></extra>"),
-                name="accepted" if acc else "rejected", showlegend=False)
+                name="accepted" if acc else "rejected", showlegend=False, cliponaxis=False)
     fig.add_scatter(x=[0], y=[y[-1]], mode="markers+text", text=[repr(root_text)[1:-1][:12]], textposition="top center",
-                    marker=dict(size=14, color="#444"), name="root",
+                    marker=dict(size=14, color="#444"), name="root", cliponaxis=False,
                     hovertemplate="root (last committed token)<extra></extra>")
-    fig.update_layout(title=title or "Draft tree", xaxis_title="depth", yaxis_visible=False, template="plotly_white",
-                      height=max(300, 40 * leaf[0] + 120), showlegend=True)
+    deepest = max([int(r.depth) for r in info.values()], default=0)
+    fig.update_layout(title=title or "Draft tree", template="plotly_white", height=max(300, 40 * leaf[0] + 120),
+                      showlegend=True, margin=dict(t=70),
+                      # whole depths only, and room around the outermost nodes for their labels (no clipping)
+                      xaxis=dict(title="depth", tick0=0, dtick=1, range=[-0.5, deepest + 0.5]),
+                      yaxis=dict(visible=False, range=[min(y.values()) - 0.6, max(y.values()) + 0.9]))
     return fig
 
 

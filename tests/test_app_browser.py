@@ -218,6 +218,7 @@ def test_reopened_routed_run_shows_tokens_tree_and_router(page):
     page.keyboard.press("Enter")
     page.wait_for_selector("#run_router .js-plotly-plot", timeout=60000)
     page.wait_for_selector("#tree .js-plotly-plot", timeout=60000)
+    assert re.search(r"round \d+: (eagle3|dflash)'s draft|no draft", svg_texts(page, "#tree .gtitle")[0])
     assert page.locator("#run_html .tok[data-src=dflash]").count() > 0
     assert "router chose" in page.locator("#run_html .tok[data-src=eagle3]").first.get_attribute("title")
     for el in ("#per_round", "#per_pos", "#phases"):

@@ -50,6 +50,12 @@ def test_tree_and_round_charts_from_trace(traced):
     fig = viz.tree_figure(nodes, "root")
     xs = [x for tr in fig.data for x in (tr.x or []) if x is not None]
     assert max(xs) == nodes.depth.max() and len(nodes) == 2 * 3  # tree top-2 over 3 levels
+    # whole depths on the axis, and every node (with its label above it) inside the plotted area: nothing clipped
+    lay = fig.layout
+    assert lay.xaxis.dtick == 1 and lay.xaxis.range[0] < 0 and lay.xaxis.range[1] > max(xs)
+    ys = [v for tr in fig.data for v in (tr.y or []) if v is not None]
+    assert lay.yaxis.range[0] < min(ys) and lay.yaxis.range[1] > max(ys) + 0.5
+    assert all(tr.cliponaxis is False for tr in fig.data if tr.mode == "markers+text")
     rounds = store.query("SELECT * FROM rounds WHERE run_id IN (?, ?, ?)", list(runs.values()))
     rounds["label"] = rounds.run_id.astype(str)
     assert len(viz.accepted_per_round(rounds).data) == 3
