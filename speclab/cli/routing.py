@@ -31,8 +31,8 @@ def _bench_paths(a: argparse.Namespace, store, bench_id: str) -> ModelPaths:
     did): --dtype auto means the bench's; another dtype than the bench's is refused."""
     from dataclasses import replace
 
-    from speclab.core.precision import DTYPES
-    from speclab.routing.evaluate import DTYPE_OPTION, bench_dtype
+    from speclab.core.precision import DTYPES, dtype_option
+    from speclab.routing.evaluate import bench_dtype
 
     paths, want = ModelPaths.from_args(a), bench_dtype(store, bench_id)
     paths.check()
@@ -42,7 +42,7 @@ def _bench_paths(a: argparse.Namespace, store, bench_id: str) -> ModelPaths:
         return replace(paths, dtype=want)
     if DTYPES[paths.dtype] != DTYPES[want]:
         raise SpeclabError(f"--dtype {paths.dtype}: bench {bench_id} ran in {want}; its profiles and live runs are "
-                           f"made in the same dtype (leave --dtype out, or give {DTYPE_OPTION.get(want, want)})")
+                           f"made in the same dtype (leave --dtype out, or give {dtype_option(want)})")
     return paths
 
 

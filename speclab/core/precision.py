@@ -36,6 +36,11 @@ REFINE_K = 16  # logits of each row recomputed in fp32
 BF16_FLAGS = ("amx_bf16", "avx512_bf16")
 
 
+def dtype_option(name: str) -> str:
+    """The --dtype value that selects the dtype called `name` ('bfloat16' -> 'bf16'); `name` when none does."""
+    return next((k for k in DTYPE_CHOICES if k in DTYPES and DTYPES[k] is DTYPES.get(name)), name)
+
+
 def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).replace("torch.", "")
 

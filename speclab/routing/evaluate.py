@@ -72,13 +72,11 @@ def bench_dtype(store, bench_id: str) -> str | None:
 
 def check_bench_dtype(store, bench_id: str, target) -> None:
     """InvalidInput unless `target` computes in the bench's dtype."""
+    from speclab.core.precision import dtype_option
     want, have = bench_dtype(store, bench_id), target.precision["dtype"]
     if want is not None and want != have:
         raise InvalidInput(f"bench {bench_id} ran in {want}, the target is loaded in {have}: profiles replay the "
-                           f"bench's runs, so load it in {want} (--dtype {DTYPE_OPTION.get(want, want)})")
-
-
-DTYPE_OPTION = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
+                           f"bench's runs, so load it in {want} (--dtype {dtype_option(want)})")
 
 
 def profile_bench(store, bench_id: str, target, models: dict, params: dict | None = None, log=print):

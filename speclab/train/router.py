@@ -210,8 +210,8 @@ def train_router(cfg: RouterTrainConfig, target, models: dict, log=print) -> dic
     hw = hardware_threshold(cost, float(al[DRAFTERS.index("dflash")]), switch_backlog, widths, stays)
     m.config.target, m.config.hardware_threshold, m.config.derivation = target.fingerprint, hw["threshold"], hw
     summary = {"train_config": asdict(cfg), "collect_minutes": collect_min, "heldout": heldout,
-               "al_profiled": dict(zip(DRAFTERS, map(float, al))), "dtype": target.precision["dtype"],
-               "drafter_params": drafter_params(target), "hardware_threshold": hw,
+               "al_profiled": dict(zip(DRAFTERS, map(float, al))), "dtype": pairs["key"]["dtype"],
+               "drafter_params": pairs["key"]["drafters"], "hardware_threshold": hw,
                "cost_model": asdict(cost), "curve": records}
     m.save(out / "model", extra={})
     (out / "model" / "train_summary.json").write_text(json.dumps(summary, indent=1) + "\n")
