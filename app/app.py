@@ -24,19 +24,23 @@ def build_app(lab: Lab) -> gr.Blocks:
     r = runs.Runs(lab)
     with gr.Blocks(title="speclab", analytics_enabled=False) as demo:  # no calls home: the lab runs offline
         gr.Markdown(lab.header(), elem_id="header")
-        with gr.Tab("Side by side"):
-            side = decode.build(lab)
-        with gr.Tab("Rounds & trees"):
-            shade = gr.Radio(["depth", "draft_prob"], value="depth", label="shade by", elem_id="run_shade")
-            rounds = runs.build_rounds(lab, r, shade)
-        with gr.Tab("Calibration"):
-            calibrate.build(lab)
-        with gr.Tab("Trace explorer") as explorer:
-            ex = runs.build_explorer(lab, r)
-        listed = [ex["runs_df"], rounds["run_pick"]]
-        # the run lists follow the trace: after every decode and whenever the explorer opens
-        side["run"].then(r.refresh, [ex["f_method"], ex["f_cat"]], listed)
-        explorer.select(r.refresh, [ex["f_method"], ex["f_cat"], rounds["run_pick"]], listed)
+        with gr.Tabs() as tabs:
+            with gr.Tab("Side by side", id="side"):
+                side = decode.build(lab)
+            with gr.Tab("Rounds & trees", id="rounds"):
+                shade = gr.Radio(["depth", "draft_prob"], value="depth", label="shade by", elem_id="run_shade")
+                rounds = runs.build_rounds(lab, r, shade)
+            with gr.Tab("Calibration", id="calibration"):
+                calibrate.build(lab)
+            with gr.Tab("Trace explorer", id="explorer") as explorer:
+                ex = runs.build_explorer(lab, r)
+        listed = [ex["runs_df"], rounds["run_pick"], rounds["none"]]
+        filters = [ex["f_method"], ex["f_cat"]]
+        # the run lists follow the trace: on every fresh page, after every decode, whenever the explorer opens
+        demo.load(r.refresh, filters, listed)
+        side["run"].then(r.refresh, filters, listed)
+        explorer.select(r.refresh, [*filters, rounds["run_pick"]], listed)
+        ex["runs_df"].select(r.opened, None, [rounds["run_pick"], tabs])  # a click on a run opens it
         demo.load(lambda s: gr.update(choices=side["prompts"](s)), side["suite"], side["pick"])
     return demo
 

@@ -5,26 +5,46 @@ calibration file the routers read; "Confirm live" decodes a few prompts at it an
 beside the modeled ones. All of it is `speclab.routing.calibration`."""
 from __future__ import annotations
 
+import abc
 import math
 import time
 
 import gradio as gr
+import pandas as pd
 
-from app.lab import MODELS, Lab, answers
+from app.lab import Lab, answers
 from speclab import viz
 from speclab.bench.suites import SUITES
 from speclab.errors import InvalidInput
+from speclab.methods import METHODS
 from speclab.progress import listen
 from speclab.routing.calibration import (
     GRIDS,
     ROUTERS,
     Calibrator,
     check_threshold,
-    grid,
+    grid_text,
     save_thresholds,
 )
 from speclab.routing.routers import calibration_path
 from speclab.zoo import display_path
+
+
+def _preprocess(self, payload):
+    return payload  # as typed: speclab's check (`check_threshold`) answers a value out of range
+
+
+# Gradio's slider minus its own bound check: a typed value out of range reaches speclab's check, which names the
+# router's bound in one message (Gradio's generic check answered first, then the page clamped the value silently).
+# A subclass, since Gradio rebuilds a component from its class on every update; made without ComponentMeta's
+# __new__, which would write a .pyi stub beside this module (Slider's events and __init__ are inherited as made).
+ThresholdSlider = abc.ABCMeta.__new__(type(gr.Slider), "ThresholdSlider", (gr.Slider,), {
+    "__module__": __name__, "preprocess": _preprocess, "get_block_name": lambda self: "slider"})
+
+
+def bound(router: str, target):
+    """The router's thresholds: its method's own bound (the registry's `threshold` parameter)."""
+    return METHODS[f"whiflash-{router}"].bounds(target)["threshold"]
 
 
 class Calibration:
@@ -37,7 +57,7 @@ class Calibration:
             raise InvalidInput("profile a suite first (button 'Profile')")
         return cal
 
-    @answers(6)
+    @answers(7)
     def profile(self, suite, limit, max_new, router, progress=gr.Progress()):
         """Reuse or make the suite's bench and profiles; returns the bench id, categories, slider and plot."""
         lab = self.lab
@@ -48,7 +68,7 @@ class Calibration:
 
         def step(label, done, total, eta):
             progress((done, total), desc=f"{label} · ETA {eta:.0f} s" if math.isfinite(eta) else label)
-        with listen(step):
+        with self.lab.line.hold(progress), listen(step):
             cal = Calibrator.prepare(lab.store, lab.target, lab.models, suite, limit, max_new,
                                      log=lambda s: print(f"speclab app: {s}", flush=True))
         lab.calibrators[cal.bench_id] = cal
@@ -58,36 +78,51 @@ class Calibration:
                f"{cal.cost.rounds_fitted} live rounds")
         t, slider = self._start(cal, router, "all")
         return (cal.bench_id, msg, gr.update(choices=cats, value="all"), slider,
-                *self.replot(cal.bench_id, router, "all", t))
+                *self.replot(cal.bench_id, router, "all", t), t)
 
     def _start(self, cal: Calibrator, router: str, category: str):
-        g = grid(router)
+        """The slider over the router's own bound (never narrower: no value is clamped), at the optimum."""
+        b = bound(router, self.lab.target)
         t = float(cal.best(router, category)["threshold"])
-        return t, gr.update(minimum=g[0], maximum=g[-1], step=GRIDS[router][2], value=t, interactive=True)
+        return t, gr.update(minimum=b.lo, maximum=b.hi, step=GRIDS[router][2], value=t, interactive=True,
+                            label=f"threshold ({b.lo:g} to {b.hi:g}; calibration grid {grid_text(router)})")
 
-    @answers(3)
+    @answers(4)
     def switch(self, bench_id, router, category):
         """A new router or category: the slider starts at its optimum."""
         if not bench_id:
-            return gr.update(), gr.update(), ""
+            return gr.update(), gr.update(), "", gr.skip()
         t, slider = self._start(self._cal(bench_id), router, category)
-        return (slider, *self.replot(bench_id, router, category, t))
+        return (slider, *self.replot(bench_id, router, category, t), t)
 
-    @answers(2)
-    def replot(self, bench_id, router, category, threshold):
-        """The exact replay at the slider's threshold (instant: profiles are in memory)."""
+    @answers(4)
+    def moved(self, bench_id, router, category, threshold, shown):
+        """The slider moved or a value was typed: replayed at once; a value out of the router's range gets one
+        message and the slider goes back to the threshold shown (never clamped to its end behind the user's
+        back). `shown`: the threshold of the figure on the page."""
         if not bench_id:
-            return gr.update(), ""
+            return gr.skip(), gr.skip(), gr.skip(), gr.skip()
+        try:
+            t = check_threshold(router, threshold, self.lab.target.vocab_size)
+        except InvalidInput as e:
+            gr.Warning(f"{e}; the threshold stays at {shown:g}" if shown is not None else str(e))
+            return gr.skip(), gr.skip(), gr.update(value=shown) if shown is not None else gr.skip(), gr.skip()
+        return (*self.replot(bench_id, router, category, t), gr.skip(), t)
+
+    def replot(self, bench_id, router, category, t: float):
+        """The exact replay at a checked threshold (instant: profiles are in memory): the figure and its line."""
         cal = self._cal(bench_id)
-        t = check_threshold(router, threshold, self.lab.target.vocab_size)
         t0 = time.perf_counter()
         point, best = cal.at(router, t, category), cal.best(router, category)
-        fig = viz.calibration_figure(cal.curve(router), cal.references(), t, point, best, router, category)
+        edge = cal.at_edge(router, category)
+        fig = viz.calibration_figure(cal.curve(router), cal.references(), t, point, best, router, category, edge)
         ms = (time.perf_counter() - t0) * 1e3
         text = (f"**whiflash-{router} · {category} · threshold {t:.2f}**: AL {point['tau']:.3f}, modeled "
                 f"{point['tokens_per_s']:.1f} tokens/s, EAGLE-3 in {point['eagle3_share']:.0%} of rounds, "
                 f"{int(point['switches'])} switches · optimum {best['threshold']:.2f} "
-                f"({best['tokens_per_s']:.1f} tokens/s) · replayed and drawn in {ms:.0f} ms")
+                f"({best['tokens_per_s']:.1f} tokens/s"
+                + (", at the grid's edge: the best threshold may lie beyond it" if edge else "")
+                + f") · replayed and drawn in {ms:.0f} ms")
         return fig, text
 
     @answers(1)
@@ -98,7 +133,7 @@ class Calibration:
         saved = save_thresholds(router, {category: t}, self.lab.target.fingerprint,
                                 {"app": {"bench": bench_id, "router": router, "category": category}})
         key = "*" if category == "all" else category
-        return (f"saved: whiflash-{router} threshold **{saved.thresholds[router][key]:g}** for "
+        return (f"saved: whiflash-{router} threshold **{saved.thresholds[router][key]!r}** for "
                 f"{'every category without its own' if key == '*' else category} in "
                 f"`{display_path(calibration_path())}` (used by runs from now on)")
 
@@ -111,7 +146,7 @@ class Calibration:
 
         def step(label, done, total, eta):
             progress((done, total), desc=label)
-        with listen(step):
+        with self.lab.line.hold(progress), listen(step):
             df = cal.confirm(self.lab.target, self.lab.models, router, t, category, prompts,
                              log=lambda s: print(f"speclab app: {s}", flush=True))
         r = df.iloc[0]
@@ -124,6 +159,7 @@ class Calibration:
 def build(lab: Lab) -> None:
     c = Calibration(lab)
     bench = gr.State(None)
+    shown = gr.State(None)  # the threshold the figure shows (the slider returns to it after a value out of range)
     with gr.Row():
         suite = gr.Dropdown(list(SUITES), value="zoo-calibration", label="Prompt suite", elem_id="cal_suite")
         limit = gr.Number(2, label="prompts per category (1-64)", elem_id="cal_limit")
@@ -134,7 +170,9 @@ def build(lab: Lab) -> None:
                          "when there are some for these settings.", elem_id="cal_status")
     with gr.Row():
         category = gr.Dropdown([], label="category", elem_id="cal_category")
-        threshold = gr.Slider(-3, 6, value=0, step=0.05, label="threshold", interactive=False, elem_id="cal_threshold")
+        b = bound("neural", lab.target)
+        threshold = ThresholdSlider(b.lo, b.hi, value=0, step=GRIDS["neural"][2], interactive=False,
+                                    label="threshold (profile a suite first)", elem_id="cal_threshold")
     point = gr.Markdown("", elem_id="cal_point")
     plot = gr.Plot(label="Calibration", elem_id="cal_plot")
     with gr.Row():
@@ -143,14 +181,15 @@ def build(lab: Lab) -> None:
         confirm = gr.Button("Confirm live", elem_id="cal_confirm")
     saved = gr.Markdown("", elem_id="cal_saved")
     live_msg = gr.Markdown("", elem_id="cal_live_msg")
-    live = gr.Dataframe(label="Live vs modeled", interactive=False, elem_id="cal_live")
+    live = gr.Dataframe(pd.DataFrame({"confirm a threshold live to see measured against modeled tokens/s": []}),
+                        label="Live vs modeled", interactive=False, elem_id="cal_live")
 
-    go.click(c.profile, [suite, limit, max_new, router], [bench, status, category, threshold, plot, point],
-             concurrency_id=MODELS, concurrency_limit=1)
-    router.change(c.switch, [bench, router, category], [threshold, plot, point])
-    category.input(c.switch, [bench, router, category], [threshold, plot, point])
-    threshold.change(c.replot, [bench, router, category, threshold], [plot, point], trigger_mode="always_last",
-                     show_progress="hidden")
+    # model work waits its turn in lab.line (saying how many are ahead), not in a Gradio concurrency group
+    go.click(c.profile, [suite, limit, max_new, router], [bench, status, category, threshold, plot, point, shown],
+             concurrency_limit=None)
+    router.change(c.switch, [bench, router, category], [threshold, plot, point, shown])
+    category.input(c.switch, [bench, router, category], [threshold, plot, point, shown])
+    threshold.change(c.moved, [bench, router, category, threshold, shown], [plot, point, threshold, shown],
+                     trigger_mode="always_last", show_progress="hidden")
     save.click(c.save, [bench, router, category, threshold], saved)
-    confirm.click(c.confirm, [bench, router, category, threshold, n_live], [live, live_msg], concurrency_id=MODELS,
-                  concurrency_limit=1)
+    confirm.click(c.confirm, [bench, router, category, threshold, n_live], [live, live_msg], concurrency_limit=None)

@@ -15,14 +15,14 @@ import time
 import gradio as gr
 import torch
 
-from app.lab import MODELS, Lab, answers
+from app.lab import Lab, answers, waiting
 from speclab import viz
 from speclab.bench.suites import SUITES, load_suite
 from speclab.equality import first_divergence, kind_of
 from speclab.errors import InvalidInput, SpeclabError
 from speclab.generate import Generation, check_generation
 from speclab.methods import METHODS, method_params
-from speclab.metrics import speedup, tau, tokens_per_s
+from speclab.metrics import speedup, tau, time_split, tokens_per_s
 from speclab.routing import replay
 from speclab.routing.evaluate import event_rounds, with_counterfactual
 from speclab.trace import decision_columns, token_columns
@@ -33,7 +33,8 @@ ROUTER_EVERY_S = 2.0  # router plots are whole figures (~10 KB, and costly to dr
 MAX_COLUMNS = 4
 MAX_PROMPT_CHARS = 20000  # beyond this a prompt cannot fit any context speclab decodes in
 DEFAULT_METHODS = ("ar", "eagle3", "dflash", "whiflash-neural")
-CSS = (".speclab-head{min-height:20px}.speclab-toks{white-space:pre-wrap;font-family:monospace;font-size:13px;"
+CSS = (".speclab-head{min-height:124px}.speclab-metric{white-space:nowrap}.speclab-timebar span{white-space:nowrap}"
+       ".speclab-toks{white-space:pre-wrap;font-family:monospace;font-size:13px;"
        "line-height:1.7;border:1px solid #ddd;border-radius:6px;padding:6px;min-height:80px}")
 
 
@@ -45,14 +46,16 @@ class Column:
     """One method's live view: its token spans (append-only), counters and round events."""
 
     def __init__(self, gen: Generation):
-        self.gen, self.spans, self.events = gen, [], []
+        self.gen, self.spans, self.events, self.token_cols = gen, [], [], []
         self.tokens = self.rounds = self.calls = self.switches = self.eagle3_rounds = 0
         self.s, self.last_round, self.profile = 0.0, None, None
+        self.phase_ms: dict[str, float] = {}
 
     def add(self, ev, text, shade: str) -> None:
         cols = token_columns([ev], text)
         if routed(self.gen):
             cols.update(decision_columns([ev]))
+        self.token_cols.append((cols, self.last_round))  # kept: a new shade re-renders what is shown
         self.spans += viz.token_spans(cols, self.last_round, shade)
         self.switches += bool(self.events) and ev.drafter != self.events[-1].drafter
         self.eagle3_rounds += ev.decision is not None and ev.decision.choice == "eagle3"
@@ -60,13 +63,28 @@ class Column:
         self.last_round = ev.round
         self.tokens += ev.committed.numel()
         self.rounds += 1
-        self.calls += ev.target_calls
+        self.calls = ev.run_calls  # prefill included, as the run row counts
         self.s = ev.elapsed_ms / 1e3
+        for p, ms in ev.timings_ms.items():
+            self.phase_ms[p] = self.phase_ms.get(p, 0.0) + ms
+
+    def finish(self) -> None:
+        """The run's own figures, as its run row has them (decode time with the trace's flush)."""
+        res = self.gen.result
+        self.s, self.tokens, self.rounds, self.calls = (res.elapsed_s, len(res.token_ids), res.decode.rounds,
+                                                        res.decode.target_calls)
+
+    def header(self, method: str, ar_tps: float | None, final: bool) -> str:
+        """The column's figures; once the decode ends, with their definitions on hover and the time bar (while it
+        streams, the bare figures: the header is re-sent whole with every update)."""
+        if not final:
+            return viz.stats_header(method, self.stats(ar_tps), explain=False)
+        return viz.stats_header(method, self.stats(ar_tps), time_split(self.phase_ms, self.s * 1e3))
 
     def stats(self, ar_tps: float | None) -> dict:
         tps = tokens_per_s(self.tokens, self.s) if self.s else 0.0
-        out = {"tok/s": f"{tps:.1f}", "tau": f"{tau(self.tokens, self.rounds):.2f}", "rounds": self.rounds,
-               "target calls": self.calls}
+        out = {"tok/s": f"{tps:.1f}", "tau": f"{tau(self.tokens, self.rounds):.2f}", "tokens": self.tokens,
+               "rounds": self.rounds, "target calls": self.calls}
         if ar_tps:
             out["speedup"] = f"{speedup(tps, ar_tps):.2f}x"
         if routed(self.gen) and self.rounds:  # counted as rounds arrive: no table rebuilt per update
@@ -96,16 +114,16 @@ def build(lab: Lab) -> dict:
                 continue
             defaults = method_params(name, {}, lab.target)
             with gr.Group(visible=name in DEFAULT_METHODS, elem_id=f"params-{name}") as groups[name]:
-                gr.Markdown(f"**{name}**", elem_classes=["speclab-params"])
+                gr.Markdown(f"**{name}**: {m.description}", elem_classes=["speclab-params"])
                 with gr.Row():
                     for p in m.params:  # the registry's declarations: default, bounds, help
-                        label = f"{p.name} ({_range(p.bound(lab.target))})"
+                        info = f"{p.help} ({_range(p.bound(lab.target))})"  # one line under the name
                         if p.default is None:  # an optional float (a router's threshold): empty = calibrated
-                            w = gr.Textbox("", label=f"{label}, empty = calibrated", elem_id=f"p-{name}-{p.name}",
-                                           min_width=160, info=p.help or None)
-                        else:
-                            w = gr.Number(defaults[p.name], label=label, elem_id=f"p-{name}-{p.name}", min_width=110,
-                                          info=p.help or None)  # no precision: 2.5 reaches the check, not rounded
+                            w = gr.Textbox("", label=p.name, elem_id=f"p-{name}-{p.name}", min_width=160,
+                                           info=f"{info}; empty = calibrated", placeholder="calibrated")
+                        else:  # no precision: 2.5 reaches the check, not rounded
+                            w = gr.Number(defaults[p.name], label=p.name, elem_id=f"p-{name}-{p.name}", min_width=110,
+                                          info=info)
                         widgets.append(w)
                         keys.append((name, p.name))
     with gr.Row():
@@ -114,6 +132,7 @@ def build(lab: Lab) -> dict:
         temperature = gr.Number(0.0, label="temperature (0 = greedy)", elem_id="temperature")
         seed = gr.Number(0, label="seed", elem_id="seed")
         shade = gr.Radio(["depth", "draft_prob"], value="depth", label="shade by", elem_id="shade")
+    shown = gr.State(None)  # the token columns on the page (plain data): a new shade re-renders them
     run = gr.Button("Decode side by side", variant="primary", elem_id="run")
     status = gr.Markdown("", elem_id="status")
     legend = gr.HTML("", elem_id="legend")
@@ -129,9 +148,10 @@ def build(lab: Lab) -> dict:
     suite.change(lambda s: gr.update(choices=_prompts(s), value=None), suite, pick)
     pick.change(lambda p: p or gr.update(), pick, prompt)
     chosen.change(lambda ms: [gr.update(visible=n in (ms or [])) for n in groups], chosen, list(groups.values()))
+    # no Gradio concurrency limit: decodes wait their turn for the models in `lab.line`, saying how many are ahead
     event = run.click(decoder.decode, [prompt, chosen, max_new, temperature, seed, deferred, shade, *widgets],
-                      [status, legend, *heads, *toks, *plots], concurrency_id=MODELS, concurrency_limit=1,
-                      api_name="decode")
+                      [status, legend, *heads, *toks, *plots, shown], concurrency_limit=None, api_name="decode")
+    shade.change(decoder.reshade, [shown, shade], [legend, *toks])
     return {"run": event, "suite": suite, "pick": pick, "prompts": _prompts}
 
 
@@ -174,17 +194,38 @@ class SideBySide:
                 raise InvalidInput(f"{m}: {e}") from e
         return params
 
+    @answers(1 + MAX_COLUMNS)
+    def reshade(self, shown, shade):
+        """The shown columns and legend re-rendered with another shade."""
+        if not shown:
+            return [gr.skip()] * (1 + MAX_COLUMNS)
+        toks = [gr.update(value="".join(span for cols, last in shown["cols"][m]
+                                        for span in viz.token_spans(cols, last, shade))) for m in shown["methods"]]
+        return [viz.legend_html(shown["drafters"], shade), *toks, *[gr.skip()] * (MAX_COLUMNS - len(toks))]
+
     @answers(3 + 3 * MAX_COLUMNS)
     def decode(self, prompt, methods, max_new, temperature, seed, deferred, shade, *values):
-        """Generator for the Decode button: the methods interleaved round by round, streamed."""
+        """Generator for the Decode button: waits its turn for the models (saying how many are ahead), then the
+        methods interleaved round by round, streamed."""
         lab = self.lab
-        methods = list(dict.fromkeys(methods or []))
+        methods = [m for m in METHODS if m in (methods or [])]  # columns in the order of the method list
         params = self._check(prompt, methods, max_new, temperature, seed, values)
+        ticket = lab.line.join()
+        try:
+            while n := lab.line.ahead(ticket):
+                yield [waiting(n)] + [gr.skip()] * (2 + 3 * MAX_COLUMNS)
+            yield from self._decode(prompt, methods, max_new, temperature, seed, deferred, shade, params)
+        finally:
+            lab.line.leave(ticket)
+
+    def _decode(self, prompt, methods, max_new, temperature, seed, deferred, shade, params):
+        lab = self.lab
         gens = {m: Generation(lab.target, prompt, m, models=lab.models, max_new_tokens=max_new, temperature=temperature,
                               seed=seed, deferred=bool(deferred), trace=lab.store, **params[m]) for m in methods}
         cols = {m: Column(g) for m, g in gens.items()}
         iters = {m: iter(g) for m, g in gens.items()}
-        legend = viz.legend_html(list(dict.fromkeys(d for g in gens.values() for d in g.drafters)), shade)
+        drafters = list(dict.fromkeys(d for g in gens.values() for d in g.drafters))
+        legend = viz.legend_html(drafters, shade)
         last, last_plot = 0.0, time.perf_counter()
         first = True
         greedy = not temperature or float(temperature) == 0  # counterfactuals (a profile) exist for greedy runs only
@@ -196,7 +237,7 @@ class SideBySide:
                         cols[m].add(next(iters[m]), lab.text, shade)
                     except StopIteration:
                         del iters[m]
-                        cols[m].s = gens[m].result.elapsed_s  # the run's decode time, as in the trace
+                        cols[m].finish()  # the run's figures, as in the trace
                 now = time.perf_counter()
                 if now - last > STREAM_EVERY_S or not iters:
                     plots = now - last_plot > ROUTER_EVERY_S or not iters
@@ -208,7 +249,10 @@ class SideBySide:
                                 + self._equality_note(gens, temperature))
                         status = (f"decoded: {done} · computing counterfactual accept lengths of {', '.join(late)} ..."
                                   if late else f"done: {done}")
-                    yield self._update(methods, cols, status, legend if first else gr.skip(), plots, first)
+                    shown = gr.skip() if iters else {"methods": methods, "drafters": drafters,
+                                                      "cols": {m: c.token_cols for m, c in cols.items()}}
+                    yield [*self._update(methods, cols, status, legend if first else gr.skip(), plots, first,
+                                         not iters), shown]
                     first = False
         finally:  # a page closed mid-decode: its unfinished runs are marked cancelled in the trace now
             for it in iters.values():
@@ -219,9 +263,10 @@ class SideBySide:
                 cols[m].profile = replay.profile_sequence(  # at the run's round starts: what the plot shows
                     lab.target, g.drafters, g.prompt_ids, torch.tensor(g.result.token_ids), int(max_new),
                     positions=[ev.pos0 for ev in cols[m].events])
-            yield self._update(methods, cols, f"done: {done}", gr.skip(), True, False)
+                lab.profiles[g.run_id] = cols[m].profile  # the run reopened in 'Rounds & trees' reuses it
+            yield [*self._update(methods, cols, f"done: {done}", gr.skip(), True, False, True), gr.skip()]
 
-    def _update(self, methods, cols, status, legend, plots: bool, first: bool) -> list:
+    def _update(self, methods, cols, status, legend, plots: bool, first: bool, final: bool) -> list:
         ar = cols.get("ar")
         ar_tps = tokens_per_s(ar.tokens, ar.s) if ar and ar.s else None
         heads, toks, figs = [], [], []
@@ -233,7 +278,7 @@ class SideBySide:
                 figs.append(gr.update(visible=False) if first else gr.skip())
                 continue
             m, c = methods[i], cols[methods[i]]
-            heads.append(gr.update(value=viz.stats_header(m, c.stats(ar_tps)), visible=True))
+            heads.append(gr.update(value=c.header(m, ar_tps, final), visible=True))
             toks.append(gr.update(value="".join(c.spans), visible=True))
             if not routed(c.gen):
                 figs.append(gr.update(visible=False) if first else gr.skip())

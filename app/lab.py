@@ -1,10 +1,14 @@
 """What every tab and browser session shares: the target, the drafter models by role, the trace and the token
-texts. Model work (decoding, profiling, live confirmation) runs one event at a time (`MODELS`, the event
-queue's concurrency group): sessions queue for it and each finishes with its own runs in the trace."""
+texts. Model work (decoding, profiling, live confirmation) runs one event at a time (`Lab.line`, a `ModelLine`):
+sessions wait their turn, see how many are ahead of them, and each finishes with its own runs in the trace."""
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
+import tempfile
+import threading
+from pathlib import Path
 
 import gradio as gr
 
@@ -15,7 +19,51 @@ from speclab.routing.routers import calibration_path
 from speclab.trace import TraceStore, vocab_text
 from speclab.zoo import display_path
 
-MODELS = "models"  # concurrency id of every event that runs a model
+WAIT_POLL_S = 0.5  # how often a waiting event looks at its place in line
+
+
+class ModelLine:
+    """The line of events waiting to run a model, first come first served: the first holds the models. A waiting
+    event knows how many are ahead of it (the page says so); one that leaves (its page closed) frees its place."""
+
+    def __init__(self):
+        self._cv = threading.Condition()
+        self._line: list[object] = []
+
+    def join(self) -> object:
+        ticket = object()
+        with self._cv:
+            self._line.append(ticket)
+        return ticket
+
+    def ahead(self, ticket, timeout_s: float = WAIT_POLL_S) -> int:
+        """Events ahead of `ticket` (0: its turn), after waiting up to `timeout_s` for the line to move."""
+        with self._cv:
+            if self._line.index(ticket):
+                self._cv.wait(timeout_s)
+            return self._line.index(ticket)
+
+    def leave(self, ticket) -> None:
+        with self._cv:
+            self._line.remove(ticket)
+            self._cv.notify_all()
+
+    @contextlib.contextmanager
+    def hold(self, progress=None):
+        """The models for a plain handler: waits its turn, showing "waiting for the models: N ahead" on its
+        progress bar (a gr.Progress) meanwhile."""
+        ticket = self.join()
+        try:
+            while n := self.ahead(ticket):
+                if progress is not None:
+                    progress(0, desc=waiting(n))
+            yield
+        finally:
+            self.leave(ticket)
+
+
+def waiting(n: int) -> str:
+    return f"waiting for the models: {n} ahead (another page is decoding or profiling)"
 
 
 class Lab:
@@ -23,6 +71,9 @@ class Lab:
         self.target, self.models, self.store = target, models, store  # drafter models by role (speclab.methods)
         self.text = vocab_text(target.tokenizer)
         self.calibrators: dict = {}  # bench id -> speclab.routing.calibration.Calibrator (profiles loaded once)
+        self.line = ModelLine()  # every event that runs a model waits its turn here
+        self.profiles: dict = {}  # run id -> the greedy profile at its round starts (a routed run's counterfactuals)
+        self.exports = Path(tempfile.mkdtemp(prefix="speclab-exports-"))  # files the export buttons hand out
 
     def header(self) -> str:
         roles = " · ".join(f"{role} `{display_path(getattr(m, 'name', '-'))}`" for role, m in self.models.items())

@@ -3,45 +3,61 @@ routed run; and the trace explorer (the runs, refreshed whenever the tab opens o
 SQL box)."""
 from __future__ import annotations
 
+import json
+
 import gradio as gr
 import pandas as pd
+import torch
 
 from app.lab import Lab, answers, run_id_of
-from speclab import viz
+from speclab import export, viz
+from speclab.core.engine import PHASES
 from speclab.errors import InvalidInput, SpeclabError
-from speclab.methods import METHODS
+from speclab.generate import encode_prompt
+from speclab.methods import METHODS, build_method, get_method, method_params
+from speclab.metrics import run_metrics, time_split
 from speclab.routing import replay
 from speclab.routing.evaluate import router_rounds
 
-RUN_COLUMNS = ["run_id", "started_at", "method", "category", "status", "new_tokens", "rounds", "target_calls",
-               "elapsed_s"]
+RUN_LIST_SQL = """
+SELECT r.run_id, strftime(r.started_at, '%Y-%m-%d %H:%M:%S') AS started, r.method, r.category, r.status,
+       m.new_tokens AS tokens, m.rounds, m.target_calls, round(m.tau, 2) AS tau, round(m.tokens_per_s, 1) AS tok_s,
+       round(r.elapsed_s, 3) AS decode_s
+FROM runs r LEFT JOIN run_metrics m USING (run_id) {where} ORDER BY r.run_id DESC LIMIT 500"""
+
+
+def routed_run(r) -> bool:
+    return r.router not in (None, "fixed") and r.router == r.router
+
+
 SQL_EXAMPLE = ("SELECT method, count(*) AS runs, avg(tau) AS tau, avg(tokens_per_s) AS tok_s\n"
                "FROM run_metrics GROUP BY method")
+
+
+NO_RUNS = ("**No runs in the trace yet.** Decode a prompt in *Side by side* (every decode is traced here), or "
+           "point `--db` at a trace made by `speclab bench`; then its rounds and trees show here.")
 
 
 class Runs:
     def __init__(self, lab: Lab):
         self.lab = lab
 
-    @answers(7)
+    @answers(8)
     def view(self, run_id, shade="depth"):
         """Token HTML, round slider range and charts of one run (and of the runs decoded with it)."""
-        store, rid = self.lab.store, run_id_of(run_id)
-        runs = store.query("SELECT * FROM runs WHERE run_id = ?", [rid])
-        if runs.empty:
-            raise InvalidInput(f"no run {run_id} in the trace")
-        r = runs.iloc[0]
-        toks = store.query("""SELECT t.*, d.choice AS drafter, d.signal, d.threshold FROM tokens t
-                              LEFT JOIN router_decisions d USING (run_id, round) WHERE t.run_id = ? ORDER BY t.pos""",
-                           [rid])
-        cols = {c: toks[c].tolist() for c in (*viz.TOKEN_COLUMNS, *viz.ROUTER_COLUMNS)}
-        header = viz.stats_header(f"run {rid} · {r.method}", {"status": r.status, "tokens": len(toks),
-                                                                "category": r.category or "-"})
-        base = r.method.split(":")[0]
-        drafters = (r.drafters or "").split(",") if base in METHODS and METHODS[base].build else []
-        html = viz.legend_html([d for d in drafters if d], shade) + viz.tokens_html(viz.token_spans(cols, None, shade),
-                                                                                    header)
-        # charts: this run and the runs decoded together with it (same prompt, started within a minute)
+        if run_id in (None, ""):
+            return ("", gr.update(maximum=1, value=0), None, None, None, None, gr.update(visible=False, value=None),
+                    NO_RUNS if not self.lab.run_choices() else "")
+        rid = run_id_of(run_id)
+        r = self.run_row(rid)
+        charts, n_rounds = self.charts(r)
+        return (self.tokens_html(r, shade), gr.update(maximum=max(1, n_rounds), value=0), *charts.values(),
+                self.tree(rid, 0), self.router(r), "")
+
+    def charts(self, r) -> tuple[dict, int]:
+        """Per-round, per-position and phase charts of a run and the runs decoded with it (same prompt, started
+        within a minute); and the run's number of rounds."""
+        store, rid = self.lab.store, int(r.run_id)
         peers = store.query("""SELECT run_id, method FROM runs WHERE prompt_text IS NOT DISTINCT FROM ?
                                AND abs(epoch(started_at) - epoch(?::TIMESTAMP)) < 60 ORDER BY run_id""",
                             [r.prompt_text, r.started_at])
@@ -53,23 +69,123 @@ class Runs:
         pos = store.query(f"""SELECT run_id, depth, acceptance, rounds_reaching FROM position_acceptance
                               WHERE run_id IN ({marks}) ORDER BY run_id, depth""", ids)
         pos["method"] = pos.run_id.map(labels)
-        n_rounds = max(0, int((rounds.run_id == rid).sum()) - 1)
-        return (html, gr.update(maximum=max(1, n_rounds), value=0), viz.accepted_per_round(rounds),
-                viz.position_acceptance(pos), viz.phase_breakdown(rounds), self.tree(rid, 0), self.router(r))
+        charts = {"per_round": viz.accepted_per_round(rounds), "per_pos": viz.position_acceptance(pos),
+                  "phases": viz.phase_breakdown(rounds)}
+        return charts, max(0, int((rounds.run_id == rid).sum()) - 1)
+
+    def tokens_html(self, r, shade: str) -> str:
+        """The run's tokens coloured by drafter, its header counted as the trace counts it (`run_metrics`)."""
+        store, rid = self.lab.store, int(r.run_id)
+        toks = store.query("""SELECT t.*, d.choice AS drafter, d.signal, d.threshold FROM tokens t
+                              LEFT JOIN router_decisions d USING (run_id, round) WHERE t.run_id = ? ORDER BY t.pos""",
+                           [rid])
+        cols = {c: toks[c].tolist() for c in (*viz.TOKEN_COLUMNS, *viz.ROUTER_COLUMNS)}
+        m = run_metrics(store, [rid])
+        stats = {"status": r.status, "category": r.category or "-"}
+        if len(m):
+            x = m.iloc[0]
+            stats |= {"tokens": int(x.new_tokens or 0), "rounds": int(x.rounds or 0),
+                      "target calls": int(x.target_calls) if x.target_calls == x.target_calls else "-",
+                      "tau": f"{x.tau:.2f}", "tok/s": f"{x.tokens_per_s:.1f}"}
+        phases = store.query("SELECT " + ", ".join(f"sum(t_{p}_ms) AS {p}" for p in PHASES)
+                             + " FROM rounds WHERE run_id = ?", [rid]).iloc[0].fillna(0.0).to_dict()
+        split = time_split(phases, 1e3 * r.elapsed_s) if r.elapsed_s == r.elapsed_s and r.elapsed_s else None
+        header = viz.stats_header(f"run {rid} · {r.method}", stats, split)
+        base = r.method.split(":")[0]
+        drafters = (r.drafters or "").split(",") if base in METHODS and METHODS[base].build else []
+        return viz.legend_html([d for d in drafters if d], shade) + viz.tokens_html(viz.token_spans(cols, None, shade),
+                                                                                    header)
+
+    @answers(1)
+    def reshade(self, run_id, shade):
+        """The shown run's tokens with another shade."""
+        if run_id in (None, ""):
+            return gr.skip()
+        return self.tokens_html(self.run_row(run_id), shade)
 
     def router(self, r):
-        """The router figure of a routed run, with counterfactuals when its bench was profiled."""
-        if r.router in (None, "fixed") or r.router != r.router:
-            return gr.update(visible=False, value=None)
-        profile = None
-        if r.bench_id:
-            try:
-                profile = next((p for p in replay.load_profiles(self.lab.store, r.bench_id)[0]
-                                if p.prompt_id == r.prompt_id), None)
-            except InvalidInput:
-                profile = None
+        """The router figure of a routed run (hidden for others)."""
+        fig = self.router_figure(r)
+        return gr.update(visible=False, value=None) if fig is None else gr.update(visible=True, value=fig)
+
+    def router_figure(self, r):
+        """A routed run's router figure, with counterfactuals from its bench's profile or one made on demand
+        (`counterfactuals`, the event that follows); None for a run without a router."""
+        if not routed_run(r):
+            return None
+        profile = self.bench_profile(r) or self.lab.profiles.get(int(r.run_id))
+        why = "" if profile is not None else f" (counterfactuals: {self.on_demand(r) or 'profiling ...'})"
         rr = router_rounds(self.lab.store, int(r.run_id), profile)
-        return gr.update(visible=True, value=viz.router_figure(rr, f"run {r.run_id} · {r.method}: router per round"))
+        return viz.router_figure(rr, f"run {r.run_id} · {r.method}: router per round{why}")
+
+    def run_row(self, run_id):
+        runs = self.lab.store.query("SELECT * FROM runs WHERE run_id = ?", [run_id_of(run_id)])
+        if runs.empty:
+            raise InvalidInput(f"no run {run_id} in the trace")
+        return runs.iloc[0]
+
+    @answers(1)
+    def export_run(self, run_id, fmt):
+        """The run's tables (runs, rounds, tokens, draft_nodes, router_decisions) as one zip of CSV or Parquet."""
+        if run_id in (None, ""):
+            raise InvalidInput("no run to export: pick one first")
+        return str(export.export_run(self.lab.store, run_id_of(run_id), fmt, self.lab.exports))
+
+    @answers(1)
+    def export_figures(self, run_id, rnd):
+        """The run's figures as one standalone HTML page (the round's tree, the router, the charts)."""
+        if run_id in (None, ""):
+            raise InvalidInput("no run to export: pick one first")
+        r = self.run_row(run_id)
+        charts, _ = self.charts(r)
+        figs = [self.tree(int(r.run_id), int(rnd or 0)), self.router_figure(r), *charts.values()]
+        return str(export.export_figures([f for f in figs if f is not None], f"run {r.run_id} · {r.method}",
+                                         f"run-{r.run_id}-figures", self.lab.exports))
+
+    def bench_profile(self, r):
+        if not r.bench_id:
+            return None
+        try:
+            return next((p for p in replay.load_profiles(self.lab.store, r.bench_id)[0] if p.prompt_id == r.prompt_id),
+                        None)
+        except InvalidInput:
+            return None
+
+    def on_demand(self, r) -> str | None:
+        """Why the run's counterfactuals cannot be profiled now (None: they can)."""
+        params = json.loads(r.params_json or "{}")
+        if r.status != "done":
+            return f"none: the run is {r.status}"
+        if float(params.get("temperature") or 0) > 0:
+            return "none: they exist for greedy runs only"
+        if not r.prompt_text:
+            return "none: the trace has no prompt text for this run"
+        for role in get_method(r.method).needs:
+            loaded = getattr(self.lab.models.get(role), "name", None)
+            if params.get(role) != loaded:
+                return f"none: the run's {role} model ({params.get(role)}) is not the one loaded"
+        return None
+
+    @answers(1)
+    def counterfactuals(self, run_id, progress=gr.Progress()):
+        """A reopened routed run without a profile: its greedy profile at its round starts, made now (waiting its
+        turn for the models) and kept for the session; the router figure redrawn with it."""
+        if run_id in (None, ""):
+            return gr.skip()
+        r = self.run_row(run_id)
+        rid = int(r.run_id)
+        if not routed_run(r) or rid in self.lab.profiles or self.bench_profile(r) is not None or self.on_demand(r):
+            return gr.skip()
+        lab, params = self.lab, json.loads(r.params_json or "{}")
+        toks = lab.store.query("SELECT token_id, round, pos FROM tokens WHERE run_id = ? ORDER BY pos", [rid])
+        starts = toks.groupby("round").pos.min().tolist()
+        with lab.line.hold(progress):
+            progress(0, desc=f"profiling EAGLE-3 and DFlash at the {len(starts)} round starts of run {rid} ...")
+            drafters, _ = build_method(r.method, lab.target, lab.models, method_params(r.method, params, lab.target))
+            self.lab.profiles[rid] = replay.profile_sequence(
+                lab.target, drafters, encode_prompt(lab.target, r.prompt_text), torch.tensor(toks.token_id.to_numpy()),
+                int(params.get("max_new_tokens") or len(toks)), positions=starts)
+        return self.router(r)
 
     @answers(1)
     def tree(self, run_id, rnd):
@@ -87,14 +203,37 @@ class Runs:
         return viz.tree_figure(nodes, root.text[0] if len(root) else "prompt", f"run {rid}, round {int(rnd)}: {who}")
 
     def table(self, method=None, category=None):
-        df = self.lab.store.runs(method=method or None, category=category or None)
-        return df[RUN_COLUMNS].sort_values("run_id", ascending=False).head(500)
+        """The newest 500 runs with their figures (`run_metrics`), rounded. A method name matches its specs too
+        (`whiflash-neural` lists `whiflash-neural:threshold=0.45`)."""
+        where, params = [], []
+        if method:
+            where.append("(r.method = ? OR split_part(r.method, ':', 1) = ?)")
+            params += [str(method).strip()] * 2
+        if category:
+            where.append("r.category = ?")
+            params.append(str(category).strip())
+        return self.lab.store.query(RUN_LIST_SQL.format(where=f"WHERE {' AND '.join(where)}" if where else ""),
+                                    params)
+
+    def opened(self, evt: gr.SelectData):
+        """A click on a row of the run list opens that run in 'Rounds & trees'."""
+        row = getattr(evt, "row_value", None)
+        if not row:
+            return gr.skip(), gr.skip()
+        return gr.update(value=str(int(row[0]))), gr.update(selected="rounds")
 
     def refresh(self, method=None, category=None, current=None):
-        """The explorer's run list and the run picker, as the trace holds them now."""
+        """The explorer's run list and the run picker, as the trace holds them now (the picker keeps its run, or
+        takes the newest), and the line that says when there is none."""
         choices = self.lab.run_choices()
         value = current if current in choices else (choices[0] if choices else None)
-        return self.table(method, category), gr.update(choices=choices, value=value)
+        return self.table(method, category), gr.update(choices=choices, value=value), "" if choices else NO_RUNS
+
+    @answers(1)
+    def export_sql(self, query, fmt):
+        """The SQL box's result (the query run again, read-only as ever) as CSV or Parquet."""
+        df, _ = self.lab.store.safe_query(query, max_rows=1_000_000, timeout_s=30.0)
+        return str(export.export_frame(df, "query-result", fmt, self.lab.exports))
 
     def sql(self, query):
         try:
@@ -108,9 +247,11 @@ class Runs:
 
 
 def build_rounds(lab: Lab, runs: Runs, shade) -> dict:
+    """The tab's components; the page's load event fills the run picker with the trace's newest run *now*."""
     with gr.Row():
-        run_pick = gr.Dropdown(lab.run_choices(), label="Run", elem_id="run_pick", allow_custom_value=True)
+        run_pick = gr.Dropdown([], value=None, label="Run", elem_id="run_pick", allow_custom_value=True)
         rnd = gr.Slider(0, 1, value=0, step=1, label="Round", elem_id="round")
+    none = gr.Markdown("", elem_id="run_none")
     run_html = gr.HTML("", elem_id="run_html")
     router_plot = gr.Plot(visible=False, label="Router", elem_id="run_router")
     tree_plot = gr.Plot(label="Draft tree", elem_id="tree")
@@ -118,9 +259,19 @@ def build_rounds(lab: Lab, runs: Runs, shade) -> dict:
         per_round = gr.Plot(label="Committed per round", elem_id="per_round")
         per_pos = gr.Plot(label="Per-position acceptance", elem_id="per_pos")
     phases = gr.Plot(label="Phase times", elem_id="phases")
-    run_pick.change(runs.view, [run_pick, shade], [run_html, rnd, per_round, per_pos, phases, tree_plot, router_plot])
+    with gr.Row():  # PNG: the camera button in each figure's toolbar
+        fmt = gr.Radio(list(export.FORMATS), value="csv", label="table format", elem_id="run_fmt")
+        run_export = gr.Button("Export the run's tables", elem_id="run_export")
+        figs_export = gr.Button("Export the figures (HTML)", elem_id="figs_export")
+    run_files = gr.File(label="Exported (PNG: each figure's camera button)", elem_id="run_files", interactive=False)
+    run_export.click(runs.export_run, [run_pick, fmt], run_files)
+    figs_export.click(runs.export_figures, [run_pick, rnd], run_files)
+    run_pick.change(runs.view, [run_pick, shade],
+                    [run_html, rnd, per_round, per_pos, phases, tree_plot, router_plot, none]).then(
+        runs.counterfactuals, run_pick, router_plot, concurrency_limit=None)  # waits its turn in lab.line
+    shade.change(runs.reshade, [run_pick, shade], run_html)
     rnd.release(runs.tree, [run_pick, rnd], tree_plot)
-    return {"run_pick": run_pick}
+    return {"run_pick": run_pick, "none": none}
 
 
 def build_explorer(lab: Lab, runs: Runs) -> dict:
@@ -129,14 +280,20 @@ def build_explorer(lab: Lab, runs: Runs) -> dict:
                                allow_custom_value=True, elem_id="f_method")
         f_cat = gr.Textbox("", label="category", elem_id="f_cat")
         refresh = gr.Button("Refresh", elem_id="refresh")
-    runs_df = gr.Dataframe(runs.table(), label="Runs (open one in 'Rounds & trees')", interactive=False,
-                           elem_id="runs")
+    runs_df = gr.Dataframe(runs.table(), label="Runs (click a row to open it in 'Rounds & trees')",
+                           interactive=False, elem_id="runs", max_height=420)
     sql_box = gr.Textbox(SQL_EXAMPLE, lines=4, elem_id="sql",
                          label="SQL (read-only; tables runs, rounds, tokens, draft_nodes, router_decisions, benches, "
                                "profiles; views run_metrics, position_acceptance)")
     sql_run = gr.Button("Run SQL", elem_id="sql_run")
     sql_msg = gr.Markdown("", elem_id="sql_msg")
-    sql_out = gr.Dataframe(label="Result", interactive=False, elem_id="sql_out")
+    sql_out = gr.Dataframe(pd.DataFrame({"run a query to see its result": []}), label="Result", interactive=False,
+                           elem_id="sql_out")
+    with gr.Row():
+        sql_fmt = gr.Radio(list(export.FORMATS), value="csv", label="format", elem_id="sql_fmt")
+        sql_export = gr.Button("Export the result", elem_id="sql_export")
+    sql_file = gr.File(label="Exported result", elem_id="sql_file", interactive=False)
+    sql_export.click(runs.export_sql, [sql_box, sql_fmt], sql_file)
     refresh.click(runs.table, [f_method, f_cat], runs_df)
     sql_run.click(runs.sql, sql_box, [sql_out, sql_msg])
     return {"runs_df": runs_df, "f_method": f_method, "f_cat": f_cat}

@@ -5,8 +5,10 @@ or failed write (SIGTERM, a full disk) leaves the old file, or none, never half 
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 
@@ -23,15 +25,24 @@ def check_writable(path: str | Path, what: str = "the file") -> None:
         raise ValueError(f"permission denied writing {what} at {p}")
 
 
-def write_atomic(path: str | Path, text: str) -> Path:
-    """Write `text` (UTF-8) to `path` via a temporary file in the same folder and one rename."""
+@contextlib.contextmanager
+def atomic_path(path: str | Path) -> Iterator[Path]:
+    """A temporary path beside `path` for the block to write, renamed over `path` if the block succeeds and
+    removed if it fails (the folder is made if missing)."""
     path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    os.close(fd)
     try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
+        yield Path(tmp)
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
-    return path
+
+
+def write_atomic(path: str | Path, text: str) -> Path:
+    """Write `text` (UTF-8) to `path` via a temporary file in the same folder and one rename."""
+    with atomic_path(path) as tmp:
+        tmp.write_text(text, encoding="utf-8")
+    return Path(path)

@@ -12,7 +12,8 @@ Python functions for live figures (the CLI summary, the app's columns) where the
   tokens/s - 1, so a positive error means the model promises more tokens/s than were measured.
 - draft-time share: draft phase time / time of all phases.
 - model-call share: time inside model forwards (target and drafters) / decode time (exact on CPU).
-- target calls per token: target forwards (prefill included) / new tokens.
+- target calls: a run's target forwards, prefill included (`runs.target_calls`; live, `RoundEvent.run_calls`).
+- target calls per token: target calls / new tokens.
 - mean entropy: the target's next-token entropy (nats, softmax at T=1) averaged over committed tokens.
 - equality with AR (greedy benches): each output is `equal` to the AR output of the same bench and prompt, differs
   at a `near-tie` (the target's top-2 logit gap at the first difference within `speclab.equality`'s tolerance:
@@ -24,6 +25,31 @@ SQL box and notebooks see exactly these definitions.
 from __future__ import annotations
 
 import math
+
+# one line per metric a page shows (the app's tooltips): the definitions above, shortened
+METRIC_HELP = {
+    "tok/s": "tokens/s: new tokens per second of decode time (prefill, every round's phases, the trace's flush)",
+    "tau": "tau, acceptance length: tokens committed per target verification round, bonus token included",
+    "speedup": ("tokens/s over AR's in the same decode (same prompt, same process). Below 1x, drafting and the "
+                "wider verification cost more time than the extra tokens per round save: see the time bar"),
+    "acceptance": "acceptance rate: accepted draft tokens / drafted tokens",
+    "rounds": "target verification rounds (one target forward each)",
+    "target calls": "target forwards, prefill included: the run's count in the trace",
+    "tokens": "new tokens committed",
+    "switches": "rounds whose drafter differs from the previous round's",
+    "EAGLE-3 rounds": "share of rounds the router gave to EAGLE-3",
+}
+
+# where a run's decode time went, in four parts (the app's time bar): engine phases -> part
+TIME_PARTS = {"draft": ("draft",), "verify": ("verify",), "catch-up": ("catchup",)}  # the rest is "other"
+
+
+def time_split(phase_ms: dict, decode_ms: float) -> dict[str, float]:
+    """A run's decode time in ms as draft, verify, catch-up and other (prefill, routing, commit, tracing: the rest
+    of the decode time), from its per-phase sums (`RoundEvent.timings_ms` summed; `rounds.t_*_ms` in SQL)."""
+    out = {part: sum(phase_ms.get(p, 0.0) for p in phases) for part, phases in TIME_PARTS.items()}
+    out["other"] = max(0.0, decode_ms - sum(out.values()))
+    return out
 
 
 def tau(committed: int, rounds: int) -> float:

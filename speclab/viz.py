@@ -13,8 +13,10 @@ from speclab.files import write_atomic
 
 METHOD_COLORS = {"ar": "#7f7f7f", "sps": "#1f77b4", "pld": "#2ca02c", "eagle3": "#9467bd", "dflash": "#d62728",
                  "hf_assisted": "#aec7e8", "hf_pld": "#98df8a", "whiflash-entropy": "#ff7f0e",
-                 "whiflash-neural": "#8c564b", "oracle-task": "#c7c7c7", "oracle-prompt": "#a0a0a0",
-                 "oracle-token": "#404040"}
+                 "whiflash-neural": "#8c564b", "oracle-task": "#17becf", "oracle-prompt": "#bcbd22",
+                 "oracle-token": "#e377c2", "oracle-token-time": "#404040"}
+ORACLE_DASH = {"oracle-task": "dot", "oracle-prompt": "dashdot", "oracle-token": "dash",
+               "oracle-token-time": "longdash"}
 
 
 @dataclass
@@ -144,9 +146,38 @@ def legend_html(drafters: list[str], shade: str = "depth") -> str:
             'hover a token for details</div>')
 
 
-def stats_header(method: str, stats: dict) -> str:
-    parts = [f"<b>{html.escape(method)}</b>"] + [f"{k} <b>{v}</b>" for k, v in stats.items()]
-    return f'<div class="speclab-stats" style="font-size:12px;margin-bottom:4px">{" · ".join(parts)}</div>'
+TIME_COLORS = {"draft": "#9467bd", "verify": "#ff7f0e", "catch-up": "#17becf", "other": "#c7c7c7"}
+
+
+def stats_header(method: str, stats: dict, time_ms: dict | None = None, explain: bool = True) -> str:
+    """A column's header: the method, its figures (with `explain`, each with its definition as a tooltip, from
+    `speclab.metrics.METRIC_HELP`) and, with `time_ms` (`speclab.metrics.time_split`), a bar of where the decode
+    time went."""
+    from speclab.metrics import METRIC_HELP
+
+    def tip(k):
+        return f' title="{html.escape(METRIC_HELP.get(k, k))}"' if explain else ""
+    parts = [f"<b>{html.escape(method)}</b>"] + [
+        f'<span class="speclab-metric"{tip(k)}>{html.escape(k)} <b>{html.escape(str(v))}</b></span>'
+        for k, v in stats.items()]
+    bar = time_bar(time_ms) if time_ms else ""
+    return f'<div class="speclab-stats" style="font-size:12px;margin-bottom:4px">{" · ".join(parts)}{bar}</div>'
+
+
+def time_bar(time_ms: dict) -> str:
+    """Where the decode time went, as one stacked bar with a legend (draft, verify, catch-up, other)."""
+    total = sum(time_ms.values()) or 1.0
+    segs, keys = [], []
+    for part, ms in time_ms.items():
+        share, color = ms / total, TIME_COLORS.get(part, "#999")
+        tip = html.escape(f"{part}: {ms:.0f} ms ({share:.0%} of the decode time)")
+        segs.append(f'<span title="{tip}" style="display:inline-block;height:100%;width:{100 * share:.2f}%;'
+                    f'background:{color}"></span>')
+        keys.append(f'<span title="{tip}"><span style="color:{color}">&#9632;</span> {html.escape(part)} '
+                    f"{share:.0%}</span>")
+    return ('<div class="speclab-timebar" title="where the decode time went">'
+            '<div style="display:flex;height:8px;border-radius:3px;overflow:hidden;margin:3px 0 1px">'
+            f'{"".join(segs)}</div><div style="font-size:11px;color:#555">time: {" ".join(keys)}</div></div>')
 
 
 # ---- draft trees and per-round charts ----
@@ -283,11 +314,13 @@ def router_figure(rr, title: str = "") -> go.Figure:
     return fig
 
 
-def calibration_figure(curve, refs, threshold: float, point: dict, best: dict, router: str, category: str) -> go.Figure:
+def calibration_figure(curve, refs, threshold: float, point: dict, best: dict, router: str, category: str,
+                       at_edge: bool = False) -> go.Figure:
     """A router's threshold calibration for one category: replayed tau (AL, top) and modeled tokens/s (bottom) against
     the threshold (rows of `speclab.routing.evaluate.sweep`), each drafter alone and the oracles as horizontal reference
-    lines (`speclab.routing.evaluate.oracles`), the chosen threshold as a vertical line with its exact replay, the
-    calibrated optimum (the highest modeled tokens/s) as a star."""
+    lines (`speclab.routing.evaluate.oracles`; AR too, at AL 1 and its measured tokens/s), each in its own colour
+    and dash, named in the legend; the chosen threshold as a vertical line with its exact replay, the calibrated
+    optimum (the highest modeled tokens/s) as a star, with a note when it sits at an end of the grid (`at_edge`)."""
     from plotly.subplots import make_subplots
     fig = make_subplots(rows=2, cols=1, shared_xaxes=True, vertical_spacing=0.07,
                         subplot_titles=("AL (tokens per round)", "modeled tokens/s"))
@@ -305,8 +338,9 @@ def calibration_figure(curve, refs, threshold: float, point: dict, best: dict, r
             if v == v:
                 fig.add_scatter(x=[c["threshold"].min(), c["threshold"].max()], y=[v, v], mode="lines",
                                 name=ref.policy, legendgroup=ref.policy, showlegend=ref.policy not in named,
-                                line=dict(color=_color(ref.policy) or "#404040", dash="dot" if "oracle" in ref.policy
-                                          else "dash", width=1.5), row=row, col=1,
+                                line=dict(color=_color(ref.policy) or "#404040",
+                                          dash=ORACLE_DASH.get(ref.policy, "solid" if ref.policy == "ar" else "dash"),
+                                          width=2), row=row, col=1,
                                 hovertemplate=f"{ref.policy}: %{{y:.3f}}<extra></extra>")
                 named.add(ref.policy)
         fig.add_scatter(x=[best["threshold"]], y=[best[y]], mode="markers", name="calibrated optimum",
@@ -321,7 +355,12 @@ def calibration_figure(curve, refs, threshold: float, point: dict, best: dict, r
     fig.update_xaxes(title_text=f"threshold on {signal}: EAGLE-3 above, DFlash below", row=2, col=1)
     fig.update_layout(title=f"whiflash-{router} on {category}: threshold {threshold:.2f} -> AL {point['tau']:.3f}, "
                             f"{point['tokens_per_s']:.1f} tokens/s (optimum {best['threshold']:.2f}: "
-                            f"{best['tokens_per_s']:.1f})", template="plotly_white", height=560)
+                            f"{best['tokens_per_s']:.1f})", template="plotly_white", height=600,
+                      legend=dict(orientation="h", y=-0.18))
+    if at_edge:
+        fig.add_annotation(x=best["threshold"], y=best["tokens_per_s"], row=2, col=1, showarrow=True, ay=-40,
+                           text="optimum at the grid's edge: the best threshold may lie beyond the grid",
+                           bgcolor="#fff3cd", bordercolor="#e6b800", font=dict(size=11))
     return fig
 
 

@@ -112,8 +112,28 @@ def error_toast(page, says: str) -> str:
     return text
 
 
+def tick(page, order: list[str]) -> None:
+    """Tick exactly `order` in the method list, clicking in that order."""
+    choose_methods(page, [])
+    for name in order:
+        page.locator("#methods label").filter(has_text=re.compile(rf"^\s*{re.escape(name)}\s*$")).click()
+
+
+def test_fresh_page_on_an_empty_trace_says_where_to_make_a_run(page):
+    page.get_by_role("tab", name="Rounds & trees").click()
+    assert "No runs in the trace yet" in wait_text(page, "#run_none", "Side by side")
+    page.get_by_role("tab", name="Side by side").click()
+
+
 def test_routed_side_by_side_colours_drafters_and_plots_the_router(page):
-    status = decode(page, STORY, ["ar", "eagle3", "dflash", "whiflash-entropy"], 48)
+    page.fill("#prompt textarea", STORY)
+    tick(page, ["whiflash-entropy", "dflash", "eagle3", "ar"])  # clicked in reverse: columns follow the method list
+    page.fill("#max_new input", "48")
+    page.keyboard.press("Tab")
+    page.click("#run")
+    status = wait_done(page)
+    assert [page.locator(f"#head{i} b").first.inner_text() for i in range(4)] == [
+        "ar", "eagle3", "dflash", "whiflash-entropy"]
     # greedy: lossless, checked and reported in three groups (in bf16 an output may part from AR at a near-tie)
     assert "vs AR: " in status and "bug" not in status, status
     for m in ("eagle3", "dflash", "whiflash-entropy"):
@@ -132,6 +152,52 @@ def test_routed_side_by_side_colours_drafters_and_plots_the_router(page):
     assert not visible(page, "#router0")  # AR has no router
     assert "eagle3: accepted draft" in page.locator("#legend").inner_text()
     page.screenshot(path=str(ART / "side_by_side_routed.png"), full_page=True)
+
+
+def test_columns_align_and_count_as_the_trace_does(page):
+    """Aligned columns; each header's tokens, rounds and target calls are the trace's (`run_metrics`)."""
+    boxes = [page.locator(f"#col{i}").bounding_box() for i in range(4)]
+    assert len({round(b["y"]) for b in boxes}) == 1, boxes  # token boxes start on one line
+    ids = dict(re.findall(r"([\w-]+) run (\d+)", page.locator("#status").inner_text()))
+    page.get_by_role("tab", name="Trace explorer").click()
+    sql(page, "SELECT string_agg(concat('R', run_id, '=', new_tokens, '/', rounds, '/', target_calls), ' ') AS c "
+              f"FROM run_metrics WHERE run_id IN ({','.join(ids.values())})", "1 row(s)")
+    cell = page.locator("#sql_out").inner_text()
+    got = {int(r): [int(a), int(b), int(c)] for r, a, b, c in re.findall(r"R(\d+)=(\d+)/(\d+)/(\d+)", cell)}
+    assert len(got) == 4, cell
+    page.get_by_role("tab", name="Side by side").click()
+    for i, m in enumerate(["ar", "eagle3", "dflash", "whiflash-entropy"]):
+        head = page.locator(f"#head{i}").inner_text()
+        shown = [int(re.search(rf"{k} (\d+)", head).group(1)) for k in ("tokens", "rounds", "target calls")]
+        assert shown == got[int(ids[m])], (m, head, got)
+
+
+def test_every_figure_explains_itself(page):
+    """Parameters carry one line of help from the registry; metrics carry their definition; every column says
+    where its decode time went."""
+    choose_methods(page, ["ar", "eagle3", "dflash", "whiflash-entropy"])
+    assert "draft tree depth" in page.locator("#params-eagle3").first.inner_text()
+    assert "block rows" in page.locator("#params-dflash").first.inner_text()
+    assert "Markov head" in page.locator("#params-dflash").first.inner_text()
+    tau = page.locator("#head1 .speclab-metric").filter(has_text="tau").first.get_attribute("title")
+    assert "acceptance length" in tau
+    speedup = page.locator("#head1 .speclab-metric").filter(has_text="speedup").first.get_attribute("title")
+    assert "Below 1x" in speedup
+    for i in range(4):
+        bar = page.locator(f"#head{i} .speclab-timebar").inner_text()
+        assert all(p in bar for p in ("draft", "verify", "catch-up", "other")), bar
+    shares = [int(x) for x in re.findall(r"(\d+)%", page.locator("#head1 .speclab-timebar").inner_text())]
+    assert len(shares) == 4 and 97 <= sum(shares) <= 103, shares
+
+
+def test_shade_by_re_renders_what_is_shown(page):
+    before = page.locator("#col1").inner_html()
+    page.locator("#shade").get_by_text("draft_prob").click()
+    wait_text(page, "#legend", "higher draft probability")
+    page.wait_for_function(f"document.querySelector('#col1').innerHTML !== {json.dumps(before)}", timeout=30000)
+    assert page.locator("#col1 .tok[data-src=eagle3]").count() > 0  # the same tokens, shaded anew
+    page.locator("#shade").get_by_text("depth").click()
+    wait_text(page, "#legend", "shallower draft depth")
 
 
 def test_method_parameters_show_only_for_chosen_methods(page):
@@ -205,13 +271,59 @@ def _runs(page) -> int:
 def test_explorer_lists_new_runs_without_a_click_and_keeps_sql_read_only(page):
     page.get_by_role("tab", name="Trace explorer").click()
     wait_text(page, "#runs", "whiflash-entropy")
+    table = page.locator("#runs").inner_text()
+    assert "tau" in table and "tok_s" in table and not re.search(r"\d\.\d{4,}", table), table  # rounded
     sql(page, "SELECT method, count(*) AS n FROM runs GROUP BY method ORDER BY method", "4 row(s)")
     assert "single read-only SELECT" in sql(page, "DELETE FROM runs", "Refused")
     sql(page, "SELECT * FROM read_csv('/etc/passwd')", "disabled")
     page.screenshot(path=str(ART / "trace_explorer.png"), full_page=True)
 
 
-def test_reopened_routed_run_shows_tokens_tree_and_router(page):
+def download(page, selector: str, name: str) -> bytes:
+    """The file an export button handed out: its link's name and bytes."""
+    link = page.locator(f"{selector} a[download={json.dumps(name)}]").first
+    link.wait_for(timeout=60000)
+    href = link.get_attribute("href")
+    return page.request.get(href if href.startswith("http") else page.url.rstrip("/") + href).body()
+
+
+def test_sql_result_exports_as_csv_and_parquet(page):
+    import io
+
+    import pandas as pd
+    page.get_by_role("tab", name="Trace explorer").click()
+    sql(page, "SELECT run_id, method, new_tokens FROM runs ORDER BY run_id", "4 row(s)")
+    page.click("#sql_export")
+    csv = pd.read_csv(io.BytesIO(download(page, "#sql_file", "query-result.csv")))
+    assert len(csv) == 4 and list(csv.columns) == ["run_id", "method", "new_tokens"]
+    page.locator("#sql_fmt").get_by_text("parquet").click()
+    page.click("#sql_export")
+    pq = pd.read_parquet(io.BytesIO(download(page, "#sql_file", "query-result.parquet")))
+    assert pq.equals(csv)
+    page.fill("#sql textarea", "DROP TABLE runs")
+    page.click("#sql_export")
+    error_toast(page, "single read-only SELECT")  # the export runs the box's query under the same rules
+    page.get_by_role("tab", name="Side by side").click()
+
+
+def test_fresh_page_opens_the_newest_run_in_the_trace_now(browser, app):
+    pg = open_page(browser, app["url"])
+    pg.get_by_role("tab", name="Trace explorer").click()
+    newest = sql(pg, "SELECT max(run_id) AS newest FROM runs", "1 row(s)") and pg.locator("#sql_out").inner_text()
+    rid = re.findall(r"\d+", newest.split("newest")[-1])[0]
+    pg.get_by_role("tab", name="Rounds & trees").click()
+    wait_text(pg, "#run_html", f"run {rid} ·", 60)
+    pg.wait_for_selector("#tree .js-plotly-plot", timeout=60000)
+    assert pg.locator("#run_none").inner_text().strip() == ""
+    pg.screenshot(path=str(ART / "rounds_fresh_page.png"), full_page=True)
+    pg.close()
+
+
+def test_reopened_routed_run_shows_tokens_tree_router_and_counterfactuals(page):
+    import io
+    import zipfile
+
+    import pandas as pd
     rid = re.search(r"whiflash-entropy run (\d+)", page.locator("#status").inner_text()).group(1)
     page.get_by_role("tab", name="Rounds & trees").click()
     page.fill("#run_pick input", str(rid))
@@ -221,8 +333,23 @@ def test_reopened_routed_run_shows_tokens_tree_and_router(page):
     assert re.search(r"round \d+: (eagle3|dflash)'s draft|no draft", svg_texts(page, "#tree .gtitle")[0])
     assert page.locator("#run_html .tok[data-src=dflash]").count() > 0
     assert "router chose" in page.locator("#run_html .tok[data-src=eagle3]").first.get_attribute("title")
+    assert "catch-up" in page.locator("#run_html .speclab-timebar").inner_text()  # where its time went, too
     for el in ("#per_round", "#per_pos", "#phases"):
         page.wait_for_selector(f"{el} .js-plotly-plot", timeout=60000)
+    # no bench profile for an app decode: the side-by-side's profile of the run, kept for it
+    page.wait_for_function("[...document.querySelectorAll('#run_router .legendtext')].some("
+                           "e => e.textContent === 'dflash would accept')", timeout=120000)
+    assert "profiling" not in svg_texts(page, "#run_router .gtitle")[0]
+    assert page.locator("#run_router .modebar-btn[data-title*='png' i]").count() >= 1  # PNG: plotly's camera
+    page.locator("#run_shade").get_by_text("draft_prob").click()  # shade-by re-renders the reopened run too
+    wait_text(page, "#run_html", "higher draft probability")
+    page.click("#run_export")
+    with zipfile.ZipFile(io.BytesIO(download(page, "#run_files", f"run-{rid}-csv.zip"))) as z:
+        assert {"runs.csv", "rounds.csv", "tokens.csv", "draft_nodes.csv", "router_decisions.csv"} <= set(z.namelist())
+        assert len(pd.read_csv(io.BytesIO(z.read("tokens.csv")))) == 48
+    page.click("#figs_export")
+    html = download(page, "#run_files", f"run-{rid}-figures.html").decode()
+    assert "would accept" in html and html.count("Plotly.newPlot") >= 4
     page.screenshot(path=str(ART / "rounds_and_trees_routed.png"), full_page=True)
 
 
@@ -243,12 +370,31 @@ def test_calibration_replays_saves_and_confirms_live(page, app):
                            timeout=30000)
     assert "threshold 2.50" in svg_texts(page, "#cal_plot .gtitle")[0]
     legend = set(svg_texts(page, "#cal_plot .legendtext"))
-    assert {"whiflash-entropy", "eagle3", "dflash", "oracle-token", "calibrated optimum", "chosen threshold"} <= legend
+    assert {"whiflash-entropy", "eagle3", "dflash", "ar", "oracle-token", "oracle-task", "calibrated optimum",
+            "chosen threshold"} <= legend, legend
+    colours = page.evaluate("[...new Set(document.querySelector('#cal_plot .js-plotly-plot').data"
+                            ".filter(t => t.name.startsWith('oracle')).map(t => t.line.color))]")
+    assert len(colours) == 4, colours  # the four oracles told apart
     page.screenshot(path=str(ART / "calibration.png"), full_page=True)
+    # the slider spans the router's own bound (from the registry): the optimum can never sit at its edge
+    label = page.locator("#cal_threshold").inner_text()
+    hi = float(re.search(r"threshold \(0 to ([\d.]+)", label).group(1))
+    assert float(page.locator("#cal_threshold input[type=range]").get_attribute("max")) == hi > 6
+    page.fill("#cal_threshold input[type=number]", "50")  # out of range: speclab's one message, with the bound,
+    page.keyboard.press("Enter")  # and the slider back at the threshold shown (not clamped to its end)
+    assert "(got 50); the threshold stays at 2.5" in error_toast(page, f"must be a finite number from 0 to {hi:g}")
+    page.wait_for_function("document.querySelector('#cal_threshold input[type=number]').value === '2.5'",
+                           timeout=30000)
+    page.keyboard.press("Tab")
+    page.wait_for_timeout(1000)
+    assert page.locator("#cal_threshold input[type=number]").input_value() == "2.5"
+    assert "threshold 2.50" in page.locator("#cal_point").inner_text()
     page.click("#cal_save")
     wait_text(page, "#cal_saved", "saved")
+    assert "threshold **2.5**" in page.locator("#cal_saved").inner_text() or \
+        "threshold 2.5 " in page.locator("#cal_saved").inner_text()
     saved = json.loads(app["calibration"].read_text())
-    assert saved["thresholds"]["entropy"]["*"] == 2.5
+    assert saved["thresholds"]["entropy"]["*"] == float(page.locator("#cal_threshold input[type=number]").input_value())
     # shipped files are never rewritten: the save went to the user's file beside the trace, which the header and
     # the message name, and the zoo's calibration is byte for byte what it was
     assert zoo_calibration_path().read_bytes() == app["zoo_calibration"]
@@ -274,15 +420,35 @@ def test_calibration_replays_saves_and_confirms_live(page, app):
     page.get_by_role("tab", name="Side by side").click()
 
 
+def test_run_list_filter_matches_specs_and_a_click_opens_the_run(page):
+    page.get_by_role("tab", name="Trace explorer").click()
+    page.locator("#f_method input").fill("whiflash-entropy")
+    page.keyboard.press("Enter")
+    page.click("#refresh")
+    page.wait_for_function("!document.querySelector('#runs').innerText.split('\\n').includes('ar')", timeout=30000)
+    methods = set(page.locator("#runs .virtual-row [data-col='2']").all_inner_texts())
+    assert methods == {"whiflash-entropy", "whiflash-entropy:threshold=2.5"}, methods  # specs listed under it
+    row = page.locator("#runs .virtual-row").filter(has_text="whiflash-entropy:threshold=2.5").first
+    rid = row.locator("[role=gridcell]").first.inner_text().strip()
+    row.locator("[role=gridcell]").nth(2).click()  # the method cell: any cell of the row opens the run
+    wait_text(page, "#run_html", f"run {rid} · whiflash-entropy:threshold=2.5", 60)
+    assert page.locator("#run_html").is_visible()  # the click switched to 'Rounds & trees'
+    page.get_by_role("tab", name="Side by side").click()
+
+
 def test_two_sessions_decode_at_once(browser, app):
     a, b = open_page(browser, app["url"]), open_page(browser, app["url"])
     for pg, prompt in ((a, STORY), (b, "def fibonacci(n):\n")):
         pg.fill("#prompt textarea", prompt)
         choose_methods(pg, ["ar", "pld"])
-        pg.fill("#max_new input", "24")
+        pg.fill("#max_new input", "96")
         pg.keyboard.press("Tab")
     a.click("#run")
-    b.click("#run")
+    a.wait_for_function("document.querySelector('#status').innerText.startsWith('decoding')", timeout=60000)
+    b.click("#run")  # while a decodes, b waits its turn and says so
+    b.wait_for_function("document.querySelector('#status').innerText.includes('waiting for the models: 1 ahead')",
+                        timeout=60000)
+    b.screenshot(path=str(ART / "second_session_waiting.png"), full_page=True)
     runs = [set(map(int, re.findall(r"run (\d+)", wait_done(pg)))) for pg in (a, b)]
     assert len(runs[0]) == len(runs[1]) == 2 and not runs[0] & runs[1]
     ids = ",".join(map(str, runs[0] | runs[1]))
@@ -292,6 +458,30 @@ def test_two_sessions_decode_at_once(browser, app):
     b.screenshot(path=str(ART / "second_session.png"), full_page=True)
     a.close()
     b.close()
+
+
+def test_a_trace_from_an_earlier_session_opens_with_counterfactuals_profiled_on_demand(browser, tmp_path):
+    """A routed run decoded by the CLI (no bench, so no bench profile; made before this server started): a fresh
+    page opens it as the newest run, and its counterfactuals are profiled on demand, with progress."""
+    import subprocess
+    import sys
+    db = tmp_path / "earlier.duckdb"
+    subprocess.run([sys.executable, "-m", "speclab.cli", "generate", "--method", "whiflash-entropy", "--prompt", STORY,
+                    "--max-new-tokens", "32", "--db", str(db)], check=True, cwd=REPO_ROOT, capture_output=True)
+    port = free_port()
+    proc = start_app(db, port, tmp_path / "app.log")
+    try:
+        pg = open_page(browser, f"http://127.0.0.1:{port}")
+        pg.get_by_role("tab", name="Rounds & trees").click()
+        wait_text(pg, "#run_html", "run 1 · whiflash-entropy", 60)
+        pg.wait_for_function("[...document.querySelectorAll('#run_router .legendtext')].some("
+                             "e => e.textContent === 'eagle3 would accept')", timeout=120000)
+        assert "profiling" not in svg_texts(pg, "#run_router .gtitle")[0]
+        pg.screenshot(path=str(ART / "rounds_earlier_trace.png"), full_page=True)
+        pg.close()
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
 
 
 def test_probe_measures_first_tokens_and_bytes_per_update(browser, app):

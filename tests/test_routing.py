@@ -466,10 +466,26 @@ def test_calibrator_replays_saves_and_confirms_live(deep, models, thresholds, tm
         best = cal.best("entropy", "all")
         assert best["tokens_per_s"] == cal.curve("entropy").query("category == 'all'").tokens_per_s.max()
         refs = cal.references()
-        assert {"eagle3", "dflash", "oracle-token", "oracle-prompt"} <= set(refs.policy)
+        assert {"eagle3", "dflash", "oracle-token", "oracle-prompt", "ar"} <= set(refs.policy)
+        ar = refs[refs.policy == "ar"].set_index("category")  # AR: AL 1, tokens/s as its bench runs measured
+        from speclab.metrics import run_summary
+        ids = store.query(f"SELECT run_id FROM runs WHERE bench_id = '{cal.bench_id}' AND method = 'ar'").run_id
+        assert (ar.tau == 1).all() and set(ar.index) == set(cal.categories)
+        assert ar.tokens_per_s["all"] == pytest.approx(run_summary(store, ids.tolist()).tokens_per_s[0])
         fig = viz.calibration_figure(cal.curve("entropy"), refs, t, point, best, "entropy", "code")
-        assert {"whiflash-entropy", "calibrated optimum", "chosen threshold", "eagle3", "oracle-token"} <= \
+        assert {"whiflash-entropy", "calibrated optimum", "chosen threshold", "eagle3", "oracle-token", "ar"} <= \
             {d.name for d in fig.data}
+        colours = {d.line.color for d in fig.data if d.name.startswith("oracle")}
+        assert len(colours) == len({d.name for d in fig.data if d.name.startswith("oracle")}) == 4  # told apart
+        assert not fig.layout.annotations or "grid's edge" not in str(fig.layout.annotations)
+        cal.grids["entropy"] = [0.0, 100.0]  # every round to one drafter at either end: the optimum is at an edge
+        cal.curves.pop("entropy")
+        assert cal.at_edge("entropy", "code")
+        edge = viz.calibration_figure(cal.curve("entropy"), refs, t, point, cal.best("entropy", "code"), "entropy",
+                                      "code", at_edge=True)
+        assert "grid's edge" in str(edge.layout.annotations)
+        cal.grids.pop("entropy")
+        cal.curves.pop("entropy")
         with pytest.raises(InvalidInput, match="category must be one of"):
             cal.at("entropy", t, "poetry")
         with pytest.raises(InvalidInput, match="threshold must be a finite number from 0 to"):

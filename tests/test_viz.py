@@ -91,3 +91,14 @@ def test_router_details_on_hover_only_for_routed_rounds(traced):
     d = decision_columns([Ev(2, Decision("eagle3", "entropy", 2.0, 1.0)), Ev(1, None)])
     assert d["drafter"].tolist() == ["eagle3", "eagle3", None] and d["signal"][:2].tolist() == [2.0, 2.0]
     assert math.isnan(d["threshold"][2])
+
+
+def test_column_header_defines_its_metrics_and_splits_the_decode_time():
+    from speclab.metrics import METRIC_HELP, time_split
+    split = time_split({"route": 1.0, "catchup": 2.0, "draft": 3.0, "verify": 4.0, "commit": 0.5}, 12.0)
+    assert split == {"draft": 3.0, "verify": 4.0, "catch-up": 2.0, "other": 3.0}  # other: the rest of the decode
+    head = viz.stats_header("eagle3", {"tau": "3.10", "speedup": "0.71x"}, split)
+    assert f'title="{METRIC_HELP["tau"]}"' in head and "Below 1x" in head
+    assert "draft 25%" in head and "verify 33%" in head and "catch-up 17%" in head and "other 25%" in head
+    assert "speclab-timebar" not in viz.stats_header("ar", {"tau": "1.00"})
+    assert "title=" not in viz.stats_header("ar", {"tau": "1.00"}, explain=False)  # while streaming: bare figures

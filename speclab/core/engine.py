@@ -74,6 +74,7 @@ class RoundEvent:
     pos0: int  # index (in generated tokens) of the first token committed this round
     decision: Decision | None = None  # the router's decision (None when the method has no drafter)
     elapsed_ms: float = 0.0  # the run's decode time so far: prefill + every phase of every round up to this one
+    run_calls: int = 0  # the run's target calls so far, prefill included (what its run row counts at the end)
     logits: torch.Tensor | None = None  # [n + 1, V] the verification logits, kept only with keep_logits (inspection)
 
     @property
@@ -276,7 +277,7 @@ def decode_rounds(target: Target, prompt_ids: torch.Tensor, drafters: dict[str, 
                     fn(ev)
         totals = {k: totals[k] + clock.ms[k] for k in PHASES}
         if ev is not None:
-            ev.elapsed_ms = prefill_ms + sum(totals.values())
+            ev.elapsed_ms, ev.run_calls = prefill_ms + sum(totals.values()), n_calls
         yield ev
         rnd += 1
 

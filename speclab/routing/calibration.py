@@ -136,11 +136,23 @@ class Calibrator:
         return self.curves[router]
 
     def references(self) -> pd.DataFrame:
-        """Each drafter alone and the oracles, per category: tau and modeled tokens/s (the routing report's)."""
+        """Each drafter alone and the oracles, per category: tau and modeled tokens/s (the routing report's); and
+        AR, tau 1 by definition, at the tokens/s its runs in the bench measured (`speclab.metrics.run_summary`)."""
         if "refs" not in self.curves:
+            from speclab.metrics import run_summary
             orc = routing.oracles(self.profiles, self.cost, routing.switch_backlog(self.store, self.bench_id))
-            self.curves["refs"] = orc[orc.policy.isin(REFERENCES)]
+            ids = self.store.query("SELECT run_id FROM runs WHERE bench_id = ? AND method = 'ar' AND status = 'done'",
+                                   [self.bench_id]).run_id.tolist()
+            ar = pd.concat([run_summary(self.store, ids, by="category"), run_summary(self.store, ids, by="method")
+                            .assign(category="all")]) if ids else pd.DataFrame(columns=["category", "tokens_per_s"])
+            ar = pd.DataFrame({"policy": "ar", "category": ar.category, "tau": 1.0, "tokens_per_s": ar.tokens_per_s})
+            self.curves["refs"] = pd.concat([orc[orc.policy.isin(REFERENCES)], ar], ignore_index=True)
         return self.curves["refs"]
+
+    def at_edge(self, router: str, category: str) -> bool:
+        """Whether the optimum sits at an end of the swept grid (the best threshold may lie beyond it)."""
+        g = self.grids.get(router) or grid(router)
+        return float(self.best(router, category)["threshold"]) in (min(g), max(g))
 
     def at(self, router: str, threshold: float, category: str) -> dict:
         """The exact replay at one threshold (not the grid's nearest point) for one category."""

@@ -20,7 +20,8 @@ ROUTER_ROLE = ModelRole("router", "--router-model", "router", "a neural router",
 
 DESCRIPTIONS = {
     "entropy": "WhiFlash-Entropy: EAGLE-3 when the target's last entropy > threshold (nats), else DFlash; threshold "
-               "from data/zoo/calibration.json unless given; eager = 1 keeps both drafters caught up every round",
+               "calibrated (your calibration file, else the zoo's) unless given; eager = 1 keeps both drafters caught "
+               "up every round",
     "neural": "WhiFlash-Neural: EAGLE-3 when the router MLP's predicted AL_eagle3 - AL_dflash on the target's hidden "
               "state > threshold, else DFlash; threshold calibrated (or the router's hardware-aware one) unless given",
 }
@@ -31,7 +32,7 @@ def params(policy: str) -> tuple[Param, ...]:
     e, d = drafters()["eagle3"], drafters()["dflash"]
     return (Param("threshold", None, lambda t: threshold_bound(policy, t.vocab_size),
                   help="the routing threshold (entropy: nats; neural: predicted AL_eagle3 - AL_dflash); "
-                       "default: calibrated (data/zoo/calibration.json)"),
+                       "default: calibrated (your calibration file, else the zoo's)"),
             Param("eager", 0, lambda t: Bound(0, 1),
                   help="1 = catch both drafters up every round (the naive scheme); 0 = lazily, at a switch"),
             *(replace(p, grid=()) for p in e.params),  # no default grid: sweep a routed method's threshold instead
