@@ -16,7 +16,7 @@ import gradio as gr
 from app import calibrate, decode, runs
 from app.lab import Lab
 from speclab.errors import InvalidInput, SpeclabError
-from speclab.models import ModelPaths, add_model_args, check_model_args, load_models
+from speclab.models import ModelPaths, add_model_args, available_roles, check_model_args, load_models
 from speclab.trace import TraceStore
 
 
@@ -85,7 +85,9 @@ def main(argv: list[str] | None = None) -> int:
         os.environ[CALIBRATION_ENV] = str(calibration.resolve())
         print(f"speclab app: opening trace {a.db} ...", flush=True)
         store = TraceStore(a.db)
-        target, models = load_models(ModelPaths.from_args(a), log=lambda s: print(f"speclab app: {s}", flush=True))
+        paths = ModelPaths.from_args(a)
+        target, models = load_models(paths, roles=available_roles(paths),
+                                     log=lambda s: print(f"speclab app: {s}", flush=True))
     except SpeclabError as e:
         print(f"speclab app: error: {e}", file=sys.stderr)
         return 2

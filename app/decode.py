@@ -105,12 +105,13 @@ def build(lab: Lab) -> dict:
         with gr.Column(scale=1):
             suite = gr.Dropdown(list(SUITES), value="demo", label="Prompt set", elem_id="suite")
             pick = gr.Dropdown([], label="Pick a prompt", elem_id="pick")
-    chosen = gr.CheckboxGroup(list(METHODS), value=[m for m in DEFAULT_METHODS if m in METHODS],
+    served = lab.methods()  # the methods whose models are loaded
+    chosen = gr.CheckboxGroup(served, value=[m for m in DEFAULT_METHODS if m in served],
                               label=f"Methods (up to {MAX_COLUMNS} side by side)", elem_id="methods")
     keys, widgets, groups = [], [], {}
     with gr.Row(equal_height=False):
         for name, m in METHODS.items():
-            if not m.params:
+            if not m.params or name not in served:
                 continue
             defaults = method_params(name, {}, lab.target)
             with gr.Group(visible=name in DEFAULT_METHODS, elem_id=f"params-{name}") as groups[name]:

@@ -81,14 +81,17 @@ class Lab:
                 f"trace `{display_path(self.store.path)}` · calibration `{display_path(calibration_path())}` (the "
                 f"zoo's where it has none) · {self.target.device.type} · {precision_label(self.target)}")
 
+    def methods(self) -> list[str]:
+        """The registered methods whose models are loaded, in the registry's order."""
+        from speclab.methods import METHODS
+        return [n for n, m in METHODS.items() if all(self.models.get(r) is not None for r in m.needs)]
+
     def warm_up(self) -> None:
         """Decode a few tokens with every method once, untraced, so the first decode a user asks for streams its
         first tokens at once (cold, the first call of each code path costs most of a second on CPU)."""
         from speclab.generate import generate
-        from speclab.methods import METHODS
-        for name, m in METHODS.items():
-            if all(self.models.get(role) is not None for role in m.needs):
-                generate(self.target, "The", name, models=self.models, max_new_tokens=4)
+        for name in self.methods():
+            generate(self.target, "The", name, models=self.models, max_new_tokens=4)
 
     def run_choices(self) -> list[str]:
         return [str(r) for r in self.store.query("SELECT run_id FROM runs ORDER BY run_id DESC LIMIT 200").run_id]

@@ -188,7 +188,7 @@ class Runs:
         return self.router(r)
 
     @answers(1)
-    def tree(self, run_id, rnd):
+    def tree(self, run_id, rnd, color_by: str = "accepted"):
         rid = run_id_of(run_id)
         nodes = self.lab.store.draft_nodes(rid, int(rnd))
         nodes["text"] = self.lab.text[nodes.token_id.to_numpy()] if len(nodes) else []
@@ -200,7 +200,8 @@ class Runs:
                                     [rid, int(rnd)])
         drafter = self.lab.store.query("SELECT drafter FROM rounds WHERE run_id = ? AND round = ?", [rid, int(rnd)])
         who = f"{drafter.drafter[0]}'s draft" if len(drafter) and drafter.drafter[0] else "draft"
-        return viz.tree_figure(nodes, root.text[0] if len(root) else "prompt", f"run {rid}, round {int(rnd)}: {who}")
+        return viz.tree_figure(nodes, root.text[0] if len(root) else "prompt", f"run {rid}, round {int(rnd)}: {who}",
+                               color_by)
 
     def table(self, method=None, category=None):
         """The newest 500 runs with their figures (`run_metrics`), rounded. A method name matches its specs too
@@ -254,6 +255,8 @@ def build_rounds(lab: Lab, runs: Runs, shade) -> dict:
     none = gr.Markdown("", elem_id="run_none")
     run_html = gr.HTML("", elem_id="run_html")
     router_plot = gr.Plot(visible=False, label="Router", elem_id="run_router")
+    tree_color = gr.Radio(["accepted", "block", "bucket"], value="accepted", elem_id="tree_color",
+                          label="colour tree nodes by (block, bucket: SpecBlock's trees)")
     tree_plot = gr.Plot(label="Draft tree", elem_id="tree")
     with gr.Row():
         per_round = gr.Plot(label="Committed per round", elem_id="per_round")
@@ -270,7 +273,8 @@ def build_rounds(lab: Lab, runs: Runs, shade) -> dict:
                     [run_html, rnd, per_round, per_pos, phases, tree_plot, router_plot, none]).then(
         runs.counterfactuals, run_pick, router_plot, concurrency_limit=None)  # waits its turn in lab.line
     shade.change(runs.reshade, [run_pick, shade], run_html)
-    rnd.release(runs.tree, [run_pick, rnd], tree_plot)
+    rnd.release(runs.tree, [run_pick, rnd, tree_color], tree_plot)
+    tree_color.change(runs.tree, [run_pick, rnd, tree_color], tree_plot)
     return {"run_pick": run_pick, "none": none}
 
 

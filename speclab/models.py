@@ -93,6 +93,15 @@ def check_model_args(a: argparse.Namespace) -> None:
     ModelPaths.from_args(a).check()
 
 
+def available_roles(paths: ModelPaths) -> tuple[str, ...]:
+    """Every role with a model to load: given by its option, or in the zoo (a drafter the zoo does not ship yet is
+    left out, so the app serves the methods it has)."""
+    from speclab import zoo
+    from speclab.methods import ROLES
+    return tuple(r for r, role in ROLES.items()
+                 if paths.models.get(r) or (zoo.zoo_dir() / role.zoo / "config.json").exists())
+
+
 def load_models(paths: ModelPaths, roles=("draft", "eagle3", "dflash", "router"), log=None):
     """(target, models by role): the roles asked for (those the methods at hand need), each from `paths` or the
     zoo, in the order of the registry; one line once everything loaded (an error is then the first and only

@@ -35,7 +35,7 @@ from speclab.core.engine import PHASES
 from speclab.errors import TraceError
 from speclab.files import check_writable
 
-SCHEMA_VERSION = 5
+SCHEMA_VERSION = 6
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS meta (key VARCHAR PRIMARY KEY, value VARCHAR);
@@ -60,7 +60,7 @@ CREATE TABLE IF NOT EXISTS tokens (
     draft_prob DOUBLE, target_prob DOUBLE, entropy DOUBLE);
 CREATE TABLE IF NOT EXISTS draft_nodes (
     run_id BIGINT, round INTEGER, node INTEGER, parent INTEGER, depth INTEGER, token_id INTEGER,
-    draft_prob DOUBLE, target_prob DOUBLE, accepted BOOLEAN);
+    draft_prob DOUBLE, target_prob DOUBLE, accepted BOOLEAN, block INTEGER, bucket INTEGER);
 CREATE TABLE IF NOT EXISTS router_decisions (
     run_id BIGINT, round INTEGER, policy VARCHAR, signal DOUBLE, threshold DOUBLE, choice VARCHAR);
 CREATE TABLE IF NOT EXISTS profile_sets (bench_id VARCHAR, params_json VARCHAR, prompts INTEGER);
@@ -88,7 +88,11 @@ MIGRATIONS = {2: ["ALTER TABLE runs ADD COLUMN IF NOT EXISTS prefill_ms DOUBLE",
               # method parameters (a routed method's `eager`), false for every other run
               5: ["ALTER TABLE runs ADD COLUMN IF NOT EXISTS eager BOOLEAN",
                   "UPDATE runs SET eager = coalesce(TRY_CAST(json_extract_string(params_json, '$.eager') AS DOUBLE), 0)"
-                  " > 0 WHERE eager IS NULL"]}
+                  " > 0 WHERE eager IS NULL"],
+              # per draft node, what a block-iterative drafter knows of it (SpecBlock: the block that drafted it
+              # and the rank head's bucket); NULL for other drafters' nodes
+              6: ["ALTER TABLE draft_nodes ADD COLUMN IF NOT EXISTS block INTEGER",
+                  "ALTER TABLE draft_nodes ADD COLUMN IF NOT EXISTS bucket INTEGER"]}
 TABLES = ("meta", "runs", "rounds", "tokens", "draft_nodes", "router_decisions", "benches", "profile_sets", "profiles",
           "profile_positions")
 
@@ -481,6 +485,16 @@ def decision_columns(evs) -> dict[str, np.ndarray]:
             "threshold": np.repeat(np.array([x.threshold if x else np.nan for x in d], np.float64), m)}
 
 
+NODE_EXTRAS = ("block", "bucket")  # per-node integers a drafter may attach to its tree (`DraftTree.extra`)
+
+
+def _node_extra(evs, key: str) -> pa.Array:
+    """An integer per draft node from the trees' `extra` (negative or absent: NULL)."""
+    parts = [np.asarray(e.tree.extra.get(key, torch.full((len(e.tree),), -1)).cpu(), np.int64) for e in evs]
+    v = np.concatenate(parts) if parts else np.zeros(0, np.int64)
+    return pa.array(v.astype(np.int32), mask=v < 0)
+
+
 def _nullable(v: np.ndarray) -> pa.Array:
     """Float column with NaN stored as NULL."""
     return pa.array(v, mask=np.isnan(v))
@@ -529,7 +543,8 @@ class RunWriter:
             "depth": _cat([e.tree.depth for e in evs]).astype(np.int32),
             "token_id": _cat([e.tree.tokens for e in evs]).astype(np.int32),
             "draft_prob": _nullable(_cat([e.tree.draft_probs.float() for e in evs]).astype(np.float64)),
-            "target_prob": np.exp(_cat([e.node_logp for e in evs]).astype(np.float64)), "accepted": accepted})
+            "target_prob": np.exp(_cat([e.node_logp for e in evs]).astype(np.float64)), "accepted": accepted,
+            **{key: _node_extra(evs, key) for key in NODE_EXTRAS}})
         cols = token_columns(evs, self.text)
         tokens = pa.table({"run_id": np.full(len(cols["pos"]), self.run_id, np.int64),
                            **{k: _nullable(v) if k == "draft_prob" else v for k, v in cols.items()}})

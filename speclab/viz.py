@@ -98,8 +98,18 @@ def drafter_rgb(name: str) -> tuple[int, int, int]:
     return DRAFTER_RGB.get(name, _FALLBACK_RGB[sum(map(ord, name)) % len(_FALLBACK_RGB)])
 
 
+def _missing(v) -> bool:
+    """None, NaN or pandas' NA (a nullable column's missing value)."""
+    import pandas as pd
+    return v is None or bool(pd.isna(v))
+
+
 def _fmt(v) -> str:
-    return "–" if v is None or v != v else f"{v:.2f}"
+    return "–" if _missing(v) else f"{v:.2f}"
+
+
+def _int(v) -> str:
+    return "–" if _missing(v) else str(int(v))
 
 
 def token_spans(cols: dict, first_round_seen: int | None = None, shade: str = "depth") -> list[str]:
@@ -182,8 +192,15 @@ def time_bar(time_ms: dict) -> str:
 
 # ---- draft trees and per-round charts ----
 
-def tree_figure(nodes, root_text: str = "root", title: str = "") -> go.Figure:
-    """A draft tree (rows of draft_nodes for one round): accepted path highlighted, rejected branches dimmed."""
+NODE_GROUPS = {"block": lambda v: f"block {v}",
+               "bucket": lambda v: f"bucket b{v} ({('rank 1', 'rank 2-4', 'rank 5-10', 'rank > 10')[v]})"}
+GROUP_COLORS = ["#1f77b4", "#ff7f0e", "#9467bd", "#8c564b", "#e377c2", "#17becf", "#bcbd22", "#7f7f7f"]
+
+
+def tree_figure(nodes, root_text: str = "root", title: str = "", color_by: str = "accepted") -> go.Figure:
+    """A draft tree (rows of draft_nodes for one round): accepted path highlighted, rejected branches dimmed.
+    `color_by` "block" or "bucket" colours the nodes by that column (SpecBlock's trees; the accepted ones keep a
+    green ring) where the round has it."""
     nodes = nodes.sort_values("node")
     children: dict[int, list[int]] = {}
     for n, p in zip(nodes.node, nodes.parent):
@@ -211,17 +228,33 @@ def tree_figure(nodes, root_text: str = "root", title: str = "") -> go.Figure:
     fig.add_scatter(x=ex, y=ey, mode="lines", line=dict(color="#bbb", width=1), hoverinfo="skip", name="rejected")
     fig.add_scatter(x=ax, y=ay, mode="lines", line=dict(color="#2ca02c", width=3), hoverinfo="skip",
                     name="accepted path")
-    for acc in (False, True):
-        sel = [r for r in info.values() if bool(r.accepted) == acc]
-        if sel:
-            fig.add_scatter(
-                x=[r.depth for r in sel], y=[y[int(r.node)] for r in sel], mode="markers+text",
-                text=[repr(str(getattr(r, "text", r.token_id)))[1:-1][:12] for r in sel], textposition="top center",
-                marker=dict(size=12, color="#2ca02c" if acc else "#bbbbbb", opacity=1.0 if acc else 0.5),
-                customdata=[[r.node, _fmt(r.draft_prob), _fmt(r.target_prob)] for r in sel],
-                hovertemplate=("node %{customdata[0]}<br>%{text}<br>draft p %{customdata[1]}"
-                               "<br>target p %{customdata[2]}<extra></extra>"),
-                name="accepted" if acc else "rejected", showlegend=False, cliponaxis=False)
+    grouped = bool(color_by in NODE_GROUPS and color_by in nodes and nodes[color_by].notna().any())
+
+    def group(r):
+        v = getattr(r, color_by, None) if grouped else None
+        return None if _missing(v) else int(v)
+    named: set = set()  # groups already in the legend
+    for g, acc in sorted({(group(r) if grouped else None, bool(r.accepted)) for r in info.values()},
+                         key=lambda k: (k[0] is None, k[0] or 0, k[1])):
+        sel = [r for r in info.values() if (group(r) if grouped else None) == g and bool(r.accepted) == acc]
+        if grouped:
+            color = "#dddddd" if g is None else GROUP_COLORS[g % len(GROUP_COLORS)]
+            marker = dict(size=12, color=color, line=dict(color="#2ca02c" if acc else "#ffffff", width=3 if acc else 1))
+            name = "no " + color_by if g is None else NODE_GROUPS[color_by](g)
+        else:
+            marker = dict(size=12, color="#2ca02c" if acc else "#bbbbbb", opacity=1.0 if acc else 0.5)
+            name = "accepted" if acc else "rejected"
+        extra = "".join(f"<br>{c} %{{customdata[{3 + i}]}}" for i, c in enumerate(NODE_GROUPS) if c in nodes)
+        fig.add_scatter(
+            x=[r.depth for r in sel], y=[y[int(r.node)] for r in sel], mode="markers+text",
+            text=[repr(str(getattr(r, "text", r.token_id)))[1:-1][:12] for r in sel], textposition="top center",
+            marker=marker, legendgroup=name, showlegend=grouped and name not in named,
+            customdata=[[r.node, _fmt(r.draft_prob), _fmt(r.target_prob),
+                         *[_int(getattr(r, c)) for c in NODE_GROUPS if c in nodes]] for r in sel],
+            hovertemplate=("node %{customdata[0]}<br>%{text}<br>draft p %{customdata[1]}"
+                           "<br>target p %{customdata[2]}" + extra + "<extra></extra>"),
+            name=name, cliponaxis=False)
+        named.add(name)
     fig.add_scatter(x=[0], y=[y[-1]], mode="markers+text", text=[repr(root_text)[1:-1][:12]], textposition="top center",
                     marker=dict(size=14, color="#444"), name="root", cliponaxis=False,
                     hovertemplate="root (last committed token)<extra></extra>")

@@ -165,7 +165,7 @@ CASES = [
     ("sweep", ["--router", "entropy", "--grid=1:0:2"], "--grid must be thresholds"),
     ("train", ["eagle3", "--minutes", "inf"], "argument --minutes: 'inf' is not a finite number"),
     ("train", ["dflash", "--minutes", "5", "--block-size", "1"],
-     "argument --block-size: '1' is not an integer of at least 2"),
+     "argument --block-size: '1' is not an integer from 2 to 64"),
     ("train", ["eagle3", "--minutes", "5", "--lr", "-1"], "argument --lr: '-1' is not a finite number"),
     ("zoo", ["build", "--target-minutes", "nan"], "argument --target-minutes: 'nan' is not a finite number"),
     ("nope", [], "argument cmd: invalid choice: 'nope'"),

@@ -56,6 +56,13 @@ def test_tree_and_round_charts_from_trace(traced):
     ys = [v for tr in fig.data for v in (tr.y or []) if v is not None]
     assert lay.yaxis.range[0] < min(ys) and lay.yaxis.range[1] > max(ys) + 0.5
     assert all(tr.cliponaxis is False for tr in fig.data if tr.mode == "markers+text")
+    # colouring by a column the round does not have (an sps tree has no blocks): the plain figure
+    assert [tr.name for tr in viz.tree_figure(nodes, "root", color_by="block").data] == [tr.name for tr in fig.data]
+    blocks = nodes.assign(block=[0, 0, 1, 1, 1, 1], bucket=[0, 3, 1, 1, 2, 2])
+    names = {tr.name for tr in viz.tree_figure(blocks, "root", color_by="block").data}
+    assert {"block 0", "block 1"} <= names
+    names = {tr.name for tr in viz.tree_figure(blocks, "root", color_by="bucket").data}
+    assert {"bucket b0 (rank 1)", "bucket b3 (rank > 10)", "bucket b2 (rank 5-10)"} <= names
     rounds = store.query("SELECT * FROM rounds WHERE run_id IN (?, ?, ?)", list(runs.values()))
     rounds["label"] = rounds.run_id.astype(str)
     assert len(viz.accepted_per_round(rounds).data) == 3

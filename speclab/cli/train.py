@@ -129,7 +129,7 @@ def cmd_train(a: argparse.Namespace) -> int:
     quiet_loads()
     corpus = a.corpus or str(zoo.REPO_ROOT / "data" / "corpus")
     if a.what != "router" or a.corpus:
-        check_data(corpus, regenerated_ok=a.what in ("eagle3", "dflash"))
+        check_data(corpus, regenerated_ok=a.what in ("eagle3", "dflash", "specblock"))
     from speclab.files import check_writable
     try:  # the run directory can be made and written, before any model or data is loaded
         if Path(a.out).exists() and not Path(a.out).is_dir():
@@ -140,9 +140,10 @@ def cmd_train(a: argparse.Namespace) -> int:
     if a.teacher:
         check_model_dir(a.teacher)
     if a.init_from:
-        if a.what in ("eagle3", "dflash"):
+        if a.what in ("eagle3", "dflash", "specblock"):
             from speclab.drafters.checkpoint import check_dir
-            check_dir(a.init_from, {"eagle3": "EAGLE-3 drafter", "dflash": "DFlash drafter"}[a.what])
+            check_dir(a.init_from, {"eagle3": "EAGLE-3 drafter", "dflash": "DFlash drafter",
+                                    "specblock": "SpecBlock drafter"}[a.what])
         else:
             check_model_dir(a.init_from)
     if a.what == "curve":
@@ -152,7 +153,8 @@ def cmd_train(a: argparse.Namespace) -> int:
         cfg = Eagle3TrainConfig(target_dir=a.teacher or str(zoo.default_target()), corpus_dir=corpus, out_dir=a.out,
                                 max_minutes=a.minutes, seed=a.seed, init_from=a.init_from, lr=a.lr or 2e-3,
                                 ttt_steps=a.ttt_steps, precision=_precision(a.precision), loss_topk=a.loss_topk,
-                                draft_vocab_size=a.draft_vocab, threads=a.threads)
+                                draft_vocab_size=a.draft_vocab, threads=a.threads,
+                                domain_weights=_domain_weights(a.without))
         summary = train_eagle3(cfg, log=lambda s: print(s, file=sys.stderr, flush=True))
         print(json.dumps({k: summary[k] for k in ("params", "steps", "tokens", "minutes")}, indent=1))
         print(val_table(summary["val"]))
@@ -161,9 +163,23 @@ def cmd_train(a: argparse.Namespace) -> int:
         from speclab.train.dflash import DFlashTrainConfig, train_dflash, val_table
         cfg = DFlashTrainConfig(target_dir=a.teacher or str(zoo.default_target()), corpus_dir=corpus, out_dir=a.out,
                                 max_minutes=a.minutes, seed=a.seed, init_from=a.init_from, lr=a.lr or 1.5e-3,
-                                block_size=a.block_size, markov_rank=a.markov_rank, num_layers=a.layers,
-                                precision=_precision(a.precision), threads=a.threads)
+                                block_size=a.block_size or 16, markov_rank=a.markov_rank, num_layers=a.layers,
+                                precision=_precision(a.precision), threads=a.threads,
+                                domain_weights=_domain_weights(a.without))
         summary = train_dflash(cfg, log=lambda s: print(s, file=sys.stderr, flush=True))
+        print(json.dumps({k: summary[k] for k in ("params", "steps", "tokens", "minutes")}, indent=1))
+        print(val_table(summary["val"]))
+        return 0
+    if a.what == "specblock":
+        from speclab.train.specblock import SpecBlockTrainConfig, train_specblock, val_table
+        cfg = SpecBlockTrainConfig(target_dir=a.teacher or str(zoo.default_target()), corpus_dir=corpus,
+                                   out_dir=a.out, max_minutes=a.minutes, seed=a.seed, init_from=a.init_from,
+                                   lr=a.lr or 1e-3, block_size=a.block_size or 4, hidden_layers=a.layers,
+                                   layer_shift=not a.no_shift, valid_prefix=not a.no_valid_prefix,
+                                   rank_warmup=a.rank_warmup, loss_topk=a.loss_topk or 32,
+                                   precision=_precision(a.precision), threads=a.threads,
+                                   domain_weights=_domain_weights(a.without))
+        summary = train_specblock(cfg, log=lambda s: print(s, file=sys.stderr, flush=True))
         print(json.dumps({k: summary[k] for k in ("params", "steps", "tokens", "minutes")}, indent=1))
         print(val_table(summary["val"]))
         return 0
@@ -199,11 +215,18 @@ def cmd_train(a: argparse.Namespace) -> int:
     return 0
 
 
+def _domain_weights(without: str | None) -> dict:
+    """The training mix, without one domain when asked."""
+    from speclab.train.lm import DOMAIN_WEIGHTS
+    return {d: w for d, w in DOMAIN_WEIGHTS.items() if d != without}
+
+
 def add_parsers(sub) -> None:
     """`train` and `zoo`."""
+    from speclab.train.corpus import DOMAINS
     t = sub.add_parser("train", help="train the zoo target, distil the zoo draft, train an EAGLE-3 or DFlash "
                        "drafter online from the frozen target, or WhiFlash's neural router from profiles (long)")
-    t.add_argument("what", choices=["target", "draft", "eagle3", "dflash", "router", "curve"],
+    t.add_argument("what", choices=["target", "draft", "eagle3", "dflash", "specblock", "router", "curve"],
                    help="curve: decode the zoo prompts with every checkpoint a drafter training (--out) kept")
     t.add_argument("--drafter", choices=["eagle3", "dflash"], help="curve: the kind of drafter --out trained")
     t.add_argument("--limit", type=_positive_int, default=2, help="curve: zoo prompts per category")
@@ -233,12 +256,20 @@ def add_parsers(sub) -> None:
     t.add_argument("--ttt-steps", type=_positive_int, default=3,
                    help="eagle3: training-time-test steps (unrolled on its own "
                    "outputs)")
-    t.add_argument("--block-size", type=_num(int, 2), default=16,
-                   help="dflash: the largest block trained (each step draws "
-                   "its block size from 2..this)")
+    t.add_argument("--block-size", type=_num(int, 2, 64), default=None,
+                   help="dflash: the largest block trained (each step draws its block size from 2..this; default 16); "
+                   "specblock: K, the positions of one block (default 4, fixed for the drafter's life)")
+    t.add_argument("--no-shift", action="store_true", help="specblock: no layer-wise shift (the ablation)")
+    t.add_argument("--no-valid-prefix", action="store_true",
+                   help="specblock: supervise every row, not only those after a right prefix (the ablation)")
+    t.add_argument("--rank-warmup", type=_num(int, 0), default=300,
+                   help="specblock: steps before the rank head's loss is switched on")
+    t.add_argument("--without", choices=list(DOMAINS), default=None,
+                   help="eagle3, dflash, specblock: leave one domain out of the training mix (a domain shift to "
+                   "adapt to)")
     t.add_argument("--markov-rank", type=_num(int, 0), default=64,
                    help="dflash: rank of DSpark's Markov head (0: none)")
-    t.add_argument("--layers", type=_positive_int, default=2, help="dflash: drafter depth")
+    t.add_argument("--layers", type=_positive_int, default=2, help="dflash, specblock: drafter depth (decoder layers)")
     t.add_argument("--init-from", help="resume from this model directory (HF; EAGLE-3 or DFlash for those)")
     t.add_argument("--lr", type=_num(float, 1e-8, 1.0), default=None,
                    help="peak learning rate (default: the zoo recipe's)")

@@ -5,7 +5,7 @@ the last committed token and is not a node (parent -1 means "child of the root")
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -22,6 +22,9 @@ class DraftTree:
     # residual max(p - q, 0)). Absent for deterministic drafts (argmax, top-k, lookup), which verification
     # treats as point masses (accept with p(x), residual p with x removed).
     draft_dists: torch.Tensor | None = None
+    # Per-node integers a drafter attaches for the trace ([n] each; speclab.trace.NODE_EXTRAS: SpecBlock's block
+    # and rank bucket). Verification never reads them.
+    extra: dict[str, torch.Tensor] = field(default_factory=dict)
 
     def __post_init__(self):
         self._anc: torch.Tensor | None = None
@@ -60,7 +63,7 @@ class DraftTree:
         if self.tokens.device == torch.device(device):
             return self
         tree = DraftTree(self.tokens.to(device), self.parents.to(device), self.draft_probs.to(device),
-                         None if self.draft_dists is None else self.draft_dists.to(device))
+                         None if self.draft_dists is None else self.draft_dists.to(device), self.extra)
         tree._chain = self._chain
         return tree
 

@@ -24,6 +24,7 @@ DRAFTER_MODULES = (  # one line per drafter
     "speclab.drafters.pld",
     "speclab.drafters.eagle3",
     "speclab.drafters.dflash",
+    "speclab.drafters.specblock",
 )
 
 

@@ -20,10 +20,8 @@ target's first layers (same shapes), its norms at one.
 """
 from __future__ import annotations
 
-import json
 import math
-import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -35,8 +33,6 @@ from speclab.drafters.dflash import (
     default_layer_ids,
     load_dflash,
 )
-from speclab.files import write_atomic
-from speclab.progress import Progress
 from speclab.train import lm
 from speclab.train.corpus import DOMAINS
 
@@ -184,61 +180,23 @@ def train_dflash(cfg: DFlashTrainConfig, log=print) -> dict:
     head_w = target.get_output_embeddings().weight
     m = load_dflash(cfg.init_from).float().requires_grad_(True) if cfg.init_from else new_drafter(target, cfg, mask_id)
     m.train()
-    params, opt, out, log_f = lm.online_run(m, cfg)
-    n_params = sum(p.numel() for p in params)
-    budget = cfg.max_minutes * 60
-    log(f"dflash: {n_params / 1e6:.2f} M trainable params, {m.config.num_hidden_layers} layers, target layers "
-        f"{m.config.target_layer_ids}, blocks up to {cfg.block_size}, markov rank {m.config.markov_rank}, "
-        f"budget {cfg.max_minutes:.0f} min")
-    prog = Progress(int(budget), "train dflash (seconds)")
-    t0 = last_eval = time.time()
-    step = tokens = 0
 
-    def save():
-        card = json.dumps({"train_config": asdict(cfg), "steps": step, "tokens": tokens}, indent=1)
-        m.save(out / "model", extra_files={"train_config.json": card + "\n"})
+    def step(_):
+        ids = lm.sample_windows(data, cfg.domain_weights, cfg, rng)  # [B, seq_len + 1]
+        feats, logp = target_features(target, ids, m.config.target_layer_ids)
+        size = int(rng.integers(2, cfg.block_size + 1))
+        anchors = pick_blocks(ids.shape[1], size, cfg.rows, rng)
+        with lm.autocast(cfg.precision):
+            logits = block_forward(m, embed_w, head_w, ids, feats, anchors, size)
+        loss, metrics = block_loss(m, logits, ids, logp, anchors, cfg.gamma)
+        last = metrics.get("markov", metrics["base"])
+        return lm.Step(loss, ids.numel(), {"block": size, "metrics": metrics}, {"acc1": f"{last['acc'][0]:.2f}"})
 
-    with lm.checkpoint_on_interrupt(save, log, out / "model"):
-        while time.time() - t0 < budget:
-            lr = lm.lr_at(step, (time.time() - t0) / budget, cfg)
-            for g in opt.param_groups:
-                g["lr"] = lr
-            ids = lm.sample_windows(data, cfg.domain_weights, cfg, rng)  # [B, seq_len + 1]
-            feats, logp = target_features(target, ids, m.config.target_layer_ids)
-            size = int(rng.integers(2, cfg.block_size + 1))
-            anchors = pick_blocks(ids.shape[1], size, cfg.rows, rng)
-            with lm.autocast(cfg.precision):
-                logits = block_forward(m, embed_w, head_w, ids, feats, anchors, size)
-            loss, metrics = block_loss(m, logits, ids, logp, anchors, cfg.gamma)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(params, 1.0)
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            step += 1
-            tokens += ids.numel()
-            rec = {"step": step, "tokens": tokens, "block": size, "loss": float(loss.detach()), "metrics": metrics,
-                   "lr": lr, "time_s": time.time() - t0}
-            last = metrics.get("markov", metrics["base"])
-            prog.update(min(int(time.time() - t0), int(budget)), step=step, loss=f"{float(loss.detach()):.3f}",
-                        acc1=f"{last['acc'][0]:.2f}", tok_s=f"{tokens / rec['time_s']:.0f}")
-            if time.time() - last_eval > cfg.eval_every_s:
-                rec["val"] = evaluate(m, embed_w, head_w, target, data, cfg)
-                log(f"\nstep {step} val tau " + " ".join(f"{d}={v[k]['tau']:.2f}" for d, v in rec["val"].items()
-                                                         for k in v))
-                save()
-                lm.snapshot(out, tokens)
-                last_eval = time.time()
-            log_f.write(json.dumps(rec) + "\n")
-            log_f.flush()
-    rec = {"step": step, "tokens": tokens, "time_s": time.time() - t0,
-           "val": evaluate(m, embed_w, head_w, target, data, cfg)}
-    log_f.write(json.dumps(rec) + "\n")
-    log_f.close()
-    save()
-    summary = {"params": n_params, "steps": step, "tokens": tokens, "minutes": (time.time() - t0) / 60,
-               "val": rec["val"], "config": asdict(cfg)}
-    write_atomic(out / "summary.json", json.dumps(summary, indent=2, default=str))
-    return summary
+    return lm.online_loop(
+        "dflash", m, cfg, step, lambda: evaluate(m, embed_w, head_w, target, data, cfg),
+        lambda val: "val tau " + " ".join(f"{d}={v[k]['tau']:.2f}" for d, v in val.items() for k in v), log,
+        f", {m.config.num_hidden_layers} layers, target layers {m.config.target_layer_ids}, blocks up to "
+        f"{cfg.block_size}, markov rank {m.config.markov_rank}")
 
 
 def val_table(val: dict) -> str:

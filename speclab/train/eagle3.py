@@ -20,9 +20,7 @@ autocast; this CPU has native bf16 (`speclab.train.speed` measures both).
 """
 from __future__ import annotations
 
-import json
-import time
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 import torch
@@ -34,8 +32,6 @@ from speclab.drafters.eagle3 import (
     default_layer_ids,
     load_eagle3,
 )
-from speclab.files import write_atomic
-from speclab.progress import Progress
 from speclab.train import lm
 from speclab.train.corpus import DOMAINS
 
@@ -240,55 +236,19 @@ def train_eagle3(cfg: Eagle3TrainConfig, log=print) -> dict:
     else:
         m = new_drafter(target, cfg, counts)
     m.train()
-    params, opt, out, log_f = lm.online_run(m, cfg)
-    n_params = sum(p.numel() for p in params)
-    budget = cfg.max_minutes * 60
-    log(f"eagle3: {n_params / 1e6:.2f} M trainable params, layers (hidden_states) {m.config.layer_ids}, "
-        f"{cfg.ttt_steps} TTT steps, budget {cfg.max_minutes:.0f} min")
-    prog = Progress(int(budget), "train eagle3 (seconds)")
-    t0 = last_eval = time.time()
-    step = 0
     tokens_per_step = cfg.batch_size * cfg.seq_len
 
-    def save():
-        card = json.dumps({"train_config": asdict(cfg), "steps": step, "tokens": step * tokens_per_step}, indent=1)
-        m.save(out / "model", extra_files={"train_config.json": card + "\n"})
+    def step(_):
+        ids = lm.sample_windows(data, cfg.domain_weights, cfg, rng)  # [B, seq_len + 1]
+        loss, losses, accs, tau, _ = train_step(m, embed, target, ids, cfg)
+        return lm.Step(loss, tokens_per_step, {"step_loss": losses, "step_acc": accs, "tau": tau},
+                       {"acc": "/".join(f"{a:.2f}" for a in accs)})
 
-    with lm.checkpoint_on_interrupt(save, log, out / "model"):
-        while time.time() - t0 < budget:
-            elapsed = time.time() - t0
-            lr = lm.lr_at(step, elapsed / budget, cfg)
-            for g in opt.param_groups:
-                g["lr"] = lr
-            ids = lm.sample_windows(data, cfg.domain_weights, cfg, rng)  # [B, seq_len + 1]
-            loss, losses, accs, tau, _ = train_step(m, embed, target, ids, cfg)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(params, 1.0)
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            step += 1
-            rec = {"step": step, "tokens": step * tokens_per_step, "loss": float(loss.detach()), "step_loss": losses,
-                   "step_acc": accs, "tau": tau, "lr": lr, "time_s": time.time() - t0}
-            prog.update(min(int(time.time() - t0), int(budget)), step=step, loss=f"{float(loss.detach()):.3f}",
-                        acc="/".join(f"{a:.2f}" for a in accs), tok_s=f"{rec['tokens'] / rec['time_s']:.0f}")
-            if time.time() - last_eval > cfg.eval_every_s:
-                rec["val"] = evaluate(m, embed, target, data, cfg)
-                log(f"\nstep {step} val tau greedy/sampled " + " ".join(f"{d}={v['tau']:.2f}/{v['tau_sampled']:.2f}"
-                                                                       for d, v in rec["val"].items()))
-                save()
-                lm.snapshot(out, rec["tokens"])
-                last_eval = time.time()
-            log_f.write(json.dumps(rec) + "\n")
-            log_f.flush()
-    rec = {"step": step, "tokens": step * tokens_per_step, "time_s": time.time() - t0,
-           "val": evaluate(m, embed, target, data, cfg)}
-    log_f.write(json.dumps(rec) + "\n")
-    log_f.close()
-    save()
-    summary = {"params": n_params, "steps": step, "tokens": step * tokens_per_step,
-               "minutes": (time.time() - t0) / 60, "val": rec["val"], "config": asdict(cfg)}
-    write_atomic(out / "summary.json", json.dumps(summary, indent=2, default=str))
-    return summary
+    return lm.online_loop(
+        "eagle3", m, cfg, step, lambda: evaluate(m, embed, target, data, cfg),
+        lambda val: "val tau greedy/sampled " + " ".join(f"{d}={v['tau']:.2f}/{v['tau_sampled']:.2f}"
+                                                         for d, v in val.items()),
+        log, f", layers (hidden_states) {m.config.layer_ids}, {cfg.ttt_steps} TTT steps")
 
 
 def val_table(val: dict) -> str:

@@ -389,3 +389,66 @@ def curve_table(records: list[dict]) -> str:
             rows.append(f"| {r['tokens'] / 1e6:.2f} | {r['time_s'] / 60:.0f} | {loss} | "
                         + " | ".join(f"{r['val'][d]['loss']:.3f}" for d in DOMAINS) + " |")
     return "\n".join(rows)
+
+
+@dataclass
+class Step:
+    """One training step's results for `online_loop`: the loss (the loop runs its backward), the tokens it trained
+    on, what goes into the step's log record and what the progress line shows."""
+    loss: torch.Tensor
+    tokens: int
+    record: dict
+    shown: dict
+
+
+def online_loop(name: str, m: torch.nn.Module, cfg, step_fn, evaluate_fn, val_line, log=print,
+                about: str = "") -> dict:
+    """The loop every online drafter training runs: for `cfg.max_minutes` of wall clock, `step_fn(step)` -> Step,
+    backward, gradient clip 1.0, AdamW at `lr_at`; a progress line with ETA; every `cfg.eval_every_s` a
+    validation (`evaluate_fn()` -> per-domain dict; `val_line(val)` says it in one line), a checkpoint and a
+    snapshot; Ctrl-C or SIGTERM saves before it stops (resume with --init-from). The checkpoint's
+    train_config.json is the run's card (config, steps, tokens); summary.json closes the run. -> the summary."""
+    params, opt, out, log_f = online_run(m, cfg)
+    n_params = sum(p.numel() for p in params)
+    budget = cfg.max_minutes * 60
+    log(f"{name}: {n_params / 1e6:.2f} M trainable params{about}, budget {cfg.max_minutes:.0f} min")
+    prog = Progress(int(budget), f"train {name} (seconds)")
+    t0 = last_eval = time.time()
+    step = tokens = 0
+
+    def save():
+        card = json.dumps({"train_config": asdict(cfg), "steps": step, "tokens": tokens}, indent=1, default=str)
+        m.save(out / "model", extra_files={"train_config.json": card + "\n"})
+
+    with checkpoint_on_interrupt(save, log, out / "model"):
+        while time.time() - t0 < budget:
+            lr = lr_at(step, (time.time() - t0) / budget, cfg)
+            for g in opt.param_groups:
+                g["lr"] = lr
+            s = step_fn(step)
+            s.loss.backward()
+            torch.nn.utils.clip_grad_norm_(params, 1.0)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            step += 1
+            tokens += s.tokens
+            rec = {"step": step, "tokens": tokens, "loss": float(s.loss.detach()), **s.record, "lr": lr,
+                   "time_s": time.time() - t0}
+            prog.update(min(int(time.time() - t0), int(budget)), step=step, loss=f"{rec['loss']:.3f}", **s.shown,
+                        tok_s=f"{tokens / rec['time_s']:.0f}")
+            if time.time() - last_eval > cfg.eval_every_s:
+                rec["val"] = evaluate_fn()
+                log(f"\nstep {step} {val_line(rec['val'])}")
+                save()
+                snapshot(out, tokens)
+                last_eval = time.time()
+            log_f.write(json.dumps(rec) + "\n")
+            log_f.flush()
+    rec = {"step": step, "tokens": tokens, "time_s": time.time() - t0, "val": evaluate_fn()}
+    log_f.write(json.dumps(rec) + "\n")
+    log_f.close()
+    save()
+    summary = {"params": n_params, "steps": step, "tokens": tokens, "minutes": (time.time() - t0) / 60,
+               "val": rec["val"], "config": asdict(cfg)}
+    write_atomic(out / "summary.json", json.dumps(summary, indent=2, default=str))
+    return summary
