@@ -63,6 +63,10 @@ CREATE TABLE IF NOT EXISTS draft_nodes (
     draft_prob DOUBLE, target_prob DOUBLE, accepted BOOLEAN, block INTEGER, bucket INTEGER);
 CREATE TABLE IF NOT EXISTS router_decisions (
     run_id BIGINT, round INTEGER, policy VARCHAR, signal DOUBLE, threshold DOUBLE, choice VARCHAR);
+CREATE TABLE IF NOT EXISTS adaptation (
+    run_id BIGINT, stream VARCHAR, category VARCHAR, query INTEGER, policy VARCHAR, action VARCHAR, signal DOUBLE,
+    pred_head DOUBLE, pred_full DOUBLE, trained VARCHAR, update_ms DOUBLE, observed_gain DOUBLE, v_head DOUBLE,
+    v_full DOUBLE, reverted BOOLEAN, tau DOUBLE, tokens_per_s DOUBLE);
 CREATE TABLE IF NOT EXISTS profile_sets (bench_id VARCHAR, params_json VARCHAR, prompts INTEGER);
 CREATE TABLE IF NOT EXISTS profiles (
     bench_id VARCHAR, prompt_id VARCHAR, category VARCHAR, pos INTEGER, drafter VARCHAR, accepted INTEGER,
@@ -94,7 +98,7 @@ MIGRATIONS = {2: ["ALTER TABLE runs ADD COLUMN IF NOT EXISTS prefill_ms DOUBLE",
               6: ["ALTER TABLE draft_nodes ADD COLUMN IF NOT EXISTS block INTEGER",
                   "ALTER TABLE draft_nodes ADD COLUMN IF NOT EXISTS bucket INTEGER"]}
 TABLES = ("meta", "runs", "rounds", "tokens", "draft_nodes", "router_decisions", "benches", "profile_sets", "profiles",
-          "profile_positions")
+          "profile_positions", "adaptation")
 
 
 def _connect(path: str, read_only: bool):

@@ -169,3 +169,58 @@ def test_trace_records_each_nodes_block_and_bucket(deep, model, tmp_path):
     assert sb.n == sb.blocks == sb.buckets and sb.last_block >= 1 and 0 <= sb.lo <= sb.hi <= 3
     pld = got[got.method == "pld"]
     assert pld.empty or (pld.blocks.iloc[0] == 0 and pld.buckets.iloc[0] == 0)  # NULL for other drafters
+
+
+def test_adaptation_step_changes_only_its_actions_parameters_and_revert_is_exact(deep, model):
+    """A query decoded with SpecBlock leaves rejections with the target's distribution there; a head-only update
+    changes the LM head and the rank head only (in theta_train and in the drafter's own weights), a full update
+    the trunk too; a revert restores the last good checkpoint bit for bit."""
+    import copy
+
+    from speclab.adaptation import AdaptConfig, Adapter, run_query
+    m = copy.deepcopy(model)
+    q, res = run_query(deep, {"specblock": m}, PROMPTS[0], SETTINGS["one block, chain"], 32)
+    assert q.rejections and 0 < q.signal <= len(q.rejections)
+    assert q.ids.numel() == q.feats.shape[0] + 1 and all(0 <= x.r <= 1 for x in q.rejections)
+    ad = Adapter(m, deep.model.get_input_embeddings().weight, AdaptConfig(buffer=1, lr=1e-2))
+    before = {k: v.clone() for k, v in ad.train.state_dict().items()}
+    inf_before = {k: v.clone() for k, v in m.state_dict().items()}
+    ad.tps = [10.0]
+    ad.buffers["head"].append(q)
+    ad._update("head", q.signal)
+    changed = {k for k, v in ad.train.state_dict().items() if not torch.equal(v, before[k])}
+    assert changed and all(k.startswith(("lm_head.", "rank_head.")) for k in changed), changed
+    inf_changed = {k for k, v in m.state_dict().items() if not torch.equal(v, inf_before[k])}
+    assert inf_changed == changed  # theta_inf follows theta_train
+    good = {k: v.clone() for k, v in ad.good.items()}
+    ad.buffers["full"].append(q)
+    ad._update("full", q.signal)
+    assert any(not torch.equal(v, before[k]) for k, v in ad.train.state_dict().items() if k.startswith("layers."))
+    ad.window_tau = [3.0, 2.5, 2.0, 1.5]  # three falling windows
+    assert ad._drift()
+    assert all(torch.equal(v, good[k]) for k, v in ad.train.state_dict().items())
+    assert all(torch.equal(v, good[k].to(v.dtype)) for k, v in m.state_dict().items())
+    assert ad.v == {"head": 0.0, "full": 0.0}
+
+
+def test_adapt_stream_traces_every_decision(deep, model, tmp_path):
+    """Every policy serves the stream with every query traced and its decision in the `adaptation` table; static
+    never updates, OSD updates every `osd_every` queries; the report has one row and two curves per policy."""
+    import copy
+
+    from speclab.adaptation import AdaptConfig, adapt_stream
+    from speclab.cli.adapt import adapt_report
+    from speclab.trace import TraceStore
+    prompts = [{"prompt": p, "prompt_id": str(i), "category": "test"} for i, p in enumerate(PROMPTS[:3] * 2)]
+    frames = []
+    with TraceStore(tmp_path / "a.duckdb") as store:
+        for policy in ("static", "osd"):
+            frames.append(adapt_stream(deep, copy.deepcopy(model), prompts, AdaptConfig(policy=policy, osd_every=2,
+                                                                                        lr=1e-3),
+                                       SETTINGS["one block, chain"], 24, store, stream=policy))
+        got = store.query("SELECT policy, count(*) AS n, count(trained) AS updates, count(DISTINCT run_id) AS runs "
+                          "FROM adaptation GROUP BY policy ORDER BY policy")
+    assert got.n.tolist() == [6, 6] and got.runs.tolist() == [6, 6]
+    assert got[got.policy == "static"].updates.iloc[0] == 0 and got[got.policy == "osd"].updates.iloc[0] >= 2
+    rep = adapt_report(frames, "test")
+    assert "| osd" in rep.text and "| static" in rep.text and len(rep.figs) == 2

@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from speclab.cli import bench, costs, decode, routing, train
+from speclab.cli import adapt, bench, costs, decode, routing, train
 from speclab.cli.common import _check_writable, _Parser, _sigterm_interrupts
 from speclab.errors import SpeclabError
 from speclab.models import check_model_args
@@ -22,6 +22,7 @@ def parser() -> argparse.ArgumentParser:
     costs.add_parsers(sub)  # costs forward | catchup | switch | block | kernels
     routing.add_parsers(sub)  # profile, sweep, calibrate, routing
     train.add_parsers(sub)  # train, zoo
+    adapt.add_parsers(sub)  # adapt (SpecBlock's serving-time adaptation)
     return ap
 
 

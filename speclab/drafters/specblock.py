@@ -275,6 +275,11 @@ class SpecBlockDrafter:
         self.cache: KVCache | None = None
         self.known = 0  # committed tokens whose position-1 rows are in the cache (all but the root)
         self.pending_ids = self.pending_feats = None  # the backlog, ending with the root (the last committed token)
+        # what serving-time adaptation reads (speclab.adaptation): every committed token and feature seen, and per
+        # tree node (-1: the root) the draft distribution of the row that drafted its children, this round
+        self.seen_ids: list[torch.Tensor] = []
+        self.seen_feats: list[torch.Tensor] = []
+        self.row_probs: dict[int, torch.Tensor] = {}
 
     def _embed(self, ids: torch.Tensor) -> torch.Tensor:
         return self.target.embed(ids.to(self.device)).to(self.dtype)
@@ -286,6 +291,8 @@ class SpecBlockDrafter:
     def reset(self, prompt_ids: torch.Tensor, prompt_features: torch.Tensor | None) -> None:
         self.cache = KVCache(self.m.config.num_hidden_layers, self.KV, self.D, self.dtype, self.device)
         self.known = 0
+        self.seen_ids = [prompt_ids.cpu()]
+        self.seen_feats = [prompt_features] if prompt_features is not None else []
         self.pending_ids = prompt_ids[1:].to(self.device)
         self.pending_feats = prompt_features.to(self.dtype) if prompt_features is not None else \
             torch.zeros(0, len(self.layers) * self.m.config.target_hidden_size, device=self.device, dtype=self.dtype)
@@ -295,6 +302,8 @@ class SpecBlockDrafter:
         """The backlog (token x_j with the target's feature f_{j-1}) into the cache as position-1 rows, all but
         the last (the next round's root), in one call through every layer (causal among themselves)."""
         if ids.numel():
+            self.seen_ids.append(ids.cpu())
+            self.seen_feats.append(features)
             self.pending_ids = torch.cat([self.pending_ids, ids.to(self.device)])
             self.pending_feats = torch.cat([self.pending_feats, features.to(self.dtype)])
         m = self.pending_ids.numel() - 1
@@ -360,6 +369,7 @@ class SpecBlockDrafter:
             return DraftTree.empty(self.device)
         root = _Start(self.m.cond(self.pending_feats[-1]), int(self.pending_ids[-1]), -1, 0, [])
         tokens, parents, probs, block_of, bucket_of = [], [], [], [], []
+        self.row_probs = {}
         starts, budget = [root], min(self.total_tokens, MAX_TREE_NODES)
         with forward_clock:
             for b in range(self.blocks):
@@ -375,6 +385,7 @@ class SpecBlockDrafter:
                         if w <= 0 or depth >= max_depth:
                             break
                         top = p[j, k].topk(w)
+                        self.row_probs.setdefault(parent, p[j, k])
                         first = len(tokens)
                         for tok, q in zip(top.indices.tolist(), top.values.tolist()):
                             tokens.append(tok), parents.append(parent), probs.append(q)
@@ -391,6 +402,11 @@ class SpecBlockDrafter:
         return DraftTree(torch.tensor(tokens, device=self.device), torch.tensor(parents, device=self.device),
                          torch.tensor(probs, device=self.device),
                          extra={"block": torch.tensor(block_of), "bucket": torch.tensor(bucket_of)})
+
+    def history(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every committed token seen so far [n] and the target's features f_0..f_{n-2} [n-1, F] (x_j pairs with
+        f_{j-1}): what `speclab.train.specblock.block_forward` trains on, without another target forward."""
+        return torch.cat(self.seen_ids), torch.cat([f.to(self.dtype) for f in self.seen_feats])
 
     def commit(self, tree: DraftTree, accepted: torch.Tensor) -> None:
         """Draft rows are dropped: the accepted tokens come back through catch_up with the target's features."""
