@@ -168,6 +168,11 @@ CASES = [
      "argument --block-size: '1' is not an integer from 2 to 64"),
     ("train", ["eagle3", "--minutes", "5", "--lr", "-1"], "argument --lr: '-1' is not a finite number"),
     ("zoo", ["build", "--target-minutes", "nan"], "argument --target-minutes: 'nan' is not a finite number"),
+    ("train", ["specblock", "--minutes", "5", "--without", "poetry"], "argument --without: invalid choice"),
+    ("train", ["specblock", "--minutes", "5", "--rank-warmup", "-1"], "argument --rank-warmup: '-1' is not an integer"),
+    ("adapt", ["--policies", "static,greedy"], "--policies static,greedy: each one of bandit, osd, static"),
+    ("adapt", ["--max-new-tokens", "0"], "argument --max-new-tokens: '0' is not an integer of at least 1"),
+    ("adapt", ["--lr", "nan"], "argument --lr: 'nan' is not a finite number"),
     ("nope", [], "argument cmd: invalid choice: 'nope'"),
 ]
 

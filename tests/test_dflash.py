@@ -222,16 +222,12 @@ def test_sampling_through_dflash_keeps_target_distribution(tiny_v8, markov):
     """The first two sampled tokens follow the target's exact joint distribution with DFlash drafting a block of 3
     rows (2 sampled tokens, their per-row distributions recorded for verification); two-token drafts are accepted
     in some decodes. Power: a sample of the target's joint at temperature 0.7 is told apart by the same test."""
-    from test_sampling import N_RUNS, PROMPT, V, chi2_p, decode_counts, exact_joint, told_apart
+    from test_sampling import N_RUNS, V, assert_keeps_target_distribution
 
     target = tiny_v8
     drafter = DFlashDrafter(random_drafter(target, 4, markov_rank=4 if markov else 0, mask_id=V - 1), target,
                             block_size=3, markov=markov, tree_topk=1, total_tokens=16)
-    want = exact_joint(target, PROMPT, Sampling(1.0))
-    counts, one_round = decode_counts(target, drafter, Sampling(1.0), seed0=20_000)
-    assert one_round > N_RUNS // 100
-    assert chi2_p(counts, want) > 1e-3
-    assert told_apart(exact_joint(target, PROMPT, Sampling(0.7)), want)
+    assert_keeps_target_distribution(target, drafter, 20_000, N_RUNS // 100)
 
 
 def test_traced_like_every_drafter(deep, trained_dflash, tmp_path):

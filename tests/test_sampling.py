@@ -177,6 +177,17 @@ def told_apart(other_joint: np.ndarray, want: np.ndarray, seed: int = 0) -> bool
     return chi2_p(other, want) < 1e-3
 
 
+def assert_keeps_target_distribution(target, drafter, seed0: int, min_one_round: int) -> None:
+    """The first two tokens sampled through `drafter` follow the target's exact joint (chi-square), more than
+    `min_one_round` decodes take both in one round (the drafts are really tested), and the test has power: the
+    target's joint at temperature 0.7 is told apart."""
+    want = exact_joint(target, PROMPT, Sampling(1.0))
+    counts, one_round = decode_counts(target, drafter, Sampling(1.0), seed0=seed0)
+    assert one_round > min_one_round
+    assert chi2_p(counts, want) > 1e-3
+    assert told_apart(exact_joint(target, PROMPT, Sampling(0.7)), want)
+
+
 # name: (sps drafter params, or None for the i.i.d. sibling tree; sampling besides temperature 1; deferred; prompt)
 CASES = {
     "sampled-chain": (dict(k=2), {}, True, PROMPT),

@@ -148,41 +148,8 @@ def cmd_train(a: argparse.Namespace) -> int:
             check_model_dir(a.init_from)
     if a.what == "curve":
         return _curve(a)
-    if a.what == "eagle3":
-        from speclab.train.eagle3 import Eagle3TrainConfig, train_eagle3, val_table
-        cfg = Eagle3TrainConfig(target_dir=a.teacher or str(zoo.default_target()), corpus_dir=corpus, out_dir=a.out,
-                                max_minutes=a.minutes, seed=a.seed, init_from=a.init_from, lr=a.lr or 2e-3,
-                                ttt_steps=a.ttt_steps, precision=_precision(a.precision), loss_topk=a.loss_topk,
-                                draft_vocab_size=a.draft_vocab, threads=a.threads,
-                                domain_weights=_domain_weights(a.without))
-        summary = train_eagle3(cfg, log=lambda s: print(s, file=sys.stderr, flush=True))
-        print(json.dumps({k: summary[k] for k in ("params", "steps", "tokens", "minutes")}, indent=1))
-        print(val_table(summary["val"]))
-        return 0
-    if a.what == "dflash":
-        from speclab.train.dflash import DFlashTrainConfig, train_dflash, val_table
-        cfg = DFlashTrainConfig(target_dir=a.teacher or str(zoo.default_target()), corpus_dir=corpus, out_dir=a.out,
-                                max_minutes=a.minutes, seed=a.seed, init_from=a.init_from, lr=a.lr or 1.5e-3,
-                                block_size=a.block_size or 16, markov_rank=a.markov_rank, num_layers=a.layers,
-                                precision=_precision(a.precision), threads=a.threads,
-                                domain_weights=_domain_weights(a.without))
-        summary = train_dflash(cfg, log=lambda s: print(s, file=sys.stderr, flush=True))
-        print(json.dumps({k: summary[k] for k in ("params", "steps", "tokens", "minutes")}, indent=1))
-        print(val_table(summary["val"]))
-        return 0
-    if a.what == "specblock":
-        from speclab.train.specblock import SpecBlockTrainConfig, train_specblock, val_table
-        cfg = SpecBlockTrainConfig(target_dir=a.teacher or str(zoo.default_target()), corpus_dir=corpus,
-                                   out_dir=a.out, max_minutes=a.minutes, seed=a.seed, init_from=a.init_from,
-                                   lr=a.lr or 1e-3, block_size=a.block_size or 4, hidden_layers=a.layers,
-                                   layer_shift=not a.no_shift, valid_prefix=not a.no_valid_prefix,
-                                   rank_warmup=a.rank_warmup, loss_topk=a.loss_topk or 32,
-                                   precision=_precision(a.precision), threads=a.threads,
-                                   domain_weights=_domain_weights(a.without))
-        summary = train_specblock(cfg, log=lambda s: print(s, file=sys.stderr, flush=True))
-        print(json.dumps({k: summary[k] for k in ("params", "steps", "tokens", "minutes")}, indent=1))
-        print(val_table(summary["val"]))
-        return 0
+    if a.what in ("eagle3", "dflash", "specblock"):
+        return _train_drafter(a, corpus)
     if a.what == "router":
         from speclab.core.target import Target
         from speclab.drafters.dflash import load_dflash
@@ -212,6 +179,35 @@ def cmd_train(a: argparse.Namespace) -> int:
                           max_minutes=a.minutes, seed=a.seed, init_from=a.init_from)
     summary = train_lm(cfg)
     print(json.dumps({k: summary[k] for k in ("params", "steps", "tokens", "minutes", "val")}, indent=1))
+    return 0
+
+
+def _train_drafter(a: argparse.Namespace, corpus: str) -> int:
+    """`speclab train eagle3 | dflash | specblock`: the run's settings every drafter training shares, its own,
+    the training, then its validation table."""
+    from speclab import zoo
+    run = dict(target_dir=a.teacher or str(zoo.default_target()), corpus_dir=corpus, out_dir=a.out,
+               max_minutes=a.minutes, seed=a.seed, init_from=a.init_from, precision=_precision(a.precision),
+               threads=a.threads, domain_weights=_domain_weights(a.without))
+    if a.what == "eagle3":
+        from speclab.train import eagle3 as t
+        cfg = t.Eagle3TrainConfig(**run, lr=a.lr or 2e-3, ttt_steps=a.ttt_steps, loss_topk=a.loss_topk,
+                                  draft_vocab_size=a.draft_vocab)
+        train = t.train_eagle3
+    elif a.what == "dflash":
+        from speclab.train import dflash as t
+        cfg = t.DFlashTrainConfig(**run, lr=a.lr or 1.5e-3, block_size=a.block_size or 16,
+                                  markov_rank=a.markov_rank, num_layers=a.layers)
+        train = t.train_dflash
+    else:
+        from speclab.train import specblock as t
+        cfg = t.SpecBlockTrainConfig(**run, lr=a.lr or 1e-3, block_size=a.block_size or 4, hidden_layers=a.layers,
+                                     layer_shift=not a.no_shift, valid_prefix=not a.no_valid_prefix,
+                                     rank_warmup=a.rank_warmup, loss_topk=a.loss_topk or 32)
+        train = t.train_specblock
+    summary = train(cfg, log=lambda s: print(s, file=sys.stderr, flush=True))
+    print(json.dumps({k: summary[k] for k in ("params", "steps", "tokens", "minutes")}, indent=1))
+    print(t.val_table(summary["val"]))
     return 0
 
 

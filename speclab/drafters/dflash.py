@@ -49,7 +49,7 @@ from speclab.drafters.checkpoint import (
     read_checkpoint,
     save_checkpoint,
 )
-from speclab.drafters.layers import MLP, Attention
+from speclab.drafters.layers import DecoderLayer
 from speclab.drafters.registry import DrafterEntry, ModelRole, Param
 from speclab.errors import InvalidInput, ModelNotFound
 
@@ -138,16 +138,6 @@ class DFlashConfig:
         return out
 
 
-class _Layer(nn.Module):
-    def __init__(self, c: DFlashConfig):
-        super().__init__()
-        self.self_attn = Attention(c.hidden_size, c.hidden_size, c.num_attention_heads, c.num_key_value_heads,
-                                   c.head_dim, c.attention_bias, qk_norm_eps=c.rms_norm_eps)
-        self.mlp = MLP(c.hidden_size, c.intermediate_size)
-        self.input_layernorm = nn.RMSNorm(c.hidden_size, eps=c.rms_norm_eps)
-        self.post_attention_layernorm = nn.RMSNorm(c.hidden_size, eps=c.rms_norm_eps)
-
-
 class DFlashModel(nn.Module):
     """The drafter's weights in the public layout and the pieces of its forward (drafting and training share
     them). It has no embedding and no LM head: the target's are used."""
@@ -155,7 +145,9 @@ class DFlashModel(nn.Module):
     def __init__(self, config: DFlashConfig):
         super().__init__()
         c = self.config = config
-        self.layers = nn.ModuleList(_Layer(c) for _ in range(c.num_hidden_layers))
+        self.layers = nn.ModuleList(DecoderLayer(c.hidden_size, c.intermediate_size, c.num_attention_heads,
+                                                 c.num_key_value_heads, c.head_dim, c.rms_norm_eps, c.attention_bias)
+                                    for _ in range(c.num_hidden_layers))
         self.norm = nn.RMSNorm(c.hidden_size, eps=c.rms_norm_eps)
         self.fc = nn.Linear(len(c.target_layer_ids) * c.hidden_size, c.hidden_size, bias=False)
         self.hidden_norm = nn.RMSNorm(c.hidden_size, eps=c.rms_norm_eps)
@@ -187,11 +179,7 @@ class DFlashModel(nn.Module):
 
     def finish(self, i: int, x: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
         """The rest of layer i: residual + o_proj(attention output [.., heads, B, D]), then the MLP."""
-        layer = self.layers[i]
-        x = x + layer.self_attn.o_proj(attn.transpose(-2, -3).flatten(-2))
-        h = layer.post_attention_layernorm(x)
-        m = layer.mlp
-        return x + m.down_proj(F.silu(m.gate_proj(h)) * m.up_proj(h))
+        return self.layers[i].finish(x, attn)
 
     def markov_bias(self, prev: torch.Tensor) -> torch.Tensor:
         """DSpark's bias W1[x_{k-1}] W2 [.., V] for previous tokens `prev` [..]."""

@@ -2,7 +2,9 @@
 (`self_attn.q_proj`, `mlp.gate_proj`, ...): projections only; each drafter writes its own forward."""
 from __future__ import annotations
 
+import torch
 import torch.nn as nn
+import torch.nn.functional as F
 
 
 class Attention(nn.Module):
@@ -29,3 +31,23 @@ class MLP(nn.Module):
         self.gate_proj = nn.Linear(d_model, intermediate, bias=False)
         self.up_proj = nn.Linear(d_model, intermediate, bias=False)
         self.down_proj = nn.Linear(intermediate, d_model, bias=False)
+
+
+class DecoderLayer(nn.Module):
+    """A Qwen3-style decoder layer (attention with per-head q/k RMSNorms, SwiGLU MLP, pre-norms): DFlash's and
+    SpecBlock's. Its forward is written by each drafter except the part after attention (`finish`)."""
+
+    def __init__(self, d_model: int, intermediate: int, heads: int, kv_heads: int, head_dim: int, eps: float,
+                 bias: bool = False):
+        super().__init__()
+        self.self_attn = Attention(d_model, d_model, heads, kv_heads, head_dim, bias, qk_norm_eps=eps)
+        self.mlp = MLP(d_model, intermediate)
+        self.input_layernorm = nn.RMSNorm(d_model, eps=eps)
+        self.post_attention_layernorm = nn.RMSNorm(d_model, eps=eps)
+
+    def finish(self, x: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
+        """The rest of the layer: residual + o_proj(attention output [.., heads, n, D]), then the MLP."""
+        x = x + self.self_attn.o_proj(attn.transpose(-2, -3).flatten(-2))
+        h = self.post_attention_layernorm(x)
+        m = self.mlp
+        return x + m.down_proj(F.silu(m.gate_proj(h)) * m.up_proj(h))

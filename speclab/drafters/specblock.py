@@ -43,7 +43,7 @@ from speclab.core.sampling import Sampling
 from speclab.core.target import forward_clock
 from speclab.core.tree import DraftTree
 from speclab.drafters.checkpoint import check_fits, load_strict, place, read_checkpoint, save_checkpoint
-from speclab.drafters.layers import MLP, Attention
+from speclab.drafters.layers import DecoderLayer
 from speclab.drafters.registry import DrafterEntry, ModelRole, Param
 from speclab.errors import InvalidInput, ModelNotFound
 
@@ -89,13 +89,13 @@ class SpecBlockConfig:
     target_hidden_size: int
     target_layers: tuple[int, ...]  # speclab's convention: the output of decoder layer j (low, mid, top)
     block_size: int = 4  # K, fixed at training
-    head_dim: int | None = None
-    rms_norm_eps: float = 1e-6
-    max_position_embeddings: int = 2048
-    rope_theta: float = 10000.0
-    rope_scaling: dict | None = None
     layer_shift: bool = True  # False: the ablation without W_shift
     rank_hidden: int = 128
+    rope_theta: float = 10000.0
+    rope_scaling: dict | None = None
+    max_position_embeddings: int = 2048
+    head_dim: int | None = None
+    rms_norm_eps: float = 1e-6
     extra: dict = field(default_factory=dict)
 
     def __post_init__(self):
@@ -116,18 +116,6 @@ class SpecBlockConfig:
                    extra={k: v for k, v in d.items() if k not in known and k not in ("architectures", "model_type")})
 
 
-class _Layer(nn.Module):
-    """One decoder layer as the zoo target's (Qwen3: per-head q/k RMSNorms), projections only."""
-
-    def __init__(self, c: SpecBlockConfig):
-        super().__init__()
-        self.self_attn = Attention(c.hidden_size, c.hidden_size, c.num_attention_heads, c.num_key_value_heads,
-                                   c.head_dim, qk_norm_eps=c.rms_norm_eps)
-        self.mlp = MLP(c.hidden_size, c.intermediate_size)
-        self.input_layernorm = nn.RMSNorm(c.hidden_size, eps=c.rms_norm_eps)
-        self.post_attention_layernorm = nn.RMSNorm(c.hidden_size, eps=c.rms_norm_eps)
-
-
 class SpecBlockModel(nn.Module):
     """The drafter's weights and the pieces of its forward (drafting and training share them). The token
     embedding is the target's (frozen, not stored)."""
@@ -140,7 +128,8 @@ class SpecBlockModel(nn.Module):
         self.cond_norm, self.embed_norm, self.query_norm = (nn.RMSNorm(H, eps=c.rms_norm_eps) for _ in range(3))
         self.queries = nn.Parameter(torch.randn(c.block_size, H) * 0.02)  # q_1..q_K
         self.fuse = nn.Linear(3 * H, H, bias=False)  # W_fuse
-        self.layers = nn.ModuleList(_Layer(c) for _ in range(c.num_hidden_layers))
+        self.layers = nn.ModuleList(DecoderLayer(H, c.intermediate_size, c.num_attention_heads, c.num_key_value_heads,
+                                                 c.head_dim, c.rms_norm_eps) for _ in range(c.num_hidden_layers))
         if c.layer_shift:  # W_shift per layer, starting as the identity on row k's own state
             self.shift = nn.ModuleList(nn.Linear(2 * H, H, bias=False) for _ in range(c.num_hidden_layers))
             for s in self.shift:
@@ -178,12 +167,8 @@ class SpecBlockModel(nn.Module):
                 v.transpose(-2, -3))
 
     def finish(self, i: int, x: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
-        """The rest of layer i: residual + o_proj(attention output [.., heads, n, D]), then the MLP."""
-        layer = self.layers[i]
-        x = x + layer.self_attn.o_proj(attn.transpose(-2, -3).flatten(-2))
-        h = layer.post_attention_layernorm(x)
-        m = layer.mlp
-        return x + m.down_proj(F.silu(m.gate_proj(h)) * m.up_proj(h))
+        """The rest of layer i (the target's layer design: `layers.DecoderLayer.finish`)."""
+        return self.layers[i].finish(x, attn)
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         return self.lm_head(self.norm(h))

@@ -49,12 +49,6 @@ class DFlashTrainConfig(lm.OnlineSchedule):
     markov_rank: int = 64  # 0: no Markov head
     gamma: float = 4.0  # loss weight exp(-(k - 1) / gamma) of block row k
     rows: int = 512  # block rows per window (anchors = rows // block size of the step; blocks may overlap)
-    init_from: str | None = None  # a DFlash directory to resume from (optimizer moments restart)
-    eval_every_s: float = 600.0
-    eval_windows: int = 8
-    seed: int = 0
-    threads: int = 2
-    domain_weights: dict = field(default_factory=lm.DOMAIN_WEIGHTS.copy)
 
 
 def new_drafter(target, cfg: DFlashTrainConfig, mask_token_id: int) -> DFlashModel:

@@ -20,7 +20,7 @@ autocast; this CPU has native bf16 (`speclab.train.speed` measures both).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
@@ -47,12 +47,6 @@ class Eagle3TrainConfig(lm.OnlineSchedule):
     ttt_steps: int = 3  # unrolled steps (step 0 included)
     loss_topk: int = 0  # 0: the target's full distribution; k: its k most likely tokens + a bucket for the rest
     step_weight: float = 0.8
-    init_from: str | None = None  # an EAGLE-3 directory to resume from (optimizer moments restart)
-    eval_every_s: float = 600.0
-    eval_windows: int = 8  # validation windows per domain
-    seed: int = 0
-    threads: int = 2
-    domain_weights: dict = field(default_factory=lm.DOMAIN_WEIGHTS.copy)
 
 
 def new_drafter(target, cfg: Eagle3TrainConfig, token_counts: np.ndarray | None = None) -> Eagle3Model:

@@ -53,12 +53,19 @@ class Schedule:
 
 @dataclass(kw_only=True)
 class OnlineSchedule(Schedule):
-    """The online drafter trainings' schedule (EAGLE-3, DFlash): shorter windows, a short warm-up, no decay."""
+    """The online drafter trainings' schedule and run settings (EAGLE-3, DFlash, SpecBlock): shorter windows, a
+    short warm-up, no decay."""
     seq_len: int = 256
     min_lr: float = 5e-5
     warmup_steps: int = 20
     weight_decay: float = 0.0
     precision: str = "fp32"  # PRECISIONS: the drafter in fp32, or in bf16 autocast with the target in bf16
+    init_from: str | None = None  # a drafter directory to resume from (optimizer moments restart)
+    eval_every_s: float = 600.0  # validation, checkpoint and snapshot this often
+    eval_windows: int = 8  # validation windows per domain
+    seed: int = 0
+    threads: int = 2
+    domain_weights: dict = field(default_factory=DOMAIN_WEIGHTS.copy)  # the training mix (one left out: --without)
 
 
 @dataclass

@@ -20,7 +20,7 @@ model), `valid_prefix=False` (the loss).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -43,12 +43,6 @@ class SpecBlockTrainConfig(lm.OnlineSchedule):
     block_frac: float = 0.25  # share of positions that start a (first) block
     rank_warmup: int = 300  # steps before the rank head's loss is on
     loss_topk: int = 32  # the target's distribution by its top tokens + a rest bucket (lm.topk_soft_ce)
-    init_from: str | None = None  # a SpecBlock directory to resume from (optimizer moments restart)
-    eval_every_s: float = 600.0
-    eval_windows: int = 8
-    seed: int = 0
-    threads: int = 2
-    domain_weights: dict = field(default_factory=lm.DOMAIN_WEIGHTS.copy)
 
 
 def target_features(target, ids: torch.Tensor, layers, topk: int):
