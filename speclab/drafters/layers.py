@@ -1,5 +1,6 @@
-"""The decoder-layer pieces EAGLE-3 and DFlash share, with the public checkpoints' parameter names
-(`self_attn.q_proj`, `mlp.gate_proj`, ...): projections only; each drafter writes its own forward."""
+"""The decoder-layer pieces the drafters share (EAGLE-3, DFlash, SpecBlock), with the public checkpoints'
+parameter names (`self_attn.q_proj`, `mlp.gate_proj`, ...): projections, and the part of a layer after attention;
+each drafter writes its own attention."""
 from __future__ import annotations
 
 import torch
