@@ -229,7 +229,7 @@ class Adapter:
             anchors = torch.tensor([[x.anchor for x in q.rejections]])
             cuts = torch.ones_like(anchors)
             rows = torch.tensor([x.depth - 1 for x in q.rejections])
-            h, lg, _, _ = block_forward(self.train, self.embed_w, ids, feats, anchors, cuts)
+            h, lg, *_ = block_forward(self.train, self.embed_w, ids, feats, anchors, cuts)
             lg, h = lg[0, torch.arange(len(rows)), rows].float(), h[0, torch.arange(len(rows)), rows]
             p_top = torch.stack([x.p_top for x in q.rejections])
             idx = torch.stack([x.idx for x in q.rejections])
@@ -237,7 +237,7 @@ class Adapter:
             label = bucket_of_rank(rank_of(lg.detach(), torch.tensor([x.token for x in q.rejections])))
             rank = F.cross_entropy(self.train.rank_logits(h, lg).float(), label)
             with torch.no_grad():
-                _, lg0, _, _ = block_forward(self.theta0, self.embed_w, ids, feats, anchors, cuts)
+                _, lg0, *_ = block_forward(self.theta0, self.embed_w, ids, feats, anchors, cuts)
                 lg0 = lg0[0, torch.arange(len(rows)), rows].float()
             logp = torch.log_softmax(lg, -1)
             drift = (logp.exp() * (logp - torch.log_softmax(lg0, -1))).sum(-1).mean()

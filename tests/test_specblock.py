@@ -62,7 +62,7 @@ def test_drafting_forward_is_trainings_forward(deep, model):
     feats, _ = target_features(deep.model, ids, model.config.target_layers, 8)
     r, s = 10, 3
     with torch.no_grad():
-        h1, lg1, h2, lg2 = block_forward(model, deep.model.get_input_embeddings().weight, ids, feats,
+        h1, lg1, h2, lg2, lgp = block_forward(model, deep.model.get_input_embeddings().weight, ids, feats,
                                          torch.tensor([[r]]), torch.tensor([[s]]))
     d = SpecBlockDrafter(model, deep, **SETTINGS["one block, chain"])
     d.reset(ids[0, : r + 2], feats[0, : r + 1])  # committed x_0..x_{r+1}: the root is x_{r+1} with f_r
@@ -71,6 +71,7 @@ def test_drafting_forward_is_trainings_forward(deep, model):
         root = _Start(model.cond(d.pending_feats[-1]), int(d.pending_ids[-1]), -1, 0, [])
         h, logits, _, _ = d.block_forward([root])
         torch.testing.assert_close(logits[0], lg1[0, 0].float(), atol=2e-4, rtol=2e-4)
+        torch.testing.assert_close(logits[0, 0], lgp[0, r].float(), atol=2e-4, rtol=2e-4)  # row 1 = prefix row
         second = _Start(h[0, s - 1], int(ids[0, r + 1 + s]), -1, s, list(range(s)))
         _, logits2, _, _ = d.block_forward([second])
         torch.testing.assert_close(logits2[0], lg2[0, 0].float(), atol=2e-4, rtol=2e-4)

@@ -83,7 +83,8 @@ def block_forward(m: SpecBlockModel, embed_w: torch.Tensor, ids: torch.Tensor, f
     at position r). anchors [B, A]: the prefix row r whose token starts a first block (its rows k = 1..K at
     positions r..r+K-1; k = 1 is the prefix row itself). cuts [B, A] in 1..K: the first block's row s whose state,
     with the token it predicts (x_{r+1+s}), starts the second block (positions r+s..). -> the first block's
-    last-layer states and logits, then the second's: [B, A, K, H], [B, A, K, V] each."""
+    last-layer states and logits, then the second's: [B, A, K, H], [B, A, K, V] each; and every prefix row's
+    logits [B, P, V] (each is a block's first row: the loss of position 1 uses all of them)."""
     c, K = m.config, m.config.block_size
     B, N = ids.shape
     P, A = N - 1, anchors.shape[1]
@@ -124,7 +125,7 @@ def block_forward(m: SpecBlockModel, embed_w: torch.Tensor, ids: torch.Tensor, f
         kp_a, vp_a, k1, v1 = kv1[i]
         o2 = _attend(q2, [kp_a, k1, k2], [vp_a, v1, v2], [see_p, on_path, causal], scale)
         x2 = m.finish(i, x2_in, o2)
-    return h1, m.logits(h1), x2, m.logits(x2)
+    return h1, m.logits(h1), x2, m.logits(x2), m.logits(xp)
 
 
 def pick_anchors(B: int, N: int, K: int, frac: float, rng: np.random.Generator):
@@ -144,7 +145,7 @@ def valid_prefix(correct: torch.Tensor, start: torch.Tensor | None = None) -> to
     return torch.cat([first, correct[..., :-1]], -1).cumprod(-1)
 
 
-def block_loss(m: SpecBlockModel, h1, lg1, h2, lg2, ids, tgt, anchors, cuts, cfg: SpecBlockTrainConfig,
+def block_loss(m: SpecBlockModel, h1, lg1, h2, lg2, lgp, ids, tgt, anchors, cuts, cfg: SpecBlockTrainConfig,
                rank_on: bool):
     """The draft loss (eq. 6, per position over the rows the mask admits, summed over positions of both blocks)
     and the rank head's (masked cross-entropy on rank buckets, when `rank_on`) -> (loss, metrics)."""
@@ -174,8 +175,13 @@ def block_loss(m: SpecBlockModel, h1, lg1, h2, lg2, ids, tgt, anchors, cuts, cfg
     # later positions is a handful of rows whose noise dominated the clipped gradient (position 1's accuracy
     # stalled near 7% after 130 steps). Dividing by all rows of the position instead weights it by the share of
     # paths that reach it: the same curriculum, with later positions joining as the earlier ones get right.
-    draft = sum(((mm * ce).flatten(0, 1).sum(0) / ex.flatten(0, 1).sum(0).clamp_min(1)).sum()
-                for mm, ce, ex in ((m1, ce1, torch.ones_like(m1)), (m2, ce2, exists2.float())))
+    per_k = [(mm * ce).flatten(0, 1).sum(0) / ex.flatten(0, 1).sum(0).clamp_min(1)
+             for mm, ce, ex in ((m1, ce1, torch.ones_like(m1)), (m2, ce2, exists2.float()))]
+    # position 1 of a block is its prefix row, computed for every position anyway: its loss is taken on all of
+    # them (row r predicts x_{r+2} from the target's row r + 1), four times the anchors' rows
+    P = lgp.shape[1]
+    ce_p = lm.topk_soft_ce(lgp[:, : P - 1].float(), p_top[:, 1:P], idx[:, 1:P])
+    draft = ce_p.mean() + per_k[0][1:].sum() + per_k[1].sum()
     metrics = {"draft_loss": float(draft.detach()), "chain_acc": path1[..., 1:].mean((0, 1)).tolist(),
                "tau_block": float(1 + path1[..., 1:].sum(-1).mean())}
     rank_loss = torch.zeros(())
@@ -205,8 +211,9 @@ def evaluate(m: SpecBlockModel, embed_w, target, data, cfg: SpecBlockTrainConfig
         feats, tgt = target_features(target, ids, m.config.target_layers, cfg.loss_topk)
         anchors, cuts = pick_anchors(ids.shape[0], ids.shape[1], m.config.block_size, cfg.block_frac, rng)
         with lm.autocast(cfg.precision):
-            h1, lg1, h2, lg2 = block_forward(m, embed_w, ids, feats, anchors, cuts)
-        _, met = block_loss(m, h1, lg1, h2, lg2, ids, tgt, anchors, cuts, cfg, True)
+            out = block_forward(m, embed_w, ids, feats, anchors, cuts)
+        _, met = block_loss(m, *out, ids, tgt, anchors, cuts, cfg, True)
+        h1, lg1 = out[0], out[1]
         res[d] = {"chain_acc": met["chain_acc"], "tau": met["tau_block"], "rank_acc": met.get("rank_acc"),
                   "loss": met["draft_loss"], "confusion": confusion(m, h1, lg1, ids, anchors, cfg)}
     m.train()
@@ -248,8 +255,8 @@ def train_specblock(cfg: SpecBlockTrainConfig, log=print) -> dict:
         feats, tgt = target_features(target, ids, m.config.target_layers, cfg.loss_topk)
         anchors, cuts = pick_anchors(ids.shape[0], ids.shape[1], m.config.block_size, cfg.block_frac, rng)
         with lm.autocast(cfg.precision):
-            h1, lg1, h2, lg2 = block_forward(m, embed_w, ids, feats, anchors, cuts)
-        loss, met = block_loss(m, h1, lg1, h2, lg2, ids, tgt, anchors, cuts, cfg, n >= cfg.rank_warmup)
+            out = block_forward(m, embed_w, ids, feats, anchors, cuts)
+        loss, met = block_loss(m, *out, ids, tgt, anchors, cuts, cfg, n >= cfg.rank_warmup)
         return lm.Step(loss, ids.numel(), {"metrics": met},
                        {"acc": "/".join(f"{a:.2f}" for a in met["chain_acc"]),
                         "rank": f"{met.get('rank_acc', 0):.2f}"})
