@@ -353,6 +353,27 @@ def test_reopened_routed_run_shows_tokens_tree_router_and_counterfactuals(page):
     page.screenshot(path=str(ART / "rounds_and_trees_routed.png"), full_page=True)
 
 
+def test_specblock_tree_coloured_by_block_and_bucket(page):
+    """The zoo's SpecBlock decodes beside AR (equal under greedy decoding or a near-tie), and its reopened run's
+    tree can be coloured by the block that drafted each node and by the rank head's bucket."""
+    status = decode(page, STORY, ["ar", "specblock"], 32)
+    assert "specblock equals AR" in status or "near-tie" in status, status
+    rid = re.search(r"specblock run (\d+)", status).group(1)
+    page.get_by_role("tab", name="Rounds & trees").click()
+    page.fill("#run_pick input", rid)
+    page.keyboard.press("Enter")
+    wait_text(page, "#run_html", f"run {rid} · specblock", 60)
+    page.locator("#tree_color").get_by_text("block").click()
+    page.wait_for_function("[...document.querySelectorAll('#tree .legendtext')].some(e => e.textContent === "
+                           "'block 0')", timeout=30000)
+    page.locator("#tree_color").get_by_text("bucket").click()
+    page.wait_for_function("[...document.querySelectorAll('#tree .legendtext')].some(e => e.textContent"
+                           ".startsWith('bucket b'))", timeout=30000)
+    page.screenshot(path=str(ART / "specblock_tree_by_bucket.png"), full_page=True)
+    page.locator("#tree_color").get_by_text("accepted").click()
+    page.get_by_role("tab", name="Side by side").click()
+
+
 def test_calibration_replays_saves_and_confirms_live(page, app):
     page.get_by_role("tab", name="Calibration").click()
     page.fill("#cal_limit input", "1")
