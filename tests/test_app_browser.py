@@ -356,6 +356,7 @@ def test_reopened_routed_run_shows_tokens_tree_router_and_counterfactuals(page):
 def test_specblock_tree_coloured_by_block_and_bucket(page):
     """The zoo's SpecBlock decodes beside AR (equal under greedy decoding or a near-tie), and its reopened run's
     tree can be coloured by the block that drafted each node and by the rank head's bucket."""
+    page.get_by_role("tab", name="Side by side").click()
     status = decode(page, STORY, ["ar", "specblock"], 32)
     assert "specblock equals AR" in status or "near-tie" in status, status
     rid = re.search(r"specblock run (\d+)", status).group(1)
@@ -363,14 +364,14 @@ def test_specblock_tree_coloured_by_block_and_bucket(page):
     page.fill("#run_pick input", rid)
     page.keyboard.press("Enter")
     wait_text(page, "#run_html", f"run {rid} · specblock", 60)
-    page.locator("#tree_color").get_by_text("block").click()
+    page.locator("#tree_color").get_by_text("block", exact=True).click()
     page.wait_for_function("[...document.querySelectorAll('#tree .legendtext')].some(e => e.textContent === "
                            "'block 0')", timeout=30000)
-    page.locator("#tree_color").get_by_text("bucket").click()
+    page.locator("#tree_color").get_by_text("bucket", exact=True).click()
     page.wait_for_function("[...document.querySelectorAll('#tree .legendtext')].some(e => e.textContent"
                            ".startsWith('bucket b'))", timeout=30000)
     page.screenshot(path=str(ART / "specblock_tree_by_bucket.png"), full_page=True)
-    page.locator("#tree_color").get_by_text("accepted").click()
+    page.locator("#tree_color").get_by_text("accepted", exact=True).click()
     page.get_by_role("tab", name="Side by side").click()
 
 

@@ -12,6 +12,7 @@ from speclab.core.target import Target
 from speclab.core.tree import DraftTree, tree_attention_mask, tree_position_ids
 from speclab.drafters.dflash import load_dflash
 from speclab.drafters.eagle3 import load_eagle3
+from speclab.drafters.specblock import load_specblock
 from speclab.equality import first_divergence, kind_of
 from speclab.generate import generate
 from speclab.methods import METHODS
@@ -188,7 +189,8 @@ def drafters(zoo_bf16):
     for mode, t in zoo_bf16.items():
         out[mode] = {"draft": Target.load(zoo.default_draft(), dtype="bf16", logits=t.logits),
                      "eagle3": load_eagle3(zoo.default_eagle3(), t), "dflash": load_dflash(zoo.default_dflash(), t),
-                     "router": load_router(zoo.default_router(), t)}
+                     "router": load_router(zoo.default_router(), t),
+                     "specblock": load_specblock(zoo.model("specblock"), t)}
     return out
 
 
