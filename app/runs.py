@@ -113,7 +113,7 @@ class Runs:
         (`counterfactuals`, the event that follows); None for a run without a router."""
         if not routed_run(r):
             return None
-        profile = self.bench_profile(r) or self.lab.profiles.get(int(r.run_id))
+        profile = self.known_profile(r)
         why = "" if profile is not None else f" (counterfactuals: {self.on_demand(r) or 'profiling ...'})"
         rr = router_rounds(self.lab.store, int(r.run_id), profile)
         return viz.router_figure(rr, f"run {r.run_id} · {r.method}: router per round{why}")
@@ -142,14 +142,19 @@ class Runs:
         return str(export.export_figures([f for f in figs if f is not None], f"run {r.run_id} · {r.method}",
                                          f"run-{r.run_id}-figures", self.lab.exports))
 
-    def bench_profile(self, r):
-        if not r.bench_id:
-            return None
-        try:
-            return next((p for p in replay.load_profiles(self.lab.store, r.bench_id)[0] if p.prompt_id == r.prompt_id),
-                        None)
-        except InvalidInput:
-            return None
+    def known_profile(self, r):
+        """The run's greedy profile at hand: kept for it (side by side, on demand, or found before), else its
+        bench's, loaded once and kept; None when there is none yet."""
+        rid = int(r.run_id)
+        if rid not in self.lab.profiles and r.bench_id:
+            try:
+                found = next((p for p in replay.load_profiles(self.lab.store, r.bench_id)[0]
+                              if p.prompt_id == r.prompt_id), None)
+            except InvalidInput:
+                found = None
+            if found is not None:
+                self.lab.profiles[rid] = found
+        return self.lab.profiles.get(rid)
 
     def on_demand(self, r) -> str | None:
         """Why the run's counterfactuals cannot be profiled now (None: they can)."""
@@ -174,7 +179,7 @@ class Runs:
             return gr.skip()
         r = self.run_row(run_id)
         rid = int(r.run_id)
-        if not routed_run(r) or rid in self.lab.profiles or self.bench_profile(r) is not None or self.on_demand(r):
+        if not routed_run(r) or self.known_profile(r) is not None or self.on_demand(r):
             return gr.skip()
         lab, params = self.lab, json.loads(r.params_json or "{}")
         toks = lab.store.query("SELECT token_id, round, pos FROM tokens WHERE run_id = ? ORDER BY pos", [rid])

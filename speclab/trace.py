@@ -493,9 +493,12 @@ NODE_EXTRAS = ("block", "bucket")  # per-node integers a drafter may attach to i
 
 
 def _node_extra(evs, key: str) -> pa.Array:
-    """An integer per draft node from the trees' `extra` (negative or absent: NULL)."""
-    parts = [np.asarray(e.tree.extra.get(key, torch.full((len(e.tree),), -1)).cpu(), np.int64) for e in evs]
-    v = np.concatenate(parts) if parts else np.zeros(0, np.int64)
+    """An integer per draft node from the trees' `extra` (negative or absent: NULL); all NULL at once when no tree
+    of the batch has it (every drafter but SpecBlock)."""
+    if not any(key in e.tree.extra for e in evs):
+        return pa.nulls(sum(len(e.tree) for e in evs), pa.int32())
+    v = np.concatenate([e.tree.extra[key].cpu().numpy().astype(np.int64) if key in e.tree.extra
+                        else np.full(len(e.tree), -1, np.int64) for e in evs])
     return pa.array(v.astype(np.int32), mask=v < 0)
 
 

@@ -356,17 +356,19 @@ class SpecBlockDrafter:
         tokens, parents, probs, block_of, bucket_of = [], [], [], [], []
         self.row_probs = {}
         starts, budget = [root], min(self.total_tokens, MAX_TREE_NODES)
+        widths = self.widths.tolist()
         with forward_clock:
             for b in range(self.blocks):
                 if not starts or budget <= 0:
                     break
                 h, logits, buckets, slot0 = self.block_forward(starts)
                 p = torch.softmax(logits, -1)
+                buckets = buckets.tolist()
                 chains = []  # (depth, node, cond, token, path) of the path's nodes that may start a block
                 for j, s in enumerate(starts):
                     parent, depth, path = s.node, s.depth, list(s.path)
                     for k in range(self.K):
-                        w = min(int(self.widths[buckets[j, k]]) if self.rank else int(self.widths[0]), budget)
+                        w = min(widths[buckets[j][k]] if self.rank else widths[0], budget)
                         if w <= 0 or depth >= max_depth:
                             break
                         top = p[j, k].topk(w)
@@ -374,11 +376,11 @@ class SpecBlockDrafter:
                         first = len(tokens)
                         for tok, q in zip(top.indices.tolist(), top.values.tolist()):
                             tokens.append(tok), parents.append(parent), probs.append(q)
-                            block_of.append(b), bucket_of.append(int(buckets[j, k]) if self.rank else -1)
+                            block_of.append(b), bucket_of.append(buckets[j][k] if self.rank else -1)
                         budget -= w
                         parent, depth = first, depth + 1
                         path = path + [slot0 + j * self.K + k]
-                        if not self.rank or buckets[j, k] == 0:
+                        if not self.rank or buckets[j][k] == 0:
                             chains.append((depth, first, h[j, k], tokens[first], path))
                 chains.sort(key=lambda c: -c[0])
                 starts = [_Start(c[2], c[3], c[1], c[0], c[4]) for c in chains[: self.starts]]
