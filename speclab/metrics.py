@@ -11,6 +11,8 @@ Python functions for live figures (the CLI summary, the app's columns) where the
 - model error (the round-cost model of `speclab.routing.replay` against live runs): modeled tokens/s / measured
   tokens/s - 1, so a positive error means the model promises more tokens/s than were measured.
 - draft-time share: draft phase time / time of all phases.
+- drafter ms per round: the drafter's own time (catch-up and draft phases) per verification round: the drafting
+  cost that SpecBlock's Table 1 compares.
 - model-call share: time inside model forwards (target and drafters) / decode time (exact on CPU).
 - target calls: a run's target forwards, prefill included (`runs.target_calls`; live, `RoundEvent.run_calls`).
 - target calls per token: target calls / new tokens.
@@ -90,7 +92,7 @@ RUN_SUMS_SQL = f"""
 SELECT r.run_id, r.method, r.category, r.prompt_id, r.status, r.bench_id, r.output_hash, r.new_tokens, r.target_calls,
        r.elapsed_s, r.model_ms, {EQUALITY_SQL} AS equality,
        count(x.round) AS verifications, sum(x.committed) AS committed, sum(x.n_accepted) AS accepted,
-       sum(x.n_drafted) AS drafted, sum(x.t_draft_ms) AS draft_ms,
+       sum(x.n_drafted) AS drafted, sum(x.t_draft_ms) AS draft_ms, sum(x.t_catchup_ms) AS catchup_ms,
        sum(x.t_route_ms + x.t_catchup_ms + x.t_draft_ms + x.t_verify_ms + x.t_commit_ms
            + coalesce(x.t_record_ms, 0)) AS phases_ms,
        any_value(e.entropy_sum) AS entropy_sum, any_value(e.n_tokens) AS n_tokens
@@ -108,6 +110,7 @@ RATIOS = f"""
        {TAU_SQL} AS tau,
        sum(accepted) / nullif(sum(drafted), 0)        AS acceptance_rate,
        sum(draft_ms) / nullif(sum(phases_ms), 0)      AS draft_time_share,
+       sum(catchup_ms + draft_ms) / nullif(sum(verifications), 0) AS drafter_ms_per_round,
        sum(target_calls) / nullif(sum(new_tokens), 0) AS target_calls_per_token,
        sum(entropy_sum) / nullif(sum(n_tokens), 0)    AS mean_entropy,
        sum(model_ms) / nullif(1000 * sum(elapsed_s), 0) AS model_call_share,

@@ -413,13 +413,16 @@ def _same_decode(params: dict) -> dict:
 
 
 WIDTH_HELP = "draft tokens at a position whose rank-head bucket is"
-PARAMS = (Param("blocks", 2, lambda t: Bound(1, 64), grid=(1, 2, 3), help="M: drafter calls (blocks) per round"),
+# CPU defaults picked by `speclab grid` on the zoo in the default dtype (data/zoo/specblock/README.md has the
+# table): one block of K, width 2 at ranks 1-4 and 1 beyond (ending a path at rank > 10 cost more than it saved);
+# the GPU presets are the paper's (M 2, widths [2, 4, 10, 0], 60 nodes)
+PARAMS = (Param("blocks", 1, lambda t: Bound(1, 64), gpu=2, grid=(1, 2, 3), help="M: drafter calls (blocks) per round"),
           Param("starts", 1, lambda t: Bound(1, 64), gpu=2,
                 help="most later blocks started per block (from the deepest rank-1 positions)"),
-          Param("width_b0", 1, lambda t: Bound(0, 64), gpu=2, help=f"{WIDTH_HELP} b0 (rank 1)"),
+          Param("width_b0", 2, lambda t: Bound(0, 64), gpu=2, help=f"{WIDTH_HELP} b0 (rank 1)"),
           Param("width_b1", 2, lambda t: Bound(0, 64), gpu=4, help=f"{WIDTH_HELP} b1 (rank 2-4)"),
-          Param("width_b2", 2, lambda t: Bound(0, 64), gpu=10, help=f"{WIDTH_HELP} b2 (rank 5-10)"),
-          Param("width_b3", 0, lambda t: Bound(0, 64), gpu=0, help=f"{WIDTH_HELP} b3 (rank > 10; 0 = end the path)"),
+          Param("width_b2", 1, lambda t: Bound(0, 64), gpu=10, help=f"{WIDTH_HELP} b2 (rank 5-10)"),
+          Param("width_b3", 1, lambda t: Bound(0, 64), gpu=0, help=f"{WIDTH_HELP} b3 (rank > 10; 0 = end the path)"),
           Param("rank", 1, lambda t: Bound(0, 1),
                 help="1 = rank-guided widths and starts; 0 = a uniform tree (width_b0 everywhere, the ablation)"),
           Param("total_tokens", 16, lambda t: Bound(1, min(MAX_TREE_NODES, t.max_context)), gpu=60,
