@@ -9,7 +9,9 @@ dead process and are marked `interrupted`.
 The bulk appends and the closing update of a run go, in order, to one background thread (`speclab-trace`):
 an insert costs ~10 ms whatever its size, DuckDB releases the GIL while it runs, and decoding goes on
 meanwhile. Every read and every other write first waits for the queue (`drain`), so readers always see
-whole runs; `close` and interpreter exit drain it too.
+whole runs; `close` and interpreter exit drain it too. A failed write is raised by the store's next call, and the
+writes queued behind it are dropped, so the run they belong to stays `running` (then `interrupted`), never `done`
+with rows missing; `speclab generate` drains after each run, so a run it reports has landed.
 
 Read API (all return pandas DataFrames): `runs`, `rounds`, `tokens`, `draft_nodes`, `router_decisions`,
 `query`. Metrics are defined once, in SQL, in `speclab.metrics`.
@@ -234,7 +236,8 @@ class TraceStore:
             try:
                 if fn is None:
                     return
-                fn(*args)
+                if self._error is None:  # after a failed write the queued ones (the same run's) are dropped
+                    fn(*args)  # until the error is raised: a run whose rows did not all land is never marked done
             except BaseException as e:  # kept, and raised by the next call on the store
                 self._error = e
             finally:

@@ -59,6 +59,8 @@ def cmd_generate(a: argparse.Namespace) -> int:
             res = generate(target, p["prompt"], a.method, models=models, max_new_tokens=a.max_new_tokens,
                            temperature=a.temperature, top_k=a.top_k, top_p=a.top_p, seed=a.seed, deferred=a.deferred,
                            trace=store, on_round=stream, prompt_id=p["prompt_id"], category=p["category"], **params)
+            if store is not None:
+                store.drain()  # the run's last writes have landed (or failed, here) before it is reported
             s = res.summary()
             if a.json:  # stdout holds JSON lines only
                 print(json.dumps({**s, "text": res.text}), flush=True)
