@@ -119,7 +119,10 @@ def build(lab: Lab) -> dict:
                 with gr.Row():
                     for p in m.params:  # the registry's declarations: default, bounds, help
                         info = f"{p.help} ({_range(p.bound(lab.target))})"  # one line under the name
-                        if p.default is None:  # an optional float (a router's threshold): empty = calibrated
+                        if p.choices:  # a named choice (FlashHead's head)
+                            w = gr.Dropdown(list(p.choices), value=defaults[p.name], label=p.name,
+                                            elem_id=f"p-{name}-{p.name}", min_width=110, info=p.help)
+                        elif p.default is None:  # an optional float (a router's threshold): empty = calibrated
                             w = gr.Textbox("", label=p.name, elem_id=f"p-{name}-{p.name}", min_width=160,
                                            info=f"{info}; empty = calibrated", placeholder="calibrated")
                         else:  # no precision: 2.5 reaches the check, not rounded

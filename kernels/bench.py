@@ -14,7 +14,9 @@ from kernels import reference
 # rows x vocabulary (the zoo's 8,192; Qwen3's 151,936), tree nodes, positions x vocabulary
 SIZES = {"softmax_entropy": [(1, 8192), (9, 8192), (61, 8192), (9, 151936)],
          "greedy_accept": [(8,), (60,), (256,)],
-         "sampling_accept": [(4, 8192), (16, 8192), (8, 151936)]}
+         "sampling_accept": [(4, 8192), (16, 8192), (8, 151936)],
+         # rows x vocabulary x hidden x cluster size x probes (the zoo's head; Qwen3-0.6B's, as in the FlashHead thesis)
+         "flash_gather_score": [(1, 8192, 512, 16, 8), (9, 8192, 512, 16, 8), (9, 151936, 1024, 16, 8)]}
 
 
 def _inputs(op: str, size: tuple, device: str):
@@ -26,6 +28,11 @@ def _inputs(op: str, size: tuple, device: str):
         parents = torch.tensor([-1] + [int(torch.randint(max(-1, i - 4), i, (1,), generator=g)) for i in range(1, n)])
         tokens = torch.randint(0, 2, (n,), generator=g)
         return tokens.to(device), parents.to(device), torch.randint(0, 2, (n + 1,), generator=g).to(device)
+    if op == "flash_gather_score":
+        R, V, H, b, P = size
+        index = torch.randperm(V, generator=g).view(V // b, b)
+        return (torch.randn(R, H, generator=g).to(device), torch.randn(V, H, generator=g).to(device),
+                index.to(device), torch.randint(0, V // b, (R, P), generator=g).to(device))
     B, V = size
     p = torch.softmax(torch.randn(B, V, generator=g), -1)
     q = torch.softmax(torch.randn(B, V, generator=g), -1)

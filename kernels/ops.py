@@ -60,3 +60,10 @@ def greedy_accept(tokens: torch.Tensor, parents: torch.Tensor, target_argmax: to
 def sampling_accept(p: torch.Tensor, q: torch.Tensor, x: torch.Tensor, u: torch.Tensor):
     """(accept [B], residual [B, V]) of a batch of speculative-sampling tests (reference.sampling_accept)."""
     return _impl(p).sampling_accept(p, q, x, u)
+
+
+def flash_gather_score(h: torch.Tensor, weight: torch.Tensor, index: torch.Tensor, clusters: torch.Tensor,
+                       scale: float = 1.0):
+    """(candidates [R, P*b], their logits [R, P*b] fp32) of FlashHead's probed clusters
+    (reference.flash_gather_score)."""
+    return _impl(h).flash_gather_score(h, weight, index, clusters, scale)

@@ -63,3 +63,13 @@ def residual(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
     r = (p.float() - q.float()).clamp(min=0)
     s = r.sum(-1, keepdim=True)
     return torch.where(s > 0, r / s.clamp(min=1e-30), p.float())
+
+
+def flash_gather_score(h: torch.Tensor, weight: torch.Tensor, index: torch.Tensor, clusters: torch.Tensor,
+                       scale: float = 1.0):
+    """FlashHead's second stage: row r's candidates are the tokens of its clusters (clusters [R, P] into index
+    [c, b]), and their exact logits are h[r] . weight[token] * scale, accumulated in fp32. Returns (candidates
+    [R, P * b] long, logits [R, P * b] float32)."""
+    cands = index[clusters].flatten(1)
+    logits = torch.einsum("rh,rkh->rk", h.float(), weight[cands].float()) * scale
+    return cands, logits

@@ -94,7 +94,29 @@ def _kernels():
             r = tl.where(total > 0, tl.maximum(p - q, 0.0) / tl.maximum(total, 1e-30), p)
             tl.store(res_ptr + row * V + cols, r, mask=mask)
 
-    return softmax_entropy_kernel, greedy_accept_kernel, sampling_accept_kernel
+    @triton.jit
+    def flash_gather_score_kernel(h_ptr, w_ptr, idx_ptr, cl_ptr, cand_ptr, out_ptr, H, b, P, scale,
+                                  BLOCK_B: tl.constexpr, BLOCK_H: tl.constexpr):
+        # one program per (row, probe): the cluster's b token ids, then their dot products with h over H in chunks
+        row = tl.program_id(0)
+        k = tl.program_id(1)
+        j = tl.load(cl_ptr + row * P + k)
+        lanes = tl.arange(0, BLOCK_B)
+        ok = lanes < b
+        tok = tl.load(idx_ptr + j * b + lanes, mask=ok, other=0).to(tl.int64)
+        acc = tl.zeros((BLOCK_B,), tl.float32)
+        for start in range(0, H, BLOCK_H):
+            cols = start + tl.arange(0, BLOCK_H)
+            cm = cols < H
+            x = tl.load(h_ptr + row * H + cols, mask=cm, other=0.0).to(tl.float32)
+            w = tl.load(w_ptr + tok[:, None] * H + cols[None, :], mask=ok[:, None] & cm[None, :],
+                        other=0.0).to(tl.float32)
+            acc += tl.sum(w * x[None, :], 1)
+        base = row * P * b + k * b
+        tl.store(cand_ptr + base + lanes, tok, mask=ok)
+        tl.store(out_ptr + base + lanes, acc * scale, mask=ok)
+
+    return softmax_entropy_kernel, greedy_accept_kernel, sampling_accept_kernel, flash_gather_score_kernel
 
 
 def _block(v: int, most: int = 1024) -> int:
@@ -132,3 +154,16 @@ def sampling_accept(p: torch.Tensor, q: torch.Tensor, x: torch.Tensor, u: torch.
     _kernels()[2][(B,)](p, q, x.long().contiguous(), u.float().contiguous(), acc, res, V, p.stride(0),
                         BLOCK=_block(V))
     return acc.bool(), res
+
+
+def flash_gather_score(h: torch.Tensor, weight: torch.Tensor, index: torch.Tensor, clusters: torch.Tensor,
+                       scale: float = 1.0):
+    h, weight = h.contiguous(), weight.contiguous()
+    R, H = h.shape
+    c, b = index.shape
+    P = clusters.shape[1]
+    cands = torch.empty(R, P * b, dtype=torch.long, device=h.device)
+    logits = torch.empty(R, P * b, dtype=torch.float32, device=h.device)
+    _kernels()[3][(R, P)](h, weight, index.contiguous(), clusters.long().contiguous(), cands, logits, H, b, P,
+                          float(scale), BLOCK_B=_block(b), BLOCK_H=_block(H, 128))
+    return cands, logits

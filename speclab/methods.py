@@ -123,6 +123,11 @@ def method_params(spec: str, given: dict, target) -> dict:
 def _param(p: Param, value, default, target):
     """One parameter: the given value (or the default), checked. A None default is an optional float (a router's
     threshold: None = calibrated)."""
+    if p.choices:
+        v = default if value is None else str(value).strip()
+        if v not in p.choices:
+            raise InvalidInput(f"{p.name} must be one of {', '.join(p.choices)} (got {value!r})")
+        return v
     if default is None:
         return None if value is None or value == "" else check_number(p.name, value, float, p.bound(target))
     return check_number(p.name, default if value is None else value, type(default), p.bound(target))

@@ -175,6 +175,12 @@ CASES = [
     ("adapt", ["--policies", "static,greedy"], "--policies static,greedy: each one of bandit, osd, static"),
     ("adapt", ["--max-new-tokens", "0"], "argument --max-new-tokens: '0' is not an integer of at least 1"),
     ("adapt", ["--lr", "nan"], "argument --lr: 'nan' is not a finite number"),
+    ("flashhead", ["build", "--drafter", "pld", "--clusters", "4"], "--drafter pld: one of draft, eagle3, dflash"),
+    ("flashhead", ["build", "--drafter", "specblock", "--clusters", "0"],
+     "argument --clusters: '0' is not an integer of at least 1"),
+    ("flashhead", ["build", "--drafter", "eagle3"], "the following arguments are required: --clusters"),
+    ("flashhead", ["costs", "--drafter", "eagle3", "--probes", "0,2"], "--probes 0,2: comma-separated whole numbers"),
+    ("flashhead", ["nope"], "argument flashhead_cmd: invalid choice: 'nope'"),
     ("nope", [], "argument cmd: invalid choice: 'nope'"),
 ]
 

@@ -107,6 +107,28 @@ def test_sampling_accept_equals_twin(V, dtype):
     torch.testing.assert_close(res_r[2], p[2].float())
 
 
+@pytest.mark.parametrize("b,H", [(2, 16), (3, 100), (16, 64)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_flash_gather_score_equals_twin(b, H, dtype):
+    """FlashHead's gather-and-score: the probed clusters' token ids and their exact logits (fp32 accumulation),
+    clusters of sizes that are not powers of two, a hidden size that is not a multiple of the block, a repeated
+    probe (adaptive probes repeat a row's best cluster)."""
+    g = torch.Generator().manual_seed(b * H)
+    c, R, P = 6, 4, 3
+    V = c * b
+    weight = torch.randn(V, H, generator=g).to(dtype)
+    index = torch.randperm(V, generator=g).view(c, b)
+    h = torch.randn(R, H, generator=g).to(dtype)
+    clusters = torch.stack([torch.randperm(c, generator=g)[:P] for _ in range(R)])
+    clusters[1, 2] = clusters[1, 0]
+    (ids_r, lg_r), (ids_t, lg_t) = (reference.flash_gather_score(h, weight, index, clusters, 0.5),
+                                    triton_ops.flash_gather_score(h, weight, index, clusters, 0.5))
+    assert torch.equal(ids_r, ids_t) and lg_t.dtype == torch.float32
+    torch.testing.assert_close(lg_t, lg_r, atol=1e-4, rtol=1e-5)
+    dense = (h.float() @ weight.float().T) * 0.5
+    torch.testing.assert_close(lg_r, dense.gather(1, ids_r), atol=1e-4, rtol=1e-5)
+
+
 def test_dispatch_never_picks_triton_on_cpu(monkeypatch):
     monkeypatch.delenv(ops.ENV, raising=False)
     assert ops.backend(torch.zeros(2)) == "torch"

@@ -21,11 +21,11 @@ WIDTHS = (1, 2, 4, 8, 16, 32, 64)
 
 
 def timeit_interleaved(fns: dict[str, Callable[[], object]], reps: int, calls: int = 1, each: bool = False,
-                       on_rep: Callable[[], None] | None = None) -> dict[str, float]:
+                       on_rep: Callable[[], None] | None = None, quantiles: bool = False) -> dict:
     """Median milliseconds per call of each function (called without arguments). Every repetition calls each
     function `calls` times in turn (interleaved); a repetition's figure is the mean of its calls timed together,
     or with `each` the median of the calls timed one by one (robust to a stray slow call). `on_rep` runs after
-    every repetition (progress)."""
+    every repetition (progress). With `quantiles`, each function's {mean, p50, p95} over the repetitions."""
     times: dict[str, list[float]] = {name: [] for name in fns}
     for _ in range(reps):
         for name, fn in fns.items():
@@ -43,6 +43,9 @@ def timeit_interleaved(fns: dict[str, Callable[[], object]], reps: int, calls: i
                 times[name].append((time.perf_counter() - t0) / calls * 1e3)
         if on_rep is not None:
             on_rep()
+    if quantiles:
+        return {name: {"mean": float(np.mean(v)), "p50": float(np.median(v)), "p95": float(np.percentile(v, 95))}
+                for name, v in times.items()}
     return {name: float(np.median(v)) for name, v in times.items()}
 
 

@@ -54,8 +54,13 @@ def cmd_grid(a: argparse.Namespace) -> int:
     if not all(isinstance(x, dict) for x in extra):
         raise SpeclabError("--extra must be a JSON object of parameters, e.g. '{\"depth\": 8}'")
     check_grid_keys(name, [*grid, *(k for p in extra for k in p)])  # before any model is loaded
-    for key, values in grid.items():  # numbers now; their ranges (which depend on the models) once loaded
+    choices = {p.name: p.choices for p in get_method(name).params if p.choices}
+    for key, values in grid.items():  # numbers (or named choices) now; their ranges once the models are loaded
         for v in values:
+            if key in choices:
+                if v not in choices[key]:
+                    raise SpeclabError(f"--grid {key}={v!r}: the values of {key} are {', '.join(choices[key])}")
+                continue
             try:
                 float(v)
             except ValueError:

@@ -20,7 +20,8 @@ def _add_method_params(p: argparse.ArgumentParser) -> None:
     for name, decls in all_params().items():
         users = [m for m, method in METHODS.items() if any(q.name == name for q in method.params)]
         helps = "; ".join(dict.fromkeys(q.help for q in decls if q.help))
-        p.add_argument(f"--{name.replace('_', '-')}", default=None, metavar=decls[0].kind.__name__.upper(),
+        metavar = "{" + ",".join(decls[0].choices) + "}" if decls[0].choices else decls[0].kind.__name__.upper()
+        p.add_argument(f"--{name.replace('_', '-')}", default=None, metavar=metavar,
                        help=f"{', '.join(users)}: {helps} (default: the method's)")
 
 

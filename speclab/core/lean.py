@@ -138,8 +138,9 @@ class LeanDecoder:
 
     def forward(self, ids: torch.Tensor, cache: KVCache, pos: torch.Tensor | None = None,
                 mask: torch.Tensor | None = None, layers: tuple[int, ...] = (), last: int | None = None,
-                hidden: bool = False):
-        """(logits, features, hidden) for `ids` [n] after the cache's tokens.
+                hidden: bool = False, head=None):
+        """(logits, features, hidden) for `ids` [n] after the cache's tokens (`head`: another head than the
+        model's on the final-norm states, e.g. a draft model's FlashHead).
 
         logits [n or last, vocab]; features [n, len(layers) * d]: the outputs of those decoder layers, concatenated
         in the order given (None without layers); hidden [n or last, d]: the final-norm hidden state of the rows
@@ -152,7 +153,7 @@ class LeanDecoder:
         if end > self.cos.shape[0]:  # positions never exceed end - 1 (a tree node sits at start + its depth)
             self._rope_table(2 * end)
         if self.exact:
-            return self._exact_forward(ids, cache, pos, mask, layers, last, hidden)
+            return self._exact_forward(ids, cache, pos, mask, layers, last, hidden, head)
         cache.reserve(n)
         cos, sin = self.cos[pos][:, None], self.sin[pos][:, None]  # [n, 1, D]; sin carries rotate_half's sign
         if mask is None and n > 1:
@@ -165,7 +166,7 @@ class LeanDecoder:
         if last is not None:
             h = h[-last:]
         h = self.final_norm(h)
-        return self.head(h), feats, h if hidden else None
+        return (head or self.head)(h), feats, h if hidden else None
 
     def _layers(self, ids, cache: KVCache, start: int, cos, sin, attend, layers):
         """The decoder layers over rows `ids` written at cache slots start..start+n; `attend(q, k_cache, v_cache, end)`
@@ -203,7 +204,7 @@ class LeanDecoder:
                                                   attn_mask=mask, scale=self.scaling, enable_gqa=H != KV)[0]
         return attend
 
-    def _exact_forward(self, ids, cache: KVCache, pos, mask, layers, last, hidden):
+    def _exact_forward(self, ids, cache: KVCache, pos, mask, layers, last, hidden, head=None):
         """The same forward, batch-invariant: rows go through in tiles of exactly `tile` rows (the last tile padded),
         and every tile attends over the same `exact_width` cache slots, so every matmul, norm and softmax of a row
         has the same shape whether 1 row or n rows are forwarded: a row's result never depends on how many rows
@@ -245,7 +246,8 @@ class LeanDecoder:
         # the head on whole tiles too (fixed shape; padded with copies of the last row), then the rows asked for
         padded = torch.cat([rows, rows[-1:].expand(-rows.shape[0] % T, -1)])
         normed = self.final_norm(padded)
-        logits = torch.cat([self.head(normed[j : j + T]) for j in range(0, normed.shape[0], T)])[: rows.shape[0]]
+        logits = torch.cat([(head or self.head)(normed[j : j + T])
+                            for j in range(0, normed.shape[0], T)])[: rows.shape[0]]
         normed = normed[: rows.shape[0]]
         return logits, feats, normed if hidden else None
 

@@ -214,7 +214,7 @@ class Target:
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, cache, position_ids: torch.Tensor | None = None,
                 mask: torch.Tensor | None = None, last: int | None = None, layers: tuple[int, ...] = (),
-                hidden: bool = False) -> ForwardOut:
+                hidden: bool = False, head=None) -> ForwardOut:
         """Forward `input_ids` [n] after the tokens already in `cache`.
 
         `position_ids` [n] default to cache_len + arange(n); `mask` is an additive float mask
@@ -222,7 +222,8 @@ class Target:
         `last` limits the logits (and `hidden`) to the last rows (the LM head is a large share of a small
         model's call). `layers`: decoder layers whose outputs come back as `features` (layer i's output is
         transformers' `hidden_states[i + 1]`), concatenated in the order given. `hidden`: also return the
-        final-norm hidden state of the returned rows (what the LM head sees).
+        final-norm hidden state of the returned rows (what the LM head sees). `head`: a callable that replaces
+        the LM head on those states (a draft model's FlashHead, `speclab.flashhead`).
         """
         ids = input_ids.view(-1).to(self.device)
         pos = None if position_ids is None else position_ids.view(-1).to(self.device)
@@ -232,11 +233,11 @@ class Target:
         self.calls += 1
         with forward_clock:
             if self.lean:
-                logits, feats, h = self.lean.forward(ids, cache, pos, mask, layers, last, hidden)
+                logits, feats, h = self.lean.forward(ids, cache, pos, mask, layers, last, hidden, head)
                 return ForwardOut(logits.float(), feats, h)
-            return self._hf_forward(ids, cache, pos, mask, last, layers, hidden)
+            return self._hf_forward(ids, cache, pos, mask, last, layers, hidden, head)
 
-    def _hf_forward(self, ids, cache, pos, mask, last, layers, hidden) -> ForwardOut:
+    def _hf_forward(self, ids, cache, pos, mask, last, layers, hidden, head=None) -> ForwardOut:
         """The transformers forward; layer outputs come from forward hooks that live for this call only."""
         kept: dict[int, torch.Tensor] = {}
         hooks = [self.layers[i].register_forward_hook(
@@ -252,7 +253,7 @@ class Target:
         if last is not None:
             h = h[-last:]
         feats = torch.cat([kept[i][0] for i in layers], -1) if layers else None
-        return ForwardOut(self._head(h), feats, h if hidden else None)
+        return ForwardOut((head or self._head)(h).float(), feats, h if hidden else None)
 
     def prefill(self, input_ids: torch.Tensor, cache, layers: tuple[int, ...] = (), last: int = 1,
                 hidden: bool = False) -> ForwardOut:

@@ -52,6 +52,7 @@ from speclab.drafters.checkpoint import (
 from speclab.drafters.layers import DecoderLayer
 from speclab.drafters.registry import DrafterEntry, ModelRole, Param
 from speclab.errors import InvalidInput, ModelNotFound
+from speclab.flashhead import HEAD_PARAMS, with_head
 
 
 def default_layer_ids(num_layers: int, n: int = 5) -> tuple[int, ...]:
@@ -230,6 +231,7 @@ def _check_against(cfg: DFlashConfig, target, where: Path) -> None:
 class DFlashDrafter:
     """The DFlash drafter behind speclab's drafter protocol (speclab/drafters/base.py)."""
     name = "dflash"
+    flash = None  # a FlashHead over the target's head (speclab.flashhead), or None: the dense head
 
     def __init__(self, model: DFlashModel, target, *, block_size: int, markov: bool, tree_topk: int,
                  total_tokens: int):
@@ -305,6 +307,8 @@ class DFlashDrafter:
         # the target's head weight after the drafter's own norm, in the drafter's dtype: draft logits only choose what
         # to propose (verification accepts by the target's), so they skip the fp32 refinement of the target's
         # (`speclab.core.precision.Head`; measured: it cost 7% of DFlash's tokens/s here)
+        if self.flash is not None:  # FlashHead: exact logits on the probed clusters' tokens, -inf elsewhere
+            return self.flash(self.m.norm(x[1:]))
         return F.linear(self.m.norm(x[1:]), self.head_weight).float() * self.m.config.output_multiplier
 
     @torch.inference_mode()
@@ -312,6 +316,9 @@ class DFlashDrafter:
         n_rows = min(self.block_size, max_depth + 1)
         if n_rows < 2 or self.root is None:
             return DraftTree.empty(self.device)
+        if self.flash is not None:  # clusters drawn from the centroid softmax when the block is sampled
+            self.flash.temperature = 0.0 if self.tree_topk > 1 else sampling.temperature
+            self.flash.generator = generator
         with forward_clock:
             logits = self.block_logits(n_rows)
         if self.tree_topk > 1:
@@ -380,8 +387,10 @@ PARAMS = (Param("markov", 1, lambda t: Bound(0, 1), grid=(0, 1),
                 help="draft nodes kept from the tree"))
 
 ENTRY = DrafterEntry(
-    name="dflash", params=PARAMS, check=_check, same_decode=_same_decode,
-    build=lambda target, model, markov, **params: DFlashDrafter(model, target, markov=bool(markov), **params),
+    name="dflash", params=PARAMS + HEAD_PARAMS, check=_check, same_decode=_same_decode,
+    build=with_head(lambda target, model, markov, **params: DFlashDrafter(model, target, markov=bool(markov), **params),
+                    "dflash", lambda model, target: target.head_weight,
+                    scale=lambda model: model.config.output_multiplier),
     methods={"dflash": "DFlash: a block of masks drafted in one forward from the target's features (block_size "
                        "rows: block_size - 1 tokens); markov = 1 adds DSpark's Markov head when the drafter has one; "
                        "tree_topk > 1 makes a tree of the rows' top-k (best total_tokens kept)"},

@@ -53,6 +53,7 @@ from speclab.drafters.checkpoint import (
 from speclab.drafters.layers import MLP, Attention
 from speclab.drafters.registry import DrafterEntry, ModelRole, Param
 from speclab.errors import ModelNotFound
+from speclab.flashhead import HEAD_PARAMS, with_head
 
 
 def default_layer_ids(num_layers: int) -> tuple[int, int, int]:
@@ -228,6 +229,7 @@ def _check_against(cfg: Eagle3Config, target, where: Path) -> None:
 class Eagle3Drafter:
     """The EAGLE-3 drafter behind speclab's drafter protocol (speclab/drafters/base.py)."""
     name = "eagle3"
+    flash = None  # a FlashHead over the draft vocabulary (speclab.flashhead), or None: the dense LM head
 
     def __init__(self, model: Eagle3Model, target, *, depth: int, tree_topk: int, total_tokens: int,
                  kv_only: bool = True):
@@ -300,7 +302,7 @@ class Eagle3Drafter:
         """The drafter's logits of pre-norm outputs h, computed in its dtype and returned as float32. Unlike the
         target's, they are not refined to fp32 (`speclab.core.precision.Head`): they only choose what to propose,
         and verification accepts by the target's logits (measured: refining cost 4% of EAGLE-3's tokens/s here)."""
-        return self.m.logits(h).float()
+        return self.flash(self.m.norm(h)) if self.flash is not None else self.m.logits(h).float()
 
     def _attend(self, q, k, v, start: int, mask: torch.Tensor | None):
         """Write k, v [kv_heads, n, D] at cache positions start.., attend queries [heads, n_q, D] over the cache up
@@ -407,8 +409,9 @@ PARAMS = (Param("depth", 4, lambda t: Bound(1, t.max_context), gpu=8, grid=(3, 4
                 grid=(4, 6, 8, 12, 16), help="draft nodes kept from the expanded tree"))
 
 ENTRY = DrafterEntry(
-    name="eagle3", params=PARAMS, check=_check, same_decode=_same_decode,
-    build=lambda target, model, **params: Eagle3Drafter(model, target, **params),
+    name="eagle3", params=PARAMS + HEAD_PARAMS, check=_check, same_decode=_same_decode,
+    build=with_head(lambda target, model, **params: Eagle3Drafter(model, target, **params), "eagle3",
+                    lambda model, target: model.lm_head.weight),
     methods={"eagle3": "EAGLE-3: one-layer drafter on the target's features; dynamic tree (depth, tree_topk, "
                        "total_tokens), a chain when tree_topk = 1"},
     model=ModelRole("eagle3", "--eagle", "EAGLE-3", "an EAGLE-3 drafter",

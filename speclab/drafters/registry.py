@@ -35,11 +35,12 @@ class Param:
     context), the papers' GPU setting and the values `speclab grid` sweeps. A None default is an optional float
     (a router's threshold: None = calibrated)."""
     name: str
-    default: int | float | None
+    default: int | float | str | None
     bound: Callable[[Any], Bound] = lambda target: Bound()  # target -> the allowed values
-    gpu: int | float | None = None  # the default on CUDA (the papers' setting); None = the CPU default
+    gpu: int | float | str | None = None  # the default on CUDA (the papers' setting); None = the CPU default
     grid: tuple = ()  # the values `speclab grid` sweeps by default
     help: str = ""
+    choices: tuple[str, ...] = ()  # a named choice (FlashHead's `head`: dense | flash) instead of a number
 
     @property
     def kind(self) -> type:

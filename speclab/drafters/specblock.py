@@ -46,6 +46,7 @@ from speclab.drafters.checkpoint import check_fits, load_strict, place, read_che
 from speclab.drafters.layers import DecoderLayer
 from speclab.drafters.registry import DrafterEntry, ModelRole, Param
 from speclab.errors import InvalidInput, ModelNotFound
+from speclab.flashhead import HEAD_PARAMS, with_head
 
 BUCKETS = ("rank 1", "rank 2-4", "rank 5-10", "rank > 10")  # b0..b3 (paper §3.3)
 BUCKET_EDGES = (1, 4, 10)  # the highest rank of b0, b1, b2
@@ -71,10 +72,10 @@ def psi(logits: torch.Tensor) -> torch.Tensor:
         logits = F.pad(logits, (0, 10 - logits.shape[-1]), value=-1e4)
     logp = torch.log_softmax(logits, -1)
     top = logits.topk(10, -1).values
-    top_logp = logp.topk(10, -1).values
-    gaps = top[..., :1] - top[..., [1, 2, 4]]
+    top_logp = logp.topk(10, -1).values.clamp(min=-1e4)  # a FlashHead row: -inf beyond its candidates
+    gaps = (top[..., :1] - top[..., [1, 2, 4]]).clamp(max=1e4)
     p = logp.exp()
-    entropy = -(p * logp).sum(-1, keepdim=True)
+    entropy = -torch.where(p > 0, p * logp, 0.0).sum(-1, keepdim=True)
     return torch.cat([top_logp, gaps, top_logp[..., :1].exp(), entropy], -1)
 
 
@@ -244,6 +245,7 @@ class _Start:
 class SpecBlockDrafter:
     """The SpecBlock drafter behind speclab's drafter protocol (speclab/drafters/base.py)."""
     name = "specblock"
+    flash = None  # a FlashHead (speclab.flashhead), or None: the dense LM head
 
     def __init__(self, model: SpecBlockModel, target, *, blocks: int, starts: int, width_b0: int, width_b1: int,
                  width_b2: int, width_b3: int, rank: int, total_tokens: int):
@@ -344,7 +346,7 @@ class SpecBlockDrafter:
             self.cache.k[i, :, start:end], self.cache.v[i, :, start:end] = k, v
             x = self.m.finish(i, x.flatten(0, 1), self._attend(i, q, end, mask)).unflatten(0, (S, K))
         self.cache.length = end
-        logits = self.m.logits(x).float()
+        logits = self.flash(self.m.norm(x)) if self.flash is not None else self.m.logits(x).float()
         buckets = self.m.rank_logits(x, logits).argmax(-1) if self.rank else torch.zeros(S, K, dtype=torch.long)
         return x, logits, buckets.cpu(), slot0
 
@@ -430,8 +432,9 @@ PARAMS = (Param("blocks", 1, lambda t: Bound(1, 64), gpu=2, grid=(1, 2, 3), help
 
 ENTRY = DrafterEntry(
     name="specblock",
-    build=lambda target, model, **params: SpecBlockDrafter(model, target, **params),
-    params=PARAMS, check=_check, same_decode=_same_decode,
+    build=with_head(lambda target, model, **params: SpecBlockDrafter(model, target, **params), "specblock",
+                    lambda model, target: model.lm_head.weight),
+    params=PARAMS + HEAD_PARAMS, check=_check, same_decode=_same_decode,
     methods={"specblock": "SpecBlock: blocks of K dependent positions per drafter call (layer-wise shift); the "
                           "rank head sets each position's width (width_b0..b3) and which positions start the "
                           "next of `blocks` blocks"},

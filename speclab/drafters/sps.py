@@ -20,11 +20,13 @@ from speclab.core.target import Target, keep_cache
 from speclab.core.tree import DraftTree
 from speclab.drafters.registry import DrafterEntry, ModelRole, Param
 from speclab.errors import InvalidInput
+from speclab.flashhead import HEAD_PARAMS, with_head
 
 
 class StandaloneDraft:
     name = "sps"
     layers: tuple[int, ...] = ()
+    flash = None  # a FlashHead over the draft model's head (speclab.flashhead), or None: its dense head
 
     def __init__(self, model: Target, *, k: int, tree_topk: int, stop_prob: float):
         if k < 1 or tree_topk < 1 or not 0 <= stop_prob < 1:
@@ -48,13 +50,16 @@ class StandaloneDraft:
         self.backlog = torch.cat([self.backlog, ids[self.reused:].detach().cpu().long()])
         self.reused = 0
         if self.backlog.numel():
-            self.root_logits = self.model.forward(self.backlog, self.cache, last=1).logits
+            self.root_logits = self.model.forward(self.backlog, self.cache, last=1, head=self.flash).logits
             self.known += self.backlog.numel()
             self.backlog = self.backlog[:0]
 
     def propose(self, max_depth: int, sampling: Sampling, generator=None) -> DraftTree:
         depth = min(self.k, max_depth)
         self.n_forwarded = 0
+        if self.flash is not None:  # a sampled chain draws its clusters (the root's were picked at catch-up)
+            self.flash.temperature = 0.0 if self.tree_topk > 1 else sampling.temperature
+            self.flash.generator = generator
         if depth <= 0:
             return DraftTree.empty()
         if self.tree_topk == 1:
@@ -76,7 +81,7 @@ class StandaloneDraft:
             dprobs.append((logits[0, tok] - logits[0].logsumexp(-1)).exp())
             if level == depth - 1 or (self.stop_prob > 0 and float(dprobs[-1]) < self.stop_prob):
                 break
-            logits = self.model.forward(tok, self.cache).logits
+            logits = self.model.forward(tok, self.cache, head=self.flash).logits
             self.n_forwarded += 1
         draft_dists = None
         if dists:
@@ -114,7 +119,7 @@ class StandaloneDraft:
             mask = torch.zeros(allowed.shape, dtype=m.dtype, device=dev).masked_fill_(
                 ~allowed, torch.finfo(m.dtype).min)
             pos = committed - 1 + level + torch.zeros_like(new)
-            logits = m.forward(new_tok, self.cache, pos, mask.view(1, 1, *allowed.shape)).logits
+            logits = m.forward(new_tok, self.cache, pos, mask.view(1, 1, *allowed.shape), head=self.flash).logits
             self.n_forwarded = n
             frontier, score = new, cand[best]
         return DraftTree(tokens[:n], parents[:n], dprobs[:n])
@@ -148,11 +153,12 @@ def _load(path, target, paths) -> Target:
 
 
 ENTRY = DrafterEntry(
-    name="sps", build=_build, check=_check,
+    name="sps", build=with_head(_build, "draft", lambda model, target: model.head_weight), check=_check,
     methods={"sps": "standalone draft model (SpS): chain of k, or a top-k tree"},
     model=ModelRole("draft", "--draft", "draft", "a draft model", _load, zoo="draft", card="data/zoo/README.md",
                     help="draft model for sps (default: the zoo draft)"),
     params=(Param("k", 4, lambda t: Bound(1, t.max_context), help="draft length (a chain) or depth (a tree)"),
             Param("tree_topk", 1, lambda t: Bound(1, t.vocab_size), help="children per level (1 = a chain)"),
             Param("stop_prob", 0.0, lambda t: Bound(0.0, 1.0, hi_open=True),
-                  help="end a chain after a draft token below this probability (0 = always k tokens)")))
+                  help="end a chain after a draft token below this probability (0 = always k tokens)"))
+    + HEAD_PARAMS)

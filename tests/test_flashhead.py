@@ -1,0 +1,207 @@
+"""FlashHead's core (speclab/flashhead.py): equal-size clusters cover the vocabulary exactly once, the build is
+deterministic given its seed and round-trips through its files, probing every cluster gives the dense head's
+logits, fewer probes give -inf exactly off the candidates, adaptive probes follow the centroid margin, and
+sampled clusters are drawn without replacement from the centroid softmax."""
+import numpy as np
+import pytest
+import torch
+from scipy import stats
+
+from helpers import PROMPTS
+from speclab.checks import InvalidInput
+from speclab.flashhead import FlashHead, FlashIndex, build_index, index_dir, pick_clusters, probe_counts
+from speclab.generate import generate
+
+
+def head(V=96, H=16, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    # rows in a few directions, so clusters have something to find
+    dirs = torch.randn(6, H, generator=g)
+    return dirs[torch.arange(V) % 6] + 0.3 * torch.randn(V, H, generator=g)
+
+
+@pytest.mark.parametrize("c", [1, 4, 12, 96])
+def test_equal_size_clusters_cover_the_vocabulary_exactly_once(c):
+    w = head()
+    idx = build_index(w, c, seed=1)
+    assert idx.index.shape == (c, 96 // c)
+    assert torch.equal(idx.index.flatten().sort().values, torch.arange(96))
+    assert idx.centroids.shape == (c, 16)
+    torch.testing.assert_close(idx.centroids, w[idx.index].mean(1))
+
+
+def test_clusters_must_divide_the_vocabulary():
+    with pytest.raises(InvalidInput, match="clusters must divide the head's 96 rows"):
+        build_index(head(), 7)
+
+
+def test_build_is_deterministic_and_round_trips(tmp_path):
+    w = head()
+    a, b = build_index(w, 8, seed=3), build_index(w, 8, seed=3)
+    assert torch.equal(a.index, b.index) and torch.equal(a.centroids, b.centroids)
+    assert {k: v for k, v in a.meta.items() if k != "build_s"} == {k: v for k, v in b.meta.items() if k != "build_s"}
+    assert a.meta["objective_mean_cosine"] > 0.8  # rows of one direction share a cluster
+    a.save(tmp_path / "c8")
+    back = FlashIndex.load(tmp_path / "c8", w)
+    assert torch.equal(back.index, a.index) and torch.equal(back.centroids, a.centroids)
+    with pytest.raises(InvalidInput, match="built for another head"):
+        FlashIndex.load(tmp_path / "c8", w + 1)
+    with pytest.raises(InvalidInput, match="no FlashHead index"):
+        FlashIndex.load(tmp_path / "missing")
+
+
+def test_all_probes_give_the_dense_logits():
+    w = head()
+    idx = build_index(w, 12)
+    h = torch.randn(5, 16, generator=torch.Generator().manual_seed(4))
+    fh = FlashHead(w, idx, probes=12, scale=0.5)
+    torch.testing.assert_close(fh(h), (h @ w.T) * 0.5, atol=1e-5, rtol=1e-5)
+
+
+def test_fewer_probes_score_exactly_their_candidates():
+    w = head()
+    idx = build_index(w, 12)
+    h = torch.randn(2, 3, 16, generator=torch.Generator().manual_seed(5))  # leading dims are kept
+    fh = FlashHead(w, idx, probes=2)
+    out = fh(h)
+    assert out.shape == (2, 3, 96)
+    dense = h @ w.T
+    cands = fh.last_candidates
+    assert cands.shape == (2, 3, 2 * 8)
+    finite = torch.isfinite(out)
+    assert torch.equal(finite.sum(-1), torch.full((2, 3), 16))
+    on = torch.zeros_like(finite).scatter_(-1, cands, True)
+    assert torch.equal(finite, on)
+    torch.testing.assert_close(out[finite], dense[finite], atol=1e-5, rtol=1e-5)
+    # greedy picks the clusters with the best centroid scores
+    scores = h.reshape(-1, 16) @ idx.centroids.T
+    best = scores.topk(2, -1).indices
+    assert torch.equal(cands.reshape(-1, 16).sort(-1).values, idx.index[best].flatten(1).sort(-1).values)
+
+
+def test_adaptive_probes_follow_the_margin():
+    s = torch.tensor([[5.0, 4.9, 4.8, 1.0], [5.0, 1.0, 0.5, 0.0], [3.0, 3.0, 3.0, 3.0]])
+    assert probe_counts(s, 3, 0.0).tolist() == [3, 3, 3]
+    assert probe_counts(s, 3, 0.15).tolist() == [2, 1, 3]
+    assert probe_counts(s, 3, 100.0).tolist() == [3, 3, 3]
+    assert probe_counts(s, 3, 1e-6).tolist() == [1, 1, 3]
+    w = head()
+    idx = build_index(w, 12)
+    h = torch.randn(6, 16, generator=torch.Generator().manual_seed(6))
+    wide, narrow = FlashHead(w, idx, probes=4, margin=1e9), FlashHead(w, idx, probes=4, margin=1e-9)
+    assert torch.equal(torch.isfinite(wide(h)), torch.isfinite(FlashHead(w, idx, probes=4)(h)))
+    assert torch.isfinite(narrow(h)).sum(-1).tolist() == [8] * 6  # one cluster of 8 each
+
+
+def test_a_bf16_head_takes_fp32_states():
+    """A draft model's final-norm states can be fp32 while its head is bf16 (the lean forward refines the norm)."""
+    w = head()
+    idx = build_index(w, 12)
+    h = torch.randn(3, 16, generator=torch.Generator().manual_seed(7))
+    out = FlashHead(w.bfloat16(), idx, probes=12)(h)
+    assert out.dtype == torch.float32
+    torch.testing.assert_close(out, h @ w.T, atol=0.1, rtol=0.05)
+
+
+def test_probes_are_checked():
+    idx = build_index(head(), 12)
+    for bad in (0, 13):
+        with pytest.raises(InvalidInput, match="probes must be from 1 to the index's 12 clusters"):
+            FlashHead(head(), idx, probes=bad)
+
+
+def test_sampled_clusters_are_drawn_without_replacement_from_the_centroid_softmax():
+    scores = torch.tensor([[2.0, 1.0, 0.5, 0.0, -1.0]]).repeat(4000, 1)
+    g = torch.Generator().manual_seed(0)
+    picks = pick_clusters(scores, 3, 1.0, g)
+    assert all(len(set(r)) == 3 for r in picks.tolist())  # without replacement
+    first = np.bincount(picks[:, 0].numpy(), minlength=5)
+    expected = torch.softmax(scores[0].double(), 0).numpy() * len(picks)
+    assert stats.chisquare(first, expected).pvalue > 1e-3
+    # power: at another temperature the first picks are told apart
+    hot = np.bincount(pick_clusters(scores, 3, 2.0, g)[:, 0].numpy(), minlength=5)
+    assert stats.chisquare(hot, expected).pvalue < 1e-3
+    assert torch.equal(pick_clusters(scores[:2], 3, 0.0, None), torch.tensor([[0, 1, 2], [0, 1, 2]]))
+
+
+# ---- every drafter with head=flash: greedy output equals AR, and the head is really the clustered one ----------
+SETTINGS = {"1 probe": dict(probes=1), "4 probes, adaptive": dict(probes=4, margin=2.0)}
+
+
+def with_index(model, weight, tmp_path, c=64):
+    """The drafter `model` named by a directory that holds a FlashHead index of its head `weight`."""
+    build_index(weight, c).save(index_dir(tmp_path, c))
+    model.name = str(tmp_path)
+    return model
+
+
+def drafters_under_test(deep, tmp_path_factory):
+    from helpers import random_dflash, random_eagle3
+    from test_specblock import random_specblock
+    e3 = random_eagle3(deep, 3, draft_vocab=deep.vocab_size // 2)
+    df = random_dflash(deep, 4, markov_rank=8)
+    sb = random_specblock(deep, 5)
+    return {"eagle3": with_index(e3, e3.lm_head.weight, tmp_path_factory.mktemp("e3")),
+            "dflash": with_index(df, deep.head_weight, tmp_path_factory.mktemp("df")),
+            "specblock": with_index(sb, sb.lm_head.weight, tmp_path_factory.mktemp("sb"))}
+
+
+@pytest.fixture(scope="module")
+def flash_models(deep, tmp_path_factory):
+    return drafters_under_test(deep, tmp_path_factory)
+
+
+@pytest.mark.parametrize("method,extra", [("eagle3", {}), ("eagle3", {"tree_topk": 3, "depth": 4}),
+                                          ("dflash", {"markov": 0}), ("dflash", {"markov": 1}),
+                                          ("dflash", {"tree_topk": 2}), ("specblock", {"blocks": 2})],
+                         ids=["eagle3-chain", "eagle3-tree", "dflash", "dflash-markov", "dflash-tree", "specblock"])
+@pytest.mark.parametrize("setting", list(SETTINGS))
+@pytest.mark.parametrize("deferred", [True, False], ids=["deferred", "not-deferred"])
+def test_greedy_flashhead_equals_ar(deep, flash_models, method, extra, setting, deferred):
+    for p in PROMPTS[:2]:
+        ar = generate(deep, p, "ar", max_new_tokens=32, deferred=deferred)
+        fl = generate(deep, p, method, models=flash_models, max_new_tokens=32, deferred=deferred, head="flash",
+                      **SETTINGS[setting], **extra)
+        assert fl.token_ids == ar.token_ids, (method, extra, setting, p)
+
+
+def test_greedy_flashhead_sps_equals_ar(qwen3, qwen3_draft, model_dir):
+    build_index(qwen3_draft.head_weight, 64).save(index_dir(model_dir["qwen3_draft"], 64))
+    for extra in ({}, {"tree_topk": 2, "k": 3}):
+        for p in PROMPTS[:2]:
+            ar = generate(qwen3, p, "ar", max_new_tokens=32)
+            fl = generate(qwen3, p, "sps", models={"draft": qwen3_draft}, max_new_tokens=32, head="flash",
+                          clusters=64, probes=8, **extra)
+            assert fl.token_ids == ar.token_ids and fl.summary()["rounds"] < len(ar.token_ids), (extra, p)
+
+
+def test_flash_drafters_draft_from_their_candidates_only(deep, flash_models):
+    """With one probe a drafter's logits are finite on one cluster of tokens per row (b = V / 64), and its draft
+    tokens come from those clusters."""
+    from speclab.drafters.registry import build_drafter
+    d = build_drafter("specblock", deep, flash_models, head="flash", probes=1)
+    ids = deep.tokenizer(PROMPTS[0], return_tensors="pt")["input_ids"][0]
+    out = generate(deep, PROMPTS[0], "specblock", models=flash_models, max_new_tokens=8, head="flash", probes=1)
+    assert d.flash is not None and d.flash.probes == 1 and out.token_ids and ids.numel()
+    x = torch.randn(3, 4, d.m.config.hidden_size)
+    logits = d.flash(d.m.norm(x))
+    assert torch.equal(torch.isfinite(logits).sum(-1), torch.full((3, 4), deep.vocab_size // 64))
+
+
+# ---- sampling through a FlashHead keeps the target distribution ----------------------------------------------
+@pytest.mark.slow
+@pytest.mark.parametrize("markov", [False, True], ids=["dflash", "dflash-markov"])
+def test_sampling_through_a_flash_dflash_keeps_target_distribution(tiny_v8, markov, tmp_path):
+    """DFlash drafting through a FlashHead of 4 clusters of 2 tokens, 2 probes drawn from the centroid softmax per
+    row: the draft distribution is the softmax over the 4 candidates (zero elsewhere), recorded for verification.
+    The first two sampled tokens follow the target's exact joint; two-token drafts are accepted in some decodes;
+    the target's joint at temperature 0.7 is told apart (power)."""
+    from helpers import random_dflash
+    from speclab.drafters.dflash import DFlashDrafter
+    from test_sampling import N_RUNS, V, assert_keeps_target_distribution
+    target = tiny_v8
+    m = random_dflash(target, 4, markov_rank=4 if markov else 0, mask_id=V - 1)
+    drafter = DFlashDrafter(m, target, block_size=3, markov=markov, tree_topk=1, total_tokens=16)
+    drafter.flash = FlashHead(target.head_weight, build_index(target.head_weight, 4), probes=2)
+    assert_keeps_target_distribution(target, drafter, 30_000, N_RUNS // 100)
+
