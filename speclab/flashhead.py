@@ -318,3 +318,14 @@ def with_head(build, role: str, weight, scale=lambda model: 1.0):
         return drafter
     built.head_weight = weight  # `speclab flashhead build` clusters this head
     return built
+
+
+def head_same_decode(own=None):
+    """A drafter's `same_decode` that also knows the head: with the dense head, FlashHead's parameters change
+    nothing (a grid over probes with head=dense decodes once)."""
+    defaults = {p.name: p.default for p in HEAD_PARAMS if p.name != "head"}
+
+    def same(params: dict) -> dict:
+        params = own(params) if own else params
+        return {**params, **defaults} if params.get("head", "dense") == "dense" else params
+    return same

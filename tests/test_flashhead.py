@@ -205,3 +205,12 @@ def test_sampling_through_a_flash_dflash_keeps_target_distribution(tiny_v8, mark
     drafter.flash = FlashHead(target.head_weight, build_index(target.head_weight, 4), probes=2)
     assert_keeps_target_distribution(target, drafter, 30_000, N_RUNS // 100)
 
+
+
+def test_a_grid_over_probes_with_the_dense_head_decodes_once():
+    from speclab.methods import METHODS
+    for name in ("sps", "eagle3", "dflash", "specblock"):
+        same = METHODS[name].same_decode
+        dense = [same({**METHODS[name].defaults, "head": "dense", "probes": p}) for p in (1, 4, 16)]
+        flash = [same({**METHODS[name].defaults, "head": "flash", "probes": p}) for p in (1, 4, 16)]
+        assert dense[0] == dense[1] == dense[2] and len({tuple(sorted(f.items())) for f in flash}) == 3, name

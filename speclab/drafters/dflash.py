@@ -52,7 +52,7 @@ from speclab.drafters.checkpoint import (
 from speclab.drafters.layers import DecoderLayer
 from speclab.drafters.registry import DrafterEntry, ModelRole, Param
 from speclab.errors import InvalidInput, ModelNotFound
-from speclab.flashhead import HEAD_PARAMS, with_head
+from speclab.flashhead import HEAD_PARAMS, head_same_decode, with_head
 
 
 def default_layer_ids(num_layers: int, n: int = 5) -> tuple[int, ...]:
@@ -387,7 +387,7 @@ PARAMS = (Param("markov", 1, lambda t: Bound(0, 1), grid=(0, 1),
                 help="draft nodes kept from the tree"))
 
 ENTRY = DrafterEntry(
-    name="dflash", params=PARAMS + HEAD_PARAMS, check=_check, same_decode=_same_decode,
+    name="dflash", params=PARAMS + HEAD_PARAMS, check=_check, same_decode=head_same_decode(_same_decode),
     build=with_head(lambda target, model, markov, **params: DFlashDrafter(model, target, markov=bool(markov), **params),
                     "dflash", lambda model, target: target.head_weight,
                     scale=lambda model: model.config.output_multiplier),

@@ -53,7 +53,7 @@ from speclab.drafters.checkpoint import (
 from speclab.drafters.layers import MLP, Attention
 from speclab.drafters.registry import DrafterEntry, ModelRole, Param
 from speclab.errors import ModelNotFound
-from speclab.flashhead import HEAD_PARAMS, with_head
+from speclab.flashhead import HEAD_PARAMS, head_same_decode, with_head
 
 
 def default_layer_ids(num_layers: int) -> tuple[int, int, int]:
@@ -409,7 +409,7 @@ PARAMS = (Param("depth", 4, lambda t: Bound(1, t.max_context), gpu=8, grid=(3, 4
                 grid=(4, 6, 8, 12, 16), help="draft nodes kept from the expanded tree"))
 
 ENTRY = DrafterEntry(
-    name="eagle3", params=PARAMS + HEAD_PARAMS, check=_check, same_decode=_same_decode,
+    name="eagle3", params=PARAMS + HEAD_PARAMS, check=_check, same_decode=head_same_decode(_same_decode),
     build=with_head(lambda target, model, **params: Eagle3Drafter(model, target, **params), "eagle3",
                     lambda model, target: model.lm_head.weight),
     methods={"eagle3": "EAGLE-3: one-layer drafter on the target's features; dynamic tree (depth, tree_topk, "

@@ -46,7 +46,7 @@ from speclab.drafters.checkpoint import check_fits, load_strict, place, read_che
 from speclab.drafters.layers import DecoderLayer
 from speclab.drafters.registry import DrafterEntry, ModelRole, Param
 from speclab.errors import InvalidInput, ModelNotFound
-from speclab.flashhead import HEAD_PARAMS, with_head
+from speclab.flashhead import HEAD_PARAMS, head_same_decode, with_head
 
 BUCKETS = ("rank 1", "rank 2-4", "rank 5-10", "rank > 10")  # b0..b3 (paper §3.3)
 BUCKET_EDGES = (1, 4, 10)  # the highest rank of b0, b1, b2
@@ -434,7 +434,7 @@ ENTRY = DrafterEntry(
     name="specblock",
     build=with_head(lambda target, model, **params: SpecBlockDrafter(model, target, **params), "specblock",
                     lambda model, target: model.lm_head.weight),
-    params=PARAMS + HEAD_PARAMS, check=_check, same_decode=_same_decode,
+    params=PARAMS + HEAD_PARAMS, check=_check, same_decode=head_same_decode(_same_decode),
     methods={"specblock": "SpecBlock: blocks of K dependent positions per drafter call (layer-wise shift); the "
                           "rank head sets each position's width (width_b0..b3) and which positions start the "
                           "next of `blocks` blocks"},

@@ -20,7 +20,7 @@ from speclab.core.target import Target, keep_cache
 from speclab.core.tree import DraftTree
 from speclab.drafters.registry import DrafterEntry, ModelRole, Param
 from speclab.errors import InvalidInput
-from speclab.flashhead import HEAD_PARAMS, with_head
+from speclab.flashhead import HEAD_PARAMS, head_same_decode, with_head
 
 
 class StandaloneDraft:
@@ -154,6 +154,7 @@ def _load(path, target, paths) -> Target:
 
 ENTRY = DrafterEntry(
     name="sps", build=with_head(_build, "draft", lambda model, target: model.head_weight), check=_check,
+    same_decode=head_same_decode(),
     methods={"sps": "standalone draft model (SpS): chain of k, or a top-k tree"},
     model=ModelRole("draft", "--draft", "draft", "a draft model", _load, zoo="draft", card="data/zoo/README.md",
                     help="draft model for sps (default: the zoo draft)"),
