@@ -37,7 +37,7 @@ from speclab.core.engine import PHASES
 from speclab.errors import TraceError
 from speclab.files import check_writable
 
-SCHEMA_VERSION = 6
+SCHEMA_VERSION = 7
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS meta (key VARCHAR PRIMARY KEY, value VARCHAR);
@@ -62,7 +62,7 @@ CREATE TABLE IF NOT EXISTS tokens (
     draft_prob DOUBLE, target_prob DOUBLE, entropy DOUBLE);
 CREATE TABLE IF NOT EXISTS draft_nodes (
     run_id BIGINT, round INTEGER, node INTEGER, parent INTEGER, depth INTEGER, token_id INTEGER,
-    draft_prob DOUBLE, target_prob DOUBLE, accepted BOOLEAN, block INTEGER, bucket INTEGER);
+    draft_prob DOUBLE, target_prob DOUBLE, accepted BOOLEAN, block INTEGER, bucket INTEGER, in_cands INTEGER);
 CREATE TABLE IF NOT EXISTS router_decisions (
     run_id BIGINT, round INTEGER, policy VARCHAR, signal DOUBLE, threshold DOUBLE, choice VARCHAR);
 CREATE TABLE IF NOT EXISTS adaptation (
@@ -98,7 +98,8 @@ MIGRATIONS = {2: ["ALTER TABLE runs ADD COLUMN IF NOT EXISTS prefill_ms DOUBLE",
               # per draft node, what a block-iterative drafter knows of it (SpecBlock: the block that drafted it
               # and the rank head's bucket); NULL for other drafters' nodes
               6: ["ALTER TABLE draft_nodes ADD COLUMN IF NOT EXISTS block INTEGER",
-                  "ALTER TABLE draft_nodes ADD COLUMN IF NOT EXISTS bucket INTEGER"]}
+                  "ALTER TABLE draft_nodes ADD COLUMN IF NOT EXISTS bucket INTEGER"],
+              7: ["ALTER TABLE draft_nodes ADD COLUMN IF NOT EXISTS in_cands INTEGER"]}
 TABLES = ("meta", "runs", "rounds", "tokens", "draft_nodes", "router_decisions", "benches", "profile_sets", "profiles",
           "profile_positions", "adaptation")
 
@@ -492,7 +493,9 @@ def decision_columns(evs) -> dict[str, np.ndarray]:
             "threshold": np.repeat(np.array([x.threshold if x else np.nan for x in d], np.float64), m)}
 
 
-NODE_EXTRAS = ("block", "bucket")  # per-node integers a drafter may attach to its tree (`DraftTree.extra`)
+# per-node integers a drafter may attach to its tree (`DraftTree.extra`): SpecBlock's block and rank bucket; with a
+# FlashHead, 1 when the target's token was among the node's retrieved candidates (the engine sets it)
+NODE_EXTRAS = ("block", "bucket", "in_cands")
 
 
 def _node_extra(evs, key: str) -> pa.Array:

@@ -229,6 +229,7 @@ def tree_figure(nodes, root_text: str = "root", title: str = "", color_by: str =
     fig.add_scatter(x=ax, y=ay, mode="lines", line=dict(color="#2ca02c", width=3), hoverinfo="skip",
                     name="accepted path")
     grouped = bool(color_by in NODE_GROUPS and color_by in nodes and nodes[color_by].notna().any())
+    flash = bool("in_cands" in nodes and nodes["in_cands"].notna().any())
 
     def group(r):
         v = getattr(r, color_by, None) if grouped else None
@@ -244,13 +245,16 @@ def tree_figure(nodes, root_text: str = "root", title: str = "", color_by: str =
         else:
             marker = dict(size=12, color="#2ca02c" if acc else "#bbbbbb", opacity=1.0 if acc else 0.5)
             name = "accepted" if acc else "rejected"
-        extra = "".join(f"<br>{c} %{{customdata[{3 + i}]}}" for i, c in enumerate(NODE_GROUPS) if c in nodes)
+        cols = [c for c in NODE_GROUPS if c in nodes]
+        extra = "".join(f"<br>{c} %{{customdata[{3 + i}]}}" for i, c in enumerate(cols))
+        if flash:  # FlashHead: a rejection by retrieval (the target's token was not a candidate) or by the drafter
+            extra += f"<br>target's token among the candidates: %{{customdata[{3 + len(cols)}]}}"
         fig.add_scatter(
             x=[r.depth for r in sel], y=[y[int(r.node)] for r in sel], mode="markers+text",
             text=[repr(str(getattr(r, "text", r.token_id)))[1:-1][:12] for r in sel], textposition="top center",
             marker=marker, legendgroup=name, showlegend=grouped and name not in named,
-            customdata=[[r.node, _fmt(r.draft_prob), _fmt(r.target_prob),
-                         *[_int(getattr(r, c)) for c in NODE_GROUPS if c in nodes]] for r in sel],
+            customdata=[[r.node, _fmt(r.draft_prob), _fmt(r.target_prob), *[_int(getattr(r, c)) for c in cols],
+                         *([_retrieved(r.in_cands)] if flash else [])] for r in sel],
             hovertemplate=("node %{customdata[0]}<br>%{text}<br>draft p %{customdata[1]}"
                            "<br>target p %{customdata[2]}" + extra + "<extra></extra>"),
             name=name, cliponaxis=False)
@@ -265,6 +269,10 @@ def tree_figure(nodes, root_text: str = "root", title: str = "", color_by: str =
                       xaxis=dict(title="depth", tick0=0, dtick=1, range=[-0.5, deepest + 0.5]),
                       yaxis=dict(visible=False, range=[min(y.values()) - 0.6, max(y.values()) + 0.9]))
     return fig
+
+
+def _retrieved(v) -> str:
+    return "-" if _missing(v) else "yes" if int(v) else "no (a retrieval miss: no draft could match)"
 
 
 def accepted_per_round(rounds) -> go.Figure:

@@ -214,3 +214,41 @@ def test_a_grid_over_probes_with_the_dense_head_decodes_once():
         dense = [same({**METHODS[name].defaults, "head": "dense", "probes": p}) for p in (1, 4, 16)]
         flash = [same({**METHODS[name].defaults, "head": "flash", "probes": p}) for p in (1, 4, 16)]
         assert dense[0] == dense[1] == dense[2] and len({tuple(sorted(f.items())) for f in flash}) == 3, name
+
+
+@pytest.mark.parametrize("method,extra", [("eagle3", {}), ("eagle3", {"tree_topk": 3, "depth": 4}),
+                                          ("dflash", {"markov": 1}), ("dflash", {"tree_topk": 2}),
+                                          ("specblock", {"blocks": 2})],
+                         ids=["eagle3-chain", "eagle3-tree", "dflash-markov", "dflash-tree", "specblock"])
+def test_trace_tells_retrieval_misses_from_drafter_misses(deep, flash_models, method, extra, tmp_path):
+    """Every draft node of a FlashHead run records whether the target's token was among the candidates of the row
+    that drafted it (`in_cands`; NULL with the dense head): an accepted node's was, a node whose wasn't is
+    rejected, and with one probe some rejections are retrieval misses. The tree's hover says which."""
+    from speclab import viz
+    from speclab.trace import TraceStore
+    with TraceStore(tmp_path / "t.duckdb") as s:
+        fl = generate(deep, PROMPTS[0], method, models=flash_models, max_new_tokens=24, trace=s, head="flash",
+                      probes=1, **extra)
+        dn = generate(deep, PROMPTS[0], method, models=flash_models, max_new_tokens=24, trace=s, **extra)
+        nodes, dense = s.draft_nodes(fl.run_id), s.draft_nodes(dn.run_id)
+    assert len(nodes) and nodes.in_cands.notna().all() and set(nodes.in_cands) <= {0, 1}
+    assert dense.in_cands.isna().all()
+    assert (nodes.in_cands[nodes.accepted.astype(bool)] == 1).all()
+    assert not nodes.accepted[nodes.in_cands == 0].astype(bool).any() and (nodes.in_cands == 0).any()
+    first = nodes[nodes["round"] == nodes["round"].min()]
+    hover = "".join(str(t.hovertemplate) for t in viz.tree_figure(first).data)
+    assert "target's token among the candidates" in hover
+    assert "candidates" not in "".join(str(t.hovertemplate) for t in
+                                       viz.tree_figure(dense[dense["round"] == dense["round"].min()]).data)
+
+
+def test_trace_tells_retrieval_misses_from_drafter_misses_sps(qwen3, qwen3_draft, model_dir, tmp_path):
+    from speclab.trace import TraceStore
+    build_index(qwen3_draft.head_weight, 64).save(index_dir(model_dir["qwen3_draft"], 64))
+    for extra in ({}, {"tree_topk": 2, "k": 3}):
+        with TraceStore(tmp_path / f"t{len(extra)}.duckdb") as s:
+            fl = generate(qwen3, PROMPTS[0], "sps", models={"draft": qwen3_draft}, max_new_tokens=24, trace=s,
+                          head="flash", clusters=64, probes=2, **extra)
+            nodes = s.draft_nodes(fl.run_id)
+        assert nodes.in_cands.notna().all() and (nodes.in_cands[nodes.accepted.astype(bool)] == 1).all()
+        assert not nodes.accepted[nodes.in_cands == 0].astype(bool).any(), extra

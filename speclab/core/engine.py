@@ -394,6 +394,8 @@ def round_event(rnd, name, tree, accepted, new, logits, bonus, timings, calls, b
     work); `token_columns` derives the per-token figures from it, in batches."""
     lse, ent = kernel_ops.softmax_entropy(logits)  # one pass over the vocabulary (a Triton kernel on CUDA)
     rows = tree.parents + 1
+    if tree.cands is not None:  # FlashHead: was the target's token (its argmax at the parent) retrieved?
+        tree.extra["in_cands"] = (tree.cands == logits[rows].argmax(-1)[:, None]).any(-1).long()
     return RoundEvent(rnd, name, tree, accepted, new, logits[rows, tree.tokens].float() - lse[rows], ent,
                       logits[:, bonus].float() - lse, timings, calls, backlog, pos0, decision)
 

@@ -25,6 +25,9 @@ class DraftTree:
     # Per-node integers a drafter attaches for the trace ([n] each; speclab.trace.NODE_EXTRAS: SpecBlock's block
     # and rank bucket). Verification never reads them.
     extra: dict[str, torch.Tensor] = field(default_factory=dict)
+    # FlashHead (speclab.flashhead): per node, the candidate token ids (target ids) of the row that drafted it
+    # ([n, C], -1 = none); the engine then records whether the target's token was among them (`in_cands`)
+    cands: torch.Tensor | None = None
 
     def __post_init__(self):
         self._anc: torch.Tensor | None = None
@@ -63,7 +66,8 @@ class DraftTree:
         if self.tokens.device == torch.device(device):
             return self
         tree = DraftTree(self.tokens.to(device), self.parents.to(device), self.draft_probs.to(device),
-                         None if self.draft_dists is None else self.draft_dists.to(device), self.extra)
+                         None if self.draft_dists is None else self.draft_dists.to(device), self.extra,
+                         None if self.cands is None else self.cands.to(device))
         tree._chain = self._chain
         return tree
 
@@ -141,7 +145,7 @@ def check_dynamic_tree(method: str, name: str, value: int, depth: int, topk: int
 
 
 def dynamic_tree(root_logp: torch.Tensor, expand, depth: int, k: int, total: int, state,
-                 to_target: torch.Tensor | None = None) -> DraftTree:
+                 to_target: torch.Tensor | None = None, root_cands: torch.Tensor | None = None) -> DraftTree:
     """EAGLE-2's dynamic draft tree, for any drafter that can score children of a set of nodes.
 
     The root's top-k children form the frontier; then `depth - 1` times the frontier's nodes are expanded by
@@ -152,16 +156,21 @@ def dynamic_tree(root_logp: torch.Tensor, expand, depth: int, k: int, total: int
     nodes at depth `level` (their tokens in target ids, their per-node `state`: a tuple of [f, ...] tensors, or
     None); the state of a kept candidate is its parent's row of `new_state`. `to_target` maps the drafter's
     vocabulary ids to the target's (a reduced draft vocabulary). Deterministic: verification treats the nodes
-    as point masses, lossless under sampling as well."""
+    as point masses, lossless under sampling as well. With a FlashHead, `root_cands` [C] are the root row's
+    candidates and `expand` returns a third item, the frontier rows' candidates [f, C]: each node keeps those of
+    the row that drafted it (`DraftTree.cands`)."""
     dev = root_logp.device
     ids = (lambda i: to_target[i]) if to_target is not None else (lambda i: i)
     vals, idx = root_logp.topk(min(k, root_logp.numel()))
     tok_l, par_l, lq_l, score_l, dep_l = [ids(idx)], [torch.full_like(idx, -1)], [vals], [vals], [torch.ones_like(idx)]
     n = idx.numel()
+    cand_l = None if root_cands is None else [root_cands[None].expand(n, -1)]
     front, front_tok, front_score = torch.arange(n, device=dev), tok_l[0], vals
     for level in range(1, depth):
-        logp, out_state = expand(level, front_tok, state)
+        logp, out_state, *cands = expand(level, front_tok, state)
         vals, idx = logp.topk(min(k, logp.shape[-1]), -1)  # [f, k]
+        if cand_l is not None:
+            cand_l.append(cands[0].repeat_interleave(vals.shape[1], 0))
         cand = (front_score[:, None] + vals).flatten()
         kids = ids(idx.flatten())
         tok_l.append(kids)
@@ -180,4 +189,5 @@ def dynamic_tree(root_logp: torch.Tensor, expand, depth: int, k: int, total: int
     remap = torch.full((n,), -1, dtype=torch.long, device=dev)
     remap[keep] = torch.arange(keep.numel(), device=dev)
     par = parents[keep]
-    return DraftTree(tokens[keep], torch.where(par >= 0, remap[par.clamp(min=0)], par), logq[keep].exp())
+    return DraftTree(tokens[keep], torch.where(par >= 0, remap[par.clamp(min=0)], par), logq[keep].exp(),
+                     cands=None if cand_l is None else torch.cat(cand_l)[keep])

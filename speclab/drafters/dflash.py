@@ -322,12 +322,16 @@ class DFlashDrafter:
         with forward_clock:
             logits = self.block_logits(n_rows)
         if self.tree_topk > 1:
-            return self._tree(logits)
-        if not self.markov and sampling.greedy:  # independent rows: the whole block is one argmax
+            tree = self._tree(logits)
+        elif not self.markov and sampling.greedy:  # independent rows: the whole block is one argmax
             logp = torch.log_softmax(logits, -1)
             lq, tokens = logp.max(-1)
-            return DraftTree.chain(tokens, lq.exp())
-        return self._left_to_right(logits, sampling, generator)
+            tree = DraftTree.chain(tokens, lq.exp())
+        else:
+            tree = self._left_to_right(logits, sampling, generator)
+        if self.flash is not None and len(tree):  # a node at depth d was drafted from block row d
+            tree.cands = self.flash.last_candidates[tree.depth - 1]
+        return tree
 
     def _left_to_right(self, logits: torch.Tensor, sampling: Sampling, generator) -> DraftTree:
         """Row by row: add the Markov bias of the token before (when on), then argmax, or draw from q_k (kept for

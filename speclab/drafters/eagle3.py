@@ -251,6 +251,7 @@ class Eagle3Drafter:
         self.known = 0  # positions (token-feature pairs) in the drafter's KV cache
         self.root_logits = None  # [1, draft_vocab]: the distribution after the last committed token
         self.root_h = None  # [1, H]: the drafter's pre-norm output at the last pair (fed back at depth 1)
+        self.root_cands = None  # with a FlashHead: the root row's candidates [1, C] (target ids)
         self.pending_ids = self.pending_feats = None
 
     def _embed(self, ids: torch.Tensor) -> torch.Tensor:
@@ -297,12 +298,17 @@ class Eagle3Drafter:
         logits = self._logits(h)  # every row in the full pass (what a plain forward computes)
         self.known = end
         self.root_h, self.root_logits = h[-1:], logits[-1:]
+        self.root_cands = self._cands()[-1:] if self.flash is not None else None
 
     def _logits(self, h: torch.Tensor) -> torch.Tensor:
         """The drafter's logits of pre-norm outputs h, computed in its dtype and returned as float32. Unlike the
         target's, they are not refined to fp32 (`speclab.core.precision.Head`): they only choose what to propose,
         and verification accepts by the target's logits (measured: refining cost 4% of EAGLE-3's tokens/s here)."""
         return self.flash(self.m.norm(h)) if self.flash is not None else self.m.logits(h).float()
+
+    def _cands(self) -> torch.Tensor:
+        """The FlashHead's candidates of its last call, in target ids [rows, C]."""
+        return self.to_target[self.flash.last_candidates]
 
     def _attend(self, q, k, v, start: int, mask: torch.Tensor | None):
         """Write k, v [kv_heads, n, D] at cache positions start.., attend queries [heads, n_q, D] over the cache up
@@ -344,7 +350,7 @@ class Eagle3Drafter:
         """Greedy chain: argmax at every depth, one drafter call per token after the first."""
         logp = torch.log_softmax(self.root_logits.float(), -1)
         h = self.root_h
-        tokens, logq = [], []
+        tokens, logq, cands = [], [], [self.root_cands] if self.flash is not None else []
         for level in range(1, depth + 1):
             lq, idx = logp.max(-1)
             tok = self.to_target[idx]
@@ -353,7 +359,11 @@ class Eagle3Drafter:
             if level == depth:
                 break
             h, logp = self._forward_nodes(tok, h, level, None)  # a chain: causal over the cache
-        return DraftTree.chain(torch.cat(tokens), torch.cat(logq).exp())
+            if self.flash is not None:
+                cands.append(self._cands())
+        tree = DraftTree.chain(torch.cat(tokens), torch.cat(logq).exp())
+        tree.cands = torch.cat(cands) if cands else None
+        return tree
 
     def _tree(self, depth: int) -> DraftTree:
         """EAGLE-2 dynamic tree (speclab.core.tree.dynamic_tree): each depth's frontier is one drafter call under a tree
@@ -373,12 +383,13 @@ class Eagle3Drafter:
             mask = torch.cat([torch.ones(f, self.known, dtype=torch.bool, device=dev), slot_anc[new, : slots + f]], 1)
             h, logp = self._forward_nodes(tokens, h_parent, level, mask)
             slots += f
-            return logp, (h, new)
+            return (logp, (h, new)) + ((self._cands(),) if self.flash is not None else ())
 
         logp0 = torch.log_softmax(self.root_logits[0].float(), -1)
         f0 = min(k, logp0.numel())
         root_state = (self.root_h.expand(f0, -1), torch.full((f0,), -1, device=dev))
-        return dynamic_tree(logp0, expand, depth, k, self.total_tokens, root_state, self.to_target)
+        return dynamic_tree(logp0, expand, depth, k, self.total_tokens, root_state, self.to_target,
+                            None if self.flash is None else self.root_cands[0])
 
     def commit(self, tree: DraftTree, accepted: torch.Tensor) -> None:
         """Drop the draft nodes' keys and values: the accepted tokens come back in the next catch-up paired with

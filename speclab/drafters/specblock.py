@@ -355,7 +355,7 @@ class SpecBlockDrafter:
         if max_depth <= 0 or self.pending_ids is None or self.pending_ids.numel() != 1:
             return DraftTree.empty(self.device)
         root = _Start(self.m.cond(self.pending_feats[-1]), int(self.pending_ids[-1]), -1, 0, [])
-        tokens, parents, probs, block_of, bucket_of = [], [], [], [], []
+        tokens, parents, probs, block_of, bucket_of, cands = [], [], [], [], [], []
         self.row_probs = {}
         starts, budget = [root], min(self.total_tokens, MAX_TREE_NODES)
         widths = self.widths.tolist()
@@ -364,6 +364,7 @@ class SpecBlockDrafter:
                 if not starts or budget <= 0:
                     break
                 h, logits, buckets, slot0 = self.block_forward(starts)
+                rows_cands = self.flash.last_candidates if self.flash is not None else None  # [S, K, C]
                 p = torch.softmax(logits, -1)
                 buckets = buckets.tolist()
                 chains = []  # (depth, node, cond, token, path) of the path's nodes that may start a block
@@ -379,6 +380,8 @@ class SpecBlockDrafter:
                         for tok, q in zip(top.indices.tolist(), top.values.tolist()):
                             tokens.append(tok), parents.append(parent), probs.append(q)
                             block_of.append(b), bucket_of.append(buckets[j][k] if self.rank else -1)
+                            if rows_cands is not None:
+                                cands.append(rows_cands[j, k])
                         budget -= w
                         parent, depth = first, depth + 1
                         path = path + [slot0 + j * self.K + k]
@@ -390,7 +393,8 @@ class SpecBlockDrafter:
             return DraftTree.empty(self.device)
         return DraftTree(torch.tensor(tokens, device=self.device), torch.tensor(parents, device=self.device),
                          torch.tensor(probs, device=self.device),
-                         extra={"block": torch.tensor(block_of), "bucket": torch.tensor(bucket_of)})
+                         extra={"block": torch.tensor(block_of), "bucket": torch.tensor(bucket_of)},
+                         cands=torch.stack(cands) if cands else None)
 
     def history(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Every committed token seen so far [n] and the target's features f_0..f_{n-2} [n-1, F] (x_j pairs with

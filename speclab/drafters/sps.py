@@ -27,6 +27,7 @@ class StandaloneDraft:
     name = "sps"
     layers: tuple[int, ...] = ()
     flash = None  # a FlashHead over the draft model's head (speclab.flashhead), or None: its dense head
+    root_cands = None  # with a FlashHead: the root row's candidates [1, C] (from the catch-up)
 
     def __init__(self, model: Target, *, k: int, tree_topk: int, stop_prob: float):
         if k < 1 or tree_topk < 1 or not 0 <= stop_prob < 1:
@@ -51,6 +52,7 @@ class StandaloneDraft:
         self.reused = 0
         if self.backlog.numel():
             self.root_logits = self.model.forward(self.backlog, self.cache, last=1, head=self.flash).logits
+            self.root_cands = self.flash.last_candidates if self.flash is not None else None  # [1, C]
             self.known += self.backlog.numel()
             self.backlog = self.backlog[:0]
 
@@ -69,7 +71,8 @@ class StandaloneDraft:
     def _chain(self, logits, depth, sampling, generator) -> DraftTree:
         """Up to k tokens, one draft call each: argmax (greedy) or sampled from q (kept for verification);
         stops after a token with draft probability below `stop_prob`."""
-        tokens, dprobs, dists = [], [], []
+        tokens, dprobs, dists, cands = [], [], [], []
+        row_cands = self.root_cands  # FlashHead: the candidates of the row each token is drafted from
         for level in range(depth):
             if sampling.greedy:
                 tok = logits.argmax(-1)
@@ -78,15 +81,20 @@ class StandaloneDraft:
                 dists.append(q)
                 tok = sample(q, generator)
             tokens.append(tok)
+            if row_cands is not None:
+                cands.append(row_cands)
             dprobs.append((logits[0, tok] - logits[0].logsumexp(-1)).exp())
             if level == depth - 1 or (self.stop_prob > 0 and float(dprobs[-1]) < self.stop_prob):
                 break
             logits = self.model.forward(tok, self.cache, head=self.flash).logits
+            row_cands = self.flash.last_candidates if self.flash is not None else None
             self.n_forwarded += 1
         draft_dists = None
         if dists:
             draft_dists = torch.cat(dists + [torch.zeros_like(dists[0])])  # the last node has no children
-        return DraftTree.chain(torch.cat(tokens), torch.cat(dprobs), draft_dists)
+        tree = DraftTree.chain(torch.cat(tokens), torch.cat(dprobs), draft_dists)
+        tree.cands = torch.cat(cands) if cands else None
+        return tree
 
     def _tree(self, logits, depth, committed) -> DraftTree:
         """Top-k tree: each level expands the frontier by its top-k children and keeps the best `topk` by
@@ -101,6 +109,7 @@ class StandaloneDraft:
         frontier = torch.tensor([-1], device=dev)
         score = torch.zeros(1, device=dev)
         n = 0
+        rows_cands, cands = self.root_cands, []  # FlashHead: the frontier rows' candidates, each node's
         for level in range(1, depth + 1):
             logp = torch.log_softmax(logits, -1)  # [f, V]
             vals, idx = logp.topk(k, -1)  # [f, k]
@@ -113,6 +122,8 @@ class StandaloneDraft:
             anc[new] = anc[par.clamp(min=0)] & (par >= 0)[:, None]
             anc[new, new] = True
             n += new.numel()
+            if rows_cands is not None:
+                cands.append(rows_cands[par_j])
             if level == depth:
                 break
             allowed = torch.cat([torch.ones(new.numel(), committed, dtype=torch.bool, device=dev), anc[new, :n]], dim=1)
@@ -120,9 +131,10 @@ class StandaloneDraft:
                 ~allowed, torch.finfo(m.dtype).min)
             pos = committed - 1 + level + torch.zeros_like(new)
             logits = m.forward(new_tok, self.cache, pos, mask.view(1, 1, *allowed.shape), head=self.flash).logits
+            rows_cands = self.flash.last_candidates if self.flash is not None else None
             self.n_forwarded = n
             frontier, score = new, cand[best]
-        return DraftTree(tokens[:n], parents[:n], dprobs[:n])
+        return DraftTree(tokens[:n], parents[:n], dprobs[:n], cands=torch.cat(cands) if cands else None)
 
     def commit(self, tree: DraftTree, accepted: torch.Tensor) -> None:
         """Keep the KV of the accepted nodes that were forwarded (a prefix of the path: every level but the last
