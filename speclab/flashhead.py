@@ -242,6 +242,7 @@ class FlashHead:
         self.temperature = 0.0
         self.generator: torch.Generator | None = None
         self.last_candidates: torch.Tensor | None = None
+        self.audit: list | None = None  # a list: every call also runs the dense head and appends (agree, recall) rows
 
     def __call__(self, h: torch.Tensor) -> torch.Tensor:
         lead = h.shape[:-1]
@@ -256,6 +257,9 @@ class FlashHead:
         out = torch.full((x.shape[0], self.weight.shape[0]), float("-inf"), device=x.device)
         out.scatter_(1, cands, logits)  # repeated candidates write the same value
         self.last_candidates = cands.view(*lead, -1)
+        if self.audit is not None:  # measurement only: top-1 agreement with the dense head, and its recall
+            top = (x.float() @ self.weight.float().T).argmax(-1)  # fp32, as the candidates' logits are
+            self.audit.append(torch.stack([out.argmax(-1) == top, (cands == top[:, None]).any(-1)], 1))
         return out.view(*lead, -1)
 
 

@@ -252,3 +252,15 @@ def test_trace_tells_retrieval_misses_from_drafter_misses_sps(qwen3, qwen3_draft
             nodes = s.draft_nodes(fl.run_id)
         assert nodes.in_cands.notna().all() and (nodes.in_cands[nodes.accepted.astype(bool)] == 1).all()
         assert not nodes.accepted[nodes.in_cands == 0].astype(bool).any(), extra
+
+
+def test_agreement_command_on_the_zoo(tmp_path, capsys):
+    """`speclab flashhead agreement` audits the zoo EAGLE-3's FlashHead while decoding: probing all of its 256
+    clusters agrees with the dense head on every row, one probe does not."""
+    from speclab.cli import main
+    report = tmp_path / "agree.md"
+    rc = main(["flashhead", "agreement", "--drafter", "eagle3", "--probes", "1,256", "--limit", "1",
+               "--max-new-tokens", "16", "--report", str(report)])
+    rows = [ln.split("|")[1:-1] for ln in report.read_text().splitlines() if ln.startswith("| flash")]
+    agree = {r[0].strip(): (float(r[2]), float(r[3])) for r in rows}
+    assert rc == 0 and agree["flash p=256"] == (1.0, 1.0) and agree["flash p=1"][0] < 1.0

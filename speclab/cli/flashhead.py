@@ -1,6 +1,6 @@
-"""`speclab flashhead build | costs`: a drafter's FlashHead index (equal-size spherical k-means of its head's rows,
-stored beside the drafter: `speclab.flashhead`), and the head's latency dense against flash (the FlashHead
-thesis's Tables 4.1-4.2: mean, P50 and P95 per call)."""
+"""`speclab flashhead build | costs | agreement`: a drafter's FlashHead index (equal-size spherical k-means of its
+head's rows, stored beside the drafter: `speclab.flashhead`), the head's latency dense against flash (the FlashHead
+thesis's Tables 4.1-4.2: mean, P50 and P95 per call), and its top-1 agreement with the dense head while decoding."""
 from __future__ import annotations
 
 import argparse
@@ -89,6 +89,52 @@ def cmd_costs(a: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_agreement(a: argparse.Namespace) -> int:
+    """Greedy decodes of a suite with the drafter's FlashHead in audit mode: top-1 agreement with the dense head
+    and the recall of the dense head's top token over every row the drafter scored, with tau, per probe count."""
+    import pandas as pd
+    import torch
+
+    from speclab.bench.suites import load_suite
+    from speclab.cli.common import write_report
+    from speclab.core.engine import decode
+    from speclab.drafters.registry import build_drafter
+    from speclab.metrics import tau
+    from speclab.progress import Progress
+    from speclab.viz import Report, lines_figure
+    probes = _int_list(a.probes, "--probes")
+    prompts = load_suite(a.suite, a.limit)
+    if not prompts:
+        raise SpeclabError(f"suite '{a.suite}' has no prompts")
+    target, model, _ = _load(a)
+    entry = head_roles()[a.drafter][0]
+    models = {a.drafter: model}
+    rows, bar = [], Progress(len(probes) * len(prompts) + len(prompts), f"flashhead agreement {a.drafter}")
+    done = 0
+    for p in [None, *probes]:
+        d = build_drafter(entry.name, target, models, **({"head": "flash", "clusters": a.clusters, "probes": p}
+                                                         if p else {}))
+        if p:
+            d.flash.audit = []
+        committed = n_rounds = 0
+        for q in prompts:
+            ids = target.tokenizer(q["prompt"], return_tensors="pt")["input_ids"][0]
+            res = decode(target, ids, {d.name: d}, max_new_tokens=a.max_new_tokens)
+            committed, n_rounds = committed + res.new_ids.numel(), n_rounds + res.rounds
+            done += 1
+            bar.update(done, probes=p or "dense")
+        audit = torch.cat(d.flash.audit).float().mean(0).tolist() if p else [1.0, 1.0]
+        rows.append({"head": f"flash p={p}" if p else "dense", "probes": p or 0, "top1_agreement": audit[0],
+                     "recall": audit[1], "tau": tau(committed, n_rounds)})
+    df = pd.DataFrame(rows)
+    title = f"FlashHead of the {a.drafter} drafter on {a.suite} ({len(prompts)} prompts, greedy)"
+    fig = lines_figure(df[df.probes > 0].melt(["probes"], ["top1_agreement", "recall"], "figure", "share"),
+                       "probes", "share", "figure", f"{title}: agreement with the dense head and its recall")
+    write_report(Report(f"speclab flashhead agreement: {a.drafter}",
+                        f"# {title}\n\n" + df.to_markdown(index=False, floatfmt=".3f") + "\n", [fig]), a.report)
+    return 0
+
+
 def _int_list(text: str, opt: str) -> list[int]:
     try:
         vals = [int(x) for x in text.split(",") if x.strip()]
@@ -118,3 +164,15 @@ def add_parsers(sub) -> None:
     c.add_argument("--reps", type=_num(int, 5, 100000), default=200)
     c.add_argument("--report", default="reports/flashhead_costs.md")
     c.set_defaults(fn=cmd_costs)
+    g = fsub.add_parser("agreement", help="greedy decodes with the head audited: top-1 agreement with the dense "
+                        "head, its recall and tau, by probes")
+    add_model_args(g)
+    g.add_argument("--drafter", required=True, help="the model role: draft (sps), eagle3, dflash, specblock")
+    g.add_argument("--clusters", type=_num(int, 0, 1 << 24), default=0,
+                   help="the index (0 = the one beside the drafter)")
+    g.add_argument("--probes", default="1,2,4,8,16,32", help="comma-separated")
+    g.add_argument("--suite", default="zoo")
+    g.add_argument("--limit", type=_positive_int, default=2, help="prompts per category")
+    g.add_argument("--max-new-tokens", type=_positive_int, default=64)
+    g.add_argument("--report", default="reports/flashhead_agreement.md")
+    g.set_defaults(fn=cmd_agreement)
