@@ -249,9 +249,10 @@ class FlashHead:
         x = h.reshape(-1, h.shape[-1]).to(self.centroids.dtype)  # states in fp32 (a refined norm) meet a bf16 head
         scores = (x @ self.centroids.T).float() * self.scale
         clusters = pick_clusters(scores, self.probes, self.temperature, self.generator)
-        if self.margin > 0:  # adaptive probes: the clusters after a row's count repeat its first
-            n = probe_counts(scores.gather(1, clusters), self.probes, self.margin)
-            keep = torch.arange(self.probes, device=x.device)[None] < n[:, None]
+        if self.margin > 0:  # adaptive probes: no row gathers past the widest row's count (one host sync), and
+            n = probe_counts(scores.gather(1, clusters), self.probes, self.margin)  # a narrower row repeats its best
+            clusters = clusters[:, : int(n.max())]
+            keep = torch.arange(clusters.shape[1], device=x.device)[None] < n[:, None]
             clusters = torch.where(keep, clusters, clusters[:, :1])
         cands, logits = ops.flash_gather_score(x, self.weight, self.index, clusters, self.scale)
         out = torch.full((x.shape[0], self.weight.shape[0]), float("-inf"), device=x.device)

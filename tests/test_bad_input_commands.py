@@ -180,6 +180,8 @@ CASES = [
      "argument --clusters: '0' is not an integer of at least 1"),
     ("flashhead", ["build", "--drafter", "eagle3"], "the following arguments are required: --clusters"),
     ("flashhead", ["costs", "--drafter", "eagle3", "--probes", "0,2"], "--probes 0,2: comma-separated whole numbers"),
+    ("flashhead", ["agreement", "--drafter", "eagle3", "--margins", "0,-1"],
+     "--margins 0,-1: comma-separated numbers from 0"),
     ("flashhead", ["nope"], "argument flashhead_cmd: invalid choice: 'nope'"),
     ("nope", [], "argument cmd: invalid choice: 'nope'"),
 ]

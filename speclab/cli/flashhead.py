@@ -90,49 +90,92 @@ def cmd_costs(a: argparse.Namespace) -> int:
 
 
 def cmd_agreement(a: argparse.Namespace) -> int:
-    """Greedy decodes of a suite with the drafter's FlashHead in audit mode: top-1 agreement with the dense head
-    and the recall of the dense head's top token over every row the drafter scored, with tau, per probe count."""
+    """Greedy decodes of a suite per probe count and margin: once with the drafter's FlashHead in audit mode (top-1
+    agreement with the dense head, recall of its top token over every row the drafter scored), once plain (tau and
+    tokens/s); and the head's own time per call on one row. The curve: tau and tokens/s against head ms."""
+    import functools
+
     import pandas as pd
     import torch
 
+    from speclab.bench.costs import timeit_interleaved
     from speclab.bench.suites import load_suite
     from speclab.cli.common import write_report
     from speclab.core.engine import decode
     from speclab.drafters.registry import build_drafter
-    from speclab.metrics import tau
+    from speclab.metrics import tau, tokens_per_s
     from speclab.progress import Progress
     from speclab.viz import Report, lines_figure
     probes = _int_list(a.probes, "--probes")
+    margins = _float_list(a.margins, "--margins")
     prompts = load_suite(a.suite, a.limit)
     if not prompts:
         raise SpeclabError(f"suite '{a.suite}' has no prompts")
-    target, model, _ = _load(a)
+    target, model, weight = _load(a)
     entry = head_roles()[a.drafter][0]
     models = {a.drafter: model}
-    rows, bar = [], Progress(len(probes) * len(prompts) + len(prompts), f"flashhead agreement {a.drafter}")
-    done = 0
-    for p in [None, *probes]:
-        d = build_drafter(entry.name, target, models, **({"head": "flash", "clusters": a.clusters, "probes": p}
-                                                         if p else {}))
-        if p:
-            d.flash.audit = []
-        committed = n_rounds = 0
-        for q in prompts:
-            ids = target.tokenizer(q["prompt"], return_tensors="pt")["input_ids"][0]
-            res = decode(target, ids, {d.name: d}, max_new_tokens=a.max_new_tokens)
-            committed, n_rounds = committed + res.new_ids.numel(), n_rounds + res.rounds
-            done += 1
-            bar.update(done, probes=p or "dense")
-        audit = torch.cat(d.flash.audit).float().mean(0).tolist() if p else [1.0, 1.0]
-        rows.append({"head": f"flash p={p}" if p else "dense", "probes": p or 0, "top1_agreement": audit[0],
-                     "recall": audit[1], "tau": tau(committed, n_rounds)})
+    points = [None] + [(p, m) for m in margins for p in probes]
+    bar = Progress(len(prompts) * (2 * len(points) - 1), f"flashhead agreement {a.drafter}")
+    done, rows = 0, []
+    h = torch.randn(1, weight.shape[1], generator=torch.Generator().manual_seed(0)).to(weight.device, weight.dtype)
+    for point in points:
+        head = {} if point is None else {"head": "flash", "clusters": a.clusters, "probes": point[0],
+                                         "margin": point[1]}
+        d = build_drafter(entry.name, target, models, **head)
+        stats = {"committed": 0, "rounds": 0, "elapsed_s": 0.0}
+        for audited in ([False] if point is None else [True, False]):
+            if point is not None:
+                d.flash.audit = [] if audited else None
+            for q in prompts:
+                ids = target.tokenizer(q["prompt"], return_tensors="pt")["input_ids"][0]
+                res = decode(target, ids, {d.name: d}, max_new_tokens=a.max_new_tokens)
+                if not audited:
+                    stats = {"committed": stats["committed"] + res.new_ids.numel(),
+                             "rounds": stats["rounds"] + res.rounds, "elapsed_s": stats["elapsed_s"] + res.elapsed_s}
+                done += 1
+                bar.update(done, probes=point[0] if point else "dense")
+            if audited:
+                audit = torch.cat(d.flash.audit).float().mean(0).tolist()
+        head_ms = float("nan")  # adaptive probes: the head's time depends on the rows (their tokens/s tell)
+        if point is None or point[1] == 0:  # timed on one random row
+            fn = (lambda x: torch.nn.functional.linear(x, weight).float()) if point is None else d.flash
+            call = functools.partial(fn, h)
+            for _ in range(5):
+                call()
+            head_ms = timeit_interleaved({"head": call}, a.reps)["head"]
+        rows.append({"head": "dense" if point is None else f"flash p={point[0]} margin={point[1]:g}",
+                     "probes": 0 if point is None else point[0], "margin": 0.0 if point is None else point[1],
+                     "head_ms": head_ms, "top1_agreement": 1.0 if point is None else audit[0],
+                     "recall": 1.0 if point is None else audit[1], "tau": tau(stats["committed"], stats["rounds"]),
+                     "tokens_per_s": tokens_per_s(stats["committed"], stats["elapsed_s"])})
     df = pd.DataFrame(rows)
     title = f"FlashHead of the {a.drafter} drafter on {a.suite} ({len(prompts)} prompts, greedy)"
-    fig = lines_figure(df[df.probes > 0].melt(["probes"], ["top1_agreement", "recall"], "figure", "share"),
-                       "probes", "share", "figure", f"{title}: agreement with the dense head and its recall")
+    flash = df[df.probes > 0].assign(curve=lambda x: "margin " + x.margin.map("{:g}".format),
+                                     label=lambda x: "p=" + x.probes.astype(str))
+    dense = df[df.probes == 0].iloc[0]
+    fixed = flash[flash.margin == 0]
+    figs = [lines_figure(fixed, "head_ms", y, "curve", f"{title}: {y} against the head's ms per call, fixed probes "
+                         f"(dense: {dense.head_ms:.3f} ms, {y} {dense[y]:.2f})", hover="label")
+            for y in ("tau", "tokens_per_s")]
+    figs.append(lines_figure(flash, "probes", "tokens_per_s", "curve", f"{title}: tokens/s by probes and margin "
+                             f"(dense: {dense.tokens_per_s:.1f})"))
+    figs.append(lines_figure(flash.melt(["probes", "curve"], ["top1_agreement", "recall"], "figure", "share")
+                             .assign(curve=lambda x: x.figure + ", " + x.curve),
+                             "probes", "share", "curve", f"{title}: agreement with the dense head and its recall"))
     write_report(Report(f"speclab flashhead agreement: {a.drafter}",
-                        f"# {title}\n\n" + df.to_markdown(index=False, floatfmt=".3f") + "\n", [fig]), a.report)
+                        f"# {title}\n\n" + df.to_markdown(index=False, floatfmt=".3f") + "\n", figs), a.report)
     return 0
+
+
+def _float_list(text: str, opt: str) -> list[float]:
+    import math
+    try:
+        vals = [float(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        vals = []
+    if not vals or not all(math.isfinite(v) and v >= 0 for v in vals):
+        raise SpeclabError(f"{opt} {text}: comma-separated numbers from 0")
+    return vals
 
 
 def _int_list(text: str, opt: str) -> list[int]:
@@ -173,6 +216,8 @@ def add_parsers(sub) -> None:
     g.add_argument("--probes", default="1,2,4,8,16,32", help="comma-separated")
     g.add_argument("--suite", default="zoo")
     g.add_argument("--limit", type=_positive_int, default=2, help="prompts per category")
+    g.add_argument("--margins", default="0", help="adaptive probes: margins in logits, comma-separated (0 = fixed)")
     g.add_argument("--max-new-tokens", type=_positive_int, default=64)
+    g.add_argument("--reps", type=_num(int, 5, 100000), default=100, help="timed calls of the head per point")
     g.add_argument("--report", default="reports/flashhead_agreement.md")
     g.set_defaults(fn=cmd_agreement)
