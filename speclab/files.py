@@ -1,12 +1,14 @@
 """Files speclab writes for people (reports, calibrations, summaries): written whole or not at all.
 
 `write_atomic` writes to a temporary file beside the target and renames it over the target, so an interrupted
-or failed write (SIGTERM, a full disk) leaves the old file, or none, never half of a new one.
+or failed write (SIGTERM, a full disk) leaves the old file, or none, never half of a new one; `atomic_dir` does the
+same for a folder of files (drafter checkpoints, FlashHead indexes).
 """
 from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -39,6 +41,20 @@ def atomic_path(path: str | Path) -> Iterator[Path]:
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+@contextlib.contextmanager
+def atomic_dir(path: str | Path) -> Iterator[Path]:
+    """A fresh folder `<path>.tmp` for the block to fill, put in place of `path` (replacing it) once the block
+    succeeds: a kill never leaves half a folder at `path`."""
+    out = Path(path)
+    tmp = out.with_name(out.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    yield tmp
+    if out.exists():
+        shutil.rmtree(out)
+    tmp.rename(out)
 
 
 def write_atomic(path: str | Path, text: str) -> Path:

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import shutil
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -73,17 +72,14 @@ class FlashIndex:
     def save(self, out_dir: str | Path) -> Path:
         """Written to a temp dir, then renamed: a kill never leaves half an index."""
         from safetensors.torch import save_file
-        out = Path(out_dir)
-        tmp = out.with_name(out.name + ".tmp")
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-        save_file({"centroids": self.centroids.float().contiguous(), "index": self.index.to(torch.int32).contiguous()},
-                  str(tmp / "flashhead.safetensors"), metadata={"format": "pt"})
-        (tmp / "flashhead.json").write_text(json.dumps(self.meta, indent=2) + "\n")
-        if out.exists():
-            shutil.rmtree(out)
-        tmp.rename(out)
-        return out
+
+        from speclab.files import atomic_dir
+        with atomic_dir(out_dir) as tmp:
+            save_file({"centroids": self.centroids.float().contiguous(),
+                       "index": self.index.to(torch.int32).contiguous()},
+                      str(tmp / "flashhead.safetensors"), metadata={"format": "pt"})
+            (tmp / "flashhead.json").write_text(json.dumps(self.meta, indent=2) + "\n")
+        return Path(out_dir)
 
     @classmethod
     def load(cls, path: str | Path, weight: torch.Tensor | None = None) -> FlashIndex:

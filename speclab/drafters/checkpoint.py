@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 
 import torch
 
 from speclab.errors import ModelNotFound
+from speclab.files import atomic_dir
 
 WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
 
@@ -69,18 +69,12 @@ def save_checkpoint(model: torch.nn.Module, config: dict, out_dir: str | Path, d
     kill never leaves half a drafter."""
     from safetensors.torch import save_file
 
-    out = Path(out_dir)
-    tmp = out.with_name(out.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
     sd = {k: (v.to(dtype) if v.is_floating_point() else v).contiguous() for k, v in model.state_dict().items()}
-    save_file(sd, str(tmp / "model.safetensors"), metadata={"format": "pt"})
-    (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-    for name, text in (extra_files or {}).items():
-        (tmp / name).write_text(text)
-    if out.exists():
-        shutil.rmtree(out)
-    tmp.rename(out)
+    with atomic_dir(out_dir) as tmp:
+        save_file(sd, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+        for name, text in (extra_files or {}).items():
+            (tmp / name).write_text(text)
 
 
 def place(model: torch.nn.Module, path, target=None, device=None, dtype=None) -> torch.nn.Module:
