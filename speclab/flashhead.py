@@ -280,14 +280,15 @@ def split_head(params: dict) -> tuple[dict, dict]:
             {k: v for k, v in params.items() if k not in HEAD_NAMES})
 
 
-def find_index(model_dir: str | Path, clusters: int, weight: torch.Tensor, role: str) -> FlashIndex:
-    """The index of `clusters` clusters beside the drafter in `model_dir` (0: the only one there)."""
+def locate_index(model_dir: str | Path, clusters: int, role: str) -> tuple[Path, int]:
+    """(the folder, the clusters) of the index of `clusters` clusters beside the drafter in `model_dir` (0: the
+    only one there), from its files alone: checked before any model is loaded."""
     build = f"build one with `speclab flashhead build --drafter {role} --clusters C`"
     if clusters:
         d = index_dir(model_dir, clusters)
-        if not d.is_dir():
+        if not (d / "flashhead.json").is_file():
             raise InvalidInput(f"no FlashHead index of {clusters} clusters beside {model_dir}: {build}")
-        return FlashIndex.load(d, weight)
+        return d, clusters
     base = Path(model_dir) / "flashhead"
     built = sorted(d for d in base.glob("c*") if (d / "flashhead.json").is_file()) if base.is_dir() else []
     if not built:
@@ -295,7 +296,16 @@ def find_index(model_dir: str | Path, clusters: int, weight: torch.Tensor, role:
     if len(built) > 1:
         raise InvalidInput(f"several FlashHead indexes beside {model_dir} ({', '.join(d.name for d in built)}): "
                            "choose one with clusters=C")
-    return FlashIndex.load(built[0], weight)
+    try:
+        return built[0], int(json.loads((built[0] / "flashhead.json").read_text())["clusters"])
+    except Exception as e:  # a hand-edited file: named, not a traceback
+        raise InvalidInput(f"the FlashHead index in {built[0]} is unreadable ({type(e).__name__}: {e})") from e
+
+
+def find_index(model_dir: str | Path, clusters: int, weight: torch.Tensor, role: str) -> FlashIndex:
+    """The index of `clusters` clusters beside the drafter in `model_dir` (0: the only one there), checked
+    against the head `weight`."""
+    return FlashIndex.load(locate_index(model_dir, clusters, role)[0], weight)
 
 
 def make_head(weight: torch.Tensor, model_dir, role: str, *, head: str = "dense", clusters: int = 0,

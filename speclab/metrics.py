@@ -64,6 +64,11 @@ def tokens_per_s(tokens: int, decode_s: float) -> float:
     return tokens / decode_s if decode_s > 0 else math.nan
 
 
+def drafter_ms_per_round(drafter_ms: float, rounds: int) -> float:
+    """The drafter's own time (its catch-up and draft phases) per verification round (SQL: `DRAFTER_MS_SQL`)."""
+    return drafter_ms / rounds if rounds else math.nan
+
+
 def speedup(tokens_per_s: float, ar_tokens_per_s: float) -> float:
     """tokens/s over AR's tokens/s of the same bench (SQL: `SPEEDUP_SQL`); nan without an AR figure."""
     return tokens_per_s / ar_tokens_per_s if ar_tokens_per_s > 0 else math.nan
@@ -80,6 +85,7 @@ def model_error(modeled_tokens_per_s, measured_tokens_per_s):
 
 TAU_SQL = "sum(committed) / nullif(sum(verifications), 0)"
 TOKENS_PER_S_SQL = "sum(new_tokens) / nullif(sum(elapsed_s), 0)"
+DRAFTER_MS_SQL = "sum(catchup_ms + draft_ms) / nullif(sum(verifications), 0)"
 SPEEDUP_SQL = "tokens_per_s / nullif(ar_tokens_per_s, 0)"  # over a row with its tokens/s and AR's
 
 # a run's output against the AR output of its bench and prompt: 'equal', 'near-tie', 'bug' (NULL: no AR to compare)
@@ -110,7 +116,7 @@ RATIOS = f"""
        {TAU_SQL} AS tau,
        sum(accepted) / nullif(sum(drafted), 0)        AS acceptance_rate,
        sum(draft_ms) / nullif(sum(phases_ms), 0)      AS draft_time_share,
-       sum(catchup_ms + draft_ms) / nullif(sum(verifications), 0) AS drafter_ms_per_round,
+       {DRAFTER_MS_SQL} AS drafter_ms_per_round,
        sum(target_calls) / nullif(sum(new_tokens), 0) AS target_calls_per_token,
        sum(entropy_sum) / nullif(sum(n_tokens), 0)    AS mean_entropy,
        sum(model_ms) / nullif(1000 * sum(elapsed_s), 0) AS model_call_share,

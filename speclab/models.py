@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 from dataclasses import dataclass, field
+from pathlib import Path
 
 PRECISION_HELP = {
     "device": "cpu | cuda (default: cuda when present)",
@@ -37,6 +38,12 @@ class ModelPaths:
         from speclab.methods import ROLES
         return cls(a.model, {role: getattr(a, r.dest, None) for role, r in ROLES.items()}, a.device, a.dtype,
                    a.logits, a.exact, a.backend)
+
+    def model_path(self, role: str) -> str | Path:
+        """The directory the role's model loads from: its option's, or the zoo's."""
+        from speclab import zoo
+        from speclab.methods import ROLES
+        return self.models.get(role) or zoo.model(ROLES[role].zoo)
 
     def check(self) -> None:
         """The precision options checked before any model is loaded (one line each, InvalidInput)."""
@@ -123,7 +130,7 @@ def load_models(paths: ModelPaths, roles=("draft", "eagle3", "dflash", "router")
     models = {}
     for role, r in ROLES.items():
         if role in roles:
-            path = paths.models.get(role) or zoo.model(r.zoo)
+            path = paths.model_path(role)
             models[role] = r.load(path, target, paths)
             loaded.append(f"{r.title} {zoo.display_path(path)}")
     why = f" ({auto_choice(target.device.type).reason})" if paths.dtype in (None, "auto") else ""

@@ -30,8 +30,10 @@ class Progress:
         self.t0 = time.time()
         self._last = 0.0
         self.min_interval_s = min_interval_s
+        self.done = 0
 
     def update(self, done: int, **info) -> None:
+        self.done = done
         now = time.time()
         fn = _listener.get()
         if fn is not None:

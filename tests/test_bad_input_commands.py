@@ -182,6 +182,13 @@ CASES = [
     ("flashhead", ["costs", "--drafter", "eagle3", "--probes", "0,2"], "--probes 0,2: comma-separated whole numbers"),
     ("flashhead", ["agreement", "--drafter", "eagle3", "--margins", "0,-1"],
      "--margins 0,-1: comma-separated numbers from 0"),
+    ("flashhead", ["agreement", "--drafter", "eagle3", "--clusters", "256,x"],
+     "--clusters 256,x: comma-separated whole numbers from 0"),
+    ("flashhead", ["agreement", "--drafter", "eagle3", "--clusters", "512"],
+     "no FlashHead index of 512 clusters beside"),
+    ("flashhead", ["tables", "--drafters", "eagle3,pld"], "--drafters eagle3,pld: 'all' or comma-separated roles"),
+    ("flashhead", ["tables", "--probes", "300"], "--probes 300: at most the 256 clusters of the eagle3 index"),
+    ("flashhead", ["tables", "--suite", "nope"], "suite 'nope'"),
     ("flashhead", ["nope"], "argument flashhead_cmd: invalid choice: 'nope'"),
     ("nope", [], "argument cmd: invalid choice: 'nope'"),
 ]

@@ -254,13 +254,46 @@ def test_trace_tells_retrieval_misses_from_drafter_misses_sps(qwen3, qwen3_draft
         assert not nodes.accepted[nodes.in_cands == 0].astype(bool).any(), extra
 
 
-def test_agreement_command_on_the_zoo(tmp_path, capsys):
-    """`speclab flashhead agreement` audits the zoo EAGLE-3's FlashHead while decoding: probing all of its 256
-    clusters agrees with the dense head on every row, one probe does not."""
+def test_agreement_command_on_the_zoo(tmp_path):
+    """`speclab flashhead agreement` audits the zoo EAGLE-3's FlashHead while decoding, over two indexes (the zoo's
+    256 clusters and a 128-cluster one built beside a copy): probing all of an index's clusters agrees with the
+    dense head on every row, one probe does not, and every point has its drafter ms per round."""
+    import shutil
+
     from speclab.cli import main
+    from speclab.zoo import zoo_dir
+    eagle = tmp_path / "eagle3"
+    shutil.copytree(zoo_dir() / "eagle3", eagle)
+    assert main(["flashhead", "build", "--drafter", "eagle3", "--eagle", str(eagle), "--clusters", "128"]) == 0
     report = tmp_path / "agree.md"
-    rc = main(["flashhead", "agreement", "--drafter", "eagle3", "--probes", "1,256", "--limit", "1",
-               "--max-new-tokens", "16", "--report", str(report)])
-    rows = [ln.split("|")[1:-1] for ln in report.read_text().splitlines() if ln.startswith("| flash")]
-    agree = {r[0].strip(): (float(r[4]), float(r[5])) for r in rows}  # top-1 agreement, recall
-    assert rc == 0 and agree["flash p=256 margin=0"] == (1.0, 1.0) and agree["flash p=1 margin=0"][0] < 1.0
+    rc = main(["flashhead", "agreement", "--drafter", "eagle3", "--eagle", str(eagle), "--clusters", "128,256",
+               "--probes", "1,128", "--limit", "1", "--max-new-tokens", "16", "--report", str(report)])
+    lines = [ln.split("|")[1:-1] for ln in report.read_text().splitlines() if ln.startswith("|")]
+    cols = [c.strip() for c in lines[0]]
+    rows = {r[0].strip(): dict(zip(cols, (c.strip() for c in r))) for r in lines[2:]}
+    agree = {k: (float(r["top1_agreement"]), float(r["recall"])) for k, r in rows.items()}
+    assert rc == 0 and agree["flash c=128 p=128 margin=0"] == (1.0, 1.0)
+    assert agree["flash c=128 p=1 margin=0"][0] < 1.0 and agree["flash c=256 p=1 margin=0"][0] < 1.0
+    assert agree["flash c=256 p=128 margin=0"][1] > agree["flash c=256 p=1 margin=0"][1]
+    assert all(float(r["drafter_ms_per_round"]) > 0 for r in rows.values()) and "dense" in rows
+
+
+def test_tables_command_on_the_zoo(tmp_path):
+    """`speclab flashhead tables` writes the thesis-shaped tables for a drafter at one (c, p): the head alone on one
+    row and on the drafter's rows, its step per round and end to end, dense against flash, each from real calls."""
+    from speclab.cli import main
+    report = tmp_path / "tables.md"
+    assert main(["flashhead", "tables", "--drafters", "dflash", "--probes", "4", "--limit", "1",
+                 "--max-new-tokens", "12", "--reps", "5", "--report", str(report)]) == 0
+    text = report.read_text()
+    sections = text.split("## ")[1:]
+    assert [x.split(":")[0] for x in sections] == ["Like Table 4.1", "Like Table 4.2", "Like Table 4.3",
+                                                   "Like Table 4.4", "Like Tables 4.5-4.6"]
+    head = [ln.split("|")[1:-1] for ln in sections[0].splitlines() if ln.startswith("| dflash")]
+    assert {r[2].strip() for r in head} == {"dense", "flash"} and all(float(r[3]) > 0 for r in head)
+    assert len({r[1].strip() for r in head}) == 2  # one row, and DFlash's block rows
+    steps = [ln.split("|")[1:-1] for ln in sections[2].splitlines() if ln.startswith("| dflash")]
+    assert len(steps) == 2 and all(int(r[-1]) > 0 for r in steps)
+    end = [ln.split("|")[1:-1] for ln in sections[4].splitlines() if ln.startswith("| dflash")][0]
+    assert all(float(x) > 0 for x in end[1:])
+    assert (tmp_path / "tables.html").is_file()
