@@ -99,6 +99,9 @@ def parse_spec(spec: str) -> tuple[str, dict]:
             raise InvalidInput(f"method spec '{spec}': '{item}' is not param=value with a parameter of {name} "
                                f"({', '.join(METHODS[name].defaults) or 'none'})")
         fixed[key.strip()] = value.strip()
+    for p in METHODS[name].params:  # named choices need no target: checked here, before any model loads
+        if p.choices and p.name in fixed:
+            _choice(p, fixed[p.name])
     return name, fixed
 
 
@@ -124,13 +127,17 @@ def _param(p: Param, value, default, target):
     """One parameter: the given value (or the default), checked. A None default is an optional float (a router's
     threshold: None = calibrated)."""
     if p.choices:
-        v = default if value is None else str(value).strip()
-        if v not in p.choices:
-            raise InvalidInput(f"{p.name} must be one of {', '.join(p.choices)} (got {value!r})")
-        return v
+        return _choice(p, default if value is None else value)
     if default is None:
         return None if value is None or value == "" else check_number(p.name, value, float, p.bound(target))
     return check_number(p.name, default if value is None else value, type(default), p.bound(target))
+
+
+def _choice(p: Param, value) -> str:
+    v = str(value).strip()
+    if v not in p.choices:
+        raise InvalidInput(f"{p.name} must be one of {', '.join(p.choices)} (got {value!r})")
+    return v
 
 
 def check_models(spec: str, models: dict) -> None:

@@ -88,8 +88,10 @@ TOKENS_PER_S_SQL = "sum(new_tokens) / nullif(sum(elapsed_s), 0)"
 DRAFTER_MS_SQL = "sum(catchup_ms + draft_ms) / nullif(sum(verifications), 0)"
 SPEEDUP_SQL = "tokens_per_s / nullif(ar_tokens_per_s, 0)"  # over a row with its tokens/s and AR's
 
-# a run's output against the AR output of its bench and prompt: 'equal', 'near-tie', 'bug' (NULL: no AR to compare)
+# a run's output against the AR output of its bench and prompt: 'equal', 'near-tie', 'bug' (NULL: no AR to compare,
+# or a sampled run: its tokens differ from AR's by design)
 EQUALITY_SQL = """CASE WHEN ar.output_hash IS NULL OR r.output_hash IS NULL THEN NULL
+            WHEN coalesce(TRY_CAST(json_extract_string(r.params_json, '$.temperature') AS DOUBLE), 0) > 0 THEN NULL
             WHEN r.output_hash = ar.output_hash THEN 'equal'
             WHEN r.top2_gap <= r.tie_tolerance THEN 'near-tie' ELSE 'bug' END"""
 
@@ -99,6 +101,7 @@ SELECT r.run_id, r.method, r.category, r.prompt_id, r.status, r.bench_id, r.outp
        r.elapsed_s, r.model_ms, {EQUALITY_SQL} AS equality,
        count(x.round) AS verifications, sum(x.committed) AS committed, sum(x.n_accepted) AS accepted,
        sum(x.n_drafted) AS drafted, sum(x.t_draft_ms) AS draft_ms, sum(x.t_catchup_ms) AS catchup_ms,
+       sum(x.t_verify_ms) AS verify_ms,
        sum(x.t_route_ms + x.t_catchup_ms + x.t_draft_ms + x.t_verify_ms + x.t_commit_ms
            + coalesce(x.t_record_ms, 0)) AS phases_ms,
        any_value(e.entropy_sum) AS entropy_sum, any_value(e.n_tokens) AS n_tokens
@@ -117,6 +120,7 @@ RATIOS = f"""
        sum(accepted) / nullif(sum(drafted), 0)        AS acceptance_rate,
        sum(draft_ms) / nullif(sum(phases_ms), 0)      AS draft_time_share,
        {DRAFTER_MS_SQL} AS drafter_ms_per_round,
+       sum(verify_ms) / nullif(sum(verifications), 0) AS verify_ms_per_round,
        sum(target_calls) / nullif(sum(new_tokens), 0) AS target_calls_per_token,
        sum(entropy_sum) / nullif(sum(n_tokens), 0)    AS mean_entropy,
        sum(model_ms) / nullif(1000 * sum(elapsed_s), 0) AS model_call_share,

@@ -125,6 +125,30 @@ def random_eagle3(target, seed: int, draft_vocab: int | None = None):
     return m.eval().requires_grad_(False)
 
 
+def random_confu(target, seed: int, draft_vocab: int | None = None, soft_prompts: int = 4, experts: int = 3):
+    """A random ConFu drafter: a random EAGLE-3 part and random soft prompts and MoEs, at scales that move f."""
+    from speclab.drafters.confu import ConFuConfig, ConFuModel
+
+    m = ConFuModel.from_eagle3(random_eagle3(target, seed, draft_vocab),
+                               ConFuConfig.for_target(target, soft_prompts=soft_prompts, experts=experts))
+    g = torch.Generator().manual_seed(seed + 1000)
+    with torch.no_grad():
+        for p in m.confu.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * 0.5)
+    return m.eval().requires_grad_(False)
+
+
+def assert_drafts_as_unrolled(d, ids: torch.Tensor, i: int, unrolled, steps: int = 3) -> None:
+    """An EAGLE-3-style drafter caught up to pair i (its root) drafts what training's unroll computed at row i:
+    the root's logits, then each depth's node fed the window's own next token."""
+    torch.testing.assert_close(d.root_logits[0], unrolled[0][0, i], atol=1e-4, rtol=1e-4)
+    h = d.root_h
+    with torch.inference_mode():
+        for s in range(1, steps):
+            h, logp = d._forward_nodes(ids[i + 1 + s : i + 2 + s], h, s, None)
+            torch.testing.assert_close(logp[0], torch.log_softmax(unrolled[s][0, i], -1), atol=1e-4, rtol=1e-4)
+
+
 def train_tiny_eagle3(target, steps: int = 120, seed: int = 0):
     """A drafter trained for a few seconds with speclab's own training step (training-time test, 3 steps) on the
     target's own text (its greedy and sampled continuations of the test prompts): it agrees with the target

@@ -50,6 +50,26 @@ def test_bench_runs_methods_and_peers_and_reports(qwen3, qwen3_draft, tmp_path):
     store.close()
 
 
+def test_a_sampled_bench_samples_every_method_and_compares_none_with_ar(qwen3, qwen3_draft, tmp_path):
+    """--temperature: every run samples at it (prompt i at seed + i, recorded in its parameters), no output is
+    compared with AR's (equality NULL, no divergence), the peers are left out, and tau and speed are reported."""
+    store = TraceStore(tmp_path / "s.duckdb")
+    cfg = BenchConfig(suite="demo", methods=["ar", "sps"], limit=1, max_new_tokens=12, temperature=0.7, seed=5)
+    said = []
+    bench_id = run_bench(cfg, qwen3, {"draft": qwen3_draft}, store, log=said.append)
+    table = bench_table(store, bench_id)
+    assert set(table.method) == {"ar", "sps", "ar-untraced", "sps-untraced"} and any("peers" in s for s in said)
+    assert table.equal_to_ar.isna().all() and (table.tau[table.method == "sps"] > 1).all()
+    params = [json.loads(p) for p in store.query("SELECT params_json FROM runs WHERE bench_id = ?", [bench_id])
+              .params_json]
+    assert {p["temperature"] for p in params} == {0.7} and min(p["seed"] for p in params) == 5
+    assert store.query("SELECT count(*) AS n FROM runs WHERE diverges_at IS NOT NULL").n[0] == 0
+    greedy = run_bench(BenchConfig(suite="demo", methods=["ar", "sps"], limit=1, max_new_tokens=12, peers=False),
+                       qwen3, {"draft": qwen3_draft}, store, log=lambda s: None)
+    assert (bench_table(store, greedy).equal_to_ar == 1.0).all()  # greedy benches still compare
+    store.close()
+
+
 def test_bench_reports_where_an_output_differs_from_ar(qwen3, tmp_path):
     """A fabricated mismatch: the bench records the first differing token and the top-2 gap, and reports it."""
     from speclab.bench.results import bench_divergences

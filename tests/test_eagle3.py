@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-from helpers import PROMPTS, build_tiny, start_drafter
+from helpers import PROMPTS, assert_drafts_as_unrolled, build_tiny, start_drafter
 from helpers import random_eagle3 as random_drafter
 from speclab.core.sampling import Sampling
 from speclab.core.target import Target
@@ -120,12 +120,7 @@ def test_training_unroll_is_the_drafting_forward(deep, trained_eagle3):
         out = deep.forward(ids[: i + 2], deep.new_cache(), layers=d.layers)
         d.reset(ids[: i + 2], out.features[: i + 1])
         d.catch_up(ids[:0], None)
-        torch.testing.assert_close(d.root_logits[0], unrolled[0][0, i], atol=1e-4, rtol=1e-4)
-        h = d.root_h
-        with torch.inference_mode():
-            for s in (1, 2):
-                h, logp = d._forward_nodes(ids[i + 1 + s : i + 2 + s], h, s, None)
-                torch.testing.assert_close(logp[0], torch.log_softmax(unrolled[s][0, i], -1), atol=1e-4, rtol=1e-4)
+        assert_drafts_as_unrolled(d, ids, i, unrolled)
 
 
 def test_tiny_training_learns(trained_eagle3):

@@ -10,6 +10,7 @@ from speclab import zoo
 from speclab.core import precision
 from speclab.core.target import Target
 from speclab.core.tree import DraftTree, tree_attention_mask, tree_position_ids
+from speclab.drafters.confu import load_confu
 from speclab.drafters.dflash import load_dflash
 from speclab.drafters.eagle3 import load_eagle3
 from speclab.drafters.specblock import load_specblock
@@ -190,7 +191,8 @@ def drafters(zoo_bf16):
         out[mode] = {"draft": Target.load(zoo.default_draft(), dtype="bf16", logits=t.logits),
                      "eagle3": load_eagle3(zoo.default_eagle3(), t), "dflash": load_dflash(zoo.default_dflash(), t),
                      "router": load_router(zoo.default_router(), t),
-                     "specblock": load_specblock(zoo.model("specblock"), t)}
+                     "specblock": load_specblock(zoo.model("specblock"), t),
+                     "confu": load_confu(zoo.model("confu"), t)}
     return out
 
 

@@ -90,6 +90,52 @@ def forward_costs(models: dict[str, Target], ns=(1, 5, 9), context: int = 200, r
 
 
 @torch.inference_mode()
+def contemplate_costs(target: Target, confu, nodes=(1, 2, 4, 8, 16), context: int = 200, reps: int = 15,
+                      calls: int = 5) -> pd.DataFrame:
+    """ConFu's verification cost, in the session's dtype: median ms of a deferred verification of the root and a
+    chain of n nodes after a `context`-token cache, plain (n + 1 rows), wide (plus n + 1 contemplate rows in the
+    same call) and after (plain, then one contemplate row in a call of its own); `confu` is a ConFu drafter model
+    (its soft prompts and [con] MoE). Per n the three are interleaved."""
+    from speclab.core.contemplate import contemplate, last_token_rows, tree_rows
+    from speclab.core.lean import ConRows
+    from speclab.core.tree import DraftTree
+    if target.lean is None or target.lean.exact:
+        raise ValueError("the wide schedule needs the lean forward outside exact mode")
+    c = confu.confu.contemplation
+    g = torch.Generator().manual_seed(0)
+    prefix = torch.randint(2, target.vocab_size, (context,), generator=g)
+    cache = target.new_cache(context + 2 * max(nodes) + 4)
+    feats = target.prefill(prefix, cache, layers=confu.config.target_layers).features
+    emb = c.con(feats[-1:].to(c.soft_k.dtype))
+    rows, bar = [], _Bar(len(nodes) * reps, "contemplate costs")
+    for n in nodes:
+        x = torch.randint(2, target.vocab_size, (n + 1,), generator=g)
+        tree = DraftTree.chain(x[1:], torch.ones(n))
+        pos, visible = tree_rows(tree.ancestors, tree.depth, context, with_root=True)
+        con = ConRows(emb.expand(n + 1, -1), pos, visible, c.soft_k, c.soft_v)
+        after = last_token_rows(context + 1, context + n + 1)
+
+        def plain(x=x):
+            target.forward(x, cache)
+            crop_cache(cache, context)
+
+        def wide(x=x, con=con):
+            target.forward(x, cache, con=con)
+            crop_cache(cache, context)
+
+        def then(x=x, after=after):
+            target.forward(x, cache)
+            contemplate(target, cache, emb, *after, c.soft_k, c.soft_v)
+            crop_cache(cache, context)
+        bar.info = {"nodes": n}
+        med = timeit_interleaved({"plain": plain, "wide": wide, "after": then}, reps, calls, on_rep=bar)
+        rows.append({"nodes": n, "rows": n + 1, "plain_ms": med["plain"], "wide_ms": med["wide"],
+                     "after_ms": med["after"], "wide_extra_ms": med["wide"] - med["plain"],
+                     "after_extra_ms": med["after"] - med["plain"]})
+    return pd.DataFrame(rows)
+
+
+@torch.inference_mode()
 def dtype_costs(load, dtypes=("fp32", "bf16"), ns=WIDTHS, context: int = 200, reps: int = 9,
                 calls: int = 5) -> pd.DataFrame:
     """Median milliseconds per call by width (rows per call) and dtype, for the target (fast and exact mode) and

@@ -18,7 +18,7 @@ def bench_table(store: TraceStore, bench_id: str) -> pd.DataFrame:
                 FROM s GROUP BY ALL),
         ar AS (SELECT category, tokens_per_s AS ar_tokens_per_s FROM per WHERE method = 'ar')
         SELECT per.category, per.method, prompts, tokens, tau, acceptance_rate, tokens_per_s,
-               {SPEEDUP_SQL} AS speedup, draft_time_share, drafter_ms_per_round,
+               {SPEEDUP_SQL} AS speedup, draft_time_share, drafter_ms_per_round, verify_ms_per_round,
                target_calls_per_token, equal_to_ar, near_tie, bug
         FROM per JOIN ar USING (category)
         ORDER BY category, per.method""", [bench_id])

@@ -47,6 +47,8 @@ class BenchConfig:
     peers: bool = True
     untraced: bool = True  # also time every method with tracing off (peer comparison, tracing overhead)
     warmup: int = 1
+    temperature: float = 0.0  # > 0: every method samples (prompt i at seed `seed + i`); no equality, no peers
+    seed: int = 0
 
 
 def format_prompt(target: Target, row: dict) -> torch.Tensor:
@@ -98,6 +100,9 @@ def run_bench(cfg: BenchConfig, target: Target, models: dict, store: TraceStore,
     if not rows:
         raise InvalidInput(f"no prompt of suite '{cfg.suite}' fits the context ({target.max_context} tokens)")
     peers = [p for p in PEERS if cfg.peers and (p != "hf_assisted" or draft is not None)]
+    if peers and cfg.temperature > 0:
+        log("the peers decode greedily only: left out of a sampled bench")
+        peers = []
     bench_id = f"{cfg.suite}-{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:6]}"
     store.append_row("benches", bench_id=bench_id, suite=cfg.suite, methods=",".join(cfg.methods + peers),
                      config_json=json.dumps(asdict(cfg)), device=str(target.device), status="running")
@@ -110,14 +115,19 @@ def run_bench(cfg: BenchConfig, target: Target, models: dict, store: TraceStore,
         return {"sps": {"k": cfg.k.get("sps"), "tree_topk": cfg.tree_topk, "stop_prob": cfg.stop_prob},
                 "pld": {"k": cfg.k.get("pld")}}.get(name, {})
 
-    def run_method(m, r, ids, trace):
+    def sampling(i):
+        return {"temperature": cfg.temperature, "seed": cfg.seed + i} if cfg.temperature > 0 else {}
+
+    def run_method(m, r, ids, trace, i):
         res = generate(target, ids, m, models=models, max_new_tokens=cfg.max_new_tokens, trace=trace,
-                       prompt_id=r["prompt_id"], category=r["category"], bench_id=bench_id, **params(m))
+                       prompt_id=r["prompt_id"], category=r["category"], bench_id=bench_id, **params(m),
+                       **sampling(i))
         return res.run_id, res.token_ids
 
-    def run_untraced(m, r, ids):
-        res = generate(target, ids, m, models=models, max_new_tokens=cfg.max_new_tokens, **params(m))
-        rid = store.start_run(method=f"{m}-untraced", target=target.name, params=params(m), prompt_id=r["prompt_id"],
+    def run_untraced(m, r, ids, i):
+        res = generate(target, ids, m, models=models, max_new_tokens=cfg.max_new_tokens, **params(m), **sampling(i))
+        rid = store.start_run(method=f"{m}-untraced", target=target.name, params={**params(m), **sampling(i)},
+                              prompt_id=r["prompt_id"],
                               category=r["category"], **run_device(target), bench_id=bench_id,
                               prompt_tokens=ids.numel())
         store.finish_run(rid, "done", new_tokens=len(res.token_ids), elapsed_s=res.elapsed_s, wall_s=res.decode.wall_s,
@@ -159,15 +169,16 @@ def run_bench(cfg: BenchConfig, target: Target, models: dict, store: TraceStore,
                 if m in peers:
                     outputs[m] = run_peer(m, r, ids)
                 elif m in untraced:
-                    outputs[m] = run_untraced(m.removesuffix("-untraced"), r, ids)
+                    outputs[m] = run_untraced(m.removesuffix("-untraced"), r, ids, i)
                 else:
-                    outputs[m] = run_method(m, r, ids, store)
+                    outputs[m] = run_method(m, r, ids, store, i)
                     store.drain()  # its trace lands before the next run starts timing (no overlap with it)
                     if target.device.type == "cuda":
                         store.finish_run(outputs[m][0], "done", peak_mem_mb=torch.cuda.max_memory_allocated() / 2**20)
                 done += 1
                 prog.update(done, prompt=r["prompt_id"], method=m)
-            record_divergences(store, target, ids, outputs)
+            if cfg.temperature == 0:  # sampled outputs differ from AR's by design
+                record_divergences(store, target, ids, outputs)
     except BaseException as e:  # Ctrl-C / SIGTERM / a failure: the bench row says so (its runs say it themselves)
         store.execute("UPDATE benches SET status = ? WHERE bench_id = ?",
                       ["interrupted" if isinstance(e, KeyboardInterrupt) else "failed", bench_id])

@@ -19,7 +19,8 @@ def cmd_bench(a: argparse.Namespace) -> int:
 
     methods = [m.strip() for m in a.methods.split(",") if m.strip()]
     cfg = BenchConfig(suite=a.suite, methods=methods, limit=a.limit, max_new_tokens=a.max_new_tokens,
-                      tree_topk=a.tree_topk, stop_prob=a.stop_prob, peers=a.peers, untraced=a.untraced)
+                      tree_topk=a.tree_topk, stop_prob=a.stop_prob, peers=a.peers, untraced=a.untraced,
+                      temperature=a.temperature, seed=a.seed)
     if a.quick:
         cfg.limit, cfg.max_new_tokens = min(cfg.limit or 2, 2), min(cfg.max_new_tokens, 64)
     for m in methods:
@@ -92,6 +93,11 @@ def add_parsers(sub) -> None:
                    help="also time Hugging Face assisted generation and prompt lookup")
     b.add_argument("--untraced", action=argparse.BooleanOptionalAction, default=True,
                    help="also time every method untraced (peer comparison and tracing overhead)")
+    b.add_argument("--temperature", type=_num(float, 0.0, 100.0), default=0.0,
+                   help="> 0: every method samples at this temperature (prompt i at seed --seed + i): tau and speed "
+                   "under sampling; outputs are not compared with AR's, and the peers (greedy only) are left out")
+    b.add_argument("--seed", type=_num(int, 0, 2**31 - 1), default=0,
+                   help="with --temperature: the first prompt's seed")
     b.add_argument("--quick", action="store_true", help="2 prompts per category, 64 tokens: a minute or two")
     b.add_argument("--db", default="traces/bench.duckdb")
     b.add_argument("--report", default="reports/bench.md")

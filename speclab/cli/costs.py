@@ -80,6 +80,22 @@ def cmd_block(a: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_contemplate(a: argparse.Namespace) -> int:
+    from speclab.bench.costs import contemplate_costs, cost_curves_report
+
+    nodes = _positive_ints(a.nodes, "--nodes")
+    target, models = load_models(ModelPaths.from_args(a), roles=("confu",))
+    try:
+        df = contemplate_costs(target, models["confu"], nodes=nodes, context=a.context, reps=a.reps)
+    except ValueError as e:
+        raise SpeclabError(str(e)) from e
+    write_report(cost_curves_report(df, "nodes", ["plain_ms", "wide_ms", "after_ms"], "verification",
+                                    "ConFu: what the contemplate rows add to a verification (plain, wide, after)",
+                                    f"ms per verification of the root and n chain nodes after a {a.context}-token "
+                                    "context (lower is better)", "draft nodes"), a.report)
+    return 0
+
+
 def cmd_kernels(a: argparse.Namespace) -> int:
     import pandas as pd
     import torch
@@ -137,14 +153,18 @@ def add_parsers(sub) -> None:
     add_model_args(sc)
     sc.set_defaults(fn=cmd_switch)
 
-    bc = cs.add_parser("block", help="ms per DFlash block: drafter call, Markov head, verification, by block "
-                        "size")
-    add_model_args(bc)
-    bc.add_argument("--block-size", default="2,3,4,6,8,12,16", help="block sizes (comma-separated)")
-    bc.add_argument("--context", type=_positive_int, default=200, help="tokens already in the caches")
-    bc.add_argument("--reps", type=_positive_int, default=15, help="interleaved repetitions; the median is shown")
-    bc.add_argument("--report", default="reports/block_costs.html")
-    bc.set_defaults(fn=cmd_block)
+    for name, sizes, values, what, fn in (
+            ("block", "--block-size", "2,3,4,6,8,12,16", "ms per DFlash block: drafter call, Markov head, "
+             "verification, by block size", cmd_block),
+            ("contemplate", "--nodes", "1,2,4,8,16", "ms per verification with ConFu's contemplate rows: plain, in "
+             "the same call (wide) and after it, by draft nodes", cmd_contemplate)):
+        q = cs.add_parser(name, help=what)
+        add_model_args(q)
+        q.add_argument(sizes, default=values, help="the sizes timed (comma-separated)")
+        q.add_argument("--context", type=_positive_int, default=200, help="tokens already in the caches")
+        q.add_argument("--reps", type=_positive_int, default=15, help="interleaved repetitions; the median is shown")
+        q.add_argument("--report", default=f"reports/{name}_costs.html")
+        q.set_defaults(fn=fn)
 
     kb = cs.add_parser("kernels", help="the small hot ops: torch twin vs Triton kernel per op and size "
                        "(Triton timed only on CUDA)")

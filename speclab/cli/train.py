@@ -129,7 +129,7 @@ def cmd_train(a: argparse.Namespace) -> int:
     quiet_loads()
     corpus = a.corpus or str(zoo.REPO_ROOT / "data" / "corpus")
     if a.what != "router" or a.corpus:
-        check_data(corpus, regenerated_ok=a.what in ("eagle3", "dflash", "specblock"))
+        check_data(corpus, regenerated_ok=a.what in DRAFTERS)
     from speclab.files import check_writable
     try:  # the run directory can be made and written, before any model or data is loaded
         if Path(a.out).exists() and not Path(a.out).is_dir():
@@ -140,15 +140,19 @@ def cmd_train(a: argparse.Namespace) -> int:
     if a.teacher:
         check_model_dir(a.teacher)
     if a.init_from:
-        if a.what in ("eagle3", "dflash", "specblock"):
+        if a.what in DRAFTERS:
             from speclab.drafters.checkpoint import check_dir
             check_dir(a.init_from, {"eagle3": "EAGLE-3 drafter", "dflash": "DFlash drafter",
-                                    "specblock": "SpecBlock drafter"}[a.what])
+                                    "specblock": "SpecBlock drafter",
+                                    "confu": "EAGLE-3 or ConFu drafter"}[a.what])
         else:
             check_model_dir(a.init_from)
+    elif a.what == "confu":
+        raise SpeclabError("train confu starts from a trained EAGLE-3 drafter (the paper's start): give --init-from "
+                           "(e.g. data/zoo/eagle3), or a ConFu run's OUT/model to resume")
     if a.what == "curve":
         return _curve(a)
-    if a.what in ("eagle3", "dflash", "specblock"):
+    if a.what in DRAFTERS:
         return _train_drafter(a, corpus)
     if a.what == "router":
         from speclab.core.target import Target
@@ -188,7 +192,7 @@ def _train_drafter(a: argparse.Namespace, corpus: str) -> int:
     from speclab import zoo
     run = dict(target_dir=a.teacher or str(zoo.default_target()), corpus_dir=corpus, out_dir=a.out,
                max_minutes=a.minutes, seed=a.seed, init_from=a.init_from, precision=_precision(a.precision),
-               threads=a.threads, domain_weights=_domain_weights(a.without))
+               threads=a.threads, domain_weights=_domain_weights(a.without), max_tokens=a.max_tokens)
     if a.what == "eagle3":
         from speclab.train import eagle3 as t
         cfg = t.Eagle3TrainConfig(**run, lr=a.lr or 2e-3, ttt_steps=a.ttt_steps, loss_topk=a.loss_topk,
@@ -199,6 +203,12 @@ def _train_drafter(a: argparse.Namespace, corpus: str) -> int:
         cfg = t.DFlashTrainConfig(**run, lr=a.lr or 1.5e-3, block_size=a.block_size or 16,
                                   markov_rank=a.markov_rank, num_layers=a.layers)
         train = t.train_dflash
+    elif a.what == "confu":
+        from speclab.train import confu as t
+        cfg = t.ConFuTrainConfig(**run, lr=a.lr or 1e-3, ttt_steps=a.ttt_steps, loss_topk=a.loss_topk or 32,
+                                 soft_prompts=a.soft_prompts, experts=a.experts, expert_topk=a.expert_topk,
+                                 replicate=a.replicate, anchors=a.anchors)
+        train = t.train_confu
     else:
         from speclab.train import specblock as t
         cfg = t.SpecBlockTrainConfig(**run, lr=a.lr or 1e-3, block_size=a.block_size or 4, hidden_layers=a.layers,
@@ -209,6 +219,9 @@ def _train_drafter(a: argparse.Namespace, corpus: str) -> int:
     print(json.dumps({k: summary[k] for k in ("params", "steps", "tokens", "minutes")}, indent=1))
     print(t.val_table(summary["val"]))
     return 0
+
+
+DRAFTERS = ("eagle3", "dflash", "specblock", "confu")  # the online drafter trainings
 
 
 def _domain_weights(without: str | None) -> dict:
@@ -222,7 +235,7 @@ def add_parsers(sub) -> None:
     from speclab.train.corpus import DOMAINS
     t = sub.add_parser("train", help="train the zoo target, distil the zoo draft, train an EAGLE-3 or DFlash "
                        "drafter online from the frozen target, or WhiFlash's neural router from profiles (long)")
-    t.add_argument("what", choices=["target", "draft", "eagle3", "dflash", "specblock", "router", "curve"],
+    t.add_argument("what", choices=["target", "draft", *DRAFTERS, "router", "curve"],
                    help="curve: decode the zoo prompts with every checkpoint a drafter training (--out) kept")
     t.add_argument("--drafter", choices=["eagle3", "dflash"], help="curve: the kind of drafter --out trained")
     t.add_argument("--limit", type=_positive_int, default=2, help="curve: zoo prompts per category")
@@ -266,7 +279,20 @@ def add_parsers(sub) -> None:
     t.add_argument("--markov-rank", type=_num(int, 0), default=64,
                    help="dflash: rank of DSpark's Markov head (0: none)")
     t.add_argument("--layers", type=_positive_int, default=2, help="dflash, specblock: drafter depth (decoder layers)")
-    t.add_argument("--init-from", help="resume from this model directory (HF; EAGLE-3 or DFlash for those)")
+    t.add_argument("--init-from", help="resume from this model directory (HF; the drafter's own for a drafter; "
+                   "confu: a trained EAGLE-3 to start from, or a ConFu run to resume)")
+    t.add_argument("--max-tokens", type=_num(int, 0), default=0, help="eagle3, dflash, specblock, confu: stop after "
+                   "this many training tokens (or --minutes, whichever comes first; 0: minutes only): two runs on "
+                   "the same token budget")
+    t.add_argument("--soft-prompts", type=_num(int, 0, 4096), default=16,
+                   help="confu: s, soft-prompt key/value entries per target layer")
+    t.add_argument("--experts", type=_num(int, 1, 4096), default=8,
+                   help="confu: experts of each MoE (1: a static embedding, the paper's ablation without MoE)")
+    t.add_argument("--expert-topk", type=_num(int, 1, 4096), default=2, help="confu: experts mixed per row")
+    t.add_argument("--replicate", type=_num(int, 0, 4096), default=3,
+                   help="confu: l, rows after an anchor that reuse its future vector (0: none, the ablation)")
+    t.add_argument("--anchors", type=_num(int, 0, 1 << 20), default=0, help="confu: K_train anchors per window, "
+                   "drawn at random (0: one every l + 1 rows)")
     t.add_argument("--lr", type=_num(float, 1e-8, 1.0), default=None,
                    help="peak learning rate (default: the zoo recipe's)")
     t.add_argument("--seed", type=_num(int, 0, 2**63 - 1), default=0)

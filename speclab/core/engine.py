@@ -33,17 +33,19 @@ import time
 from collections import deque
 from collections.abc import Callable, Generator
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import NamedTuple, cast
 
 import torch
 
 from kernels import ops as kernel_ops
+from speclab.core.contemplate import contemplate, last_token_rows, tree_rows
+from speclab.core.lean import ConRows
 from speclab.core.pool import DrafterPool, feature_columns, feature_layers
 from speclab.core.sampling import Sampling
 from speclab.core.target import Target, forward_clock, keep_cache
 from speclab.core.tree import DraftTree, tree_attention_mask, tree_position_ids
 from speclab.core.verify import verify
-from speclab.drafters.base import Drafter
+from speclab.drafters.base import Contemplating, Drafter
 from speclab.errors import InvalidInput
 from speclab.metrics import tokens_per_s
 from speclab.routing.routers import Decision, FixedRouter, Router, Signals
@@ -243,13 +245,17 @@ def decode_rounds(target: Target, prompt_ids: torch.Tensor, drafters: dict[str, 
             decision = router.choose(signals(rnd, last, router.needs, history)) if drafters else None
             name = decision.choice if decision is not None else None
         with clock.phase("catchup"):  # lazily: only the chosen drafter, everything since it last looked
+            con = contemplator(target, pool, name)  # ConFu: its future vector first (unless the last verify made it)
+            if con is not None and con.drafter.f_tokens != seq.n - 1:
+                see_future(target, cache, seq, pool, con)
             backlog = pool.catch_up(name, seq, eager)
         with clock.phase("draft"):
             room = max_new_tokens - (seq.n - n_prompt) - 1  # the bonus token always fits
             drafter = pool.drafters[name] if name is not None and room > 0 else None
             tree = drafter.propose(room, sampling, gen).to(dev) if drafter is not None else DraftTree.empty(dev)
         with clock.phase("verify"):  # ONE target forward over the pending root (deferred) and the flattened tree
-            v = verify_batch(target, cache, seq, tree, root, layers, want_hidden, sampling, gen)
+            v = verify_batch(target, cache, seq, tree, root, layers, want_hidden, sampling, gen,
+                             con_emb(seq, pool, con) if con is not None and con.schedule == "wide" else None)
         with clock.phase("commit") as commit:  # kept rows (root + accepted path): KV cache, features, signals
             accepted = v.accepted.to(dev)
             new = torch.cat([tree.tokens[accepted].cpu(), torch.tensor([v.bonus])])
@@ -261,6 +267,8 @@ def decode_rounds(target: Target, prompt_ids: torch.Tensor, drafters: dict[str, 
             seq.append(new)
             if drafter is not None:  # it keeps what was accepted (its draft KV)
                 drafter.commit(tree, accepted)
+            if con is not None and v.future is not None and not done:  # ConFu, wide: the last accepted node's f
+                con.drafter.see_future(v.future[accepted[-1:] + 1 if accepted.numel() else 0], seq.n - 1)
             if not done:
                 root = forward_root(target, cache, seq, layers, want_hidden, deferred)
             history.append((accepted.numel(), name))
@@ -309,6 +317,58 @@ def prefill(target: Target, cache, seq: Committed, layers: tuple[int, ...], hidd
     return last, root
 
 
+class Contemplator(NamedTuple):
+    """The round's drafter when it reads contemplate rows (ConFu), its name in the pool and its schedule this
+    round: "wide" (rows in the verification call: the lean forward outside exact mode) or "after" (one row in a
+    call of its own, in the next catch-up phase)."""
+    drafter: Contemplating
+    name: str
+    schedule: str
+
+
+def contemplator(target: Target, pool: DrafterPool, name: str | None) -> Contemplator | None:
+    """The round's drafter as a `Contemplator`, or None when it reads no contemplate rows (or no drafter runs)."""
+    drafter = pool.drafters.get(name) if name is not None else None
+    if name is None or getattr(drafter, "contemplation", None) is None:
+        return None
+    d = cast(Contemplating, drafter)
+    wide = d.schedule == "wide" and target.lean is not None and not target.lean.exact
+    return Contemplator(d, name, "wide" if wide else "after")
+
+
+def _con_input(seq: Committed, pool: DrafterPool, con: Contemplator, t: int) -> torch.Tensor:
+    """[con] = the drafter's MoE over the target's features of token t [1, d]."""
+    c = con.drafter.contemplation
+    feats = pool.features(con.name, seq, t, t + 1)
+    assert feats is not None, "a contemplating drafter reads target layers"
+    with torch.inference_mode():
+        return c.con(feats.to(c.soft_k.dtype))
+
+
+def con_emb(seq: Committed, pool: DrafterPool, con: Contemplator) -> tuple[torch.Tensor, torch.Tensor,
+                                                                          torch.Tensor] | None:
+    """ConFu's contemplate rows for the round's verification: (the embedding [con] = the MoE over the target's
+    features of the newest token that has them, the last accepted one before the round; the soft prompts' keys
+    and values). None before any token has features (a one-token prompt's first round)."""
+    if seq.n_feats == 0:
+        return None
+    c = con.drafter.contemplation
+    return _con_input(seq, pool, con, seq.n_feats - 1), c.soft_k, c.soft_v
+
+
+def see_future(target: Target, cache, seq: Committed, pool: DrafterPool, con: Contemplator) -> None:
+    """A contemplating drafter (ConFu) gets, before its catch-up, the future vector f of the token before the root
+    (its newest pair after the catch-up): one contemplate row after that token over the target's cache, its
+    embedding from the MoE over the target's features of the token (`speclab.core.contemplate`). A one-token
+    prompt has no such token: no f."""
+    c, t = con.drafter.contemplation, seq.n - 2
+    if t < 0:
+        return con.drafter.see_future(None, seq.n - 1)
+    pos, visible = last_token_rows(t + 1, cache.get_seq_length(), target.device)
+    f = contemplate(target, cache, _con_input(seq, pool, con, t), pos, visible, c.soft_k, c.soft_v)
+    con.drafter.see_future(f, seq.n - 1)
+
+
 def signals(rnd: int, last: Row | None, needs: frozenset[str], history: deque[tuple[int, str | None]]) -> Signals:
     """What the router asks for (`needs`), of the row that drew the last committed token (no row: nan / None),
     and the recent rounds' accept lengths and drafters."""
@@ -327,30 +387,40 @@ class Verified:
     features: torch.Tensor | None  # the target's features of the forwarded rows (None: no layers or no forward)
     past: int  # KV cache length before the batch
     lead: int  # forwarded rows before the tree's: 1 = the pending root (deferred), 0 = none
+    future: torch.Tensor | None = None  # [n + 1, d]: ConFu's f of the root and of each node (wide schedule)
 
 
 def verify_batch(target: Target, cache, seq: Committed, tree: DraftTree, root: Row | None, layers: tuple[int, ...],
-                 hidden: bool, sampling: Sampling, gen: torch.Generator | None) -> Verified:
+                 hidden: bool, sampling: Sampling, gen: torch.Generator | None,
+                 con: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> Verified:
     """ONE target forward over the round's new rows, the pending root (when `root` is None: deferred) and the
     flattened tree, under the tree's mask and positions (a chain: the forward's causal defaults); then the verdict
     over the logits of every row, the root's first (`speclab.core.verify.verify`). With the root's row known and
-    no tree there is nothing to forward."""
+    no tree there is nothing to forward. `con` (ConFu, wide): (the contemplate embedding [1, d], the soft prompts'
+    keys and values) of one contemplate row per batch row, each seeing its row's path and the soft prompts,
+    forwarded in the same call (`Verified.future`)."""
     past = cache.get_seq_length()
     with_root, chain = root is None, tree.is_chain
     mask = None if chain else tree_attention_mask(tree.ancestors, past, target.dtype, with_root=with_root)
     pos = None if chain else tree_position_ids(tree.depth, past, with_root)
+    rows = None
+    if con is not None and (with_root or len(tree)):  # one contemplate row per batch row (and the cached root's)
+        emb, soft_k, soft_v = con
+        c_pos, visible = tree_rows(tree.ancestors, tree.depth, past, with_root)
+        rows = ConRows(emb.expand(c_pos.numel(), -1), c_pos, visible, soft_k, soft_v)
+    future = None
     if root is None:  # deferred: the pending root leads the batch
         inp = torch.cat([seq.ids[seq.n - 1 : seq.n].to(target.device), tree.tokens])
-        out = target.forward(inp, cache, pos, mask, layers=layers, hidden=hidden)
-        logits, hid, feats = out.logits, out.hidden, out.features
+        out = target.forward(inp, cache, pos, mask, layers=layers, hidden=hidden, con=rows)
+        logits, hid, feats, future = out.logits, out.hidden, out.features, out.future
     elif len(tree):  # the root's row is known: the tree alone, after it
-        out = target.forward(tree.tokens, cache, pos, mask, layers=layers, hidden=hidden)
-        logits, feats = torch.cat([root.logits, out.logits]), out.features
+        out = target.forward(tree.tokens, cache, pos, mask, layers=layers, hidden=hidden, con=rows)
+        logits, feats, future = torch.cat([root.logits, out.logits]), out.features, out.future
         hid = None if root.hidden is None or out.hidden is None else torch.cat([root.hidden, out.hidden])
     else:
         logits, hid, feats = root.logits, root.hidden, None
     verdict = verify(tree, logits, sampling, gen)
-    return Verified(verdict.accepted, verdict.bonus, logits, hid, feats, past, int(with_root))
+    return Verified(verdict.accepted, verdict.bonus, logits, hid, feats, past, int(with_root), future)
 
 
 def cut(new: torch.Tensor, accepted: torch.Tensor, room: int, eos: torch.Tensor,

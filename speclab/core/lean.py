@@ -47,6 +47,26 @@ def supports(model) -> str | None:
     return None
 
 
+class ConRows:
+    """Contemplate rows in a verification call (ConFu's "wide" schedule; `speclab.core.contemplate`): input
+    embeddings emb [m, d] at positions pos [m], row r seeing the cache slots where visible [m, slots] is True (the
+    call's own rows included: slots = the cache after the call), the soft prompts soft_k / soft_v [layers, kv_heads,
+    s, D] and itself."""
+
+    def __init__(self, emb, pos, visible, soft_k, soft_v):
+        self.emb, self.pos, self.soft_k, self.soft_v = emb, pos, soft_k, soft_v
+        m, s = emb.shape[0], soft_k.shape[2]
+        own = torch.eye(m, dtype=torch.bool, device=emb.device)
+        self.mask = torch.cat([visible.new_ones(m, s), visible, own], -1)  # [m, s + slots + m]
+
+    def attend(self, i: int, qk, v, k_cache, v_cache, end: int, H: int, scale: float) -> torch.Tensor:
+        """Layer i's attention of the rows (qk [H + kv, m, D], v [kv, m, D]) -> [H, m, D]."""
+        keys = torch.cat([self.soft_k[i].to(qk.dtype), k_cache[:, :end], qk[H:]], 1)
+        vals = torch.cat([self.soft_v[i].to(v.dtype), v_cache[:, :end], v], 1)
+        return F.scaled_dot_product_attention(qk[None, :H], keys[None], vals[None], attn_mask=self.mask, scale=scale,
+                                              enable_gqa=keys.shape[0] != H)[0]
+
+
 class KVCache:
     """Keys and values of all layers in one preallocated tensor each: [layers, kv_heads, capacity, head_dim]
     (head-major, so attention reads contiguous rows and takes torch's fused CPU kernel)."""
@@ -138,62 +158,78 @@ class LeanDecoder:
 
     def forward(self, ids: torch.Tensor, cache: KVCache, pos: torch.Tensor | None = None,
                 mask: torch.Tensor | None = None, layers: tuple[int, ...] = (), last: int | None = None,
-                hidden: bool = False, head=None):
-        """(logits, features, hidden) for `ids` [n] after the cache's tokens (`head`: another head than the
+                hidden: bool = False, head=None, con: ConRows | None = None):
+        """(logits, features, hidden, future) for `ids` [n] after the cache's tokens (`head`: another head than the
         model's on the final-norm states, e.g. a draft model's FlashHead).
 
         logits [n or last, vocab]; features [n, len(layers) * d]: the outputs of those decoder layers, concatenated
         in the order given (None without layers); hidden [n or last, d]: the final-norm hidden state of the rows
         whose logits are returned (None unless asked). `mask` is an additive [1, 1, n, start + n] float mask (tree
-        attention); the default is causal."""
+        attention); the default is causal. `con`: contemplate rows forwarded in the same call (ConFu's "wide"
+        schedule, `speclab.core.contemplate`): they share the call's matrix products, write nothing to the cache,
+        and their final-norm states come back as `future` [m, d] (None without them)."""
         n, start = ids.numel(), cache.length
         end = start + n
         if pos is None:
             pos = torch.arange(start, end, device=self.device)
-        if end > self.cos.shape[0]:  # positions never exceed end - 1 (a tree node sits at start + its depth)
-            self._rope_table(2 * end)
+        top = end if con is None else max(end, int(con.pos.max()) + 1)
+        if top > self.cos.shape[0]:  # positions never exceed end - 1 (a tree node sits at start + its depth)
+            self._rope_table(2 * top)
         if self.exact:
-            return self._exact_forward(ids, cache, pos, mask, layers, last, hidden, head)
+            if con is not None:
+                raise ValueError("exact mode forwards no contemplate rows in its verification (the after schedule)")
+            return (*self._exact_forward(ids, cache, pos, mask, layers, last, hidden, head), None)
         cache.reserve(n)
         cos, sin = self.cos[pos][:, None], self.sin[pos][:, None]  # [n, 1, D]; sin carries rotate_half's sign
         if mask is None and n > 1:
             mask = torch.ones(n, end, dtype=torch.bool, device=self.device).tril(start)
         elif mask is not None:
             mask = mask[0, 0]  # Target has cast it to the model's dtype
-        h, kept = self._layers(ids, cache, start, cos, sin, self._sdpa(mask), layers)
+        h, kept, h_con = self._layers(ids, cache, start, cos, sin, self._sdpa(mask), layers, con)
         cache.length = end
         feats = (kept[layers[0]] if len(layers) == 1 else torch.cat([kept[i] for i in layers], -1)) if layers else None
         if last is not None:
             h = h[-last:]
         h = self.final_norm(h)
-        return (head or self.head)(h), feats, h if hidden else None
+        future = None if h_con is None else F.rms_norm(h_con, h_con.shape[-1:], self.norm, self.eps)
+        return (head or self.head)(h), feats, h if hidden else None, future
 
-    def _layers(self, ids, cache: KVCache, start: int, cos, sin, attend, layers):
+    def _layers(self, ids, cache: KVCache, start: int, cos, sin, attend, layers, con: ConRows | None = None):
         """The decoder layers over rows `ids` written at cache slots start..start+n; `attend(q, k_cache, v_cache, end)`
         is the attention of queries [heads, n, D] over the layer's cache up to slot `end` (the fused kernel, or exact
-        mode's fixed-shape one)."""
+        mode's fixed-shape one). Contemplate rows `con` ride along in every matrix product; the plain rows' attention
+        is the same call as without them, and theirs runs over [soft prompts ; cache ; themselves] (`ConRows`).
+        -> (the plain rows' last states, the kept layers' outputs, the contemplate rows' last states or None)."""
         n = ids.numel()
+        m = 0 if con is None else con.emb.shape[0]
         H, KV, D, eps = self.n_heads, self.n_kv, self.head_dim, self.eps
         h = self.embed[ids]
+        if con is not None:
+            h = torch.cat([h, con.emb.to(h.dtype)])
+            cos = torch.cat([cos, self.cos[con.pos][:, None]])
+            sin = torch.cat([sin, self.sin[con.pos][:, None]])
         kept = {}
         for i, L in enumerate(self.layers):
             x = F.rms_norm(h, h.shape[-1:], L["in_norm"], eps)
-            qkv = F.linear(x, L["qkv"], L["qkv_bias"]).view(n, H + 2 * KV, D)
+            qkv = F.linear(x, L["qkv"], L["qkv_bias"]).view(n + m, H + 2 * KV, D)
             qk, v = qkv[:, : H + KV], qkv[:, H + KV :]
             if L["qk_norm"] is not None:  # Qwen3: RMSNorm per head, q and k in one call
                 qk = F.rms_norm(qk, (D,), None, eps) * L["qk_norm"]
             qk = apply_rope(qk, cos, sin)  # rotary embedding, q and k together
             k_cache, v_cache = cache.k[i], cache.v[i]  # [kv_heads, capacity, D]
-            k_cache[:, start : start + n] = qk[:, H:].transpose(0, 1)
-            v_cache[:, start : start + n] = v.transpose(0, 1)
-            o = attend(qk[:, :H].transpose(0, 1), k_cache, v_cache, start + n)  # [H, n, D]
-            h = h + F.linear(o.transpose(0, 1).reshape(n, H * D), L["o"], L["o_bias"])
+            k_cache[:, start : start + n] = qk[:n, H:].transpose(0, 1)
+            v_cache[:, start : start + n] = v[:n].transpose(0, 1)
+            o = attend(qk[:n, :H].transpose(0, 1), k_cache, v_cache, start + n)  # [H, n, D]
+            if con is not None:
+                o = torch.cat([o, con.attend(i, qk[n:].transpose(0, 1), v[n:].transpose(0, 1), k_cache, v_cache,
+                                             start + n, H, self.scaling)], 1)
+            h = h + F.linear(o.transpose(0, 1).reshape(n + m, H * D), L["o"], L["o_bias"])
             x = F.rms_norm(h, h.shape[-1:], L["post_norm"], eps)
             gate, up = F.linear(x, L["gate_up"]).chunk(2, -1)
             h = h + F.linear(F.silu(gate) * up, L["down"])
             if i in layers:
-                kept[i] = h
-        return h, kept
+                kept[i] = h[:n]
+        return (h[:n], kept, h[n:]) if m else (h, kept, None)
 
     def _sdpa(self, mask):
         """Attention through torch's fused kernel (4D inputs) over the first `end` cache slots."""
@@ -234,7 +270,7 @@ class LeanDecoder:
             # ancestors sit at scattered slots; AR's at consecutive ones): slots it sees first, in slot order
             order = torch.where(ok, cols, cols + W).sort(-1).values % W
             bias = torch.zeros(T, W, device=self.device).masked_fill_(~ok.gather(-1, order), float("-inf"))
-            h, kept = self._layers(tid, cache, start + r0, self.cos[tpos][:, None], self.sin[tpos][:, None],
+            h, kept, _ = self._layers(tid, cache, start + r0, self.cos[tpos][:, None], self.sin[tpos][:, None],
                                    self._fixed_attention(order, bias), layers)
             hs.append(h[:m])
             for i in layers:

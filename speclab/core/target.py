@@ -108,6 +108,7 @@ class ForwardOut:
     logits: torch.Tensor  # [rows, vocab] float32: every input row, or the last `last` rows
     features: torch.Tensor | None  # [n, len(layers) * d]: outputs of the asked decoder layers, concatenated, every row
     hidden: torch.Tensor | None  # [rows, d]: final-norm hidden state of the rows whose logits are returned (if asked)
+    future: torch.Tensor | None = None  # [m, d]: final-norm states of contemplate rows forwarded in the call (ConFu)
 
 
 class ForwardClock:
@@ -214,7 +215,7 @@ class Target:
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, cache, position_ids: torch.Tensor | None = None,
                 mask: torch.Tensor | None = None, last: int | None = None, layers: tuple[int, ...] = (),
-                hidden: bool = False, head=None) -> ForwardOut:
+                hidden: bool = False, head=None, con=None) -> ForwardOut:
         """Forward `input_ids` [n] after the tokens already in `cache`.
 
         `position_ids` [n] default to cache_len + arange(n); `mask` is an additive float mask
@@ -223,7 +224,8 @@ class Target:
         model's call). `layers`: decoder layers whose outputs come back as `features` (layer i's output is
         transformers' `hidden_states[i + 1]`), concatenated in the order given. `hidden`: also return the
         final-norm hidden state of the returned rows (what the LM head sees). `head`: a callable that replaces
-        the LM head on those states (a draft model's FlashHead, `speclab.flashhead`).
+        the LM head on those states (a draft model's FlashHead, `speclab.flashhead`). `con`: contemplate rows in the
+        same call (`speclab.core.lean.ConRows`, lean forward only), whose states come back as `future`.
         """
         ids = input_ids.view(-1).to(self.device)
         pos = None if position_ids is None else position_ids.view(-1).to(self.device)
@@ -233,8 +235,10 @@ class Target:
         self.calls += 1
         with forward_clock:
             if self.lean:
-                logits, feats, h = self.lean.forward(ids, cache, pos, mask, layers, last, hidden, head)
-                return ForwardOut(logits.float(), feats, h)
+                logits, feats, h, future = self.lean.forward(ids, cache, pos, mask, layers, last, hidden, head, con)
+                return ForwardOut(logits.float(), feats, h, future)
+            if con is not None:
+                raise ValueError("contemplate rows ride in the lean forward only (transformers': the after schedule)")
             return self._hf_forward(ids, cache, pos, mask, last, layers, hidden, head)
 
     def _hf_forward(self, ids, cache, pos, mask, last, layers, hidden, head=None) -> ForwardOut:

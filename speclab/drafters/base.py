@@ -15,7 +15,7 @@ first `propose`.
 """
 from __future__ import annotations
 
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 
@@ -44,3 +44,14 @@ class Drafter(Protocol):
         """Which nodes of the last proposal were accepted (path order; a prefix of it when the sequence ended
         inside it). Drop speculative state; keep what is valid (the accepted draft KV) so the next `catch_up`
         need not recompute it."""
+
+
+class Contemplating(Drafter, Protocol):
+    """A drafter that reads a future vector from contemplate rows on the target (ConFu,
+    `speclab.core.contemplate`): the engine forwards its rows and hands it f before its catch-up."""
+    contemplation: Any  # soft prompts `soft_k` / `soft_v` [layers, kv heads, s, D], the MoE `con`: features -> [con]
+    schedule: str  # "wide": rows in the verification call; "after": one row in a call of its own
+    f_tokens: int  # the committed tokens its f was computed after
+
+    def see_future(self, f: torch.Tensor | None, tokens: int) -> None:
+        """f [d] of the contemplate row after the first `tokens` committed tokens (None: none)."""

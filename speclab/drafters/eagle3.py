@@ -369,6 +369,7 @@ class Eagle3Drafter:
         """EAGLE-2 dynamic tree (speclab.core.tree.dynamic_tree): each depth's frontier is one drafter call under a tree
         mask over its ancestors' cache slots; a node's state is (its parent's output, its parent's slot)."""
         k, dev = self.tree_topk, self.device
+        context = self.cache.length  # the slots every node sees: the committed pairs (and a subclass's own, ConFu's)
         n_slots_max = k * (depth - 1)
         slot_anc = torch.zeros(n_slots_max, n_slots_max, dtype=torch.bool, device=dev)
         slots = 0
@@ -380,7 +381,7 @@ class Eagle3Drafter:
             new = torch.arange(slots, slots + f, device=dev)
             slot_anc[new] = torch.where((pslot >= 0)[:, None], slot_anc[pslot.clamp(min=0)], False)
             slot_anc[new, new] = True
-            mask = torch.cat([torch.ones(f, self.known, dtype=torch.bool, device=dev), slot_anc[new, : slots + f]], 1)
+            mask = torch.cat([torch.ones(f, context, dtype=torch.bool, device=dev), slot_anc[new, : slots + f]], 1)
             h, logp = self._forward_nodes(tokens, h_parent, level, mask)
             slots += f
             return (logp, (h, new)) + ((self._cands(),) if self.flash is not None else ())

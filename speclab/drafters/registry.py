@@ -25,6 +25,7 @@ DRAFTER_MODULES = (  # one line per drafter
     "speclab.drafters.eagle3",
     "speclab.drafters.dflash",
     "speclab.drafters.specblock",
+    "speclab.drafters.confu",
 )
 
 

@@ -101,9 +101,13 @@ def shrink_vocab(m: Eagle3Model, keep: torch.Tensor) -> Eagle3Model:
     return small
 
 
-def ttt_forward(m: Eagle3Model, embed: torch.nn.Embedding, ids: torch.Tensor, feats: torch.Tensor, steps: int):
+def ttt_forward(m: Eagle3Model, embed: torch.nn.Embedding, ids: torch.Tensor, feats: torch.Tensor, steps: int,
+                future: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None):
     """Unrolled drafter outputs for windows ids [B, T] with target features [B, T, F]: logits [steps][B, T-1, Vd].
-    Row i of step s predicts ids[i + s + 2] (rows past the window are garbage; the loss masks them)."""
+    Row i of step s predicts ids[i + s + 2] (rows past the window are garbage; the loss masks them).
+
+    `future` (ConFu, `speclab.drafters.confu`): (embedding [B, T-1, H], hidden [B, T-1, H], has [B, T-1] bool) of
+    each row's future slot, one more key and value every step of row i sees (where `has`), at position i + 1."""
     B, T = ids.shape
     R = T - 1
     c = m.config
@@ -115,6 +119,10 @@ def ttt_forward(m: Eagle3Model, embed: torch.nn.Embedding, ids: torch.Tensor, fe
     rep = c.num_attention_heads // c.num_key_value_heads
     scale = c.head_dim ** -0.5
     keys, vals, out = [], [], []
+    if future is not None:  # ConFu's future slot: one key and value per row, the same at every step
+        _, kf, vf = m.qkv(future[0].float(), future[1].float(), cos[pos + 1][:, None], sin[pos + 1][:, None])
+        kf, vf = kf.repeat_interleave(rep, 1), vf.repeat_interleave(rep, 1)
+        no_future = ~future[2][:, None, :, None]  # [B, 1, R, 1]
     for s in range(steps):
         tok = F.pad(ids[:, 1 + s :], (0, s), value=0)  # x_{i+s+1}, padded past the window
         p = pos + s
@@ -128,19 +136,23 @@ def ttt_forward(m: Eagle3Model, embed: torch.nn.Embedding, ids: torch.Tensor, fe
         ctx = (q @ k0.transpose(-1, -2)) * scale  # step-0 keys: the context, causal
         ctx = ctx.masked_fill(~causal, float("-inf"))
         diag = [(q * kj).sum(-1, keepdim=True) * scale for kj in keys]  # row i's own keys of steps 1..s
+        if future is not None:
+            diag.append(((q * kf).sum(-1, keepdim=True) * scale).masked_fill(no_future, float("-inf")))
         w = torch.softmax(torch.cat([ctx, *diag], -1).float(), -1).to(q.dtype)
         o = w[..., :R] @ v0
-        for j, vj in enumerate(vals):
+        for j, vj in enumerate(vals + ([vf] if future is not None else [])):
             o = o + w[..., R + j : R + j + 1] * vj
         h = m.finish(h, o)
         out.append(m.logits(h))
     return out
 
 
-def ttt_loss(logits: list[torch.Tensor], target: tuple, m: Eagle3Model, weight: float):
+def ttt_loss(logits: list[torch.Tensor], target: tuple, m: Eagle3Model, weight: float,
+             rows: torch.Tensor | None = None):
     """(weighted loss, per-step loss, per-step accuracy, implied greedy tau, per-step sampling acceptance) against
     the target's distributions: `target` is `target_features`' (log-probs [B, T, V], None) or (top probabilities
-    [B, T, k], their ids); the sampling acceptance sum(min(p, q)) needs the full distributions (else [])."""
+    [B, T, k], their ids); the sampling acceptance sum(min(p, q)) needs the full distributions (else []). `rows`
+    [B, T-1] bool: the rows the loss and the figures cover (default all)."""
     first, idx = target
     t2d, d2t = m.t2d, m.d2t
     reduced = not bool(t2d.all())
@@ -157,22 +169,25 @@ def ttt_loss(logits: list[torch.Tensor], target: tuple, m: Eagle3Model, weight: 
     for s, lg in enumerate(logits):
         n = R - s  # rows whose prediction lies inside the window
         lg = lg[:, :n].float()
+        sel = torch.ones(lg.shape[:2], dtype=torch.bool, device=lg.device) if rows is None else rows[:, :n]
         if idx is None:
-            loss = (lg.logsumexp(-1) - (p[:, 1 + s : 1 + s + n] * lg).sum(-1)).mean()
+            loss = (lg.logsumexp(-1) - (p[:, 1 + s : 1 + s + n] * lg).sum(-1))[sel].mean()
         else:
             sl = slice(1 + s, 1 + s + n)
-            loss = lm.topk_soft_ce(lg, p[:, sl], idx[:, sl], None if keep is None else keep[:, sl]).mean()
+            loss = lm.topk_soft_ce(lg, p[:, sl], idx[:, sl], None if keep is None else keep[:, sl])[sel].mean()
         draft = lg.detach().argmax(-1)
         match = (draft + d2t[draft]) == p_top[:, 1 + s : 1 + s + n]
         if target[1] is None:  # the acceptance probability of one sampled draft token: sum min(p, q)
             pt = first[:, 1 + s : 1 + s + n].exp()
             alphas.append(float(torch.minimum(pt[..., t2d] if reduced else pt, torch.softmax(lg.detach(), -1))
-                                .sum(-1).mean()))
+                                .sum(-1)[sel].mean()))
         total = total + weight ** s * loss
         losses.append(float(loss.detach()))
-        accs.append(float(match.float().mean()))
+        accs.append(float(match[sel].float().mean()))
         matches.append(match[:, : R - len(logits) + 1])
     lead = torch.stack(matches, -1).float().cumprod(-1).sum(-1)
+    if rows is not None:
+        lead = lead[rows[:, : lead.shape[1]]]
     return total, losses, accs, 1.0 + float(lead.mean()), alphas
 
 

@@ -66,6 +66,7 @@ class OnlineSchedule(Schedule):
     seed: int = 0
     threads: int = 2
     domain_weights: dict = field(default_factory=DOMAIN_WEIGHTS.copy)  # the training mix (one left out: --without)
+    max_tokens: int = 0  # stop after this many training tokens as well (0: the wall clock only)
 
 
 @dataclass
@@ -428,7 +429,7 @@ def online_loop(name: str, m: torch.nn.Module, cfg, step_fn, evaluate_fn, val_li
         m.save(out / "model", extra_files={"train_config.json": card + "\n"})
 
     with checkpoint_on_interrupt(save, log, out / "model"):
-        while time.time() - t0 < budget:
+        while time.time() - t0 < budget and not (cfg.max_tokens and tokens >= cfg.max_tokens):
             lr = lr_at(step, (time.time() - t0) / budget, cfg)
             for g in opt.param_groups:
                 g["lr"] = lr

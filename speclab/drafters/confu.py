@@ -1,0 +1,208 @@
+"""ConFu: EAGLE-3 with a "future" token from contemplate rows on the frozen target (../shared/papers/confu.txt).
+
+The target side (speclab.core.contemplate) stays frozen: `s` learned soft-prompt keys and values per target layer,
+seen only by contemplate rows, and a contemplate row after the token t whose drafter pair is the newest (the token
+before the round's root). Its input embedding [con] comes from an MoE over the target's features of t, its
+final-norm hidden state is the future vector f_t. The drafter is EAGLE-3's, with one more key/value slot per round
+built from f_t: its "token embedding" is [f] (an MoE over the drafter's own projected feature of t, fc(h_t)) and
+its "hidden" is f_t, in EAGLE-3's row layout cat(input_layernorm(emb), hidden_norm(h)). The slot sits at position
+t + 1, after the committed pairs; the root row of the draft and every draft node see it, and `commit` drops it
+with the nodes. Everything else (trees, catch-up, verification) is EAGLE-3's.
+
+    MoE (ExpertMix): gates = softmax(router(x)); the top-k experts (learned embeddings), weighted by their gates
+    renormalised over the top k.
+
+Choices the paper leaves open (its section 3 gives no numbers; each is a field of the checkpoint's `confu` config):
+the number of experts and k, where f enters the drafter (the slot above), f after the target's final norm, the
+soft prompts as post-RoPE keys and values in every layer, and the contemplate row computed after verification, per
+round, for the last committed pair (one extra one-row target call: `schedule` "after").
+
+Checkpoint: EAGLE-3's public layout (config.json with `eagle_config`, plus a `confu` section) and its tensors,
+plus `confu.soft_k`, `confu.soft_v` [target layers, kv heads, s, head dim], `confu.con.*` and `confu.future.*`.
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+
+from speclab.drafters import eagle3
+from speclab.drafters.checkpoint import load_strict, place, read_checkpoint
+from speclab.drafters.eagle3 import Eagle3Config, Eagle3Drafter, Eagle3Model, _check_against
+from speclab.drafters.registry import DrafterEntry, ModelRole, Param
+from speclab.errors import ModelNotFound
+from speclab.flashhead import HEAD_PARAMS, head_same_decode, with_head
+
+
+@dataclass
+class ConFuConfig:
+    """The ConFu part of a checkpoint's config.json (its `confu` section)."""
+    soft_prompts: int = 16  # s: soft-prompt key/value entries per target layer
+    experts: int = 8  # per MoE module (1: a static embedding, the paper's "without MoE")
+    expert_topk: int = 2
+    target_layers: int = 0  # the soft prompts' shape: the target's layers, kv heads and head dim
+    target_kv_heads: int = 0
+    target_head_dim: int = 0
+
+    @classmethod
+    def for_target(cls, target, **kw) -> ConFuConfig:
+        c = target.config
+        return cls(target_layers=target.num_layers, target_kv_heads=c.num_key_value_heads,
+                   target_head_dim=getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads, **kw)
+
+
+class ExpertMix(nn.Module):
+    """An MoE of learned embeddings: a linear router over `experts` embeddings of width `d_out`; the output is the
+    top-k experts weighted by their softmax gates, renormalised over the k."""
+
+    def __init__(self, d_in: int, d_out: int, experts: int, topk: int):
+        super().__init__()
+        self.topk = min(topk, experts)
+        self.router = nn.Linear(d_in, experts, bias=False)
+        self.experts = nn.Parameter(torch.zeros(experts, d_out))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gates = torch.softmax(self.router(x).float(), -1)
+        w, idx = gates.topk(self.topk, -1)
+        w = (w / w.sum(-1, keepdim=True)).to(self.experts.dtype)
+        return (w[..., None] * self.experts[idx]).sum(-2)
+
+
+class Contemplation(nn.Module):
+    """What ConFu adds on the target side: the soft prompts and the MoE that makes the contemplate embedding [con]
+    from the target's features (3 layers, concatenated) of the token it follows."""
+
+    def __init__(self, c: ConFuConfig, feature_width: int, d_target: int):
+        super().__init__()
+        shape = (c.target_layers, c.target_kv_heads, c.soft_prompts, c.target_head_dim)
+        self.soft_k = nn.Parameter(torch.zeros(shape))
+        self.soft_v = nn.Parameter(torch.zeros(shape))
+        self.con = ExpertMix(feature_width, d_target, c.experts, c.expert_topk)
+
+
+class _ConFuParts(nn.Module):
+    def __init__(self, c: ConFuConfig, e: Eagle3Config):
+        super().__init__()
+        self.contemplation = Contemplation(c, len(e.layer_ids) * e.target_hidden_size, e.target_hidden_size)
+        self.future = ExpertMix(e.hidden_size, e.hidden_size, c.experts, c.expert_topk)  # [f] from fc(h_t)
+
+
+class ConFuModel(Eagle3Model):
+    """EAGLE-3's weights (public layout) plus ConFu's under `confu.` (`contemplation` and `future`)."""
+
+    def __init__(self, config: Eagle3Config, confu: ConFuConfig, with_embedding: bool = False):
+        super().__init__(config, with_embedding)
+        if config.hidden_size != config.target_hidden_size:
+            raise ValueError(f"ConFu feeds the target's f ({config.target_hidden_size} wide) into the drafter's "
+                             f"hidden slot ({config.hidden_size} wide): they must be equal")
+        self.confu_config = confu
+        self.confu = _ConFuParts(confu, config)
+
+    def future_row(self, h_t: torch.Tensor, f: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(embedding, hidden) of the future slot: [f] = MoE(fc(h_t)) and f itself."""
+        return self.confu.future(h_t), f.to(h_t.dtype)
+
+    def save(self, out_dir: str | Path, dtype=torch.bfloat16, extra_files: dict[str, str] | None = None) -> None:
+        from speclab.drafters.checkpoint import save_checkpoint
+        cfg = self.config.to_dict()
+        cfg["confu"] = asdict(self.confu_config)
+        cfg["architectures"] = ["LlamaForCausalLMEagle3"]  # the EAGLE-3 part reads as EAGLE-3 elsewhere
+        save_checkpoint(self, cfg, out_dir, dtype, extra_files)
+
+    @classmethod
+    def from_eagle3(cls, eagle: Eagle3Model, confu: ConFuConfig) -> ConFuModel:
+        """A ConFu drafter whose EAGLE-3 part is `eagle` (a copy) and whose ConFu part is zero: soft prompts and
+        experts 0, routers uniform (train it: `speclab train confu`)."""
+        m = cls(eagle.config, confu, with_embedding=eagle.embed_tokens is not None)
+        m.load_state_dict(eagle.state_dict(), strict=False)
+        return m.to(eagle.fc.weight.dtype)
+
+
+def load_confu(path: str | Path, target=None, device=None, dtype=None) -> ConFuModel:
+    """A ConFu drafter from its directory; checked against `target` (EAGLE-3's checks, and the soft prompts'
+    shape against the target's layers, kv heads and head dim). A missing or unexpected weight is refused by name."""
+    p, raw, sd = read_checkpoint(path, "ConFu drafter")
+    if not isinstance(raw.get("confu"), dict):
+        raise ModelNotFound(f"{p / 'config.json'} has no `confu` section: not a ConFu drafter (an EAGLE-3 one loads "
+                            "with --eagle)")
+    try:
+        cfg = Eagle3Config.from_dict({k: v for k, v in raw.items() if k != "confu"},
+                                     target.num_layers if target is not None else None)
+        confu = ConFuConfig(**raw["confu"])
+        model = ConFuModel(cfg, confu, with_embedding="embed_tokens.weight" in sd)
+    except (KeyError, ValueError, TypeError) as e:
+        raise ModelNotFound(f"{p / 'config.json'} is not a ConFu config ({type(e).__name__}: {e})") from e
+    load_strict(model, sd, p, "ConFu drafter", optional={"d2t", "t2d"})
+    if target is not None:
+        _check_against(cfg, target, p)
+        want = ConFuConfig.for_target(target)
+        have = (confu.target_layers, confu.target_kv_heads, confu.target_head_dim)
+        if have != (want.target_layers, want.target_kv_heads, want.target_head_dim):
+            raise ModelNotFound(f"the ConFu drafter in {p} has soft prompts for {have[0]} layers of {have[1]} kv "
+                                f"heads of {have[2]}; the target has {want.target_layers} x {want.target_kv_heads} x "
+                                f"{want.target_head_dim}: it was trained for another target")
+    return place(model, path, target, device, dtype)
+
+
+class ConFuDrafter(Eagle3Drafter):
+    """EAGLE-3's drafter with the future slot. The engine hands it f (`see_future`) before its catch-up, from the
+    contemplate row of `contemplation` (speclab.core.engine.see_future)."""
+    name = "confu"
+
+    def __init__(self, model: ConFuModel, target, *, schedule: str = "wide", **params):
+        super().__init__(model, target, **params)
+        self.contemplation = model.confu.contemplation
+        self.schedule = schedule  # "wide": f from the verification call; "after": one more target row per round
+        self.f: torch.Tensor | None = None  # [1, d]: the future vector for the next catch-up (None: no slot)
+        self.f_tokens = -1  # the committed tokens f was computed after (the engine refreshes a stale one)
+
+    def reset(self, prompt_ids: torch.Tensor, prompt_features: torch.Tensor | None) -> None:
+        super().reset(prompt_ids, prompt_features)
+        self.f, self.f_tokens = None, -1
+
+    def see_future(self, f: torch.Tensor | None, tokens: int) -> None:
+        """f [d] of the contemplate row after the first `tokens` committed tokens (None: none)."""
+        self.f = None if f is None else f.reshape(1, -1).to(self.device, self.dtype)
+        self.f_tokens = tokens
+
+    def _prefill(self, m: int) -> None:
+        if self.f is None:  # no future yet (a one-token prompt): EAGLE-3's catch-up
+            return super()._prefill(m)
+        emb, h = self._embed(self.pending_ids), self.m.fc(self.pending_feats.to(self.dtype))
+        self.pending_ids, self.pending_feats = self.pending_ids[:0], self.pending_feats[:0]
+        start, end = self.known, self.known + m
+        f_emb, f_h = self.m.future_row(h[-1:], self.f)
+        cos, sin = self._rope(torch.arange(start, end + 1, device=self.device))  # the slot at position end
+        rows = slice(m - 1, m) if self.kv_only else slice(0, m)
+        q, k, v = self.m.qkv(torch.cat([emb, f_emb]), torch.cat([h, f_h]), cos, sin, q_rows=rows)
+        mask = None
+        if not self.kv_only:  # every row causal over the backlog; the slot only for the last (the draft's root)
+            mask = torch.ones(m, end + 1, dtype=torch.bool, device=self.device).tril(start)
+            mask[:, end] = False
+            mask[-1, end] = True
+        out = self._attend(q, k, v, start, mask)
+        if self.kv_only:
+            h = h[-1:]
+        h = self.m.finish(h, out)
+        logits = self._logits(h)
+        self.known = end  # the slot (at `end`) is dropped with the draft nodes at commit
+        self.root_h, self.root_logits = h[-1:], logits[-1:]
+        self.root_cands = self._cands()[-1:] if self.flash is not None else None
+
+
+# the tree shapes are EAGLE-3's (the same CPU defaults and GPU presets), so ConFu and EAGLE-3 compare shape for shape
+PARAMS = (Param("schedule", "wide", choices=("wide", "after"),
+                help="the contemplate rows: in the verification call (wide; lean forward) or one row after it"),)
+
+ENTRY = DrafterEntry(
+    name="confu", params=eagle3.PARAMS + PARAMS + HEAD_PARAMS, check=eagle3._check,
+    same_decode=head_same_decode(eagle3._same_decode),
+    build=with_head(lambda target, model, **params: ConFuDrafter(model, target, **params), "confu",
+                    lambda model, target: model.lm_head.weight),
+    methods={"confu": "ConFu: EAGLE-3 plus a future token from a contemplate row on the frozen target (soft "
+                      "prompts, MoE); EAGLE-3's trees"},
+    model=ModelRole("confu", "--confu", "ConFu", "a ConFu drafter",
+                    lambda path, target, paths: load_confu(path, target), zoo="confu", card="data/zoo/confu/README.md",
+                    help="ConFu drafter directory for confu (EAGLE-3 layout plus `confu`; default: the zoo's)"))
