@@ -66,12 +66,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--calibration", help="your calibration file: the calibration tab writes it and routers read it "
                                           "first, the zoo's data/zoo/calibration.json where it has no threshold "
                                           "(default: calibration.json beside --db)")
+    ap.add_argument("--costs", help="a hardware cost profile (speclab costs measure --out; shipped: data/costs/): the "
+                                    "calibration tab replays under it and saves its thresholds under its name")
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--port", type=int, default=7860)
     a = ap.parse_args(argv)
     try:
         check_model_args(a)
         check_port(a.host, a.port)
+        from speclab.routing.hardware import load_profile
+        costs = load_profile(a.costs) if a.costs else None
         # the calibration tab saves to the user's file (never to the zoo's shipped one, which stays the fallback):
         # --calibration, else calibration.json beside the trace; refused now if it could not be written
         from speclab.files import check_writable
@@ -91,7 +95,7 @@ def main(argv: list[str] | None = None) -> int:
     except SpeclabError as e:
         print(f"speclab app: error: {e}", file=sys.stderr)
         return 2
-    lab = Lab(target, models, store)
+    lab = Lab(target, models, store, costs)
     print("speclab app: warming up every method ...", flush=True)
     lab.warm_up()
     demo = build_app(lab)

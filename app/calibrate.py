@@ -70,12 +70,13 @@ class Calibration:
             progress((done, total), desc=f"{label} · ETA {eta:.0f} s" if math.isfinite(eta) else label)
         with self.lab.line.hold(progress), listen(step):
             cal = Calibrator.prepare(lab.store, lab.target, lab.models, suite, limit, max_new,
-                                     log=lambda s: print(f"speclab app: {s}", flush=True))
+                                     log=lambda s: print(f"speclab app: {s}", flush=True), costs=lab.costs)
         lab.calibrators[cal.bench_id] = cal
         cats = cal.categories
         how = "reused from the trace" if cal.reused else "made now"
-        msg = (f"bench `{cal.bench_id}` · {len(cal.profiles)} prompts profiled ({how}) · cost model fitted to "
-               f"{cal.cost.rounds_fitted} live rounds")
+        cost = (f"tokens/s modeled under {cal.cost.label}" if not cal.cost.here else
+                f"cost model fitted to {cal.cost.rounds_fitted} live rounds")
+        msg = f"bench `{cal.bench_id}` · {len(cal.profiles)} prompts profiled ({how}) · {cost}"
         t, slider = self._start(cal, router, "all")
         return (cal.bench_id, msg, gr.update(choices=cats, value="all"), slider,
                 *self.replot(cal.bench_id, router, "all", t), t)
@@ -130,12 +131,17 @@ class Calibration:
         cal = self._cal(bench_id)
         t = check_threshold(router, threshold, self.lab.target.vocab_size)
         cal.check_category(category)
+        costs = self.lab.costs
         saved = save_thresholds(router, {category: t}, self.lab.target.fingerprint,
-                                {"app": {"bench": bench_id, "router": router, "category": category}})
+                                {"app": {"bench": bench_id, "router": router, "category": category}},
+                                profile=costs.name if costs is not None else None)
         key = "*" if category == "all" else category
-        return (f"saved: whiflash-{router} threshold **{saved.thresholds[router][key]!r}** for "
+        kept = saved.for_profile(costs.name) if costs is not None else saved
+        used = (f"kept for profile {costs.name}: not used by runs here" if costs is not None else
+                "used by runs from now on")
+        return (f"saved: whiflash-{router} threshold **{kept.thresholds[router][key]!r}** for "
                 f"{'every category without its own' if key == '*' else category} in "
-                f"`{display_path(calibration_path())}` (used by runs from now on)")
+                f"`{display_path(calibration_path())}` ({used})")
 
     @answers(2)
     def confirm(self, bench_id, router, category, threshold, prompts, progress=gr.Progress()):

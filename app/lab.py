@@ -67,8 +67,9 @@ def waiting(n: int) -> str:
 
 
 class Lab:
-    def __init__(self, target: Target, models: dict, store: TraceStore):
+    def __init__(self, target: Target, models: dict, store: TraceStore, costs=None):
         self.target, self.models, self.store = target, models, store  # drafter models by role (speclab.methods)
+        self.costs = costs  # a hardware cost profile the calibration tab replays under (--costs), or None
         self.text = vocab_text(target.tokenizer)
         self.calibrators: dict = {}  # bench id -> speclab.routing.calibration.Calibrator (profiles loaded once)
         self.line = ModelLine()  # every event that runs a model waits its turn here
@@ -79,7 +80,8 @@ class Lab:
         roles = " · ".join(f"{role} `{display_path(getattr(m, 'name', '-'))}`" for role, m in self.models.items())
         return (f"# speclab · speculative decoding lab\ntarget `{display_path(self.target.name)}` · {roles} · "
                 f"trace `{display_path(self.store.path)}` · calibration `{display_path(calibration_path())}` (the "
-                f"zoo's where it has none) · {self.target.device.type} · {precision_label(self.target)}")
+                f"zoo's where it has none) · {self.target.device.type} · {precision_label(self.target)}"
+                + (f" · calibration modeled under {self.costs.label}" if self.costs is not None else ""))
 
     def methods(self) -> list[str]:
         """The registered methods whose models are loaded, in the registry's order."""

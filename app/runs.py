@@ -16,13 +16,15 @@ from speclab.errors import InvalidInput, SpeclabError
 from speclab.generate import encode_prompt
 from speclab.methods import METHODS, build_method, get_method, method_params
 from speclab.metrics import run_metrics, time_split
+from speclab.production import view
 from speclab.routing import replay
 from speclab.routing.evaluate import router_rounds
 
 RUN_LIST_SQL = """
-SELECT r.run_id, strftime(r.started_at, '%Y-%m-%d %H:%M:%S') AS started, r.method, r.category, r.status,
+SELECT r.run_id, strftime(r.started_at, '%Y-%m-%d %H:%M:%S') AS started, r.method,
+       coalesce(r.engine || coalesce(' ' || r.engine_version, ''), 'speclab') AS engine, r.category, r.status,
        m.new_tokens AS tokens, m.rounds, m.target_calls, round(m.tau, 2) AS tau, round(m.tokens_per_s, 1) AS tok_s,
-       round(r.elapsed_s, 3) AS decode_s
+       round(r.elapsed_s, 3) AS decode_s, r.source
 FROM runs r LEFT JOIN run_metrics m USING (run_id) {where} ORDER BY r.run_id DESC LIMIT 500"""
 
 
@@ -42,34 +44,39 @@ class Runs:
     def __init__(self, lab: Lab):
         self.lab = lab
 
-    @answers(8)
-    def view(self, run_id, shade="depth"):
-        """Token HTML, round slider range and charts of one run (and of the runs decoded with it)."""
+    @answers(9)
+    def view(self, run_id, shade="depth", compare=None):
+        """Token HTML, round slider range and charts of one run (and of the runs decoded with it, and the run
+        picked to compare with)."""
         if run_id in (None, ""):
-            return ("", gr.update(maximum=1, value=0), None, None, None, None, gr.update(visible=False, value=None),
-                    NO_RUNS if not self.lab.run_choices() else "")
+            return ("", gr.update(maximum=1, value=0), None, None, None, None, None,
+                    gr.update(visible=False, value=None), NO_RUNS if not self.lab.run_choices() else "")
         rid = run_id_of(run_id)
         r = self.run_row(rid)
-        charts, n_rounds = self.charts(r)
+        charts, n_rounds = self.charts(r, compare)
         return (self.tokens_html(r, shade), gr.update(maximum=max(1, n_rounds), value=0), *charts.values(),
                 self.tree(rid, 0), self.router(r), "")
 
-    def charts(self, r) -> tuple[dict, int]:
-        """Per-round, per-position and phase charts of a run and the runs decoded with it (same prompt, started
-        within a minute); and the run's number of rounds."""
+    def charts(self, r, compare=None) -> tuple[dict, int]:
+        """Per-round, accept-length, per-position and phase charts of a run and the runs decoded with it (same
+        prompt, started within a minute; an imported run: itself), and of `compare` (a run id: a speclab run
+        beside an engine's, say); and the run's number of rounds."""
         store, rid = self.lab.store, int(r.run_id)
-        peers = store.query("""SELECT run_id, method FROM runs WHERE prompt_text IS NOT DISTINCT FROM ?
-                               AND abs(epoch(started_at) - epoch(?::TIMESTAMP)) < 60 ORDER BY run_id""",
-                            [r.prompt_text, r.started_at])
-        ids = peers.run_id.tolist() or [rid]
-        labels = {int(i): f"{m} #{i}" for i, m in zip(peers.run_id, peers.method)} or {rid: f"{r.method} #{rid}"}
+        if isinstance(getattr(r, "engine", None), str):
+            ids = [rid]
+        else:
+            ids = store.query("""SELECT run_id FROM runs WHERE prompt_text IS NOT DISTINCT FROM ?
+                                 AND abs(epoch(started_at) - epoch(?::TIMESTAMP)) < 60 ORDER BY run_id""",
+                              [r.prompt_text, r.started_at]).run_id.tolist() or [rid]
+        if compare not in (None, "") and run_id_of(compare) not in ids:
+            ids.append(int(self.run_row(compare).run_id))
+        labels = view.labels(store, ids)
         marks = ",".join("?" * len(ids))
         rounds = store.query(f"SELECT * FROM rounds WHERE run_id IN ({marks}) ORDER BY run_id, round", ids)
         rounds["label"] = rounds.run_id.map(labels)
-        pos = store.query(f"""SELECT run_id, depth, acceptance, rounds_reaching FROM position_acceptance
-                              WHERE run_id IN ({marks}) ORDER BY run_id, depth""", ids)
-        pos["method"] = pos.run_id.map(labels)
-        charts = {"per_round": viz.accepted_per_round(rounds), "per_pos": viz.position_acceptance(pos),
+        charts = {"per_round": viz.accepted_per_round(rounds),
+                  "histogram": viz.accept_histogram(view.histogram_frame(store, ids)),
+                  "per_pos": viz.position_acceptance(view.position_frame(store, ids)),
                   "phases": viz.phase_breakdown(rounds)}
         return charts, max(0, int((rounds.run_id == rid).sum()) - 1)
 
@@ -84,13 +91,18 @@ class Runs:
         stats = {"status": r.status, "category": r.category or "-"}
         if len(m):
             x = m.iloc[0]
-            stats |= {"tokens": int(x.new_tokens or 0), "rounds": int(x.rounds or 0),
+            stats |= {"tokens": int(x.new_tokens) if pd.notna(x.new_tokens) else "-",
+                      "rounds": int(x.rounds or 0),
                       "target calls": int(x.target_calls) if x.target_calls == x.target_calls else "-",
-                      "tau": f"{x.tau:.2f}", "tok/s": f"{x.tokens_per_s:.1f}"}
+                      "tau": f"{x.tau:.2f}", "tok/s": f"{x.tokens_per_s:.1f}" if pd.notna(x.tokens_per_s) else "-"}
         phases = store.query("SELECT " + ", ".join(f"sum(t_{p}_ms) AS {p}" for p in PHASES)
                              + " FROM rounds WHERE run_id = ?", [rid]).iloc[0].fillna(0.0).to_dict()
         split = time_split(phases, 1e3 * r.elapsed_s) if r.elapsed_s == r.elapsed_s and r.elapsed_s else None
         header = viz.stats_header(f"run {rid} · {r.method}", stats, split)
+        if isinstance(getattr(r, "engine", None), str):  # an imported run: where it came from, how it was converted
+            card = {"engine": r.engine, "version": r.engine_version or "unknown", "source": r.source,
+                    "scope": json.loads(r.params_json or "{}").get("scope"), "model": r.target or "-"}
+            return header + viz.engine_card(card, view.conversions(store, [rid]), r.output_text)
         base = r.method.split(":")[0]
         drafters = (r.drafters or "").split(",") if base in METHODS and METHODS[base].build else []
         return viz.legend_html([d for d in drafters if d], shade) + viz.tokens_html(viz.token_spans(cols, None, shade),
@@ -196,7 +208,8 @@ class Runs:
     def tree(self, run_id, rnd, color_by: str = "accepted"):
         rid = run_id_of(run_id)
         nodes = self.lab.store.draft_nodes(rid, int(rnd))
-        nodes["text"] = self.lab.text[nodes.token_id.to_numpy()] if len(nodes) else []
+        # an imported run's nodes have no tokens (engines report counts): shown as "?"
+        nodes["text"] = [self.lab.text[int(t)] if pd.notna(t) else "?" for t in nodes.token_id]
         if nodes.empty:
             return viz.tree_figure(pd.DataFrame(columns=["node", "parent", "depth", "token_id", "draft_prob",
                                                          "target_prob", "accepted", "text"]),
@@ -263,10 +276,15 @@ def build_rounds(lab: Lab, runs: Runs, shade) -> dict:
     tree_color = gr.Radio(["accepted", "block", "bucket"], value="accepted", elem_id="tree_color",
                           label="colour tree nodes by (block, bucket: SpecBlock's trees)")
     tree_plot = gr.Plot(label="Draft tree", elem_id="tree")
+    compare = gr.Dropdown([], value=None, label="Compare with run (its accept lengths and per-position acceptance "
+                          "beside this run's: a speclab run beside an imported one)", elem_id="run_compare",
+                          allow_custom_value=True)
     with gr.Row():
         per_round = gr.Plot(label="Committed per round", elem_id="per_round")
+        histogram = gr.Plot(label="Accepted draft tokens per step", elem_id="histogram")
+    with gr.Row():
         per_pos = gr.Plot(label="Per-position acceptance", elem_id="per_pos")
-    phases = gr.Plot(label="Phase times", elem_id="phases")
+        phases = gr.Plot(label="Phase times", elem_id="phases")
     with gr.Row():  # PNG: the camera button in each figure's toolbar
         fmt = gr.Radio(list(export.FORMATS), value="csv", label="table format", elem_id="run_fmt")
         run_export = gr.Button("Export the run's tables", elem_id="run_export")
@@ -274,13 +292,15 @@ def build_rounds(lab: Lab, runs: Runs, shade) -> dict:
     run_files = gr.File(label="Exported (PNG: each figure's camera button)", elem_id="run_files", interactive=False)
     run_export.click(runs.export_run, [run_pick, fmt], run_files)
     figs_export.click(runs.export_figures, [run_pick, rnd], run_files)
-    run_pick.change(runs.view, [run_pick, shade],
-                    [run_html, rnd, per_round, per_pos, phases, tree_plot, router_plot, none]).then(
+    shown = [run_html, rnd, per_round, histogram, per_pos, phases, tree_plot, router_plot, none]
+    run_pick.change(runs.view, [run_pick, shade, compare], shown).then(
         runs.counterfactuals, run_pick, router_plot, concurrency_limit=None)  # waits its turn in lab.line
+    compare.change(runs.view, [run_pick, shade, compare], shown)
+    compare.focus(lambda: gr.update(choices=[""] + lab.run_choices()), None, compare)
     shade.change(runs.reshade, [run_pick, shade], run_html)
     rnd.release(runs.tree, [run_pick, rnd, tree_color], tree_plot)
     tree_color.change(runs.tree, [run_pick, rnd, tree_color], tree_plot)
-    return {"run_pick": run_pick, "none": none}
+    return {"run_pick": run_pick, "none": none, "compare": compare}
 
 
 def build_explorer(lab: Lab, runs: Runs) -> dict:
@@ -293,7 +313,8 @@ def build_explorer(lab: Lab, runs: Runs) -> dict:
                            interactive=False, elem_id="runs", max_height=420)
     sql_box = gr.Textbox(SQL_EXAMPLE, lines=4, elem_id="sql",
                          label="SQL (read-only; tables runs, rounds, tokens, draft_nodes, router_decisions, benches, "
-                               "profiles; views run_metrics, position_acceptance)")
+                               "profiles, engine_totals, engine_steps; views run_metrics, position_acceptance, "
+                               "accept_histogram)")
     sql_run = gr.Button("Run SQL", elem_id="sql_run")
     sql_msg = gr.Markdown("", elem_id="sql_msg")
     sql_out = gr.Dataframe(pd.DataFrame({"run a query to see its result": []}), label="Result", interactive=False,

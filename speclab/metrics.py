@@ -99,13 +99,15 @@ EQUALITY_SQL = """CASE WHEN ar.output_hash IS NULL OR r.output_hash IS NULL THEN
 RUN_SUMS_SQL = f"""
 SELECT r.run_id, r.method, r.category, r.prompt_id, r.status, r.bench_id, r.output_hash, r.new_tokens, r.target_calls,
        r.elapsed_s, r.model_ms, {EQUALITY_SQL} AS equality,
-       count(x.round) AS verifications, sum(x.committed) AS committed, sum(x.n_accepted) AS accepted,
-       sum(x.n_drafted) AS drafted, sum(x.t_draft_ms) AS draft_ms, sum(x.t_catchup_ms) AS catchup_ms,
-       sum(x.t_verify_ms) AS verify_ms,
+       count(x.round) + coalesce(any_value(z.steps), 0) AS verifications,
+       coalesce(sum(x.committed), any_value(z.committed)) AS committed,
+       coalesce(sum(x.n_accepted), any_value(z.accepted)) AS accepted,
+       coalesce(sum(x.n_drafted), any_value(z.drafted)) AS drafted, sum(x.t_draft_ms) AS draft_ms,
+       sum(x.t_catchup_ms) AS catchup_ms, sum(x.t_verify_ms) AS verify_ms,
        sum(x.t_route_ms + x.t_catchup_ms + x.t_draft_ms + x.t_verify_ms + x.t_commit_ms
            + coalesce(x.t_record_ms, 0)) AS phases_ms,
        any_value(e.entropy_sum) AS entropy_sum, any_value(e.n_tokens) AS n_tokens
-FROM runs r LEFT JOIN rounds x USING (run_id)
+FROM runs r LEFT JOIN rounds x USING (run_id) LEFT JOIN engine_totals z USING (run_id)
      LEFT JOIN (SELECT bench_id, prompt_id, any_value(output_hash) AS output_hash FROM runs
                 WHERE method = 'ar' AND bench_id IS NOT NULL GROUP BY ALL) ar
                ON ar.bench_id = r.bench_id AND ar.prompt_id = r.prompt_id
@@ -137,23 +139,46 @@ FROM ({RUN_SUMS_SQL}) GROUP BY run_id
 
 
 
+# per run and depth: the rounds whose draft reached the depth and those whose accepted path did; speclab's rounds
+# from their draft nodes, an imported run's from its steps by (drafted, accepted) count (`engine_steps`; a step
+# whose drafted count the engine does not give counts as reaching every depth up to the run's k: the engine's own
+# survival convention, said in the run's conversions)
+REACH_SQL = """
+SELECT run_id, depth, count(DISTINCT round) AS reaching, count(DISTINCT CASE WHEN accepted THEN round END) AS accepted
+FROM draft_nodes GROUP BY ALL
+UNION ALL
+SELECT run_id, depth, sum(steps) FILTER (WHERE drafted IS NULL OR drafted >= depth) AS reaching,
+       coalesce(sum(steps) FILTER (WHERE accepted >= depth), 0) AS accepted
+FROM (SELECT s.run_id, s.drafted, s.accepted, s.steps, unnest(range(1, z.max_draft + 1)) AS depth
+      FROM engine_steps s JOIN engine_totals z USING (run_id))
+GROUP BY ALL HAVING sum(steps) FILTER (WHERE drafted IS NULL OR drafted >= depth) > 0
+"""
+
+
 def position_acceptance_sql(by: str = "n.run_id", where: str = "") -> str:
-    """Per-position acceptance per `by` group (a column of draft_nodes `n` or runs `r`) and depth: the rounds (run,
-    round) whose draft reached the depth, those whose accepted path did, and their ratio."""
+    """Per-position acceptance per `by` group (a column of the per-run reach counts `n` or of runs `r`) and depth:
+    the rounds (run, round) whose draft reached the depth, those whose accepted path did, and their ratio."""
     return f"""
-SELECT {by}, n.depth,
-       count(DISTINCT (n.run_id, n.round))                                 AS rounds_reaching,
-       count(DISTINCT CASE WHEN n.accepted THEN (n.run_id, n.round) END)   AS rounds_accepted,
-       count(DISTINCT CASE WHEN n.accepted THEN (n.run_id, n.round) END) / count(DISTINCT (n.run_id, n.round))
-                                                                           AS acceptance
-FROM draft_nodes n JOIN runs r USING (run_id) {where}
+SELECT {by}, n.depth, sum(n.reaching) AS rounds_reaching, sum(n.accepted) AS rounds_accepted,
+       sum(n.accepted) / sum(n.reaching) AS acceptance
+FROM ({REACH_SQL}) n JOIN runs r USING (run_id) {where}
 GROUP BY ALL
+"""
+
+
+# per run: its rounds by how many draft tokens they drafted and accepted (the accept-length histogram: accepted
+# counts bonus excluded, as the engines' histograms are); speclab's from `rounds`, an import's from `engine_steps`
+ACCEPT_HISTOGRAM_SQL = """
+SELECT run_id, n_drafted AS drafted, n_accepted AS accepted, count(*) AS steps FROM rounds GROUP BY ALL
+UNION ALL
+SELECT run_id, drafted, accepted, steps FROM engine_steps
 """
 
 
 POSITION_ACCEPTANCE_SQL = position_acceptance_sql()
 
-VIEWS = {"run_metrics": RUN_METRICS_SQL, "position_acceptance": POSITION_ACCEPTANCE_SQL}
+VIEWS = {"run_metrics": RUN_METRICS_SQL, "position_acceptance": POSITION_ACCEPTANCE_SQL,
+         "accept_histogram": ACCEPT_HISTOGRAM_SQL}
 
 
 def _in(run_ids) -> tuple[str, list]:

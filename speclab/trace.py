@@ -37,7 +37,7 @@ from speclab.core.engine import PHASES
 from speclab.errors import TraceError
 from speclab.files import check_writable
 
-SCHEMA_VERSION = 7
+SCHEMA_VERSION = 8
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS meta (key VARCHAR PRIMARY KEY, value VARCHAR);
@@ -49,7 +49,7 @@ CREATE TABLE IF NOT EXISTS runs (
     new_tokens INTEGER, rounds INTEGER, target_calls INTEGER, elapsed_s DOUBLE, output_text VARCHAR,
     error VARCHAR, bench_id VARCHAR, output_hash VARCHAR, peak_mem_mb DOUBLE, prefill_ms DOUBLE, wall_s DOUBLE,
     model_ms DOUBLE, diverges_at INTEGER, top2_gap DOUBLE, tie_tolerance DOUBLE, logits_dtype VARCHAR,
-    exact BOOLEAN, cpu VARCHAR, eager BOOLEAN);
+    exact BOOLEAN, cpu VARCHAR, eager BOOLEAN, engine VARCHAR, engine_version VARCHAR, source VARCHAR);
 CREATE TABLE IF NOT EXISTS benches (
     bench_id VARCHAR PRIMARY KEY, started_at TIMESTAMP, suite VARCHAR, methods VARCHAR, config_json VARCHAR,
     device VARCHAR, trace_overhead DOUBLE, peak_rss_mb DOUBLE, status VARCHAR);
@@ -76,6 +76,9 @@ CREATE TABLE IF NOT EXISTS profiles (
 CREATE TABLE IF NOT EXISTS profile_positions (
     bench_id VARCHAR, prompt_id VARCHAR, category VARCHAR, pos INTEGER, token_id INTEGER, entropy DOUBLE,
     prompt_tokens INTEGER, max_new_tokens INTEGER, hidden FLOAT[]);
+CREATE TABLE IF NOT EXISTS engine_totals (
+    run_id BIGINT, steps BIGINT, accepted BIGINT, drafted BIGINT, committed BIGINT, max_draft INTEGER);
+CREATE TABLE IF NOT EXISTS engine_steps (run_id BIGINT, drafted INTEGER, accepted INTEGER, steps BIGINT);
 """
 # columns added since schema 1 (a version-1 file opened for writing gets them; its old rows keep NULLs unless a
 # step fills them in)
@@ -99,9 +102,14 @@ MIGRATIONS = {2: ["ALTER TABLE runs ADD COLUMN IF NOT EXISTS prefill_ms DOUBLE",
               # and the rank head's bucket); NULL for other drafters' nodes
               6: ["ALTER TABLE draft_nodes ADD COLUMN IF NOT EXISTS block INTEGER",
                   "ALTER TABLE draft_nodes ADD COLUMN IF NOT EXISTS bucket INTEGER"],
-              7: ["ALTER TABLE draft_nodes ADD COLUMN IF NOT EXISTS in_cands INTEGER"]}
+              7: ["ALTER TABLE draft_nodes ADD COLUMN IF NOT EXISTS in_cands INTEGER"],
+              # runs imported from a serving engine (speclab.production): which engine, its version and the file;
+              # NULL for speclab's own runs (the engine_* tables come with SCHEMA)
+              8: ["ALTER TABLE runs ADD COLUMN IF NOT EXISTS engine VARCHAR",
+                  "ALTER TABLE runs ADD COLUMN IF NOT EXISTS engine_version VARCHAR",
+                  "ALTER TABLE runs ADD COLUMN IF NOT EXISTS source VARCHAR"]}
 TABLES = ("meta", "runs", "rounds", "tokens", "draft_nodes", "router_decisions", "benches", "profile_sets", "profiles",
-          "profile_positions", "adaptation")
+          "profile_positions", "adaptation", "engine_totals", "engine_steps")
 
 
 def _connect(path: str, read_only: bool):
@@ -273,6 +281,35 @@ class TraceStore:
                 f"INSERT INTO runs ({', '.join(cols)}) VALUES (?, now(), 'running', ?{', ?' * len(meta)})",
                 [run_id, SCHEMA_VERSION, *meta.values()])
         return int(run_id)
+
+    def add_finished_runs(self, metas: list[dict], tables: list[dict[str, pa.Table]]) -> list[int]:
+        """Finished runs made elsewhere (imports), each a `runs` row and its tables (without run_id), in one
+        transaction: all land or none. -> their run ids."""
+        if self.read_only:
+            raise TraceError("trace opened read-only")
+        self.drain()
+        ids = []
+        with self._lock:
+            self.con.execute("BEGIN")
+            try:
+                for meta, tbls in zip(metas, tables):
+                    run_id = int(self.con.execute("SELECT nextval('run_id_seq')").fetchall()[0][0])
+                    cols = ["run_id", "started_at", "finished_at", "status", "schema_version", *meta]
+                    self.con.execute(f"INSERT INTO runs ({', '.join(cols)}) VALUES (?, now(), now(), 'done', ?"
+                                     f"{', ?' * len(meta)})", [run_id, SCHEMA_VERSION, *meta.values()])
+                    for name, tbl in tbls.items():
+                        if tbl.num_rows:
+                            tbl = tbl.add_column(0, "run_id", pa.array(np.full(tbl.num_rows, run_id, np.int64)))
+                            self.con.register("_batch", tbl)
+                            self.con.execute(f"INSERT INTO {name} BY NAME SELECT * FROM _batch")
+                            self.con.unregister("_batch")
+                    ids.append(run_id)
+                self.con.execute("COMMIT")
+            except Exception:
+                with contextlib.suppress(Exception):
+                    self.con.execute("ROLLBACK")
+                raise
+        return ids
 
     def record_divergence(self, run_id: int, div) -> None:
         """Where a run's output first differs from AR's and the target's top-2 logit gap there

@@ -61,6 +61,19 @@ def position_acceptance(pos) -> go.Figure:
     return fig
 
 
+def accept_histogram(hist) -> go.Figure:
+    """Share of verification steps by accepted draft tokens (bonus excluded), grouped bars per run label: an
+    engine's histogram beside speclab's rounds (`speclab.metrics.ACCEPT_HISTOGRAM_SQL`)."""
+    fig = go.Figure()
+    for label, g in hist.groupby("label", sort=False):
+        fig.add_bar(name=label, x=g["accepted"], y=g["share"], marker_color=_color(label.split(" ")[0]),
+                    customdata=g["steps"], hovertemplate="%{x} accepted: %{y:.1%} (%{customdata} steps)")
+    fig.update_layout(title="Accepted draft tokens per step", barmode="group", xaxis_title="accepted draft tokens "
+                      "(bonus excluded)", yaxis_title="share of steps", xaxis_dtick=1, template="plotly_white",
+                      height=380)
+    return fig
+
+
 def lines_figure(df, x: str, y: str, group: str, title: str, x_title: str | None = None,
                  y_title: str | None = None, hover: str | None = None) -> go.Figure:
     """One line per value of `group` (y against x): parameter grids, cost curves."""
@@ -172,6 +185,18 @@ def stats_header(method: str, stats: dict, time_ms: dict | None = None, explain:
         for k, v in stats.items()]
     bar = time_bar(time_ms) if time_ms else ""
     return f'<div class="speclab-stats" style="font-size:12px;margin-bottom:4px">{" · ".join(parts)}{bar}</div>'
+
+
+def engine_card(run: dict, conversions: list[str], text: str | None) -> str:
+    """An imported run's provenance (engine, version, file, scope), the conversions its figures went through
+    and its output text, under its stats header."""
+    rows = "".join(f"<tr><td style='padding-right:8px'>{html.escape(k)}</td><td>{html.escape(str(v))}</td></tr>"
+                   for k, v in run.items())
+    notes = "".join(f"<li>{html.escape(c)}</li>" for c in conversions)
+    out = f"<pre style='white-space:pre-wrap'>{html.escape(text)}</pre>" if text else ""
+    return (f"<div class='speclab-engine' style='font-size:12px'><table>{rows}</table>"
+            f"<details><summary>conversions to speclab's definitions ({len(conversions)})</summary><ul>{notes}</ul>"
+            f"</details>{out}</div>")
 
 
 def time_bar(time_ms: dict) -> str:

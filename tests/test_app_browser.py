@@ -3,6 +3,7 @@
 one message, a reopened routed run, the explorer refreshed without a click, the calibration tab (replay slider,
 save, confirm live), two sessions decoding at once, and the probe that measures streaming. Screenshots go to
 tests/artifacts/ (git-ignored)."""
+import contextlib
 import json
 import os
 import re
@@ -482,6 +483,20 @@ def test_two_sessions_decode_at_once(browser, app):
     b.close()
 
 
+@contextlib.contextmanager
+def page_on(browser, db, tmp_path):
+    """A page of the app started on its own on trace `db` (made before the server starts), closed after."""
+    port = free_port()
+    proc = start_app(db, port, tmp_path / "app.log")
+    try:
+        pg = open_page(browser, f"http://127.0.0.1:{port}")
+        yield pg
+        pg.close()
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+
+
 def test_a_trace_from_an_earlier_session_opens_with_counterfactuals_profiled_on_demand(browser, tmp_path):
     """A routed run decoded by the CLI (no bench, so no bench profile; made before this server started): a fresh
     page opens it as the newest run, and its counterfactuals are profiled on demand, with progress."""
@@ -490,20 +505,13 @@ def test_a_trace_from_an_earlier_session_opens_with_counterfactuals_profiled_on_
     db = tmp_path / "earlier.duckdb"
     subprocess.run([sys.executable, "-m", "speclab.cli", "generate", "--method", "whiflash-entropy", "--prompt", STORY,
                     "--max-new-tokens", "32", "--db", str(db)], check=True, cwd=REPO_ROOT, capture_output=True)
-    port = free_port()
-    proc = start_app(db, port, tmp_path / "app.log")
-    try:
-        pg = open_page(browser, f"http://127.0.0.1:{port}")
+    with page_on(browser, db, tmp_path) as pg:
         pg.get_by_role("tab", name="Rounds & trees").click()
         wait_text(pg, "#run_html", "run 1 · whiflash-entropy", 60)
         pg.wait_for_function("[...document.querySelectorAll('#run_router .legendtext')].some("
                              "e => e.textContent === 'eagle3 would accept')", timeout=120000)
         assert "profiling" not in svg_texts(pg, "#run_router .gtitle")[0]
         pg.screenshot(path=str(ART / "rounds_earlier_trace.png"), full_page=True)
-        pg.close()
-    finally:
-        proc.terminate()
-        proc.wait(timeout=30)
 
 
 def test_probe_measures_first_tokens_and_bytes_per_update(browser, app):
@@ -513,3 +521,59 @@ def test_probe_measures_first_tokens_and_bytes_per_update(browser, app):
     pg.close()
     assert row["first_tokens_ms"] > 0 and row["updates"] >= 1
     assert 0 < row["bytes_per_update_mean"] <= row["bytes_per_update_max"] <= row["bytes_streamed"]
+
+
+def test_imported_engine_runs_open_beside_a_speclab_run(browser, tmp_path):
+    """Runs of vLLM, SGLang and llama.cpp imported into a trace (`speclab import`, one example file per engine and
+    shape) are listed with their engine, open with their provenance and conversions, and their accept lengths and
+    per-position acceptance are drawn beside a speclab EAGLE-3 run picked to compare with; the SQL box reads the
+    imported tables."""
+    import subprocess
+    import sys
+    db, engines = tmp_path / "imported.duckdb", REPO_ROOT / "data" / "engines"
+    subprocess.run([sys.executable, "-m", "speclab.cli", "generate", "--method", "eagle3:tree_topk=1+depth=3",
+                    "--prompt", "def fibonacci(n):\n", "--max-new-tokens", "48", "--db", str(db)], check=True,
+                   cwd=REPO_ROOT, capture_output=True)
+    for args in ([str(p) for p in sorted(engines.glob("*.json*")) + sorted(engines.glob("*.sse"))],
+                 ["--before", str(engines / "vllm_metrics_before.prom"),
+                  "--after", str(engines / "vllm_metrics_after.prom"), "--engine-version", "0.32.0"],
+                 ["--before", str(engines / "llamacpp_metrics_before.prom"),
+                  "--after", str(engines / "llamacpp_metrics_after.prom")]):
+        subprocess.run([sys.executable, "-m", "speclab.cli", "import", *args, "--db", str(db)], check=True,
+                       cwd=REPO_ROOT, capture_output=True)
+    with page_on(browser, db, tmp_path) as pg:
+        pg.get_by_role("tab", name="Trace explorer").click()
+        pg.wait_for_selector("#runs", timeout=60000)
+        wait_text(pg, "#runs", "llama.cpp", 60)
+        engines_listed = set(pg.locator("#runs .virtual-row [data-col='3']").all_inner_texts())
+        assert {"speclab", "vllm", "sglang", "llama.cpp", "vllm 0.32.0"} <= engines_listed, engines_listed
+        msg = sql(pg, "SELECT r.engine, sum(z.steps) AS steps FROM engine_totals z JOIN runs r USING (run_id) "
+                      "GROUP BY r.engine ORDER BY r.engine", "row(s)")
+        assert msg.startswith("3 row(s)")
+        assert "vllm" in pg.locator("#sql_out").inner_text()
+        pg.screenshot(path=str(ART / "imported_runs_listed.png"), full_page=True)
+        ids = {name: pg.locator("#runs .virtual-row").filter(has_text=name).first.locator(
+            "[role=gridcell]").first.inner_text().strip()
+            for name in ("vllm_detailed.sse", "sglang_generate.json", "llamacpp_completion.json")}
+        pg.get_by_role("tab", name="Rounds & trees").click()
+        for name, says in (("sglang_generate.json", "spec_accept_length"), ("llamacpp_completion.json", "derived")):
+            pg.fill("#run_pick input", ids[name])  # the other engines open with their card and conversions
+            pg.keyboard.press("Enter")
+            wait_text(pg, "#run_html", name, 60)
+            pg.locator("#run_html summary").click()
+            assert says in wait_text(pg, "#run_html", says)
+            pg.screenshot(path=str(ART / f"imported_{name.split('_')[0]}.png"), full_page=True)
+        rid = ids["vllm_detailed.sse"]
+        pg.fill("#run_pick input", rid)
+        pg.keyboard.press("Enter")
+        card = wait_text(pg, "#run_html", "vllm_detailed.sse", 60)
+        assert "engine" in card and "tau 2.00" in card and "def fib(n):" in card
+        assert "conversions to speclab's definitions" in card
+        pg.fill("#run_compare input", "1")  # the EAGLE-3 run decoded first
+        pg.keyboard.press("Enter")
+        pg.wait_for_function("[...document.querySelectorAll('#histogram .legendtext')].some("
+                             "e => e.textContent.startsWith('eagle3'))", timeout=60000)
+        legend = svg_texts(pg, "#per_pos .legendtext")
+        assert f"vllm #{rid}" in legend and any(t.startswith("eagle3") for t in legend), legend
+        assert svg_texts(pg, "#per_round .legendtext")  # its per-step accept lengths as speclab's rounds
+        pg.screenshot(path=str(ART / "imported_run_beside_eagle3.png"), full_page=True)

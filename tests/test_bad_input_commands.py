@@ -239,7 +239,7 @@ def test_a_trace_another_process_holds_is_one_line(cmd, locked_trace, capsys):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("case", ["port-taken", "dtype", "device", "db-parquet", "db-under-a-file",
-                                  "calibration-under-a-file"])
+                                  "calibration-under-a-file", "costs-missing"])
 def test_app_start_up_refuses_bad_options_in_one_line(case, files, tmp_path):
     import socket
     import subprocess
@@ -259,7 +259,8 @@ def test_app_start_up_refuses_bad_options_in_one_line(case, files, tmp_path):
                   "db-parquet": (["--db", str(names["parquet"])], "is a Parquet file"),
                   "db-under-a-file": (["--db", f"{names['binary']}/app.duckdb"], "is a file, not a folder"),
                   "calibration-under-a-file": (["--calibration", f"{names['binary']}/cal.json"],
-                                               "--calibration")}[case]
+                                               "--calibration"),
+                  "costs-missing": (["--costs", str(tmp_path / "nope.json")], "no such file")}[case]
     db = [] if case.startswith("db") else ["--db", str(tmp_path / "app.duckdb")]
     r = subprocess.run([sys.executable, "-m", "app", "--port", str(port), *db, *argv], capture_output=True, text=True,
                        timeout=120, cwd=REPO_ROOT, check=False)

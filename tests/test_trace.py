@@ -277,6 +277,8 @@ def test_eager_is_a_column_written_by_the_run_and_migrated(qwen3, tmp_path):
     con.execute("ALTER TABLE draft_nodes DROP COLUMN block")  # and schema 6's node columns
     con.execute("ALTER TABLE draft_nodes DROP COLUMN bucket")
     con.execute("ALTER TABLE draft_nodes DROP COLUMN in_cands")  # and schema 7's
+    for col in ("engine", "engine_version", "source"):  # and schema 8's (imported runs)
+        con.execute(f"ALTER TABLE runs DROP COLUMN {col}")
     con.execute("UPDATE meta SET value = '4' WHERE key = 'schema_version'")
     con.close()
     with pytest.raises(TraceError, match="older than this speclab's"):
@@ -284,5 +286,6 @@ def test_eager_is_a_column_written_by_the_run_and_migrated(qwen3, tmp_path):
     with TraceStore(old) as s:
         runs = s.query("SELECT method, eager FROM runs ORDER BY run_id")
         nodes = s.query("SELECT block, bucket, in_cands FROM draft_nodes")  # the columns are back (empty)
-    assert runs.eager.tolist() == [True, False, False] and SCHEMA_VERSION == 7 and list(nodes.columns) == [
-        "block", "bucket", "in_cands"]
+        engines = s.query("SELECT engine, engine_version, source FROM runs")
+    assert runs.eager.tolist() == [True, False, False] and SCHEMA_VERSION == 8 and list(nodes.columns) == [
+        "block", "bucket", "in_cands"] and engines.engine.isna().all()

@@ -15,7 +15,7 @@ from speclab.core.sampling import Sampling
 from speclab.core.target import Target, crop_cache
 from speclab.metrics import speedup
 from speclab.progress import Progress
-from speclab.viz import Report
+from speclab.viz import Report, lines_figure
 
 WIDTHS = (1, 2, 4, 8, 16, 32, 64)
 
@@ -338,7 +338,6 @@ def forward_costs_report(df: pd.DataFrame, context: int) -> Report:
 
 def dtype_costs_report(df: pd.DataFrame, context: int) -> Report:
     """ms per call by width and dtype: one row per (model, dtype), one column per width, and the curves."""
-    from speclab.viz import lines_figure
     wide = df.pivot_table(index=["model", "dtype"], columns="rows", values="ms", sort=False).reset_index()
     wide.columns = [c if isinstance(c, str) else f"{c} rows" for c in wide.columns]
     table = wide.to_markdown(index=False, floatfmt=".2f")
@@ -377,3 +376,97 @@ def kernels_report(df: pd.DataFrame, device: str) -> Report:
     long = long[long.us.notna()].assign(category=lambda d: d.op + " " + d["size"])
     fig = bench_bars(long, "us", f"Median microseconds per call on {device} (lower is better)")
     return Report("speclab costs kernels", df.to_markdown(index=False), [fig])
+
+
+@torch.inference_mode()
+def measure_profile(target: Target, models: dict, name: str, widths=(1, 2, 4, 8, 16, 32), backlogs=(1, 4, 16, 64),
+                    prompts=(16, 64, 128), context: int = 200, reps: int = 9, calls: int = 5, decode_tokens: int = 48):
+    """A hardware cost profile of this machine in the target's dtype (`speclab.routing.hardware`): the target's
+    forward by rows after `context` tokens, its prefill by prompt length, its head on one row; per routed drafter
+    (EAGLE-3 and DFlash at their default parameters) one propose, its catch-up by backlog, and the rest of a round
+    (routing, commit, recording) from a short greedy decode. One interleaved timing loop per table (medians);
+    progress with ETA."""
+    import platform
+
+    from speclab.core.precision import cpu_label
+    from speclab.generate import generate
+    from speclab.methods import build_method, method_params
+    from speclab.routing.hardware import HardwareProfile, cost_model
+    from speclab.routing.replay import DRAFTERS
+
+    g = torch.Generator().manual_seed(0)
+    n_ids = context + max(max(widths), max(backlogs), max(prompts)) + 2
+    ids = torch.randint(3, target.vocab_size, (n_ids,), generator=g)
+    bar = _Bar(reps * (4 + len(DRAFTERS)), "measuring costs")
+    fw = _target_call(target, ids, context)
+    bar.info = {"table": "target forward"}
+    forward = timeit_interleaved({n: (lambda n=n: fw(n)) for n in widths}, reps, calls, each=True, on_rep=bar)
+    bar.info = {"table": "prefill"}
+    prefill = timeit_interleaved({p: (lambda p=p: target.forward(ids[:p], target.new_cache(p + 1)))
+                                  for p in prompts}, reps, max(1, calls // 2), on_rep=bar)
+    h = torch.randn(1, target.hidden_size, generator=g).to(target.device, target.dtype)
+    bar.info = {"table": "head"}
+    head = timeit_interleaved({"head": lambda: target.head(h)}, reps, calls, on_rep=bar)["head"]
+    drafters = {}
+    for dname in DRAFTERS:
+        built, _ = build_method(dname, target, models, method_params(dname, {}, target))
+        d = built[dname]
+        feats = target.forward(ids, target.new_cache(), layers=d.layers).features
+        d.reset(ids[: context + 1], feats[:context])
+        d.catch_up(ids[:0], None)
+        known, widths_seen = d.known, []
+
+        def propose(d=d, known=known, widths_seen=widths_seen):
+            tree = d.propose(64, Sampling(), None)
+            widths_seen.append(len(tree))
+            d.cache.crop(known)  # drop the draft: every repetition drafts from the same state
+
+        def catch_up(m, d=d, known=known, feats=feats):
+            d.catch_up(ids[context + 1 : context + 1 + m], feats[context : context + m])
+            d.known = known  # forget the backlog again (the cache is overwritten in place)
+            d.cache.crop(known)
+        bar.info = {"table": f"{dname} draft and catch-up"}
+        med = timeit_interleaved({"draft": propose, **{m: (lambda m=m: catch_up(m)) for m in backlogs}}, reps, calls,
+                                 on_rep=bar)
+        drafters[dname] = {"draft_ms": med["draft"], "width": float(np.median(widths_seen)),
+                           "catchup_ms": {str(m): med[m] for m in backlogs}}
+    other = {dname: [] for dname in DRAFTERS}
+
+    def keep(ev):
+        if ev.drafter in other:
+            other[ev.drafter].append(sum(ev.timings_ms.get(k, 0.0) for k in ("route", "commit", "record")))
+    bar.info = {"table": "rest of a round"}
+    for _ in range(reps):
+        for dname in DRAFTERS:
+            generate(target, "def fibonacci(n):\n", dname, models=models, max_new_tokens=decode_tokens, on_round=keep)
+        bar()
+    for dname in DRAFTERS:
+        drafters[dname]["other_ms"] = float(np.median(other[dname])) if other[dname] else 0.0
+    measured = {"context": context, "target_forward_ms": {str(n): v for n, v in forward.items()},
+                "prefill_ms": {str(p): v for p, v in prefill.items()}, "head_ms": head, "drafters": drafters}
+    machine = {"device": str(target.device.type), "cpu": cpu_label(), "threads": torch.get_num_threads(),
+               "torch": torch.__version__, "python": platform.python_version(),
+               "gpu": torch.cuda.get_device_name(target.device) if target.device.type == "cuda" else None}
+    roles = {"target": target, **{k: models.get(k) for k in DRAFTERS}}
+    mods = {role: {"name": getattr(m, "name", None), "fingerprint": getattr(m, "fingerprint", None)}
+            for role, m in roles.items() if m is not None}
+    return HardwareProfile(name, "measured", machine, str(target.precision["dtype"]), cost_model(measured), mods,
+                           measured)
+
+
+def profile_report(p) -> Report:
+    """A cost profile's tables: the target by rows, the drafters, and the fitted round-cost model."""
+    m = p.measured
+    fw = pd.DataFrame({"rows": [int(k) for k in m["target_forward_ms"]], "ms": list(m["target_forward_ms"].values())})
+    dr = pd.DataFrame([{"drafter": k, "draft_ms": v["draft_ms"], "nodes": v["width"], "other_ms": v["other_ms"],
+                        **{f"catchup_{b}_ms": x for b, x in v["catchup_ms"].items()}}
+                       for k, v in m["drafters"].items()])
+    text = "\n\n".join([
+        f"## Cost profile {p.label}\n\nmachine: {p.machine}\n\nhead (one row): {m['head_ms']:.3f} ms; prefill: "
+        + ", ".join(f"{k} tokens {v:.2f} ms" for k, v in m["prefill_ms"].items()),
+        f"### Target forward after {m['context']} tokens (ms)\n\n" + fw.to_markdown(index=False, floatfmt=".3f"),
+        "### Drafters (ms)\n\n" + dr.to_markdown(index=False, floatfmt=".3f"),
+        "### Round-cost model fitted to it\n\n" + p.cost.table().to_markdown(index=False, floatfmt=".3f")])
+    fig = lines_figure(fw.assign(model="target"), "rows", "ms", "model", f"Target forward by rows: {p.label}",
+                       "rows per call", "ms per call")
+    return Report(f"cost profile {p.name}", text, [fig])

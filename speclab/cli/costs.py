@@ -117,6 +117,27 @@ def cmd_kernels(a: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_measure(a: argparse.Namespace) -> int:
+    from speclab.bench.costs import measure_profile, profile_report
+    from speclab.cli.common import _check_writable
+
+    widths = _positive_ints(a.rows, "--rows")
+    backlogs = _positive_ints(a.backlog, "--backlog")
+    name = (a.name or "").strip()
+    if not name or len(name) > 64 or any(not (c.isalnum() or c in "-_.") for c in name):
+        raise SpeclabError(f"--name {a.name!r}: a short name of letters, digits, '-', '_' or '.' (it names the "
+                           "profile in tables, plots and calibration files)")
+    _check_writable(a.out, "--out")
+    target, models = load_models(ModelPaths.from_args(a), roles=("eagle3", "dflash"))
+    if max(widths) + a.context > target.max_context or max(backlogs) + a.context > target.max_context:
+        raise SpeclabError(f"--context {a.context} with {max(max(widths), max(backlogs))} more tokens does not fit "
+                           f"the target's context of {target.max_context}")
+    profile = measure_profile(target, models, name, widths=widths, backlogs=backlogs, context=a.context, reps=a.reps)
+    write_report(profile_report(profile), a.report)
+    print(f"\ncost profile {profile.label}: {profile.save(a.out)}")
+    return 0
+
+
 def add_parsers(sub) -> None:
     """`costs` and its commands."""
     c = sub.add_parser("costs", help="cost micro-benchmarks: ms per model call (forward), EAGLE-3 catch-up, switch "
@@ -165,6 +186,19 @@ def add_parsers(sub) -> None:
         q.add_argument("--reps", type=_positive_int, default=15, help="interleaved repetitions; the median is shown")
         q.add_argument("--report", default=f"reports/{name}_costs.html")
         q.set_defaults(fn=fn)
+
+    me = cs.add_parser("measure", help="a hardware cost profile of this machine (target forward by rows, each "
+                       "drafter's call and catch-up by backlog, the head) as JSON, for --costs")
+    add_model_args(me)
+    me.add_argument("--out", required=True, help="the profile file to write (JSON)")
+    me.add_argument("--name", required=True, help="the profile's name in tables, plots and calibration files, "
+                    "e.g. cpu-bf16 or h100-bf16")
+    me.add_argument("--rows", default="1,2,4,8,16,32", help="target forward widths timed (comma-separated)")
+    me.add_argument("--backlog", default="1,4,16,64", help="catch-up backlogs timed (comma-separated)")
+    me.add_argument("--context", type=_positive_int, default=200, help="tokens already in the caches")
+    me.add_argument("--reps", type=_positive_int, default=9, help="interleaved repetitions; the median is kept")
+    me.add_argument("--report", help="also write the profile's tables (.md or .html)")
+    me.set_defaults(fn=cmd_measure)
 
     kb = cs.add_parser("kernels", help="the small hot ops: torch twin vs Triton kernel per op and size "
                        "(Triton timed only on CUDA)")

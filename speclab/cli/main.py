@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from speclab.cli import adapt, bench, costs, decode, flashhead, routing, train
+from speclab.cli import adapt, bench, costs, decode, flashhead, imports, routing, train
 from speclab.cli.common import _check_writable, _Parser, _sigterm_interrupts
 from speclab.errors import SpeclabError
 from speclab.models import check_model_args
@@ -24,6 +24,7 @@ def parser() -> argparse.ArgumentParser:
     train.add_parsers(sub)  # train, zoo
     adapt.add_parsers(sub)  # adapt (SpecBlock's serving-time adaptation)
     flashhead.add_parsers(sub)  # flashhead build | costs (FlashHead, the clustered draft head)
+    imports.add_parsers(sub)  # import (vLLM, SGLang, llama.cpp metrics into the trace)
     return ap
 
 

@@ -46,8 +46,15 @@ def _bench_paths(a: argparse.Namespace, store, bench_id: str) -> ModelPaths:
     return paths
 
 
-def _routing_setup(a: argparse.Namespace, store, bench_id: str, need_mlp: bool):
-    """Profiles (made when missing), the cost model fitted to the bench and the neural router when needed."""
+def _costs(a: argparse.Namespace):
+    """The hardware cost profile of --costs (checked now, before any trace or model opens), or None."""
+    from speclab.routing.hardware import load_profile
+    return load_profile(a.costs) if getattr(a, "costs", None) else None
+
+
+def _routing_setup(a: argparse.Namespace, store, bench_id: str, need_mlp: bool, profile=None):
+    """Profiles (made when missing), the cost model (a hardware profile's, else fitted to the bench) and the neural
+    router when needed."""
     from speclab.routing.evaluate import check_profilable, get_profiles
     from speclab.routing.replay import fit_costs
 
@@ -60,6 +67,8 @@ def _routing_setup(a: argparse.Namespace, store, bench_id: str, need_mlp: bool):
         return loaded["m"]
 
     cost = fit_costs(store, bench_id)  # before any model loads: a bench without the drafters' rounds fails fast
+    if profile is not None:
+        cost = profile.cost
     check_profilable(store, bench_id)
     profiles = get_profiles(store, bench_id, load, log=lambda s: print(s, file=sys.stderr))
     mlp = load()[1]["router"] if need_mlp else None
@@ -93,9 +102,13 @@ def cmd_sweep(a: argparse.Namespace) -> int:
     router = _router(a.router)
     grid = parse_thresholds(a.grid or grid_text(router))
     live_pts = parse_thresholds(a.live) if a.live else []
+    profile = _costs(a)
+    if profile is not None and live_pts:
+        raise SpeclabError("--live with --costs: live runs are measured on this machine, the replay under --costs "
+                           "models another's; leave --costs out to set live runs beside the local cost model")
     store, bench_id = _bench_store(a)
     with store:
-        profiles, cost, mlp, load = _routing_setup(a, store, bench_id, router == "neural")
+        profiles, cost, mlp, load = _routing_setup(a, store, bench_id, router == "neural", profile)
         if live_pts:
             target, models = load()
             run_live(store, bench_id, target, models, live_specs(router, live_pts),
@@ -117,29 +130,34 @@ def cmd_calibrate(a: argparse.Namespace) -> int:
     given = {"entropy": a.entropy_grid, "neural": a.neural_grid}
     grids = {r: parse_thresholds(text) for r, text in given.items() if text}  # the rest: the calibration grid
     out = Path(a.out) if a.out else calibration_path()
+    profile = _costs(a)
     store, bench_id = _bench_store(a)
     with store:
-        profiles, cost, mlp, load = _routing_setup(a, store, bench_id, "neural" in routers)
+        profiles, cost, mlp, load = _routing_setup(a, store, bench_id, "neural" in routers, profile)
         target = load()[0]
         cal = Calibrator(store, bench_id, profiles, cost, mlp, reused=True, grids=grids)
         best, report = calibrate(cal, routers)
         info = {"bench": bench_id, "db": str(a.db), "prompts": len(profiles),
-                "grids": {r: given[r] or grid_text(r) for r in routers},
-                "cost_model": cost.__dict__, "command": "speclab calibrate " + " ".join(sys.argv[2:])}
+                "grids": {r: given[r] or grid_text(r) for r in routers}, "cost_model": cost.to_dict(),
+                "costs": cost.label, "command": "speclab calibrate " + " ".join(sys.argv[2:])}
+        if profile is not None:  # another machine's thresholds: kept under its profile, not used by routers here
+            info = {f"profile {profile.name}": info}
         for r in routers:
-            save_thresholds(r, best[r], target.fingerprint, info, out)
+            save_thresholds(r, best[r], target.fingerprint, info, out, profile.name if profile else None)
     write_report(report, a.report)
-    print(f"wrote {out}")
+    where = f" (the thresholds of profile {profile.name})" if profile is not None else ""
+    print(f"wrote {out}{where}")
     return 0
 
 
 def cmd_routing(a: argparse.Namespace) -> int:
     from speclab.routing.evaluate import bench_routers, routing_report
 
+    profile = _costs(a)
     store, bench_id = _bench_store(a)
     with store:
         neural = "neural" in bench_routers(store, bench_id)
-        profiles, cost, mlp, _ = _routing_setup(a, store, bench_id, neural)
+        profiles, cost, mlp, _ = _routing_setup(a, store, bench_id, neural, profile)
         report = routing_report(store, bench_id, profiles, cost, mlp, a.prompt_id)
     write_report(report, a.report)
     return 0
@@ -155,6 +173,11 @@ def add_parsers(sub) -> None:
             p.add_argument("--report", default=report)
         add_model_args(p)
 
+    def costs_arg(p) -> None:
+        p.add_argument("--costs", help="a hardware cost profile (JSON, `speclab costs measure --out`; shipped: "
+                       "data/costs/) to replay under instead of the cost model fitted to the bench here: every "
+                       "tokens/s figure is modeled for that machine")
+
     pr = sub.add_parser("profile", help="counterfactual acceptance profiles of EAGLE-3 and DFlash at every position of "
                         "a bench's AR outputs (greedy), for replay, oracles, sweeps and calibration")
     bench_args(pr)
@@ -167,6 +190,7 @@ def add_parsers(sub) -> None:
                     "router's calibration grid, speclab.routing.calibration.GRIDS)")
     sw.add_argument("--live", default="", help="thresholds to also run live on the bench's prompts (into the bench)")
     bench_args(sw, "reports/sweep.html")
+    costs_arg(sw)
     sw.set_defaults(fn=cmd_sweep)
 
     ca = sub.add_parser("calibrate", help="the best threshold per category (and a global one) of the WhiFlash "
@@ -178,10 +202,12 @@ def add_parsers(sub) -> None:
                     "calibration grid)")
     ca.add_argument("--out", help="calibration file (default: data/zoo/calibration.json)")
     bench_args(ca, "reports/calibration.html")
+    costs_arg(ca)
     ca.set_defaults(fn=cmd_calibrate)
 
     ro = sub.add_parser("routing", help="WhiFlash's Table 1 on a bench (EAGLE-3, DFlash, oracles, routers: AL and "
                         "speedup per category), live vs replay, cost-model error, switch cost, lazy vs eager")
     ro.add_argument("--prompt-id", help="the sequence of the volatility figure (default: the first profiled)")
     bench_args(ro, "reports/routing.html")
+    costs_arg(ro)
     ro.set_defaults(fn=cmd_routing)

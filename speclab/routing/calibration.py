@@ -90,9 +90,11 @@ class Calibrator:
     grids: dict = field(default_factory=dict)  # router -> thresholds to sweep instead of `grid(router)`
 
     @classmethod
-    def prepare(cls, store, target, models: dict, suite: str, limit: int, max_new_tokens: int, log=print):
+    def prepare(cls, store, target, models: dict, suite: str, limit: int, max_new_tokens: int, log=print,
+                costs=None):
         """Reuse the trace's bench of this suite and these settings (and its profiles), or run and profile one.
-        Every input is checked before any model work."""
+        Every input is checked before any model work. `costs`: a hardware profile to replay under instead of the
+        cost model fitted to the bench."""
         from speclab.bench.run import BenchConfig, run_bench
         from speclab.checks import Bound, check_number
 
@@ -115,7 +117,8 @@ class Calibrator:
             return target, models
         profiles = routing.get_profiles(store, bench_id, load, log=log)
         reused = reused and not made
-        return cls(store, bench_id, profiles, replay.fit_costs(store, bench_id), models.get("router"), reused)
+        cost = costs.cost if costs is not None else replay.fit_costs(store, bench_id)
+        return cls(store, bench_id, profiles, cost, models.get("router"), reused)
 
     @property
     def categories(self) -> list[str]:
@@ -146,6 +149,8 @@ class Calibrator:
             ar = pd.concat([run_summary(self.store, ids, by="category"), run_summary(self.store, ids, by="method")
                             .assign(category="all")]) if ids else pd.DataFrame(columns=["category", "tokens_per_s"])
             ar = pd.DataFrame({"policy": "ar", "category": ar.category, "tau": 1.0, "tokens_per_s": ar.tokens_per_s})
+            if not self.cost.here:  # another machine's costs: AR modeled under them too, not measured here
+                ar["tokens_per_s"] = 1e3 / self.cost.ar_token_ms()
             self.curves["refs"] = pd.concat([orc[orc.policy.isin(REFERENCES)], ar], ignore_index=True)
         return self.curves["refs"]
 
@@ -203,14 +208,17 @@ def calibrate(cal: Calibrator, routers) -> tuple[dict, Report]:
         text += [f"## {r}: best threshold per category (modeled tokens/s)", "",
                  top[["category", "threshold", "tau", "tokens_per_s", "switches", "eagle3_share"]]
                  .to_markdown(index=False, floatfmt=".3f"), ""]
-        figs.append(viz.sweep_figure(sw, None, "tokens_per_s", f"whiflash-{r}: modeled tokens/s by threshold"))
+        figs.append(viz.sweep_figure(sw, None, "tokens_per_s", f"whiflash-{r}: modeled tokens/s by threshold "
+                                     f"({cal.cost.label})"))
     return best, Report("WhiFlash calibration", "\n".join(text), figs)
 
 
-def save_thresholds(router: str, thresholds: dict, fingerprint: str, info: dict, path=None) -> Calibration:
+def save_thresholds(router: str, thresholds: dict, fingerprint: str, info: dict, path=None,
+                    profile: str | None = None) -> Calibration:
     """Write `thresholds` ({category, or '*' / 'all' for the global one: value}) for `router` into the calibration
     file (the routers' one by default), keeping the other entries; a file calibrated for another target starts
-    afresh."""
+    afresh. With `profile` (a hardware cost profile's name) they go to that profile's entry, not to the thresholds
+    the routers here use."""
     from pathlib import Path
 
     from speclab.files import check_writable
@@ -223,7 +231,7 @@ def save_thresholds(router: str, thresholds: dict, fingerprint: str, info: dict,
     if cal.target and cal.target != fingerprint:
         cal = Calibration()
     cal.target = fingerprint
-    per = cal.thresholds.setdefault(router, {})
+    per = (cal.profiles.setdefault(profile, {}) if profile else cal.thresholds).setdefault(router, {})
     per.update({("*" if k == "all" else str(k)): float(v) for k, v in thresholds.items()})
     cal.info = {**cal.info, **info}
     try:

@@ -500,8 +500,8 @@ def sweep_report(store, bench_id: str, profiles, cost, router: str, grid, mlp=No
     wide_tau = sw.pivot_table(index="threshold", columns="category", values="tau").reset_index()
     text = [f"# {method} threshold sweep on bench `{bench_id}`", "",
             f"Replayed from profiles: {len(grid)} thresholds x {len(profiles)} prompts in {replay_s:.2f} s. Tokens/s "
-            f"from the cost model fitted to the bench's live rounds ({cost.rounds_fitted} rounds, {cost.runs_fitted} "
-            "runs).", "", "## Modeled tokens/s per category", "", wide_tps.to_markdown(index=False, floatfmt=".2f"), "",
+            f"modeled: the round-cost model {cost.label}.", "", f"## Modeled tokens/s per category ({cost.label})", "",
+            wide_tps.to_markdown(index=False, floatfmt=".2f"), "",
             "## AL (tau: tokens per round) per category", "", wide_tau.to_markdown(index=False, floatfmt=".3f")]
     shown = None
     if len(live):
@@ -512,7 +512,8 @@ def sweep_report(store, bench_id: str, profiles, cost, router: str, grid, mlp=No
                  .to_markdown(index=False, floatfmt=".3f")]
         shown = live.rename(columns={"tokens_per_s_live": "tokens_per_s", "tau_live": "tau"})
     figs = [viz.sweep_figure(sw, shown, "tokens_per_s",
-                             f"{method}: tokens/s by threshold (lines: replay + cost model; diamonds: live)"),
+                             f"{method}: modeled tokens/s by threshold ({cost.label}; lines: replay + cost model; "
+                             "diamonds: live, measured here)"),
             viz.sweep_figure(sw, shown, "tau", f"{method}: AL (tau) by threshold")]
     return Report(f"{method} threshold sweep", "\n".join(text), figs)
 
@@ -585,7 +586,8 @@ def routing_report(store, bench_id: str, profiles, cost, mlp=None, prompt_id: st
           "picked in hindsight; oracle-token-time: modeled (cost model), not measured.", "",
           "## AL (tau) and speedup per category", "", wide(table).to_markdown(**fmt), "",
           "## Tokens/s per category", "", tps.reset_index().to_markdown(**fmt), "",
-          "## Modeled tokens/s (the same runs replayed under one cost model: no run-to-run timing noise)", "",
+          f"## Modeled tokens/s (the same runs replayed under one cost model, {cost.label}: no run-to-run timing "
+          "noise)", "",
           "Live tokens/s of one method and category vary by about 10% from run to run on this machine even for "
           "identical rounds; replayed through one cost model every method pays the same per-phase costs.", "",
           modeled.reset_index().to_markdown(**fmt), "",
@@ -595,7 +597,7 @@ def routing_report(store, bench_id: str, profiles, cost, mlp=None, prompt_id: st
           volatility_table(profiles, mlp).to_markdown(index=False, floatfmt=".3f"), "",
           "## Live vs replay (routed runs)", "",
           replay_agreement(store, bench_id, agree), "",
-          "## Cost model", "", cost.table().to_markdown(index=False, floatfmt=".3f"), "",
+          f"## Cost model ({cost.label})", "", cost.table().to_markdown(index=False, floatfmt=".3f"), "",
           f"prefill ms = {cost.prefill0:.2f} + {cost.prefill1:.3f} x prompt tokens; fitted to {cost.rounds_fitted} "
           f"rounds of {cost.runs_fitted} runs", "",
           "Modeled vs measured tokens/s of the live runs (model error = modeled / measured - 1):", "",

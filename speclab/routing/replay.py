@@ -224,6 +224,12 @@ class CostModel:
     prefill1: float
     rounds_fitted: int = 0
     runs_fitted: int = 0
+    label: str = ""  # where the costs come from: a bench fitted here, or a hardware profile (`routing.hardware`)
+    here: bool = True  # the costs are this machine's (False: another machine's profile: no live figure compares)
+
+    def ar_token_ms(self) -> float:
+        """An AR step under this model: one target forward of one row (modeled; prefill aside)."""
+        return self.verify0 + self.verify1
 
     def round_ms(self, d: np.ndarray, width: np.ndarray, backlog: np.ndarray, eager_backlog=None) -> np.ndarray:
         d = np.asarray(d)
@@ -246,6 +252,14 @@ class CostModel:
     def switch_ms(self, d: int, backlog: float) -> float:
         """Catch-up time of drafter d over `backlog` tokens."""
         return self.catchup0[d] + self.catchup1[d] * backlog
+
+    def to_dict(self) -> dict:
+        """The terms, as a cost profile keeps them (`speclab.routing.hardware`)."""
+        return {k: v for k, v in self.__dict__.items() if k not in ("label", "here")}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> CostModel:
+        return cls(**{k: d[k] for k in cls.__dataclass_fields__ if k in d})
 
     def table(self) -> pd.DataFrame:
         return pd.DataFrame({"drafter": DRAFTERS, "draft_ms": self.draft, "catchup_ms": self.catchup0,
@@ -288,7 +302,8 @@ def fit_costs(store, bench_id: str) -> CostModel:
     runs = df.groupby("run_id").agg(prompt_tokens=("prompt_tokens", "first"), prefill_ms=("prefill_ms", "first"))
     pf = np.linalg.lstsq(np.c_[np.ones(len(runs)), runs.prompt_tokens], runs.prefill_ms, rcond=None)[0] \
         if runs.prompt_tokens.nunique() > 1 else (runs.prefill_ms.mean(), 0.0)
-    return CostModel(draft, float(v[0]), float(v[1]), c0, c1, other, float(pf[0]), float(pf[1]), len(df), len(runs))
+    return CostModel(draft, float(v[0]), float(v[1]), c0, c1, other, float(pf[0]), float(pf[1]), len(df), len(runs),
+                     f"fitted to bench {bench_id}'s live rounds on this machine")
 
 
 def model_error_table(cost: CostModel, store, bench_id: str) -> pd.DataFrame:

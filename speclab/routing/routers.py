@@ -179,6 +179,11 @@ class Calibration:
     thresholds: dict = field(default_factory=dict)
     target: str = ""
     info: dict = field(default_factory=dict)  # how it was made (bench, grid, cost model, command)
+    profiles: dict = field(default_factory=dict)  # {hardware profile: thresholds like `thresholds`}, for that machine
+
+    def for_profile(self, profile: str) -> Calibration:
+        """The thresholds calibrated under a hardware cost profile (`speclab calibrate --costs`), as a Calibration."""
+        return Calibration(self.profiles.get(profile, {}), self.target, self.info)
 
     def threshold(self, policy: str, category: str | None, target: str | None = None) -> float | None:
         if target is not None and self.target and target != self.target:
@@ -188,8 +193,10 @@ class Calibration:
         return per.get("*") if v is None else v  # (target: the fingerprint of the target asking)
 
     def save(self, path: str | Path) -> None:
-        write_atomic(path, json.dumps({"target": self.target, "thresholds": self.thresholds, "info": self.info},
-                                      indent=1) + "\n")
+        d = {"target": self.target, "thresholds": self.thresholds, "info": self.info}
+        if self.profiles:
+            d["profiles"] = self.profiles
+        write_atomic(path, json.dumps(d, indent=1) + "\n")
 
 
 CALIBRATION_ENV = "SPECLAB_CALIBRATION"  # another calibration file for every router of the process (tests, the app)
@@ -230,8 +237,10 @@ def load_calibration(path: str | Path | None = None) -> Calibration:
         return Calibration()
     try:
         d = json.loads(p.read_text())
-        return Calibration({k: {c: float(v) for c, v in per.items()} for k, per in d["thresholds"].items()},
-                           d.get("target", ""), d.get("info", {}))
+        def per_policy(t):
+            return {k: {c: float(v) for c, v in per.items()} for k, per in t.items()}
+        return Calibration(per_policy(d["thresholds"]), d.get("target", ""), d.get("info", {}),
+                           {name: per_policy(t) for name, t in d.get("profiles", {}).items()})
     except (ValueError, KeyError, AttributeError, TypeError) as e:
         raise InvalidInput(f"{p} is not a speclab calibration file ({type(e).__name__}: {e})") from e
 
