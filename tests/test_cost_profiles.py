@@ -91,7 +91,8 @@ def test_shipped_profiles_load_and_say_where_they_come_from(path):
         assert p.citation and "published" in p.label
     else:
         assert p.machine["device"] and p.measured["target_forward_ms"] and p.models.get("target")
-        assert p.cost.to_dict() == pytest.approx(cost_model(p.measured).to_dict())
+        fitted = cost_model(p.measured).to_dict()
+        assert all(np.allclose(v, fitted[k]) for k, v in p.cost.to_dict().items())
 
 
 def test_there_are_the_cpu_profiles_and_a_published_one():
