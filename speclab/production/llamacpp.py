@@ -57,8 +57,6 @@ def from_response(obj: dict, source: str, version: str | None = None) -> EngineR
     fp = obj.get("system_fingerprint")
     reported = {key: t[key] for key in ("draft_n", "draft_n_accepted", "predicted_n", "predicted_per_second")
                 if key in t}
-    if drafted < accepted:
-        raise InvalidInput(f"{source}: draft_n_accepted = {accepted} exceeds draft_n = {drafted}")
     return EngineRun(ENGINE, source, "request", steps, accepted, drafted, None, {}, None,
                      version=version or (fp if isinstance(fp, str) else None), reported=reported, notes=notes,
                      **fields).check()
