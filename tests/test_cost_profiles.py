@@ -101,8 +101,6 @@ def test_there_are_the_cpu_profiles_and_a_published_one():
 
 
 @pytest.mark.slow
-@pytest.mark.skip(reason="passes alone, failed twice inside the whole suite (cause not found yet, session 15): "
-                  "to be fixed next session, see the issue 32 note")
 def test_measure_writes_a_profile_that_loads(tmp_path):
     from helpers import run_cli
     out = tmp_path / "p.json"
