@@ -10,6 +10,9 @@ import pytest
 import torch
 
 from helpers import PROMPTS, assert_one_error_line, error_lines, run_cli, save_bert
+from speclab.zoo import REPO_ROOT
+
+ZOO = REPO_ROOT / "data" / "zoo"
 
 # every command that loads models, with the options it needs to get as far as its checks
 MODEL_COMMANDS = {
@@ -159,6 +162,8 @@ CASES = [
      "argument --experts: '0' is not an integer from 1 to 4096"),
     ("train", ["confu", "--out", "run", "--minutes", "5", "--init-from", "data/zoo/eagle3", "--replicate", "-1"],
      "argument --replicate: '-1' is not an integer"),
+    ("train", ["confu", "--out", "run", "--minutes", "5", "--init-from", str(ZOO / "confu"), "--soft-prompts", "4"],
+     f"--soft-prompts 4: the ConFu run at {ZOO / 'confu'} has 16 (a resumed run keeps its shape"),
     ("costs", ["forward", "--reps", "0"], "argument --reps: '0' is not an integer of at least 1"),
     ("costs", ["forward", "--context", "nan"], "argument --context: 'nan' is not an integer"),
     ("costs", ["forward", "--by-dtype", "--dtypes", "fp32,bf17"], "--dtype 'bf17' is not a dtype"),
@@ -245,7 +250,6 @@ def test_app_start_up_refuses_bad_options_in_one_line(case, files, tmp_path):
     import subprocess
     import sys
 
-    from speclab.zoo import REPO_ROOT
     names = files[0]
     held = socket.socket()
     held.bind(("127.0.0.1", 0))
@@ -315,7 +319,6 @@ def test_sigterm_in_the_middle_of_a_bench_marks_it_interrupted(model_dir, tmp_pa
     import sys
 
     from speclab.trace import TraceStore
-    from speclab.zoo import REPO_ROOT
     db, report = tmp_path / "b.duckdb", tmp_path / "r" / "bench.md"
     proc = subprocess.Popen([sys.executable, "-m", "speclab.cli", "bench", "--model", str(model_dir["qwen3"]),
                              "--draft", str(model_dir["qwen3_draft"]), "--methods", "ar,sps,pld", "--suite", "zoo",
@@ -419,7 +422,6 @@ def test_sigterm_in_training_keeps_the_weights_and_resumes(deep, tmp_path):
 
     from speclab.drafters.dflash import load_dflash
     from speclab.train.corpus import DOMAINS
-    from speclab.zoo import REPO_ROOT
     corpus = tmp_path / "corpus"
     corpus.mkdir()
     for d in DOMAINS:

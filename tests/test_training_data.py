@@ -219,6 +219,37 @@ def test_training_on_regenerated_data_in_bf16_keeps_checkpoints_and_curve(deep, 
     assert main(["train", "curve", "--out", str(tmp_path / "nothing"), "--drafter", "eagle3"]) == 2
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("s", [0, 2], ids=["no-soft-prompts", "s2"])
+def test_confu_training_on_regenerated_data_stops_at_its_token_budget_and_resumes(deep, regenerated, tmp_path, s,
+                                                                                  capsys):
+    """`speclab train confu` from an EAGLE-3 drafter, with s soft prompts (0 included): it stops at --max-tokens
+    with its progress counted in tokens, validates, saves a ConFu checkpoint that decodes greedy as AR, and
+    `--init-from` that checkpoint resumes it (its ConFu shape kept)."""
+    from speclab.core.engine import decode
+    from speclab.drafters.confu import ConFuDrafter, load_confu
+    from speclab.train.confu import ConFuTrainConfig, train_confu
+
+    random_eagle3(deep, 0).save(tmp_path / "eagle3", dtype=torch.float32)
+    base = dict(target_dir=deep.name, corpus_dir=str(regenerated), max_minutes=5.0, seq_len=16, batch_size=2,
+                eval_windows=1, eval_every_s=600, max_tokens=96, soft_prompts=s, experts=2, replicate=1,
+                loss_topk=8, ttt_steps=2)
+    first = train_confu(ConFuTrainConfig(out_dir=str(tmp_path / "run"), init_from=str(tmp_path / "eagle3"), **base),
+                        log=lambda line: None)
+    assert first["steps"] == 3 and first["tokens"] == 96 and set(first["val"]) == set(DOMAINS)
+    assert "train confu (tokens) 96/96" in capsys.readouterr().err
+    m = load_confu(tmp_path / "run" / "model", deep)
+    assert m.confu_config.soft_prompts == s and m.confu.contemplation.soft_k.shape[2] == s
+    ids = deep.tokenizer("def f(x):", return_tensors="pt")["input_ids"][0]
+    ar = decode(deep, ids, max_new_tokens=16)
+    res = decode(deep, ids, {"confu": ConFuDrafter(m.float(), deep, depth=3, tree_topk=2, total_tokens=6)},
+                 max_new_tokens=16)
+    assert torch.equal(res.new_ids, ar.new_ids)
+    again = train_confu(ConFuTrainConfig(out_dir=str(tmp_path / "resumed"), init_from=str(tmp_path / "run" / "model"),
+                                         **{**base, "soft_prompts": 16}), log=lambda line: None)
+    assert again["tokens"] == 96 and load_confu(tmp_path / "resumed" / "model", deep).confu_config.soft_prompts == s
+
+
 @pytest.mark.parametrize("argv,says", [
     (["data", "regenerate", "--out", "X", "--prompt-len", "1000", "--new-tokens", "100"],
      "exceed the target's context"),

@@ -147,6 +147,8 @@ def cmd_train(a: argparse.Namespace) -> int:
                                     "confu": "EAGLE-3 or ConFu drafter"}[a.what])
         else:
             check_model_dir(a.init_from)
+        if a.what == "confu":
+            _check_confu_resume(a)
     elif a.what == "confu":
         raise SpeclabError("train confu starts from a trained EAGLE-3 drafter (the paper's start): give --init-from "
                            "(e.g. data/zoo/eagle3), or a ConFu run's OUT/model to resume")
@@ -186,6 +188,20 @@ def cmd_train(a: argparse.Namespace) -> int:
     return 0
 
 
+CONFU_SHAPE = {"soft_prompts": ("--soft-prompts", 16), "experts": ("--experts", 8), "expert_topk": ("--expert-topk", 2)}
+
+
+def _check_confu_resume(a: argparse.Namespace) -> None:
+    """A ConFu run resumed with --init-from keeps its own shape (s, experts, top-k): an option that asks for
+    another is refused rather than ignored."""
+    raw = json.loads((Path(a.init_from) / "config.json").read_text())
+    for key, (flag, _) in CONFU_SHAPE.items():
+        asked, has = getattr(a, key), raw.get("confu", {}).get(key)
+        if has is not None and asked is not None and asked != has:
+            raise SpeclabError(f"{flag} {asked}: the ConFu run at {a.init_from} has {has} (a resumed run keeps its "
+                               f"shape; leave {flag} out)")
+
+
 def _train_drafter(a: argparse.Namespace, corpus: str) -> int:
     """`speclab train eagle3 | dflash | specblock`: the run's settings every drafter training shares, its own,
     the training, then its validation table."""
@@ -206,7 +222,8 @@ def _train_drafter(a: argparse.Namespace, corpus: str) -> int:
     elif a.what == "confu":
         from speclab.train import confu as t
         cfg = t.ConFuTrainConfig(**run, lr=a.lr or 1e-3, ttt_steps=a.ttt_steps, loss_topk=a.loss_topk or 32,
-                                 soft_prompts=a.soft_prompts, experts=a.experts, expert_topk=a.expert_topk,
+                                 **{k: default if getattr(a, k) is None else getattr(a, k)
+                                    for k, (_, default) in CONFU_SHAPE.items()},
                                  replicate=a.replicate, anchors=a.anchors)
         train = t.train_confu
     else:
@@ -284,11 +301,13 @@ def add_parsers(sub) -> None:
     t.add_argument("--max-tokens", type=_num(int, 0), default=0, help="eagle3, dflash, specblock, confu: stop after "
                    "this many training tokens (or --minutes, whichever comes first; 0: minutes only): two runs on "
                    "the same token budget")
-    t.add_argument("--soft-prompts", type=_num(int, 0, 4096), default=16,
-                   help="confu: s, soft-prompt key/value entries per target layer")
-    t.add_argument("--experts", type=_num(int, 1, 4096), default=8,
-                   help="confu: experts of each MoE (1: a static embedding, the paper's ablation without MoE)")
-    t.add_argument("--expert-topk", type=_num(int, 1, 4096), default=2, help="confu: experts mixed per row")
+    t.add_argument("--soft-prompts", type=_num(int, 0, 4096), default=None,
+                   help="confu: s, soft-prompt key/value entries per target layer (default 16; 0: none)")
+    t.add_argument("--experts", type=_num(int, 1, 4096), default=None,
+                   help="confu: experts of each MoE (default 8; 1: a static embedding, the paper's ablation without "
+                   "MoE)")
+    t.add_argument("--expert-topk", type=_num(int, 1, 4096), default=None,
+                   help="confu: experts mixed per row (default 2)")
     t.add_argument("--replicate", type=_num(int, 0, 4096), default=3,
                    help="confu: l, rows after an anchor that reuse its future vector (0: none, the ablation)")
     t.add_argument("--anchors", type=_num(int, 0, 1 << 20), default=0, help="confu: K_train anchors per window, "

@@ -133,13 +133,14 @@ def init_confu(m: ConFuModel, target, data, cfg: ConFuTrainConfig, rng: np.rando
     """New ConFu parts at the target's scale: soft prompts = the target's keys and values of `soft_prompts` tokens
     of a training window; experts = target input embeddings of random tokens plus noise; routers zero."""
     s = cfg.soft_prompts
-    ids = lm.sample_windows(data, cfg.domain_weights, replace(cfg, batch_size=1, seq_len=max(s, 1)), rng)[:, :s]
-    _, _, keys, values = target_pass(target, ids, m.config.layer_ids, 0)
     emb = target.get_input_embeddings().weight
     c = m.confu
     with torch.no_grad():
-        c.contemplation.soft_k.copy_(torch.stack([k[0] for k in keys]).float())
-        c.contemplation.soft_v.copy_(torch.stack([v[0] for v in values]).float())
+        if s:  # s = 0: no soft prompts (the contemplate row sees the context and itself)
+            ids = lm.sample_windows(data, cfg.domain_weights, replace(cfg, batch_size=1, seq_len=s), rng)[:, :s]
+            _, _, keys, values = target_pass(target, ids, m.config.layer_ids, 0)
+            c.contemplation.soft_k.copy_(torch.stack([k[0] for k in keys]).float())
+            c.contemplation.soft_v.copy_(torch.stack([v[0] for v in values]).float())
         for mix in (c.contemplation.con, c.future):
             rows = emb[torch.from_numpy(rng.integers(0, emb.shape[0], size=mix.experts.shape[0]))].float()
             mix.experts.copy_(rows + 0.1 * rows.std() * torch.randn_like(rows))

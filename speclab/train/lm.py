@@ -420,7 +420,10 @@ def online_loop(name: str, m: torch.nn.Module, cfg, step_fn, evaluate_fn, val_li
     n_params = sum(p.numel() for p in params)
     budget = cfg.max_minutes * 60
     log(f"{name}: {n_params / 1e6:.2f} M trainable params{about}, budget {cfg.max_minutes:.0f} min")
-    prog = Progress(int(budget), f"train {name} (seconds)")
+    # progress toward whichever budget ends the run first: seconds, or tokens when --max-tokens is set (the wall
+    # clock then counts as its share of the tokens, so the ETA is the nearer of the two ends)
+    total = cfg.max_tokens or int(budget)
+    prog = Progress(total, f"train {name} ({'tokens' if cfg.max_tokens else 'seconds'})")
     t0 = last_eval = time.time()
     step = tokens = 0
 
@@ -442,7 +445,8 @@ def online_loop(name: str, m: torch.nn.Module, cfg, step_fn, evaluate_fn, val_li
             tokens += s.tokens
             rec = {"step": step, "tokens": tokens, "loss": float(s.loss.detach()), **s.record, "lr": lr,
                    "time_s": time.time() - t0}
-            prog.update(min(int(time.time() - t0), int(budget)), step=step, loss=f"{rec['loss']:.3f}", **s.shown,
+            prog.update(min(total, max(tokens if cfg.max_tokens else 0, int(total * (time.time() - t0) / budget))),
+                        step=step, loss=f"{rec['loss']:.3f}", **s.shown,
                         tok_s=f"{tokens / rec['time_s']:.0f}")
             if time.time() - last_eval > cfg.eval_every_s:
                 rec["val"] = evaluate_fn()
