@@ -138,6 +138,51 @@ FROM ({RUN_SUMS_SQL}) GROUP BY run_id
 """
 
 
+# per bench, every ordered pair of speculative methods over the prompts both ran: the mean per-prompt gain of one
+# over the other (tau and tokens/s ratios, minus 1) and its sample standard deviation, for a paired confidence
+# interval (`paired_gains`). AR, the untraced fast path and the Hugging Face peers have no rounds to pair.
+PAIRED_SQL = f"""
+WITH m AS (SELECT bench_id, prompt_id, method, avg(tau) AS tau, avg(tokens_per_s) AS tokens_per_s
+           FROM ({RUN_METRICS_SQL}) WHERE bench_id IS NOT NULL AND method <> 'ar' AND tau IS NOT NULL GROUP BY ALL),
+g AS (SELECT a.bench_id, a.method, b.method AS against, a.tau / b.tau - 1 AS tau_gain,
+             a.tokens_per_s / nullif(b.tokens_per_s, 0) - 1 AS speed_gain
+      FROM m a JOIN m b ON a.bench_id = b.bench_id AND a.prompt_id = b.prompt_id AND a.method <> b.method)
+SELECT bench_id, method, against, count(*) AS prompts, avg(tau_gain) AS tau_gain, stddev_samp(tau_gain) AS tau_gain_sd,
+       avg(speed_gain) AS speed_gain, stddev_samp(speed_gain) AS speed_gain_sd
+FROM g GROUP BY ALL
+"""
+
+# Student's t, two-sided 95%: the 0.975 quantile for 1..30 degrees of freedom; above that the Cornish-Fisher
+# expansion around the normal quantile (within 1e-4 of the exact value there)
+_T975 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160, 2.145, 2.131,
+         2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048, 2.045, 2.042)
+
+
+def t975(df: int) -> float:
+    """The 0.975 quantile of Student's t with `df` degrees of freedom (nan below 1)."""
+    if df < 1:
+        return float("nan")
+    if df <= len(_T975):
+        return _T975[df - 1]
+    z = 1.959964
+    return z + (z**3 + z) / (4 * df) + (5 * z**5 + 16 * z**3 + 3 * z) / (96 * df**2)
+
+
+def ci95(sd: float, n: int) -> float:
+    """Half-width of the 95% confidence interval of a mean of n paired differences with sample deviation sd."""
+    return t975(n - 1) * sd / n**0.5 if n > 1 else float("nan")
+
+
+def paired_gains(store, bench_id: str):
+    """Each pair of a bench's speculative methods, one row per unordered pair (method before `against` in name
+    order): prompts both ran, mean per-prompt tau and tokens/s gain of `method` over `against`, and the 95%
+    confidence half-widths (`ci95`, paired by prompt: the prompts' own difficulty cancels)."""
+    df = store.query(f"SELECT * FROM ({PAIRED_SQL}) WHERE bench_id = ? AND method < against ORDER BY method, against",
+                     [bench_id])
+    for k in ("tau_gain", "speed_gain"):
+        df[f"{k}_ci95"] = [ci95(sd, n) for sd, n in zip(df[f"{k}_sd"], df.prompts)]
+    return df.drop(columns=["bench_id", "tau_gain_sd", "speed_gain_sd"])
+
 
 # per run and depth: the rounds whose draft reached the depth and those whose accepted path did; speclab's rounds
 # from their draft nodes, an imported run's from its steps by (drafted, accepted) count (`engine_steps`; a step

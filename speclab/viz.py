@@ -50,6 +50,22 @@ def bench_bars(table, metric: str, title: str) -> go.Figure:
     return fig
 
 
+def paired_gains(pairs) -> go.Figure:
+    """Each pair of methods: the mean per-prompt gain of one over the other in tau and in tokens/s, with its 95%
+    confidence interval as error bars (`speclab.metrics.paired_gains`); an interval across 0 is no difference."""
+    labels = [f"{m} vs {a}" for m, a in zip(pairs.method, pairs.against)]
+    fig = go.Figure()
+    for key, name, color in (("tau_gain", "tau", "#4c78a8"), ("speed_gain", "tokens/s", "#f58518")):
+        fig.add_bar(name=name, y=labels, x=100 * pairs[key], orientation="h", marker_color=color,
+                    error_x={"type": "data", "array": 100 * pairs[f"{key}_ci95"].fillna(0)},
+                    customdata=pairs.prompts, hovertemplate="%{x:+.1f}% over %{customdata} prompts")
+    fig.add_vline(x=0, line_color="gray")
+    fig.update_layout(title="Gain per prompt, paired (mean and 95% confidence interval)", barmode="group",
+                      xaxis_title="gain of the first method over the second, %", template="plotly_white",
+                      height=200 + 60 * len(labels))
+    return fig
+
+
 def position_acceptance(pos) -> go.Figure:
     """Per-position acceptance curves: P(depth d accepted | the draft reached depth d), one line per method."""
     fig = go.Figure()

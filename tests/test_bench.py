@@ -4,12 +4,13 @@ import math
 
 import pytest
 import torch
+from scipy.stats import t as scipy_t
 
 from speclab.bench.costs import forward_costs
 from speclab.bench.results import bench_overall, bench_report, bench_table, peer_ratios
 from speclab.bench.run import BenchConfig, run_bench
 from speclab.cli.common import write_report
-from speclab.metrics import model_error, speedup
+from speclab.metrics import ci95, model_error, paired_gains, run_metrics, speedup, t975
 from speclab.trace import TraceStore
 
 
@@ -43,7 +44,18 @@ def test_bench_runs_methods_and_peers_and_reports(qwen3, qwen3_draft, tmp_path):
     assert store.query("SELECT count(*) AS n FROM runs WHERE diverges_at IS NOT NULL").n[0] == 0
     bench = store.query("SELECT * FROM benches").iloc[0]
     assert bench.status == "done" and bench.trace_overhead > 0
+    # methods paired by prompt, recomputed from the runs' own tau and tokens/s
+    pairs = paired_gains(store, bench_id).set_index(["method", "against"])
+    assert set(pairs.index) == {("pld", "sps"), ("pld", tree), ("sps", tree)} and (pairs.prompts == 4).all()
+    per = run_metrics(store)
+    per = per[per.bench_id == bench_id].set_index(["method", "prompt_id"])
+    for (a, b), row in pairs.iterrows():
+        for key, col in (("tau_gain", "tau"), ("speed_gain", "tokens_per_s")):
+            g = (per.loc[a][col] / per.loc[b][col] - 1).to_numpy()
+            assert row[key] == pytest.approx(g.mean(), rel=1e-9, abs=1e-12)
+            assert row[f"{key}_ci95"] == pytest.approx(scipy_t.ppf(0.975, 3) * g.std(ddof=1) / 2, rel=1e-3, abs=1e-9)
     md, html = write_report(bench_report(store, bench_id), tmp_path / "r" / "bench.md")
+    assert "Method against method, paired by prompt" in md.read_text() and "Gain per prompt, paired" in html.read_text()
     assert "speclab vs Hugging Face" in md.read_text() and "plotly" in html.read_text()
     assert "Per-position acceptance" in md.read_text()
     assert "dtype float32 (logits float32)" in md.read_text()  # the runs' dtype (a column, not the row's own)
@@ -98,6 +110,14 @@ def test_forward_costs_times_both_backends_and_leaves_the_model_intact(qwen3, mo
     monkeypatch.setattr(costs, "timeit_interleaved", lambda fns, *a, **k: {"lean": 2.0, "hf": 3.0})
     df = forward_costs({"tiny": qwen3}, ns=(1,), context=16, reps=1, calls=1)
     assert df.speedup.tolist() == pytest.approx([1.5])
+
+
+def test_paired_intervals_use_students_t():
+    """t975 is Student's 0.975 quantile (table to 30 degrees of freedom, an expansion above), ci95 its interval."""
+    for df in (1, 2, 5, 30, 31, 60, 1000):
+        assert t975(df) == pytest.approx(scipy_t.ppf(0.975, df), abs=5e-4)
+    assert ci95(2.0, 4) == pytest.approx(scipy_t.ppf(0.975, 3) * 2.0 / 2, abs=1e-3)
+    assert math.isnan(ci95(1.0, 1)) and math.isnan(t975(0))
 
 
 def test_speedup_and_model_error_on_known_numbers():

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pandas as pd
 
-from speclab.metrics import RATIOS, RUN_SUMS_SQL, SPEEDUP_SQL, position_acceptance_sql, speedup
+from speclab.metrics import RATIOS, RUN_SUMS_SQL, SPEEDUP_SQL, paired_gains, position_acceptance_sql, speedup
 from speclab.trace import TraceStore
 from speclab.viz import Report
 
@@ -90,6 +90,13 @@ def bench_report(store: TraceStore, bench_id: str) -> Report:
     if bench.trace_overhead == bench.trace_overhead and bench.trace_overhead is not None:
         md += [f"Tracing overhead: traced / untraced decode time, all methods and prompts = "
                f"**{bench.trace_overhead:.3f}**", ""]
+    pairs = paired_gains(store, bench_id)
+    if len(pairs):
+        md += ["## Method against method, paired by prompt", "",
+               ("Mean per-prompt gain of `method` over `against` (tau and tokens/s ratios minus 1) on the prompts both "
+                "ran, with the half-width of its 95% confidence interval (Student's t): an interval that covers 0 "
+                "is no measured difference."), "", pairs.to_markdown(**fmt), ""]
+        summary += ["", "Paired by prompt (gain of method over against, 95% CI half-width):", pairs.to_markdown(**fmt)]
     divs = bench_divergences(store, bench_id)
     if len(divs):
         md += ["## Outputs that differ from AR", "", "First differing token and the target's top-2 logit gap there "
@@ -99,7 +106,7 @@ def bench_report(store: TraceStore, bench_id: str) -> Report:
            table.to_markdown(**fmt), "", "## Per-position acceptance", "", pos.to_markdown(**fmt), ""]
     figs = [viz.bench_bars(table, "speedup", "Speedup vs AR (tokens/s ratio, same bench)"),
             viz.bench_bars(table, "tau", "Acceptance length tau (tokens per target verification)"),
-            viz.position_acceptance(pos)]
+            viz.position_acceptance(pos)] + ([viz.paired_gains(pairs)] if len(pairs) else [])
     if overall.model_call_share.notna().any():
         figs.append(viz.bench_bars(overall.assign(category="all categories"), "model_call_share",
                                    "Share of decode time inside model forwards (target + drafter)"))
