@@ -61,7 +61,8 @@ def paired_gains(pairs) -> go.Figure:
                     customdata=pairs.prompts, hovertemplate="%{x:+.1f}% over %{customdata} prompts")
     fig.add_vline(x=0, line_color="gray")
     fig.update_layout(title="Gain per prompt, paired (mean and 95% confidence interval)", barmode="group",
-                      xaxis_title="gain of the first method over the second, %", template="plotly_white",
+                      xaxis_title="gain of the first method over the second, %", yaxis_autorange="reversed",
+                      template="plotly_white",
                       height=200 + 60 * len(labels))
     return fig
 
