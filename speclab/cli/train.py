@@ -188,14 +188,15 @@ def cmd_train(a: argparse.Namespace) -> int:
     return 0
 
 
-CONFU_SHAPE = {"soft_prompts": ("--soft-prompts", 16), "experts": ("--experts", 8), "expert_topk": ("--expert-topk", 2)}
+# the options that fix a ConFu run's shape (None when not given: ConFuTrainConfig's default)
+CONFU_SHAPE = {"soft_prompts": "--soft-prompts", "experts": "--experts", "expert_topk": "--expert-topk"}
 
 
 def _check_confu_resume(a: argparse.Namespace) -> None:
     """A ConFu run resumed with --init-from keeps its own shape (s, experts, top-k): an option that asks for
     another is refused rather than ignored."""
     raw = json.loads((Path(a.init_from) / "config.json").read_text())
-    for key, (flag, _) in CONFU_SHAPE.items():
+    for key, flag in CONFU_SHAPE.items():
         asked, has = getattr(a, key), raw.get("confu", {}).get(key)
         if has is not None and asked is not None and asked != has:
             raise SpeclabError(f"{flag} {asked}: the ConFu run at {a.init_from} has {has} (a resumed run keeps its "
@@ -222,8 +223,7 @@ def _train_drafter(a: argparse.Namespace, corpus: str) -> int:
     elif a.what == "confu":
         from speclab.train import confu as t
         cfg = t.ConFuTrainConfig(**run, lr=a.lr or 1e-3, ttt_steps=a.ttt_steps, loss_topk=a.loss_topk or 32,
-                                 **{k: default if getattr(a, k) is None else getattr(a, k)
-                                    for k, (_, default) in CONFU_SHAPE.items()},
+                                 **{k: getattr(a, k) for k in CONFU_SHAPE if getattr(a, k) is not None},
                                  replicate=a.replicate, anchors=a.anchors)
         train = t.train_confu
     else:
