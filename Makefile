@@ -23,11 +23,13 @@ app-probe:
 	@bash scripts/setup.sh test
 	$(PY) -m app.probe --methods ar,eagle3,dflash,whiflash-neural --tokens 256 --repeats 3
 
-# The suite: lint (ruff), types of the core modules (mypy), then every test; a failure of any fails the target
+# The suite: lint (ruff), types of the core modules (mypy), the import contract (lint-imports: the layers of
+# docs/ARCHITECTURE.md, no cycle), then every test; a failure of any fails the target
 test:
 	@bash scripts/setup.sh test
 	$(PY) -m ruff check .
 	$(PY) -m mypy
+	.venv/bin/lint-imports
 	$(PY) -m pytest -q
 
 # The same without the tests marked slow (notebooks, browser, zoo equality, training, subprocess CLIs)
@@ -35,6 +37,7 @@ test-fast:
 	@bash scripts/setup.sh test
 	$(PY) -m ruff check .
 	$(PY) -m mypy
+	.venv/bin/lint-imports
 	$(PY) -m pytest -q -m "not slow"
 
 # Benchmarks on the zoo (README "Benchmarks"): report in reports/bench.md + .html, rows in traces/bench.duckdb

@@ -2,7 +2,7 @@
 made (with progress); a threshold slider replays instantly (AL and modeled tokens/s against the threshold, the
 drafters alone and the oracles as reference lines, the optimum starred); "Save" writes the threshold to the
 calibration file the routers read; "Confirm live" decodes a few prompts at it and sets the measured tokens/s
-beside the modeled ones. All of it is `speclab.routing.calibration`."""
+beside the modeled ones. All of it is `speclab.bench.calibration`."""
 from __future__ import annotations
 
 import abc
@@ -14,11 +14,7 @@ import pandas as pd
 
 from app.lab import Lab, answers
 from speclab import viz
-from speclab.bench.suites import SUITES
-from speclab.errors import InvalidInput
-from speclab.methods import METHODS
-from speclab.progress import listen
-from speclab.routing.calibration import (
+from speclab.bench.calibration import (
     GRIDS,
     ROUTERS,
     Calibrator,
@@ -26,6 +22,10 @@ from speclab.routing.calibration import (
     grid_text,
     save_thresholds,
 )
+from speclab.bench.suites import SUITES
+from speclab.errors import InvalidInput
+from speclab.methods import METHODS
+from speclab.progress import listen
 from speclab.routing.routers import calibration_path
 from speclab.zoo import display_path
 

@@ -17,6 +17,7 @@ import torch
 
 from app.lab import Lab, answers, waiting
 from speclab import viz
+from speclab.bench.routing import event_rounds, with_counterfactual
 from speclab.bench.suites import SUITES, load_suite
 from speclab.equality import first_divergence, kind_of
 from speclab.errors import InvalidInput, SpeclabError
@@ -24,7 +25,6 @@ from speclab.generate import Generation, check_generation
 from speclab.methods import METHODS, method_params
 from speclab.metrics import speedup, tau, time_split, tokens_per_s
 from speclab.routing import replay
-from speclab.routing.evaluate import event_rounds, with_counterfactual
 from speclab.trace import decision_columns, token_columns
 
 STREAM_EVERY_S = 0.25  # at most four page updates a second while decoding

@@ -81,7 +81,9 @@ class Lab:
         return (f"# speclab · speculative decoding lab\ntarget `{display_path(self.target.name)}` · {roles} · "
                 f"trace `{display_path(self.store.path)}` · calibration `{display_path(calibration_path())}` (the "
                 f"zoo's where it has none) · {self.target.device.type} · {precision_label(self.target)}"
-                + (f" · calibration modeled under {self.costs.label}" if self.costs is not None else ""))
+                + (f" · calibration modeled under {self.costs.label}" if self.costs is not None else "")
+                + (f"\n\n<small>{self.target.dtype_choice}; every method here runs in this dtype, so the columns "
+                   "compare with AR's in one dtype</small>" if self.target.dtype_choice else ""))
 
     def methods(self) -> list[str]:
         """The registered methods whose models are loaded, in the registry's order."""

@@ -11,6 +11,7 @@ import torch
 
 from app.lab import Lab, answers, run_id_of
 from speclab import export, viz
+from speclab.bench.routing import router_rounds
 from speclab.core.engine import PHASES
 from speclab.errors import InvalidInput, SpeclabError
 from speclab.generate import encode_prompt
@@ -18,7 +19,6 @@ from speclab.methods import METHODS, build_method, get_method, method_params
 from speclab.metrics import run_metrics, time_split
 from speclab.production import view
 from speclab.routing import replay
-from speclab.routing.evaluate import router_rounds
 
 RUN_LIST_SQL = """
 SELECT r.run_id, strftime(r.started_at, '%Y-%m-%d %H:%M:%S') AS started, r.method,

@@ -2,9 +2,10 @@
 # Create or reuse .venv and install speclab with the right torch build; the pip part re-runs only when the
 # dependency list changes. CPU machines get the CPU build of torch 2.13.0 (served from this image's local
 # wheel folder): the multi-gigabyte CUDA stack is never pulled on a machine without an NVIDIA GPU.
-# The test extra (pytest, scipy, playwright, and ruff + mypy, which `make test` runs before pytest) comes with every
-# set-up; `setup.sh test` also makes sure Debian's chromium is there for the app's browser tests. The notebooks' tools
-# (JupyterLab, ipywidgets, the kernel and nbclient) come with every set-up: `make lab` and the tests use them.
+# The test extra (pytest, scipy, playwright, and ruff + mypy + import-linter, which `make test` runs before pytest)
+# comes with every set-up; `setup.sh test` also makes sure Debian's chromium is there for the app's browser tests.
+# The notebooks' tools (JupyterLab, ipywidgets, the kernel and nbclient) come with every set-up: `make lab` and the
+# tests use them.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -29,7 +30,8 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   fi
   python -m pip install -q -e ".[test,lab]" 2>&1 | quiet
   python -c "import torch, transformers, duckdb, gradio, speclab; print('speclab setup: torch', torch.__version__, '| transformers', transformers.__version__, '| duckdb', duckdb.__version__, '| gradio', gradio.__version__)"
-  python -m ruff --version >/dev/null && python -m mypy --version >/dev/null  # the linters `make test` runs
+  # the linters `make test` runs
+  python -m ruff --version >/dev/null && python -m mypy --version >/dev/null && lint-imports --help >/dev/null
   echo "$want" > "$stamp"
 fi
 if [ "${1:-}" = "test" ] && ! command -v chromium >/dev/null 2>&1; then

@@ -15,16 +15,47 @@ from pathlib import Path
 
 
 def check_writable(path: str | Path, what: str = "the file") -> None:
-    """`path` can be written later, checked without creating anything: not a directory, and its nearest existing
-    ancestor is a folder this process may write into. Raises ValueError saying why."""
+    """`path` can be written later: not a directory, its nearest existing ancestor a folder, and a file can really
+    be made in its folder. That last is tried (`probe_folder`: the missing folders made, a file created, all removed
+    again), since permission bits do not tell: root passes `os.access` everywhere, on a read-only mount or under
+    /proc too. Nothing is left behind. Raises ValueError saying why."""
     p = Path(path).expanduser()
     if p.is_dir():
         raise ValueError(f"{p} is a directory: give a file path for {what}")
     base = next(q for q in [p.parent, *p.parent.parents] if q.exists())
     if not base.is_dir():
         raise ValueError(f"{base} is a file, not a folder")
-    if not os.access(base, os.W_OK) or (p.exists() and not os.access(p, os.W_OK)):
+    if p.exists() and not os.access(p, os.W_OK):
         raise ValueError(f"permission denied writing {what} at {p}")
+    probe_folder(p.parent, what)
+
+
+def probe_folder(folder: str | Path, what: str = "the file") -> None:
+    """Whether files can be written in `folder`, found by doing it: its missing folders are made, a temporary file
+    is created in it and removed, then the folders this made are removed (newest first; one another process filled
+    meanwhile stays). Raises ValueError naming the folder and the system's reason (read-only file system, no such
+    file or directory under /proc, permission denied, no space left)."""
+    folder = Path(folder).expanduser()
+    made: list[Path] = []
+    try:
+        for q in reversed([q for q in [folder, *folder.parents] if not q.exists()]):
+            try:
+                q.mkdir()
+            except FileExistsError:  # made meanwhile by someone else: theirs, not removed here
+                continue
+            except OSError as e:
+                raise ValueError(f"cannot make the folder {q} for {what}: {e.strerror or e}") from e
+            made.append(q)
+        try:
+            fd, tmp = tempfile.mkstemp(prefix=".speclab-probe.", dir=folder)
+        except OSError as e:
+            raise ValueError(f"cannot write {what} in {folder}: {e.strerror or e}") from e
+        os.close(fd)
+        os.unlink(tmp)
+    finally:
+        for q in reversed(made):
+            with contextlib.suppress(OSError):
+                q.rmdir()
 
 
 @contextlib.contextmanager

@@ -9,11 +9,12 @@ import torch
 
 from speclab.checks import Bound, check_number, check_sampling
 from speclab.core.engine import DecodeResult, RoundEvent, check_request, decode_rounds
+from speclab.core.precision import DTYPES, dtype_name
 from speclab.core.sampling import Sampling
 from speclab.core.target import Target
 from speclab.equality import output_hash
 from speclab.errors import InvalidInput
-from speclab.methods import build_method, check_models, get_method, method_params
+from speclab.methods import build_method, check_models, get_method, method_params, split_dtype
 from speclab.metrics import tau, tokens_per_s
 from speclab.trace import TraceStore
 
@@ -72,6 +73,10 @@ def check_generation(target: Target, prompt: str | torch.Tensor, method: str, mo
     max_new_tokens, the prompt (tokenized: not empty, fits the context) and the method's parameters against the
     models. Raises InvalidInput naming the parameter, its value and what is allowed."""
     check_models(method, models or {})
+    pinned = split_dtype(method)[1]
+    if pinned and DTYPES[pinned] is not target.dtype:
+        raise InvalidInput(f"method spec '{method}' decodes in {pinned}, but the target was loaded in "
+                           f"{dtype_name(target.dtype)}: load it with --dtype {pinned}")
     temperature, top_k, top_p, seed = check_sampling(temperature, top_k, top_p, seed, target.vocab_size)
     max_new_tokens = check_number("max_new_tokens", max_new_tokens, int, Bound(1))
     prompt_ids = prompt.flatten().long() if isinstance(prompt, torch.Tensor) else encode_prompt(target, prompt)

@@ -16,9 +16,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from speclab.checks import Bound, check_number
+from speclab.core.protocol import FixedRouter
 from speclab.drafters.registry import ModelRole, Param, build_drafter, drafters
 from speclab.errors import InvalidInput
-from speclab.routing.routers import FixedRouter
 
 
 @dataclass(frozen=True)
@@ -86,10 +86,23 @@ def all_params() -> dict[str, list[Param]]:
     return out
 
 
+SPEC_DTYPES = ("fp32", "bf16", "fp16")
+
+
+def split_dtype(spec: str) -> tuple[str, str | None]:
+    """A spec may pin the dtype its run decodes in with a suffix: 'eagle3:depth=6@bf16' -> ('eagle3:depth=6',
+    'bf16'); without one, (spec, None): the run takes the command's --dtype."""
+    base, at, dt = str(spec).partition("@")
+    if at and dt not in SPEC_DTYPES:
+        raise InvalidInput(f"method spec '{spec}': '@{dt}' is not a dtype a method runs in: write "
+                           f"{', '.join('@' + d for d in SPEC_DTYPES)}")
+    return base, dt or None
+
+
 def parse_spec(spec: str) -> tuple[str, dict]:
-    """`name` or `name:param=value+param=value` -> (registered method name, the parameters it fixes, as given).
-    ('+' joins parameters, so a comma-separated list of specs stays unambiguous.)"""
-    name, _, rest = str(spec).partition(":")
+    """`name` or `name:param=value+param=value` (optionally `@dtype`, `split_dtype`) -> (registered method name, the
+    parameters it fixes, as given). ('+' joins parameters, so a comma-separated list of specs stays unambiguous.)"""
+    name, _, rest = split_dtype(spec)[0].partition(":")
     if name not in METHODS:
         raise InvalidInput(f"unknown method '{name}'; registered: {', '.join(METHODS)}")
     fixed = {}

@@ -87,9 +87,12 @@ TAU_SQL = "sum(committed) / nullif(sum(verifications), 0)"
 TOKENS_PER_S_SQL = "sum(new_tokens) / nullif(sum(elapsed_s), 0)"
 DRAFTER_MS_SQL = "sum(catchup_ms + draft_ms) / nullif(sum(verifications), 0)"
 SPEEDUP_SQL = "tokens_per_s / nullif(ar_tokens_per_s, 0)"  # over a row with its tokens/s and AR's
+# AR's runs: 'ar', or 'ar@bf16' and the like (AR pinned to a dtype: the same-dtype reference of a bench whose
+# speculative methods run in another dtype than AR; `speclab.methods.split_dtype`)
+AR_SQL = "regexp_full_match(method, 'ar(@[a-z0-9]+)?')"
 
-# a run's output against the AR output of its bench and prompt: 'equal', 'near-tie', 'bug' (NULL: no AR to compare,
-# or a sampled run: its tokens differ from AR's by design)
+# a run's output against the AR output of its bench, prompt and dtype: 'equal', 'near-tie', 'bug' (NULL: no AR to
+# compare, or a sampled run: its tokens differ from AR's by design)
 EQUALITY_SQL = """CASE WHEN ar.output_hash IS NULL OR r.output_hash IS NULL THEN NULL
             WHEN coalesce(TRY_CAST(json_extract_string(r.params_json, '$.temperature') AS DOUBLE), 0) > 0 THEN NULL
             WHEN r.output_hash = ar.output_hash THEN 'equal'
@@ -97,7 +100,8 @@ EQUALITY_SQL = """CASE WHEN ar.output_hash IS NULL OR r.output_hash IS NULL THEN
 
 # per run: the sums every pooled metric is made of, then the ratios
 RUN_SUMS_SQL = f"""
-SELECT r.run_id, r.method, r.category, r.prompt_id, r.status, r.bench_id, r.output_hash, r.new_tokens, r.target_calls,
+SELECT r.run_id, r.method, r.category, r.prompt_id, r.status, r.bench_id, r.dtype, r.output_hash, r.new_tokens,
+       r.target_calls,
        r.elapsed_s, r.model_ms, {EQUALITY_SQL} AS equality,
        count(x.round) + coalesce(any_value(z.steps), 0) AS verifications,
        coalesce(sum(x.committed), any_value(z.committed)) AS committed,
@@ -108,9 +112,9 @@ SELECT r.run_id, r.method, r.category, r.prompt_id, r.status, r.bench_id, r.outp
            + coalesce(x.t_record_ms, 0)) AS phases_ms,
        any_value(e.entropy_sum) AS entropy_sum, any_value(e.n_tokens) AS n_tokens
 FROM runs r LEFT JOIN rounds x USING (run_id) LEFT JOIN engine_totals z USING (run_id)
-     LEFT JOIN (SELECT bench_id, prompt_id, any_value(output_hash) AS output_hash FROM runs
-                WHERE method = 'ar' AND bench_id IS NOT NULL GROUP BY ALL) ar
-               ON ar.bench_id = r.bench_id AND ar.prompt_id = r.prompt_id
+     LEFT JOIN (SELECT bench_id, prompt_id, dtype, any_value(output_hash) AS output_hash FROM runs
+                WHERE {AR_SQL} AND bench_id IS NOT NULL GROUP BY ALL) ar
+               ON ar.bench_id = r.bench_id AND ar.prompt_id = r.prompt_id AND ar.dtype IS NOT DISTINCT FROM r.dtype
      LEFT JOIN (SELECT run_id, sum(entropy) AS entropy_sum, count(*) AS n_tokens FROM tokens GROUP BY run_id) e
                USING (run_id)
 GROUP BY ALL
@@ -143,7 +147,8 @@ FROM ({RUN_SUMS_SQL}) GROUP BY run_id
 # interval (`paired_gains`). AR, the untraced fast path and the Hugging Face peers have no rounds to pair.
 PAIRED_SQL = f"""
 WITH m AS (SELECT bench_id, prompt_id, method, avg(tau) AS tau, avg(tokens_per_s) AS tokens_per_s
-           FROM ({RUN_METRICS_SQL}) WHERE bench_id IS NOT NULL AND method <> 'ar' AND tau IS NOT NULL GROUP BY ALL),
+           FROM ({RUN_METRICS_SQL}) WHERE bench_id IS NOT NULL AND NOT {AR_SQL} AND tau IS NOT NULL
+           GROUP BY ALL),
 g AS (SELECT a.bench_id, a.method, b.method AS against, a.tau / b.tau - 1 AS tau_gain,
              a.tokens_per_s / nullif(b.tokens_per_s, 0) - 1 AS speed_gain
       FROM m a JOIN m b ON a.bench_id = b.bench_id AND a.prompt_id = b.prompt_id AND a.method <> b.method)

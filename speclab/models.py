@@ -9,8 +9,9 @@ from pathlib import Path
 
 PRECISION_HELP = {
     "device": "cpu | cuda (default: cuda when present)",
-    "dtype": "auto | fp32 | bf16 | fp16 (default auto: bf16 on CUDA and on a CPU that computes bf16 natively, as "
-             "measured at start; fp32 elsewhere)",
+    "dtype": "auto | fp32 | bf16 | fp16 (default auto: bf16 on CUDA; on a CPU with native bf16, per method family "
+             "(AR, speculative) the dtype this machine measured faster for these models, once, kept in "
+             "~/.cache/speclab/dtype-auto.json (`speclab costs dtype` re-measures); fp32 elsewhere)",
     "logits": "fp32 | model: the final norm and the head's top logits in fp32 (default; no quantised ties in "
               "verification) or logits in the model's dtype",
     "exact": "batch-invariant target forward (lean backend): a row's result never depends on how many rows run "
@@ -109,23 +110,104 @@ def available_roles(paths: ModelPaths) -> tuple[str, ...]:
                  if paths.models.get(r) or (zoo.zoo_dir() / role.zoo / "config.json").exists())
 
 
-def load_models(paths: ModelPaths, roles=("draft", "eagle3", "dflash", "router"), log=None):
-    """(target, models by role): the roles asked for (those the methods at hand need), each from `paths` or the
-    zoo, in the order of the registry; one line once everything loaded (an error is then the first and only
-    line a failed load prints)."""
+MEASURED_ROLES = ("draft", "eagle3", "dflash")  # the drafters whose calls decide the speculative family's dtype
+
+
+def resolve_dtype(paths: ModelPaths, fam: str = "speculative", log=None, remeasure: bool = False,
+                  roles=()):
+    """(dtype name, the `DtypeDecision` behind it or None): `paths.dtype` itself unless it is auto; auto is bf16 on
+    CUDA, fp32 on a CPU without native bf16, and elsewhere this machine's decision for these models (the target
+    and the drafters of `MEASURED_ROLES` it has, whatever the command loads, so every command on the machine
+    agrees), read from the per-user cache or, the first time (or with `remeasure`), measured
+    (`speclab.bench.costs.dtype_decision`: a few seconds) and cached. The command's own `roles` load first, so a
+    model that cannot load fails in its one line before anything is timed; another role's drafter that does not
+    fit this target is left out of the measurement."""
     import time
+    from dataclasses import replace
 
     from speclab import zoo
-    from speclab.core.precision import auto_choice, precision_label
+    from speclab.core import precision as P
+    from speclab.core.target import Target, pick_device
+    from speclab.errors import SpeclabError
+    from speclab.methods import ROLES
+
+    if paths.dtype not in (None, "auto"):
+        return paths.dtype, None
+    log = log or (lambda s: print(s, file=sys.stderr, flush=True))
+    if pick_device(paths.device).type == "cuda":
+        return "bf16", P.fixed_decision("bf16", "CUDA: bf16, the papers' setting")
+    if not P.cpu_info()[1]:
+        return "fp32", P.fixed_decision("fp32", "this CPU has no native bf16 (no avx512_bf16 / amx_bf16)")
+    target_path = paths.target or zoo.default_target()
+    measured = [r for r in MEASURED_ROLES if r in available_roles(paths)]
+    keys = {"target": P.model_key(target_path), **{r: P.model_key(paths.model_path(r)) for r in measured}}
+    key = P.decision_key(keys)
+    d = None if remeasure else _DECIDED.get(key) or P.cached_decision(key, warn=log)
+    if d is not None and d.provisional and key not in _DECIDED and P.other_load() <= P.BUSY_CORES:
+        log("--dtype auto: the cached choice was measured while the machine was busy; measuring it again now that "
+            "it is quiet")
+        d = None
+    if d is not None:
+        _DECIDED[key] = d
+        return d.dtype(fam), d
+
+    def load(dt):
+        p = replace(paths, dtype=dt, exact=False)
+        t = Target.load(target_path, device=p.device, dtype=dt, backend=p.backend, logits=p.logits)
+        models = {}
+        for r in sorted(measured, key=lambda r: r not in roles):  # the command's own first: their errors are its
+            try:
+                models[r] = ROLES[r].load(paths.model_path(r), t, p)
+            except (SpeclabError, ValueError, RuntimeError, OSError):
+                if r in roles:
+                    raise
+        return t, models
+
+    from speclab.bench.costs import dtype_decision
+    busy = P.other_load()
+    costs, samples = dtype_decision(load)
+    busy = max(busy, P.other_load())
+    d = P.DtypeDecision({f: c["dtype"] for f, c in costs.items()}, {f: _why(c) for f, c in costs.items()}, costs,
+                        key, keys, P.machine(), time.strftime("measured %Y-%m-%d %H:%M"), round(busy, 2),
+                        samples=samples)
+    P.store_decision(d, warn=log)
+    _DECIDED[key] = d
+    return d.dtype(fam), d
+
+
+_DECIDED: dict = {}  # key -> the decision this process resolved: one answer per process, even with a read-only cache
+
+
+def _why(c: dict) -> str:
+    what = {"bf16": "bf16 faster", "fp32": "fp32 faster",
+            "tie": "a tie within 3%, so fp32 (the exact reference)"}[c["verdict"]]
+    return (f"{what}: a round {c['bf16_ms']:.2f} ms in bf16 vs {c['fp32_ms']:.2f} in fp32, ratio {c['ratio']:.2f} "
+            f"(95% CI {c['lo']:.2f}-{c['hi']:.2f}, {c['reps']} paired reps)")
+
+
+def load_models(paths: ModelPaths, roles=("draft", "eagle3", "dflash", "router"), log=None,
+                fam: str = "speculative"):
+    """(target, models by role): the roles asked for (those the methods at hand need), each from `paths` or the
+    zoo, in the order of the registry, in the dtype of `paths` (auto: `resolve_dtype` for the method family
+    `fam`); one line once everything loaded, saying the dtype and, for auto, why and whether it was measured now
+    or read from the cache (an error is then the first and only line a failed load prints)."""
+    import time
+    from dataclasses import replace
+
+    from speclab import zoo
+    from speclab.core.precision import precision_label
     from speclab.core.target import Target
     from speclab.methods import ROLES
 
     paths.check()
     log = log or (lambda s: print(s, file=sys.stderr, flush=True))
+    dtype, decision = resolve_dtype(paths, fam, log, roles=roles)
+    paths = replace(paths, dtype=dtype)
     t0 = time.perf_counter()
     path = paths.target or zoo.default_target()
     target = Target.load(path, device=paths.device, dtype=paths.dtype, backend=paths.backend, logits=paths.logits,
                          exact=paths.exact)
+    target.dtype_choice = decision.line(fam) if decision else None
     loaded = [f"target {zoo.display_path(path)}"]
     models = {}
     for role, r in ROLES.items():
@@ -133,7 +215,7 @@ def load_models(paths: ModelPaths, roles=("draft", "eagle3", "dflash", "router")
             path = paths.model_path(role)
             models[role] = r.load(path, target, paths)
             loaded.append(f"{r.title} {zoo.display_path(path)}")
-    why = f" ({auto_choice(target.device.type).reason})" if paths.dtype in (None, "auto") else ""
+    why = f"; {target.dtype_choice}" if target.dtype_choice else ""
     log(f"loaded {', '.join(loaded)} in {time.perf_counter() - t0:.1f} s; {target.device.type}, "
         f"{precision_label(target)}{why}")
     return target, models

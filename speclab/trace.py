@@ -9,9 +9,11 @@ dead process and are marked `interrupted`.
 The bulk appends and the closing update of a run go, in order, to one background thread (`speclab-trace`):
 an insert costs ~10 ms whatever its size, DuckDB releases the GIL while it runs, and decoding goes on
 meanwhile. Every read and every other write first waits for the queue (`drain`), so readers always see
-whole runs; `close` and interpreter exit drain it too. A failed write is raised by the store's next call, and the
-writes queued behind it are dropped, so the run they belong to stays `running` (then `interrupted`), never `done`
-with rows missing; `speclab generate` drains after each run, so a run it reports has landed.
+whole runs; `close` and interpreter exit drain it too. A failed write belongs to its run: that run's writes queued
+behind it are dropped and its closing update marks it `failed` with the system's reason (or, when not even that
+fits, it stays `running`, then `interrupted`), never `done` with rows missing. The error is raised to that run
+alone: by its next append, or by its `finish_run`, which waits for the run's writes to land; never by the writes of
+the next run, which go on (and fail by themselves if the disk is full).
 
 Read API (all return pandas DataFrames): `runs`, `rounds`, `tokens`, `draft_nodes`, `router_decisions`,
 `query`. Metrics are defined once, in SQL, in `speclab.metrics`.
@@ -200,7 +202,10 @@ class TraceStore:
         self.con = _connect(self.path, read_only)
         self._lock = threading.Lock()
         self._jobs: queue.Queue | None = None  # the background writer's queue (started on the first append)
-        self._error: BaseException | None = None
+        self._error: BaseException | None = None  # a failed write of no run: raised by the store's next call
+        self._failed: dict[int, BaseException] = {}  # run -> its first failed write: its later rows dropped, its
+        # end written 'failed' with this reason (until its finish_run)
+        self._run_errors: dict[int, BaseException] = {}  # a run's first failed write, until raised to that run
         if not read_only:
             with self._lock:
                 self.con.execute("BEGIN")
@@ -226,42 +231,64 @@ class TraceStore:
     def _stop_writer(self) -> None:
         if self._jobs is not None:
             jobs, self._jobs = self._jobs, None
-            jobs.put((None, ()))
+            jobs.put((None, (), None, None))
             jobs.join()
 
     # ---- the background writer ----
-    def _later(self, fn, *args) -> None:
-        """Queue a write for the background writer thread (applied in order)."""
-        self._raise_error()
+    def _later(self, fn, *args, run: int | None = None, done: threading.Event | None = None) -> None:
+        """Queue a write for the background writer thread (applied in order): of run `run` when it is one of a
+        run's; `done` is set once it is through. An earlier failed write of the same run (or of no run) is raised
+        here first, except to the run's `finish_run` (`done` given), which reports it after marking the run."""
+        self._raise_error(run, runs=False, own=done is None)
         if self._jobs is None:
             self._jobs = queue.Queue()
             threading.Thread(target=self._work, args=(self._jobs,), name="speclab-trace", daemon=True).start()
             _OPEN.add(self)
-        self._jobs.put((fn, args))
+        self._jobs.put((fn, args, run, done))
 
     def _work(self, jobs: queue.Queue) -> None:
         while True:
-            fn, args = jobs.get()
+            fn, args, run, done = jobs.get()
             try:
                 if fn is None:
                     return
-                if self._error is None:  # after a failed write the queued ones (the same run's) are dropped
-                    fn(*args)  # until the error is raised: a run whose rows did not all land is never marked done
-            except BaseException as e:  # kept, and raised by the next call on the store
-                self._error = e
+                if self._error is not None:  # after a failed write of no run, every queued one is dropped
+                    continue
+                if run is None or run not in self._failed:
+                    fn(*args)
+                elif fn == self._finish_now:  # the end of a run whose rows did not all land: never 'done'
+                    e = self._failed[run]
+                    self._finish_now(run, "failed", {"error": f"{type(e).__name__}: {e}"})
+                # (else: a later append of a failed run, dropped)
+            except BaseException as e:  # kept, and raised to its run (or, of no run, by the next call)
+                if run is None:
+                    self._error = e
+                else:
+                    self._failed.setdefault(run, e)
+                    self._run_errors.setdefault(run, e)
             finally:
                 jobs.task_done()
+                if done is not None:
+                    done.set()
 
     def drain(self) -> None:
-        """Wait until every queued write has landed (reads and synchronous writes call this first)."""
+        """Wait until every queued write has landed (reads and synchronous writes call this first); a failed write
+        not yet raised to its run is raised here."""
         if self._jobs is not None:
             self._jobs.join()
         self._raise_error()
 
-    def _raise_error(self) -> None:
+    def _raise_error(self, run: int | None = None, runs: bool = True, own: bool = True) -> None:
+        """Raise a failed write, once: of no run; else of `run` (when `own`); else of any run (when `runs`)."""
         if self._error is not None:
             e, self._error = self._error, None
-            raise TraceError(f"writing the trace {self.path} failed: {e}") from e
+        elif run is not None and own and run in self._run_errors:
+            e = self._run_errors.pop(run)
+        elif runs and self._run_errors:
+            e = self._run_errors.pop(next(iter(self._run_errors)))
+        else:
+            return
+        raise TraceError(f"writing the trace {self.path} failed: {e}") from e
 
     def __enter__(self):
         return self
@@ -318,10 +345,19 @@ class TraceStore:
                      [div.pos, None if div.top2_gap != div.top2_gap else div.top2_gap, div.tolerance, run_id])
 
     def finish_run(self, run_id: int, status: str = "done", **stats) -> None:
-        """Mark a run finished (queued after its data, so the status never runs ahead of the rows)."""
+        """Mark a run finished, queued after its rows (the status never runs ahead of them), and wait for those to
+        land: a write of this run that failed makes it `failed` with the system's reason instead, and is raised
+        here, to this run, not to the next run written (a run already ending with its own exception, any status
+        but done, is only marked: the caller is raising that exception)."""
         if self.read_only:
             raise TraceError("trace opened read-only")
-        self._later(self._finish_now, run_id, status, stats)
+        done = threading.Event()
+        self._later(self._finish_now, run_id, status, stats, run=run_id, done=done)
+        done.wait()
+        e = self._run_errors.pop(run_id, None)
+        self._failed.pop(run_id, None)
+        if e is not None and status == "done":
+            raise TraceError(f"writing the trace {self.path} failed: {e}") from e
 
     def _finish_now(self, run_id: int, status: str, stats: dict) -> None:
         sets = ", ".join(f"{k} = ?" for k in stats)
@@ -342,9 +378,10 @@ class TraceStore:
         self.execute(f"INSERT INTO {table} ({cols}, started_at) VALUES ({', '.join('?' * len(values))}, now())",
                      list(values.values()))
 
-    def append(self, tables: dict[str, pa.Table]) -> None:
-        """Append Arrow tables (column names = table columns) in one transaction, on the background writer."""
-        self._later(self._append_now, tables)
+    def append(self, tables: dict[str, pa.Table], run_id: int | None = None) -> None:
+        """Append Arrow tables (column names = table columns) in one transaction, on the background writer; the
+        rows of run `run_id` when given (a failure is then that run's: see `finish_run`)."""
+        self._later(self._append_now, tables, run=run_id)
 
     def _append_now(self, tables: dict[str, pa.Table]) -> None:
         with self._lock:
@@ -576,7 +613,7 @@ class RunWriter:
         evs, self._events = self._events, []
         self._last = time.perf_counter()
         if evs:
-            self.store.append(self._tables(evs))
+            self.store.append(self._tables(evs), run_id=self.run_id)
 
     def _tables(self, evs) -> dict[str, pa.Table]:
         n = np.array([len(e.tree) for e in evs])

@@ -367,7 +367,7 @@ def sweep_figure(sw, live=None, y: str = "tokens_per_s", title: str = "") -> go.
 
 
 def router_figure(rr, title: str = "") -> go.Figure:
-    """One routed run, round by round (rows of `speclab.routing.evaluate.router_rounds`). Top: the router's signal
+    """One routed run, round by round (rows of `speclab.bench.routing.router_rounds`). Top: the router's signal
     (entropy or predicted Delta AL) with its threshold, markers coloured by the drafter chosen, switches annotated with
     their backlog and catch-up time. Bottom: the accepted length of the round and, where a profile exists (greedy),
     what each drafter would have had accepted there: the rounds where the router chose wrong stand out."""
@@ -400,8 +400,8 @@ def router_figure(rr, title: str = "") -> go.Figure:
 def calibration_figure(curve, refs, threshold: float, point: dict, best: dict, router: str, category: str,
                        at_edge: bool = False) -> go.Figure:
     """A router's threshold calibration for one category: replayed tau (AL, top) and modeled tokens/s (bottom) against
-    the threshold (rows of `speclab.routing.evaluate.sweep`), each drafter alone and the oracles as horizontal reference
-    lines (`speclab.routing.evaluate.oracles`; AR too, at AL 1 and its measured tokens/s), each in its own colour
+    the threshold (rows of `speclab.bench.routing.sweep`), each drafter alone and the oracles as horizontal reference
+    lines (`speclab.bench.routing.oracles`; AR too, at AL 1 and its measured tokens/s), each in its own colour
     and dash, named in the legend; the chosen threshold as a vertical line with its exact replay, the calibrated
     optimum (the highest modeled tokens/s) as a star, with a note when it sits at an end of the grid (`at_edge`)."""
     from plotly.subplots import make_subplots
@@ -485,7 +485,7 @@ def distributions_figure(dists: dict, labels, top: int = 20, title: str = "") ->
 
 def histograms(df, x: str, group: str, title: str = "", x_title: str | None = None) -> go.Figure:
     """Overlaid histograms of `x`, one per value of `group`, each normalised to shares (a router's signal where
-    each drafter would win, from `speclab.routing.evaluate.signals_table`; the entropy of tokens by who produced
+    each drafter would win, from `speclab.bench.routing.signals_table`; the entropy of tokens by who produced
     them)."""
     fig = go.Figure()
     for name, g in df[df[x].notna()].groupby(group, sort=True):

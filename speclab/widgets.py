@@ -1,11 +1,11 @@
-"""Jupyter widgets (ipywidgets + plotly FigureWidget) over `speclab.routing.calibration`, for the notebooks: the
+"""Jupyter widgets (ipywidgets + plotly FigureWidget) over `speclab.bench.calibration`, for the notebooks: the
 threshold calibration widget replays a threshold the moment the slider moves (the figure is
 `viz.calibration_figure`, the app's) and saves it to the calibration file the routers read."""
 from __future__ import annotations
 
 from speclab import viz
+from speclab.bench.calibration import GRIDS, Calibrator, check_threshold, grid, save_thresholds
 from speclab.errors import SpeclabError
-from speclab.routing.calibration import GRIDS, Calibrator, check_threshold, grid, save_thresholds
 
 
 class CalibrationWidget:

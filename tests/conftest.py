@@ -21,6 +21,20 @@ from speclab.core.target import Target
 torch.set_num_threads(2)
 
 
+@pytest.fixture(scope="session", autouse=True)
+def dtype_cache(tmp_path_factory):
+    """--dtype auto's per-user cache in a folder of the session's (subprocesses inherit it): the suite never reads
+    or writes the user's ~/.cache, and measures the zoo's decision at most once."""
+    import os
+    old = os.environ.get("SPECLAB_CACHE_DIR")
+    os.environ["SPECLAB_CACHE_DIR"] = str(tmp_path_factory.mktemp("speclab-cache"))
+    yield os.environ["SPECLAB_CACHE_DIR"]
+    if old is None:
+        os.environ.pop("SPECLAB_CACHE_DIR", None)
+    else:
+        os.environ["SPECLAB_CACHE_DIR"] = old
+
+
 @pytest.fixture(scope="session")
 def model_dir(tmp_path_factory):
     d = tmp_path_factory.mktemp("models")

@@ -3,6 +3,7 @@ dtype or logits mode, contradicting options, trace and report paths that cannot 
 text a tokenizer cannot take. Each is one line on stderr, exit code 2, nothing on stdout, no file touched or made,
 and it comes before any model is loaded."""
 import json
+from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -467,3 +468,40 @@ def test_bench_reading_commands_refuse_a_bench_or_models_that_do_not_fit(argv, s
     from speclab.trace import TraceStore
     with TraceStore(ar_bench, read_only=True) as s:  # nothing was added to the trace
         assert len(s.query("SELECT * FROM profiles")) == 0
+
+
+# every command of speclab/cli/train.py that writes a folder, with the options it needs to get as far as its checks
+TRAIN_OUT_COMMANDS = {
+    **{f"train {what}": ["train", what, "--minutes", "1", "--out"]
+       for what in ("target", "draft", "eagle3", "dflash", "specblock", "confu")},
+    "train router": ["train", "router", "--out"],
+    "train curve": ["train", "curve", "--drafter", "eagle3", "--out"],
+    "data regenerate": ["data", "regenerate", "--out"],
+    "zoo build": ["zoo", "build", "--work-dir"],
+}
+
+
+@pytest.mark.skipif(not Path("/proc/self").is_dir(), reason="needs Linux's /proc (no folder can be made in it)")
+@pytest.mark.parametrize("cmd", list(TRAIN_OUT_COMMANDS))
+@pytest.mark.parametrize("out", ["/proc/speclab-x", "/proc/speclab-x/run"])
+def test_train_refuses_an_output_folder_that_cannot_be_made(cmd, out, tmp_path, capsys, monkeypatch):
+    """An output folder that cannot be made (under /proc: even root, whom permission bits let write anywhere, gets
+    ENOENT) is one line naming the option and the system's reason, exit code 2, before any model is loaded (every
+    loader fails the test if called) and with nothing made."""
+    import safetensors.torch
+    import transformers
+
+    from speclab.core import target
+    loaded = []
+
+    def no_load(*args, **kw):
+        loaded.append(args)
+        raise AssertionError(f"a model was loaded: {args}")
+    for owner, name in [(transformers.AutoModelForCausalLM, "from_pretrained"),
+                        (transformers.PreTrainedModel, "from_pretrained"), (target.Target, "load"),
+                        (target, "load_causal_lm"), (safetensors.torch, "load_file")]:
+        monkeypatch.setattr(owner, name, no_load)
+    monkeypatch.chdir(tmp_path)  # relative defaults (zoo build's runs) would land here: nothing may
+    line = assert_one_error_line([*TRAIN_OUT_COMMANDS[cmd], out], "cannot make the folder /proc/speclab-x", capsys)
+    assert f"{TRAIN_OUT_COMMANDS[cmd][-1]} {out}:" in line and "No such file or directory" in line, line
+    assert not loaded and list(tmp_path.iterdir()) == []

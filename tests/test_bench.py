@@ -10,6 +10,7 @@ from speclab.bench.costs import forward_costs
 from speclab.bench.results import bench_overall, bench_report, bench_table, peer_ratios
 from speclab.bench.run import BenchConfig, run_bench
 from speclab.cli.common import write_report
+from speclab.core.target import Target
 from speclab.metrics import ci95, model_error, paired_gains, run_metrics, speedup, t975
 from speclab.trace import TraceStore
 
@@ -82,6 +83,46 @@ def test_a_sampled_bench_samples_every_method_and_compares_none_with_ar(qwen3, q
     store.close()
 
 
+@pytest.mark.slow
+def test_a_bench_whose_families_run_in_different_dtypes(qwen3, qwen3_draft, tmp_path):
+    """--dtype auto chose fp32 for AR and bf16 for the speculative methods: AR runs in fp32 (the fastest AR, which
+    speedups are over), the speculative methods in bf16 beside `ar@bf16` (their equality reference), the tables
+    and the report say which dtype each method ran in and why; a spec can pin its own dtype."""
+    from speclab.bench.run import plan_dtypes
+    resolve = {"ar": "fp32", "speculative": "bf16"}.get
+    assert plan_dtypes(["ar", "pld"], resolve) == (["ar", "pld", "ar@bf16"],
+                                                   {"ar": "fp32", "pld": "bf16", "ar@bf16": "bf16"})
+    assert plan_dtypes(["ar", "pld", "sps@fp32"], resolve)[0] == ["ar", "pld", "sps@fp32", "ar@bf16"]
+    assert plan_dtypes(["ar", "pld"], lambda f: "fp32") == (["ar", "pld"], {"ar": "fp32", "pld": "fp32"})  # no mix
+    bf16 = (Target.load(qwen3.name, dtype="bf16"), {"draft": Target.load(qwen3_draft.name, dtype="bf16")})
+    methods, dtypes = plan_dtypes(["ar", "pld", "sps"], resolve)
+    why = {"ar": "--dtype auto -> fp32 for ar: fp32 faster (test)", "speculative": "--dtype auto -> bf16 (test)"}
+    cfg = BenchConfig(suite="demo", methods=methods, limit=1, max_new_tokens=12, peers=False, dtypes=dtypes,
+                      dtype_why=why)
+    store = TraceStore(tmp_path / "m.duckdb")
+    bench_id = run_bench(cfg, qwen3, {"draft": qwen3_draft}, store, log=lambda s: None,
+                         sets={"fp32": (qwen3, {"draft": qwen3_draft}), "bf16": bf16})
+    ran = store.query("SELECT method, any_value(dtype) AS dtype FROM runs WHERE bench_id = ? GROUP BY method",
+                      [bench_id]).set_index("method").dtype.to_dict()
+    assert ran == {"ar": "float32", "ar-untraced": "float32", "pld": "bfloat16", "pld-untraced": "bfloat16",
+                   "sps": "bfloat16", "sps-untraced": "bfloat16", "ar@bf16": "bfloat16",
+                   "ar@bf16-untraced": "bfloat16"}
+    overall = bench_overall(store, bench_id).set_index("method")
+    assert overall.loc["pld", "dtype"] == "bfloat16" and overall.loc["ar", "dtype"] == "float32"
+    fastest = max(overall.loc["ar", "tokens_per_s"], overall.loc["ar@bf16", "tokens_per_s"])
+    for m in ("pld", "sps", "ar", "ar@bf16"):
+        assert overall.loc[m, "speedup"] == pytest.approx(overall.loc[m, "tokens_per_s"] / fastest, rel=1e-9)
+    # equality is against AR in the method's own dtype: the bf16 methods against ar@bf16 (equal or a near-tie)
+    eq = run_metrics(store)
+    eq = eq[(eq.bench_id == bench_id) & eq.method.isin(["pld", "sps"])]
+    assert (eq.equal_to_ar + eq.near_tie == 1.0).all() and (eq.bug == 0).all()
+    md, _ = write_report(bench_report(store, bench_id), tmp_path / "r" / "mixed.md")
+    text = md.read_text()
+    assert "Precision: ar float32, ar@bf16 bfloat16, pld bfloat16, sps bfloat16." in text
+    assert why["speculative"] in text and "over the fastest AR of the bench" in text
+    store.close()
+
+
 def test_bench_reports_where_an_output_differs_from_ar(qwen3, tmp_path):
     """A fabricated mismatch: the bench records the first differing token and the top-2 gap, and reports it."""
     from speclab.bench.results import bench_divergences
@@ -92,7 +133,8 @@ def test_bench_reports_where_an_output_differs_from_ar(qwen3, tmp_path):
     ar = generate(qwen3, ids, "ar", max_new_tokens=8, trace=store, bench_id="b1")
     other = generate(qwen3, ids, "pld", max_new_tokens=8, trace=store, bench_id="b1")
     wrong = other.token_ids[:3] + [(other.token_ids[3] + 1) % qwen3.vocab_size] + other.token_ids[4:]
-    record_divergences(store, qwen3, ids, {"ar": (ar.run_id, ar.token_ids), "pld": (other.run_id, wrong)})
+    record_divergences(store, ids, {"ar": (ar.run_id, ar.token_ids), "pld": (other.run_id, wrong)},
+                       {"ar": qwen3, "pld": qwen3})
     df = bench_divergences(store, "b1")
     assert df.method.tolist() == ["pld"] and df.diverges_at.tolist() == [3]
     assert df.top2_gap[0] >= 0 and not df.near_tie[0]

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from helpers import assert_one_error_line
-from speclab.routing import evaluate as routing
+from speclab.bench import routing
 from speclab.routing.hardware import FORMAT, cost_model, fit_line, load_profile
 from speclab.routing.replay import DRAFTERS, CostModel, Profile
 from speclab.routing.routers import Calibration, default_threshold, load_calibration
@@ -69,7 +69,7 @@ def test_replay_under_two_profiles_keeps_tau_and_moves_the_threshold():
 
 
 def test_thresholds_calibrated_under_a_profile_are_kept_under_its_name(tmp_path, monkeypatch):
-    from speclab.routing.calibration import save_thresholds
+    from speclab.bench.calibration import save_thresholds
     from speclab.routing.routers import CALIBRATION_ENV
 
     out = tmp_path / "cal.json"

@@ -146,7 +146,7 @@ class Alternate:
         self.rng = None if seed is None else torch.Generator().manual_seed(seed)
 
     def choose(self, s):
-        from speclab.routing.routers import Decision
+        from speclab.core.protocol import Decision
         self.seen.append(s)
         n = len(self.names)
         i = s.round % n if self.rng is None else int(torch.randint(n, (1,), generator=self.rng))

@@ -1,4 +1,4 @@
-"""FlashHead's core (speclab/flashhead.py): equal-size clusters cover the vocabulary exactly once, the build is
+"""FlashHead's core (speclab/drafters/flashhead.py): equal-size clusters cover the vocabulary exactly once, the build is
 deterministic given its seed and round-trips through its files, probing every cluster gives the dense head's
 logits, fewer probes give -inf exactly off the candidates, adaptive probes follow the centroid margin, and
 sampled clusters are drawn without replacement from the centroid softmax."""
@@ -9,7 +9,7 @@ from scipy import stats
 
 from helpers import PROMPTS
 from speclab.checks import InvalidInput
-from speclab.flashhead import FlashHead, FlashIndex, build_index, index_dir, pick_clusters, probe_counts
+from speclab.drafters.flashhead import FlashHead, FlashIndex, build_index, index_dir, pick_clusters, probe_counts
 from speclab.generate import generate
 
 

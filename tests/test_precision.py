@@ -1,6 +1,7 @@
 """bf16 where the CPU computes it natively: the dtype choice, logits in fp32, exact (batch-invariant) mode, and
 bf16 greedy decoding that equals AR or differs only at a numerical near-tie (never a bug)."""
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -23,39 +24,195 @@ from speclab.trace import TraceStore
 PROMPTS = [row["prompt"] for row in demo_rows()]
 
 
-# ---- the dtype choice ---------------------------------------------------------------------------------------------
+# ---- the dtype choice: --dtype auto, once per machine ---------------------------------------------------------
+
+def fake_costs(ar="fp32", spec="bf16"):
+    """What `speclab.bench.costs.dtype_decision` returns, with AR's and the speculative family's verdicts."""
+    def one(v, fam):
+        r = {"bf16": 0.8, "fp32": 1.2, "tie": 1.0}[v]
+        return {"verdict": v, "dtype": "fp32" if v == "tie" else v, "fp32_ms": 5.0, "bf16_ms": 5.0 * r, "ratio": r,
+                "lo": r - 0.01, "hi": r + 0.01, "reps": 12, "methods": [fam]}
+    return {"ar": one(ar, "ar"), "speculative": one(spec, "pld")}, None
+
 
 @pytest.fixture
-def fresh_choice():
-    precision.auto_choice.cache_clear()
-    yield
-    precision.auto_choice.cache_clear()
+def auto(monkeypatch, tmp_path):
+    """A CPU with native bf16, a private cache, a quiet machine and a counted fake measurement (`auto.calls`,
+    `auto.costs` sets what it finds, `auto.busy` the other processes' load)."""
+    import types
+
+    from speclab import models
+    from speclab.bench import costs
+    monkeypatch.setenv("SPECLAB_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(precision, "cpu_info", lambda: ("Intel Xeon", ("amx_bf16",)))
+    state = types.SimpleNamespace(calls=0, costs=fake_costs(), busy=0.0, lines=[])
+    monkeypatch.setattr(precision, "other_load", lambda window_s=0.3: state.busy)
+
+    def measure(load):
+        state.calls += 1
+        return state.costs
+    monkeypatch.setattr(costs, "dtype_decision", measure)
+    monkeypatch.setattr(models, "_DECIDED", {})
+
+    def resolve(fam="speculative", **kw):
+        models._DECIDED.clear()  # a new process each time: only the cache file carries the decision over
+        return models.resolve_dtype(models.ModelPaths(), fam, log=state.lines.append, **kw)
+    state.resolve = resolve
+    return state
 
 
-def test_auto_dtype_without_native_bf16_is_fp32(monkeypatch, fresh_choice):
+def test_auto_dtype_without_native_bf16_is_fp32_without_measuring(auto, monkeypatch):
     monkeypatch.setattr(precision, "cpu_info", lambda: ("Some CPU", ()))
-    monkeypatch.setattr(precision, "measure_bf16", lambda: pytest.fail("no measurement without the capability"))
-    c = precision.auto_choice("cpu")
-    assert c.dtype == torch.float32 and "no native bf16" in c.reason and "no native bf16" in c.cpu
+    dt, d = auto.resolve()
+    assert dt == "fp32" and auto.calls == 0 and "no native bf16" in d.line("ar")
     assert precision.pick_dtype(torch.device("cpu"), "auto") == torch.float32
     assert precision.pick_dtype(torch.device("cpu"), None) == torch.float32
 
 
-@pytest.mark.parametrize("flag", ["avx512_bf16", "amx_bf16"])
-def test_auto_dtype_with_native_bf16_is_confirmed_by_a_measurement(monkeypatch, fresh_choice, flag):
-    monkeypatch.setattr(precision, "cpu_info", lambda: ("AMD EPYC", (flag,)))
-    monkeypatch.setattr(precision, "measure_bf16", lambda: (0.19, 0.07))  # fp32 ms, bf16 ms
-    c = precision.auto_choice("cpu")
-    assert c.dtype == torch.bfloat16 and flag in c.reason and flag in c.cpu
-    precision.auto_choice.cache_clear()
-    monkeypatch.setattr(precision, "measure_bf16", lambda: (0.05, 0.08))  # the flag, but bf16 measured slower
-    c = precision.auto_choice("cpu")
-    assert c.dtype == torch.float32 and "slower" in c.reason
+def test_auto_dtype_is_measured_once_per_machine_and_family(auto):
+    """Ten successive resolutions, as ten `speclab generate` processes would make: one measurement, the same
+    answer, AR and the speculative methods each in the dtype measured faster for them."""
+    seen = {(auto.resolve("ar")[0], auto.resolve("speculative")[0]) for _ in range(10)}
+    assert seen == {("fp32", "bf16")} and auto.calls == 1
+    _, d = auto.resolve("speculative")
+    assert d.source.startswith("read from") and str(precision.cache_path()) in d.line("speculative")
+    assert "measured now" not in d.line("ar") and "bf16 faster" in d.line("speculative")
+    # what the cache holds is what a load without a measurement at hand reads too (Target.load(dtype="auto"))
+    assert precision.pick_dtype(torch.device("cpu"), "auto", "speculative", d.key) == torch.bfloat16
+    assert precision.pick_dtype(torch.device("cpu"), "auto", "ar", d.key) == torch.float32
+    # another torch (or CPU, cores, models) is another key: measured again
+    import speclab.core.precision as P
+    orig = P.machine
+    try:
+        P.machine = lambda: {**orig(), "torch": "9.9"}
+        auto.resolve()
+    finally:
+        P.machine = orig
+    assert auto.calls == 2
 
 
-def test_auto_dtype_on_cuda_is_bf16_and_names_are_checked(monkeypatch, fresh_choice):
-    monkeypatch.setattr(precision, "measure_bf16", lambda: pytest.fail("no CPU measurement for CUDA"))
-    assert precision.auto_choice("cuda").dtype == torch.bfloat16
+def test_a_tie_picks_fp32(auto):
+    auto.costs = fake_costs("tie", "tie")
+    assert auto.resolve("ar")[0] == auto.resolve("speculative")[0] == "fp32"
+    assert "a tie" in auto.resolve()[1].line("speculative")
+
+
+@pytest.mark.parametrize("bad", ["{not json", '{"format": "other-tool", "entries": {}}',
+                                 '{"format": "speclab-dtype-auto", "version": 99, "entries": {}}', "FOREIGN_ENTRY",
+                                 "BAD_DTYPE", "\xff\xfe"])
+def test_a_corrupt_or_foreign_cache_is_ignored_in_one_line_and_measured_again(auto, bad):
+    import json
+    _, d = auto.resolve()
+    path = precision.cache_path()
+    if bad in ("FOREIGN_ENTRY", "BAD_DTYPE"):  # the right key, but measured elsewhere / not a dtype
+        data = json.loads(path.read_text())
+        e = data["entries"][d.key]
+        if bad == "FOREIGN_ENTRY":
+            e["machine"] = {**e["machine"], "cpu": "AMD EPYC"}
+        else:
+            e["dtypes"]["speculative"] = "int4"
+        bad = json.dumps(data)
+    path.write_bytes(bad.encode("latin-1") if bad.startswith("\xff") else bad.encode())
+    auto.lines.clear()
+    assert auto.resolve()[0] == "bf16" and auto.calls == 2
+    assert [ln for ln in auto.lines if "dtype cache" in ln] == [auto.lines[0]] and "ignoring" in auto.lines[0]
+    auto.lines.clear()
+    assert auto.resolve()[1].source.startswith("read from") and auto.calls == 2 and not auto.lines  # rewritten whole
+
+
+def test_a_decision_measured_on_a_busy_machine_is_provisional(auto):
+    auto.busy = 1.5
+    _, d = auto.resolve()
+    assert d.provisional and "provisional" in d.line("ar")
+    auto.resolve()  # still busy: the provisional answer is kept (no coin flip under load)
+    assert auto.calls == 1
+    auto.busy = 0.0
+    _, d = auto.resolve()  # quiet now: measured again, and final
+    assert auto.calls == 2 and not d.provisional
+    auto.resolve()
+    assert auto.calls == 2
+
+
+def test_an_unwritable_cache_costs_a_measurement_not_the_run(auto, monkeypatch, tmp_path):
+    (tmp_path / "file").write_text("x")
+    monkeypatch.setenv("SPECLAB_CACHE_DIR", str(tmp_path / "file" / "sub"))
+    assert auto.resolve()[0] == "bf16"
+    assert any("could not keep the dtype decision" in ln for ln in auto.lines)
+
+
+def test_the_verdict_needs_a_resolved_interval():
+    from speclab.bench.costs import median_ci, settle
+    rng = np.random.default_rng(0)
+    assert settle(np.log(0.85) + rng.normal(0, 0.02, 20)) == "bf16"
+    assert settle(np.log(1.15) + rng.normal(0, 0.02, 20)) == "fp32"
+    assert settle(rng.normal(0, 0.005, 40)) == "tie"
+    assert settle(rng.normal(0, 0.3, 12)) is None  # noisy: not yet resolved
+    # a few huge outliers (another process took the core) move neither the median nor its interval much
+    x = np.r_[np.log(0.85) + rng.normal(0, 0.02, 20), np.log([5.0, 6.0, 7.0])]
+    mid, lo, hi = median_ci(x)
+    assert settle(x) == "bf16" and hi < 0 and abs(mid - np.log(0.85)) < 0.03
+
+
+def test_dtype_decision_times_the_decodes_own_calls(qwen3):
+    """On a tiny target (no drafter: AR's row and prompt lookup's verification), both families get a verdict
+    from interleaved repetitions, within the repetition bounds."""
+    from speclab.bench.costs import dtype_decision, round_programs
+    targets = {"fp32": qwen3, "bf16": Target.load(qwen3.name, dtype="bf16")}
+    costs, samples = dtype_decision(lambda dt: (targets[dt], {}), min_reps=4, max_reps=8, calls=2, context=16,
+                                    progress=False)
+    assert set(costs) == {"ar", "speculative"} and round_programs({})["speculative"] == {"pld": [("target", 9, 1)]}
+    for c in costs.values():
+        assert c["verdict"] in ("bf16", "fp32", "tie") and c["dtype"] in ("bf16", "fp32") and 4 <= c["reps"] <= 8
+        assert c["fp32_ms"] > 0 and c["bf16_ms"] > 0 and c["lo"] <= c["ratio"] <= c["hi"]
+    assert set(samples.family) == {"ar", "speculative"} and (samples.rep.diff().fillna(0) >= 0).all()
+
+
+def test_a_method_spec_can_pin_its_dtype(qwen3, capsys):
+    from helpers import assert_one_error_line
+    from speclab.methods import parse_spec, split_dtype
+    assert split_dtype("eagle3:depth=6@bf16") == ("eagle3:depth=6", "bf16") and split_dtype("pld") == ("pld", None)
+    assert parse_spec("pld:k=4@fp32") == ("pld", {"k": "4"})
+    assert precision.family("ar@bf16") == "ar" and precision.family("pld@bf16") == "speculative"
+    with pytest.raises(precision.InvalidInput, match="'@int8' is not a dtype"):
+        parse_spec("pld@int8")
+    with pytest.raises(precision.InvalidInput, match="decodes in bf16, but the target was loaded in float32"):
+        generate(qwen3, "Hello", "pld@bf16", max_new_tokens=4)
+    assert generate(qwen3, "Hello", "pld@fp32", max_new_tokens=4).token_ids
+    assert_one_error_line(["generate", "--prompt", "x", "--method", "eagle3@bf17"], "'@bf17' is not a dtype", capsys)
+    assert_one_error_line(["bench", "--methods", "ar,pld@int8"], "'@int8' is not a dtype", capsys)
+    assert_one_error_line(["costs", "dtype", "--dtype", "bf16"], "--dtype bf16 chooses nothing", capsys)
+
+
+def test_bench_and_generate_take_each_familys_auto_dtype_and_say_why(auto, model_dir, tmp_path, capsys):
+    """`speclab bench --dtype auto` where AR measured faster in fp32 and the speculative methods in bf16: two model
+    sets, AR in fp32, pld and ar@bf16 in bf16; `generate` loads each method in its family's dtype; every load line
+    says the dtype, why, and whether it was measured now or read from the cache."""
+    from speclab.cli import main
+    from speclab.trace import TraceStore
+    db = tmp_path / "t.duckdb"
+    common = ["--model", str(model_dir["qwen3"]), "--db", str(db)]
+    assert main(["bench", *common, "--suite", "demo", "--methods", "ar,pld", "--limit", "1", "--max-new-tokens", "6",
+                 "--no-peers", "--no-untraced", "--report", str(tmp_path / "b.md")]) == 0
+    err = capsys.readouterr().err
+    assert auto.calls == 1 and "float32; --dtype auto -> fp32 for ar" in err
+    assert "--dtype auto -> bf16 for speculative" in err
+    assert "(measured now, kept in" in err
+    with TraceStore(db, read_only=True) as s:
+        ran = dict(s.query("SELECT method, dtype FROM runs").itertuples(index=False))
+    assert ran == {"ar": "float32", "pld": "bfloat16", "ar@bf16": "bfloat16"}
+    assert "Precision: ar float32, ar@bf16 bfloat16, pld bfloat16." in (tmp_path / "b.md").read_text()
+    from speclab import models
+    for method, dt in (("ar", "float32"), ("pld", "bfloat16"), ("pld@fp32", "float32")):
+        models._DECIDED.clear()  # a new process: the decision comes from the cache file
+        assert main(["generate", *common, "--prompt", "Hello", "--method", method, "--max-new-tokens", "4"]) == 0
+        err = capsys.readouterr().err
+        assert f"cpu, {dt}" in err and ("read from" in err or "@" in method) and auto.calls == 1
+
+
+def test_auto_dtype_on_cuda_is_bf16_and_names_are_checked(monkeypatch):
+    from speclab import models
+    monkeypatch.setattr(models, "resolve_dtype", models.resolve_dtype)
+    assert precision.pick_dtype(torch.device("cuda"), "auto") == torch.bfloat16
     assert precision.pick_dtype(torch.device("cpu"), "bf16") == torch.bfloat16
     assert precision.pick_dtype(torch.device("cpu"), "fp32") == torch.float32
     with pytest.raises(precision.InvalidInput, match="--dtype 'bf17' is not a dtype"):

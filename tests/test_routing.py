@@ -6,13 +6,13 @@ import pytest
 import torch
 
 from helpers import PROMPTS, error_lines
+from speclab.bench.routing import oracles
 from speclab.core.engine import decode
 from speclab.core.sampling import Sampling
 from speclab.errors import InvalidInput
 from speclab.generate import generate
 from speclab.methods import build_method, method_params
 from speclab.routing import replay
-from speclab.routing.evaluate import oracles
 from speclab.routing.routers import (
     Calibration,
     EntropyRouter,
@@ -319,9 +319,8 @@ def test_bench_pipeline_profiles_replays_calibrates(deep, models, thresholds, tm
     """A real bench (tiny models, zoo prompts) through the whole routing path: profiles into the trace and back,
     the cost model, every live run replayed identically, Table 1, a sweep with its best thresholds, switch costs
     and lazy vs eager."""
-    from speclab.bench.run import BenchConfig, run_bench
-    from speclab.routing.calibration import grid
-    from speclab.routing.evaluate import (
+    from speclab.bench.calibration import grid
+    from speclab.bench.routing import (
         best_thresholds,
         get_profiles,
         lazy_vs_eager,
@@ -334,6 +333,7 @@ def test_bench_pipeline_profiles_replays_calibrates(deep, models, thresholds, tm
         switch_table,
         wide,
     )
+    from speclab.bench.run import BenchConfig, run_bench
     from speclab.trace import TraceStore
 
     t = thresholds[1]
@@ -384,7 +384,7 @@ def test_bench_pipeline_profiles_replays_calibrates(deep, models, thresholds, tm
             assert x.tokens_per_s_modeled == pytest.approx(lazy.tokens[m] / lazy.modeled_s[m])
             assert x.model_error == pytest.approx(x.tokens_per_s_modeled / x.tokens_per_s_live - 1)
         from speclab import viz
-        from speclab.routing.evaluate import router_rounds
+        from speclab.bench.routing import router_rounds
         run = store.query("SELECT run_id, prompt_id FROM runs WHERE method = ?", [specs[5]]).iloc[0]
         rr = router_rounds(store, int(run.run_id), next(p for p in profs if p.prompt_id == run.prompt_id))
         # greedy: what the chosen drafter "would" have had accepted is what it had accepted, every round
@@ -393,13 +393,13 @@ def test_bench_pipeline_profiles_replays_calibrates(deep, models, thresholds, tm
         fig = viz.router_figure(rr)
         assert {t.name for t in fig.data} >= {"signal", "threshold", "eagle3 would accept", "dflash would accept"}
         # the reports `speclab routing`, `sweep` and `calibrate` write, built by the library
+        from speclab.bench.calibration import Calibrator, calibrate
+        from speclab.bench.routing import live_specs, routing_report, run_live, sweep_report
         from speclab.cli.common import write_report
-        from speclab.routing.calibration import Calibrator, calibrate
-        from speclab.routing.evaluate import live_specs, routing_report, run_live, sweep_report
         report = routing_report(store, bench, profs, cost, models["router"])
         assert "Lazy vs eager" in report.text and "model error" in report.text and len(report.figs) == 4
         # the volatility figure in numbers: shares of positions, leader changes counted from the signals table
-        from speclab.routing.evaluate import signals_table, volatility_table
+        from speclab.bench.routing import signals_table, volatility_table
         vt = volatility_table(profs, models["router"]).set_index("category")
         assert "Intra-sequence volatility" in report.text and set(vt.index) == {"code", "stories", "literature",
                                                                                   "math", "all"}
@@ -443,7 +443,7 @@ def test_calibrator_replays_saves_and_confirms_live(deep, models, thresholds, tm
     replay at any threshold equal to the sweep's, the figure, save (what routers then use) and a live
     confirmation whose AL equals the replayed one (greedy)."""
     from speclab import viz
-    from speclab.routing.calibration import Calibrator, check_threshold, save_thresholds
+    from speclab.bench.calibration import Calibrator, check_threshold, save_thresholds
     from speclab.routing.routers import default_threshold
     from speclab.trace import TraceStore
 
@@ -460,7 +460,7 @@ def test_calibrator_replays_saves_and_confirms_live(deep, models, thresholds, tm
         assert cal.categories == ["code", "literature", "math", "stories", "all"]
         t = thresholds[1]
         point = cal.at("entropy", t, "code")
-        from speclab.routing.evaluate import sweep
+        from speclab.bench.routing import sweep
         same = sweep(cal.profiles, cal.cost, "entropy", [t])
         assert point["tau"] == same[same.category == "code"].tau.iloc[0]
         best = cal.best("entropy", "all")
@@ -500,7 +500,7 @@ def test_calibrator_replays_saves_and_confirms_live(deep, models, thresholds, tm
 
 def test_live_router_rounds_equal_the_trace(deep, models, thresholds, tmp_path):
     """The app's live router view (from RoundEvents) shows what the trace keeps for the run."""
-    from speclab.routing.evaluate import event_rounds, router_rounds
+    from speclab.bench.routing import event_rounds, router_rounds
     from speclab.trace import TraceStore
 
     with TraceStore(tmp_path / "r.duckdb") as store:
@@ -529,8 +529,8 @@ def test_best_threshold_is_one_rule_everywhere():
 
     import pandas as pd
 
-    from speclab.routing.calibration import Calibrator
-    from speclab.routing.evaluate import best_per_category, best_thresholds
+    from speclab.bench.calibration import Calibrator
+    from speclab.bench.routing import best_per_category, best_thresholds
     sw = pd.DataFrame({"category": ["a"] * 4 + ["all"] * 3, "threshold": [1.5, 0.0, 0.5, 1.0, 0.0, 0.5, 1.0],
                        "tokens_per_s": [2.0, 1.0, 3.0, 3.0, 5.0, 4.0, 6.0], "tau": [1.0] * 7})
     best = best_per_category(sw)
@@ -543,9 +543,9 @@ def test_best_threshold_is_one_rule_everywhere():
 def test_calibration_grids_are_one_definition():
     """`GRIDS` is what every calibration sweeps: the calibrator (the app, the notebook widget) and, by default,
     `speclab calibrate` and `speclab sweep`."""
+    from speclab.bench.calibration import GRIDS, grid, grid_text
+    from speclab.bench.routing import parse_thresholds
     from speclab.cli.main import parser
-    from speclab.routing.calibration import GRIDS, grid, grid_text
-    from speclab.routing.evaluate import parse_thresholds
     for router, (start, stop, step) in GRIDS.items():
         g = grid(router)
         assert g[0] == start and g[-1] == stop and g[1] - g[0] == pytest.approx(step)

@@ -272,10 +272,10 @@ def test_top_k_top_p_processing():
 
 @pytest.mark.slow
 def test_sampling_through_a_flash_sps_chain_keeps_target_distribution(tiny_vocab):
-    """A standalone draft's sampled chain through a FlashHead (`speclab.flashhead`: 3 of 4 clusters of 2 tokens
+    """A standalone draft's sampled chain through a FlashHead (`speclab.drafters.flashhead`: 3 of 4 clusters of 2 tokens
     drawn from the centroid softmax per row; q is the softmax over their 6 tokens): the target's joint is kept."""
+    from speclab.drafters.flashhead import FlashHead, build_index
     from speclab.drafters.sps import StandaloneDraft
-    from speclab.flashhead import FlashHead, build_index
     target, draft = tiny_vocab
     drafter = StandaloneDraft(draft, k=2, tree_topk=1, stop_prob=0.0)
     drafter.flash = FlashHead(draft.head_weight, build_index(draft.head_weight, 4), probes=3)

@@ -257,6 +257,65 @@ def test_a_failed_background_write_is_reported_not_lost(qwen3, store, monkeypatc
     assert store.tokens(res.run_id).token_id.tolist() == res.token_ids
 
 
+def _slow_failing_rows(store, monkeypatch) -> list[int]:
+    """The store's bulk inserts, those of the first run appended failing in DuckDB itself (a column the table
+    lacks) after 0.3 s: still being written when the run's end is queued and the next run starts, as on a slow
+    disk. -> [that run's id], once known."""
+    import time
+
+    import pyarrow as pa
+    real, bad = store._append_now, []
+
+    def append(tables):
+        run = next(t.column("run_id")[0].as_py() for t in tables.values() if t.num_rows)
+        bad[:] = bad or [run]
+        if run == bad[0]:
+            time.sleep(0.3)
+            tables = {k: t.append_column("bogus", pa.array([1] * t.num_rows)) for k, t in tables.items()}
+        real(tables)
+    monkeypatch.setattr(store, "_append_now", append)
+    return bad
+
+
+def test_a_failed_write_is_raised_to_its_own_run_not_the_next(tmp_path, monkeypatch):
+    """A run's rows that fail on the writer thread after its end was queued: its own finish_run raises it and the
+    run is `failed` with DuckDB's reason; the next run is written whole and `done` (not blamed)."""
+    import pandas as pd
+    import pyarrow as pa
+
+    def tokens(run, n):
+        return {"tokens": pa.table({"run_id": pa.array([run] * n, pa.int64()), "pos": pa.array(range(n), pa.int32()),
+                                    "token_id": pa.array(range(n), pa.int32())})}
+    with TraceStore(tmp_path / "t.duckdb") as s:
+        first = s.start_run(method="ar", prompt_id="a")
+        assert _slow_failing_rows(s, monkeypatch) == []
+        s.append(tokens(first, 5), run_id=first)
+        s.append(tokens(first, 3), run_id=first)  # queued behind the failing batch: dropped
+        with pytest.raises(TraceError, match="bogus"):
+            s.finish_run(first, "done", new_tokens=8)
+        second = s.start_run(method="ar", prompt_id="b")
+        s.append(tokens(second, 4), run_id=second)
+        s.finish_run(second, "done", new_tokens=4)
+        runs = s.runs().set_index("run_id")
+        assert runs.loc[first, "status"] == "failed" and "bogus" in runs.loc[first, "error"]
+        assert runs.loc[second, "status"] == "done" and pd.isna(runs.loc[second, "error"])
+        assert len(s.tokens(first)) == 0 and s.tokens(second).pos.tolist() == [0, 1, 2, 3]
+    with TraceStore(tmp_path / "t.duckdb") as s:  # the file opens cleanly, nothing left running
+        assert s.runs().status.tolist() == ["failed", "done"]
+
+
+def test_generate_blames_the_run_whose_rows_failed(qwen3, store, monkeypatch):
+    """The same through `generate`: the run whose last batch fails raises from its own call, marked `failed`;
+    the next run, decoded at once, is `done` with every token."""
+    bad = _slow_failing_rows(store, monkeypatch)
+    with pytest.raises(TraceError, match="bogus"):
+        generate(qwen3, PROMPTS[0], "ar", max_new_tokens=6, trace=store)
+    res = generate(qwen3, PROMPTS[1], "ar", max_new_tokens=6, trace=store)
+    got = store.runs().set_index("run_id")
+    assert bad != [res.run_id] and got.status.tolist() == ["failed", "done"] and "bogus" in got.loc[bad[0], "error"]
+    assert got.loc[res.run_id, "status"] == "done" and store.tokens(res.run_id).token_id.tolist() == res.token_ids
+
+
 def test_eager_is_a_column_written_by_the_run_and_migrated(qwen3, tmp_path):
     """`runs.eager` says whether the run's router caught every drafter up every round (what replay, the switch
     table and lazy-vs-eager read); a schema-4 trace opened for writing gets the column, filled from its runs'

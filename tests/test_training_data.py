@@ -64,7 +64,7 @@ def test_regenerated_rows_are_the_targets_own_continuations(deep, regenerated):
 
 
 def test_prompts_come_from_their_split_with_their_offsets(deep, corpus, regenerated):
-    from speclab.train.lm import tokenize_corpus
+    from speclab.train.corpus import tokenize_corpus
 
     data = tokenize_corpus(corpus, deep.tokenizer, corpus / ".tokens")
     for d in DOMAINS:

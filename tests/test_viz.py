@@ -94,7 +94,7 @@ def test_router_details_on_hover_only_for_routed_rounds(traced):
         def __init__(self, n, decision):
             import torch
             self.committed, self.decision = torch.zeros(n), decision
-    from speclab.routing.routers import Decision
+    from speclab.core.protocol import Decision
     d = decision_columns([Ev(2, Decision("eagle3", "entropy", 2.0, 1.0)), Ev(1, None)])
     assert d["drafter"].tolist() == ["eagle3", "eagle3", None] and d["signal"][:2].tolist() == [2.0, 2.0]
     assert math.isnan(d["threshold"][2])

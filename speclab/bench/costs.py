@@ -149,13 +149,8 @@ def dtype_costs(load, dtypes=("fp32", "bf16"), ns=WIDTHS, context: int = 200, re
         target, exact, models = load(dt)
         g = torch.Generator().manual_seed(0)
         ids = torch.randint(3, target.vocab_size, (context + max(ns) + 1,), generator=g)
-        callers = {"target": _target_call(target, ids, context), "target (exact)": _target_call(exact, ids, context)}
-        if models.get("draft") is not None:
-            callers["sps draft"] = _target_call(models["draft"], ids, context)
-        if models.get("eagle3") is not None:
-            callers["eagle3 drafter"] = _eagle3_call(target, models["eagle3"], ids, context)
-        if models.get("dflash") is not None:
-            callers["dflash drafter"] = _dflash_call(target, models["dflash"], ids, context)
+        callers = {"target": _target_call(target, ids, context), "target (exact)": _target_call(exact, ids, context),
+                   **_drafter_calls(target, models, ids, context)}
         # every (model, width) that has a call (no DFlash block of 1 row), called once untimed on the way
         fns = {(name, n): (lambda call=call, n=n: call(n)) for name, call in callers.items() for n in ns
                if call(n) is not False}
@@ -165,6 +160,118 @@ def dtype_costs(load, dtypes=("fp32", "bf16"), ns=WIDTHS, context: int = 200, re
     df = pd.DataFrame(rows)
     df.attrs["cpu"] = cpu_label()
     return df
+
+
+def round_programs(models: dict) -> dict[str, dict[str, list[tuple[str, int, int]]]]:
+    """The calls of one round of each method, at its default settings (`speclab.methods`), as (model, rows, calls):
+    AR one target row; prompt lookup a verification of k + 1 rows; sps and EAGLE-3 one of k + 1 rows plus k one-row
+    drafter calls; DFlash one of a block's rows plus one drafter call over the block. By family (`precision.FAMILIES`):
+    'ar', and 'speculative' with every method whose drafter is in `models` (role -> model)."""
+    from speclab.methods import METHODS
+    d = {n: METHODS[n].defaults for n in ("sps", "pld", "eagle3", "dflash")}
+    spec = {"pld": [("target", d["pld"]["k"] + 1, 1)]}
+    if models.get("draft") is not None:
+        spec["sps"] = [("target", d["sps"]["k"] + 1, 1), ("sps draft", 1, d["sps"]["k"])]
+    if models.get("eagle3") is not None:
+        spec["eagle3"] = [("target", d["eagle3"]["depth"] + 1, 1), ("eagle3 drafter", 1, d["eagle3"]["depth"])]
+    if models.get("dflash") is not None:
+        b = d["dflash"]["block_size"]
+        spec["dflash"] = [("target", b, 1), ("dflash drafter", b, 1)]
+    return {"ar": {"ar": [("target", 1, 1)]}, "speculative": spec}
+
+
+def median_ci(x) -> tuple[float, float, float]:
+    """(median, lower, upper): the median of paired samples and its distribution-free 95% interval (the order
+    statistics a sign test puts around it): a slow outlier (another process taking the core for a while) moves
+    neither, where it would move a mean and a t interval."""
+    x = np.sort(np.asarray(x, dtype=float))
+    n = len(x)
+    j = max(int(np.floor((n - 1.96 * n**0.5) / 2)), 0)
+    return float(np.median(x)), float(x[min(j, n - 1)]), float(x[max(n - 1 - j, 0)])
+
+
+def settle(log_ratios, tie: float = 0.03) -> str | None:
+    """The verdict of paired log(bf16 / fp32) samples: 'bf16' or 'fp32' when the median's 95% interval
+    (`median_ci`) excludes equality, 'tie' when it lies within +-`tie`, None while unresolved."""
+    _, lo, hi = median_ci(log_ratios)
+    return "bf16" if hi < 0 else "fp32" if lo > 0 else "tie" if -np.log1p(tie) < lo and hi < np.log1p(tie) else None
+
+
+@torch.inference_mode()
+def dtype_decision(load, min_reps: int = 12, max_reps: int = 60, calls: int = 3, context: int = 200,
+                   tie: float = 0.03, budget_s: float = 30.0, progress: bool = True) -> tuple[dict, pd.DataFrame]:
+    """`--dtype auto`, measured: every method family's round (`round_programs`) in fp32 and in bf16 on this machine,
+    the two dtypes taking turns every repetition (which goes first alternates), each call the fastest of `calls`
+    (load only ever adds time). Per repetition and family the log of bf16 / fp32 round ms is one paired sample;
+    after `min_reps` the loop stops as soon as every family is settled: the 95% interval of the median ratio
+    (`median_ci`) excludes 1 (the faster dtype wins) or lies within 1 +- `tie` (a tie: `precision.TIE_DTYPE`); at
+    `max_reps`, or after `budget_s` seconds of timing (a busy machine), an unresolved family is a tie too.
+    `load(dtype)` returns (target, drafter models by role) in that dtype. Returns ({family: costs}, the samples)."""
+    from speclab.core.precision import TIE_DTYPE
+    sets = {dt: load(dt) for dt in ("fp32", "bf16")}
+    progs = round_programs(sets["fp32"][1])
+    fns = {}
+    for dt, (target, models) in sets.items():
+        g = torch.Generator().manual_seed(0)
+        ids = torch.randint(3, target.vocab_size, (context + max(WIDTHS) + 1,), generator=g)
+        callers = {"target": _target_call(target, ids, context), **_drafter_calls(target, models, ids, context)}
+        needed = {(model, rows) for fam in progs.values() for calls_ in fam.values() for model, rows, _ in calls_}
+        fns[dt] = {(model, rows): (lambda c=callers[model], n=rows: c(n)) for model, rows in sorted(needed)}
+        for fn in fns[dt].values():  # warm-up: every call twice
+            fn(), fn()
+    samples, settled, t_start = [], {}, time.perf_counter()
+    bar = Progress(max_reps, "--dtype auto: timing the decode's calls in fp32 and bf16 (the ETA is an upper bound)") \
+        if progress else None
+    for rep in range(max_reps):
+        ms = {}
+        for dt in (("fp32", "bf16") if rep % 2 == 0 else ("bf16", "fp32")):
+            for key, fn in fns[dt].items():
+                best = float("inf")
+                for _ in range(calls):
+                    t0 = time.perf_counter()
+                    fn()
+                    best = min(best, time.perf_counter() - t0)
+                ms[dt, key] = best * 1e3
+        for fam, methods in progs.items():
+            cost = {dt: sum(n * ms[dt, (model, rows)] for calls_ in methods.values() for model, rows, n in calls_)
+                    for dt in ("fp32", "bf16")}
+            samples.append({"rep": rep, "family": fam, "fp32_ms": cost["fp32"], "bf16_ms": cost["bf16"],
+                            "log_ratio": float(np.log(cost["bf16"] / cost["fp32"]))})
+        if bar is not None:
+            bar.update(rep + 1)
+        last = rep + 1 == max_reps or time.perf_counter() - t_start > budget_s
+        if rep + 1 < min_reps and not last:
+            continue
+        df = pd.DataFrame(samples)
+        for fam in progs:
+            f = df[df.family == fam]
+            verdict, (mid, lo, hi) = settle(f.log_ratio, tie), median_ci(f.log_ratio)
+            if verdict or last:
+                verdict = verdict or "tie"
+                settled[fam] = {"verdict": verdict, "dtype": TIE_DTYPE if verdict == "tie" else verdict,
+                                "fp32_ms": float(f.fp32_ms.median()), "bf16_ms": float(f.bf16_ms.median()),
+                                "ratio": float(np.exp(mid)), "lo": float(np.exp(lo)), "hi": float(np.exp(hi)),
+                                "reps": len(f), "methods": sorted(progs[fam])}
+            else:
+                settled.pop(fam, None)
+        if len(settled) == len(progs) or last:
+            settled = {fam: settled[fam] for fam in progs}
+            break
+    if bar is not None and bar.done < max_reps:
+        bar.update(max_reps)
+    return settled, pd.DataFrame(samples)
+
+
+def _drafter_calls(target: Target, models: dict, ids: torch.Tensor, context: int) -> dict:
+    """One call builder (`call(rows)`) per drafter model at hand: the sps draft, EAGLE-3's and DFlash's drafters."""
+    calls = {}
+    if models.get("draft") is not None:
+        calls["sps draft"] = _target_call(models["draft"], ids, context)
+    if models.get("eagle3") is not None:
+        calls["eagle3 drafter"] = _eagle3_call(target, models["eagle3"], ids, context)
+    if models.get("dflash") is not None:
+        calls["dflash drafter"] = _dflash_call(target, models["dflash"], ids, context)
+    return calls
 
 
 def _target_call(t: Target, ids: torch.Tensor, context: int):
@@ -346,6 +453,30 @@ def dtype_costs_report(df: pd.DataFrame, context: int) -> Report:
     fig = lines_figure(curves, "rows", "ms", "model / dtype", f"ms per call after a {context}-token cache, by rows "
                        "per call (lower is better)", "rows per call", "ms per call")
     return Report(f"Milliseconds per call by width and dtype ({df.attrs['cpu']})", text, [fig])
+
+
+def dtype_decision_report(d) -> Report:
+    """`speclab costs dtype`: what --dtype auto chose per method family on this machine and why (a
+    `precision.DtypeDecision`): each family's round in both dtypes, the ratio and its interval, and, when measured
+    now, the ratio of every paired repetition."""
+    from speclab.core.precision import FAMILIES, cache_path, cpu_label
+    rows = [{"family": f, "dtype": d.dtypes[f], **{k: c.get(k) for k in ("verdict", "fp32_ms", "bf16_ms", "ratio", "lo",
+                                                                          "hi", "reps")},
+             "methods": ", ".join(c.get("methods", []))} for f, c in d.costs.items()]
+    table = pd.DataFrame(rows).to_markdown(index=False, floatfmt=".3f") if rows else "(no measurement needed)"
+    lines = [f"--dtype auto on {cpu_label()}, {d.source}" + (f" ({d.measured_at})" if d.measured_at and
+                                                               d.source != "measured now" else ""),
+             f"cache: {cache_path()} (key {d.key or '-'})", "",
+             "ms of one round of each family at its methods' default settings (medians of paired repetitions); "
+             "ratio = bf16 / fp32 (< 1: bf16 faster) with the 95% interval of its median; a tie (interval within "
+             "+-3%, or unresolved) picks fp32, the exact reference.", "", table, ""]
+    lines += [f"- {f} ({FAMILIES[f]}): {d.line(f)}" for f in d.dtypes]
+    figs = []
+    if d.samples is not None and len(d.samples):
+        sm = d.samples.assign(ratio=np.exp(d.samples.log_ratio))
+        figs.append(lines_figure(sm, "rep", "ratio", "family", "bf16 / fp32 ms per round, each paired repetition "
+                                 "(< 1: bf16 faster)", "repetition", "bf16 / fp32"))
+    return Report(f"--dtype auto on this machine ({cpu_label()})", "\n".join(lines), figs)
 
 
 def cost_curves_report(df: pd.DataFrame, x: str, cols: list[str], legend: str, title: str, subtitle: str,

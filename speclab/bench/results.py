@@ -5,19 +5,21 @@ from __future__ import annotations
 
 import pandas as pd
 
-from speclab.metrics import RATIOS, RUN_SUMS_SQL, SPEEDUP_SQL, paired_gains, position_acceptance_sql, speedup
+from speclab.metrics import AR_SQL, RATIOS, RUN_SUMS_SQL, SPEEDUP_SQL, paired_gains, position_acceptance_sql, speedup
 from speclab.trace import TraceStore
 from speclab.viz import Report
 
 
 def bench_table(store: TraceStore, bench_id: str) -> pd.DataFrame:
-    """Per category and method: tau, acceptance, tokens/s, speedup vs AR (same bench), equality with AR."""
+    """Per category and method: its dtype, tau, acceptance, tokens/s, speedup vs the fastest AR of the bench (AR in
+    each dtype the bench ran it in), equality with AR in the method's own dtype."""
     return store.query(f"""
         WITH s AS (SELECT * FROM ({RUN_SUMS_SQL}) WHERE bench_id = ?),
-        per AS (SELECT category, method, count(*) AS prompts, sum(new_tokens) AS tokens, {RATIOS}
-                FROM s GROUP BY ALL),
-        ar AS (SELECT category, tokens_per_s AS ar_tokens_per_s FROM per WHERE method = 'ar')
-        SELECT per.category, per.method, prompts, tokens, tau, acceptance_rate, tokens_per_s,
+        per AS (SELECT category, method, string_agg(DISTINCT dtype, '+') AS dtype, count(*) AS prompts,
+                       sum(new_tokens) AS tokens, {RATIOS}
+                FROM s GROUP BY category, method),
+        ar AS (SELECT category, max(tokens_per_s) AS ar_tokens_per_s FROM per WHERE {AR_SQL} GROUP BY category)
+        SELECT per.category, per.method, dtype, prompts, tokens, tau, acceptance_rate, tokens_per_s,
                {SPEEDUP_SQL} AS speedup, draft_time_share, drafter_ms_per_round, verify_ms_per_round,
                target_calls_per_token, equal_to_ar, near_tie, bug
         FROM per JOIN ar USING (category)
@@ -28,8 +30,9 @@ def bench_overall(store: TraceStore, bench_id: str) -> pd.DataFrame:
     """The same table pooled over all categories of the bench."""
     return store.query(f"""
         WITH s AS (SELECT * FROM ({RUN_SUMS_SQL}) WHERE bench_id = ?),
-        per AS (SELECT method, count(*) AS prompts, sum(new_tokens) AS tokens, {RATIOS} FROM s GROUP BY method),
-        ar AS (SELECT tokens_per_s AS ar_tokens_per_s FROM per WHERE method = 'ar')
+        per AS (SELECT method, string_agg(DISTINCT dtype, '+') AS dtype, count(*) AS prompts,
+                       sum(new_tokens) AS tokens, {RATIOS} FROM s GROUP BY method),
+        ar AS (SELECT max(tokens_per_s) AS ar_tokens_per_s FROM per WHERE {AR_SQL})
         SELECT per.*, {SPEEDUP_SQL} AS speedup
         FROM per LEFT JOIN ar ON true ORDER BY method""", [bench_id])
 
@@ -62,6 +65,20 @@ def peer_ratios(overall) -> list[dict]:
     return out
 
 
+def precision_lines(config_json: str, overall: pd.DataFrame) -> list[str]:
+    """The report's word on dtypes: which dtype each method ran in and why (the bench's `dtype_why`), and, where
+    they differ, what the speedup and equality columns compare against."""
+    import json
+    why = json.loads(config_json or "{}").get("dtype_why") or {}
+    dts = dict(zip(overall.method, overall.dtype))
+    out = ["Precision: " + ", ".join(f"{m} {d}" for m, d in dts.items() if not m.endswith("-untraced")) + "."]
+    out += [f"- {line}" for line in why.values()]
+    if len({d for d in dts.values() if d}) > 1:
+        out += ["", "The methods ran in more than one dtype: `speedup` is over the fastest AR of the bench (AR in "
+                "each dtype a method ran in), equality with AR is against AR in the method's own dtype."]
+    return out
+
+
 def bench_report(store: TraceStore, bench_id: str) -> Report:
     """The bench's report: markdown tables (all categories, speclab vs Hugging Face, tracing overhead, outputs that
     differ from AR, per category, per-position acceptance) and figures; the command prints the pooled table and
@@ -71,19 +88,20 @@ def bench_report(store: TraceStore, bench_id: str) -> Report:
     bench = store.query("SELECT * FROM benches WHERE bench_id = ?", [bench_id]).iloc[0]
     peers = pd.DataFrame(peer_ratios(overall))
     fmt = dict(index=False, floatfmt=".3f")
-    how = store.query("SELECT any_value(dtype) AS dtype, any_value(logits_dtype) AS logits, any_value(exact) AS exact, "
-                      "any_value(cpu) AS cpu FROM runs WHERE bench_id = ? AND method = 'ar'", [bench_id]).iloc[0]
+    how = store.query("SELECT string_agg(DISTINCT dtype, '+') AS dtype, any_value(logits_dtype) AS logits, "
+                      "any_value(exact) AS exact, any_value(cpu) AS cpu FROM runs WHERE bench_id = ?",
+                      [bench_id]).iloc[0]
     md = [f"# speclab bench `{bench_id}`", "",
           (f"suite `{bench.suite}`, methods {bench.methods}, device {bench.device} ({how['cpu']}), "
            f"dtype {how['dtype']} (logits {how['logits']}{', exact mode' if how['exact'] else ''}); "
-           f"config `{bench.config_json}`"), "",
+           f"config `{bench.config_json}`"), "", *precision_lines(bench.config_json, overall), "",
           ("Equality with AR (greedy): `equal_to_ar`, `near_tie` (differs where the target's top-2 logits are within "
            "rounding) and `bug` (differs otherwise) are shares of each method's outputs."), "",
           "## All categories", "", overall.to_markdown(**fmt), "",
           "tokens_per_s is over decode time (prefill + the run's own phases); model_call_share is the share of it "
           "spent inside target and drafter forwards (CPU only: a CUDA forward returns before its kernels end), "
           "the rest is the engine's own work; `-untraced` rows are the engine's fast path.", ""]
-    summary = [overall.to_markdown(**fmt)]
+    summary = [*precision_lines(bench.config_json, overall), "", overall.to_markdown(**fmt)]
     if len(peers):
         md += ["## speclab vs Hugging Face (same target, draft, prompts; greedy)", "", peers.to_markdown(**fmt), ""]
         summary += ["", peers.to_markdown(**fmt)]

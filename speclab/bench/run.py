@@ -23,7 +23,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from speclab.bench.suites import load_suite
-from speclab.core.precision import dtype_name
+from speclab.core.precision import dtype_name, family
 from speclab.core.target import Target
 from speclab.equality import first_divergence, output_hash
 from speclab.errors import InvalidInput
@@ -49,6 +49,20 @@ class BenchConfig:
     warmup: int = 1
     temperature: float = 0.0  # > 0: every method samples (prompt i at seed `seed + i`); no equality, no peers
     seed: int = 0
+    dtypes: dict = field(default_factory=dict)  # method -> the dtype it runs in (`plan_dtypes`); absent: the target's
+    dtype_why: dict = field(default_factory=dict)  # method family -> why (`DtypeDecision.line`), for the report
+
+
+def plan_dtypes(methods: list[str], resolve) -> tuple[list[str], dict[str, str]]:
+    """(methods, method -> dtype): each method in its pinned dtype (`eagle3@bf16`) or its family's
+    (`resolve(family)`: --dtype, or what --dtype auto chose for AR and for the speculative methods), plus AR in
+    every dtype a speculative method runs in and AR itself does not (`ar@bf16`: the equality reference and a
+    same-dtype AR for those methods). One dtype for everything when --dtype names one and no spec pins another."""
+    from speclab.methods import split_dtype
+    dts = {m: split_dtype(m)[1] or resolve(family(m)) for m in methods}
+    ar = {d for m, d in dts.items() if family(m) == "ar"}
+    extra = [f"ar@{d}" for d in dict.fromkeys(d for m, d in dts.items() if family(m) != "ar") if d not in ar]
+    return list(methods) + extra, {**dts, **{m: m.split("@")[1] for m in extra}}
 
 
 def format_prompt(target: Target, row: dict) -> torch.Tensor:
@@ -85,13 +99,21 @@ def peer_generate(kind: str, target: Target, draft: Target | None, ids: torch.Te
     return out[0, inp.shape[1]:].cpu(), time.perf_counter() - t0
 
 
-def run_bench(cfg: BenchConfig, target: Target, models: dict, store: TraceStore, log=print) -> str:
+def run_bench(cfg: BenchConfig, target: Target, models: dict, store: TraceStore, log=print,
+              sets: dict | None = None) -> str:
     """Run the benchmark of `cfg.methods` (method specs) with the drafter models by role (`models`: "draft" also
-    drives the hf_assisted peer); returns its bench id (rows in `runs` / `benches` of the store)."""
+    drives the hf_assisted peer); returns its bench id (rows in `runs` / `benches` of the store). A method whose
+    dtype (`cfg.dtypes`) names one of `sets` (dtype -> (target, models)) runs on that set, every other on
+    (`target`, `models`), which also format the prompts and run the peers."""
     draft = models.get("draft")
+    sets = sets or {}
+
+    def on(m):
+        """(target, models) of method m."""
+        return sets.get(cfg.dtypes.get(m), (target, models))
     for m in cfg.methods:
         get_method(m)
-    if "ar" not in cfg.methods:
+    if not any(family(m) == "ar" for m in cfg.methods):
         raise InvalidInput("a benchmark needs 'ar' among its methods: speedups and equality are measured against it")
     rows, skipped = [], []
     for r in load_suite(cfg.suite, cfg.limit):
@@ -119,19 +141,21 @@ def run_bench(cfg: BenchConfig, target: Target, models: dict, store: TraceStore,
         return {"temperature": cfg.temperature, "seed": cfg.seed + i} if cfg.temperature > 0 else {}
 
     def run_method(m, r, ids, trace, i):
-        res = generate(target, ids, m, models=models, max_new_tokens=cfg.max_new_tokens, trace=trace,
+        t, ms = on(m)
+        res = generate(t, ids, m, models=ms, max_new_tokens=cfg.max_new_tokens, trace=trace,
                        prompt_id=r["prompt_id"], category=r["category"], bench_id=bench_id, **params(m),
                        **sampling(i))
         return res.run_id, res.token_ids
 
     def run_untraced(m, r, ids, i):
-        res = generate(target, ids, m, models=models, max_new_tokens=cfg.max_new_tokens, **params(m), **sampling(i))
-        rid = store.start_run(method=f"{m}-untraced", target=target.name, params={**params(m), **sampling(i)},
+        t, ms = on(m)
+        res = generate(t, ids, m, models=ms, max_new_tokens=cfg.max_new_tokens, **params(m), **sampling(i))
+        rid = store.start_run(method=f"{m}-untraced", target=t.name, params={**params(m), **sampling(i)},
                               prompt_id=r["prompt_id"],
-                              category=r["category"], **run_device(target), bench_id=bench_id,
+                              category=r["category"], **run_device(t), bench_id=bench_id,
                               prompt_tokens=ids.numel())
         store.finish_run(rid, "done", new_tokens=len(res.token_ids), elapsed_s=res.elapsed_s, wall_s=res.decode.wall_s,
-                         prefill_ms=res.decode.prefill_ms, model_ms=model_ms(target, res.decode),
+                         prefill_ms=res.decode.prefill_ms, model_ms=model_ms(t, res.decode),
                          target_calls=res.decode.target_calls, output_hash=output_hash(res.token_ids))
         return rid, res.token_ids
 
@@ -151,8 +175,9 @@ def run_bench(cfg: BenchConfig, target: Target, models: dict, store: TraceStore,
     with TraceStore(":memory:") as scratch:  # warm-up: every code path once, untraced and traced, unrecorded
         for _, ids in rows[: cfg.warmup]:
             for m in cfg.methods:
+                t, ms = on(m)
                 for trace in (None, scratch):
-                    generate(target, ids, m, models=models, max_new_tokens=16, trace=trace, **params(m))
+                    generate(t, ids, m, models=ms, max_new_tokens=16, trace=trace, **params(m))
             for p in peers:
                 peer_generate(p, target, draft, ids, 16, 4, cfg.stop_prob)
 
@@ -178,7 +203,7 @@ def run_bench(cfg: BenchConfig, target: Target, models: dict, store: TraceStore,
                 done += 1
                 prog.update(done, prompt=r["prompt_id"], method=m)
             if cfg.temperature == 0:  # sampled outputs differ from AR's by design
-                record_divergences(store, target, ids, outputs)
+                record_divergences(store, ids, outputs, {m: on(m.removesuffix("-untraced"))[0] for m in order})
     except BaseException as e:  # Ctrl-C / SIGTERM / a failure: the bench row says so (its runs say it themselves)
         store.execute("UPDATE benches SET status = ? WHERE bench_id = ?",
                       ["interrupted" if isinstance(e, KeyboardInterrupt) else "failed", bench_id])
@@ -194,10 +219,15 @@ def run_bench(cfg: BenchConfig, target: Target, models: dict, store: TraceStore,
     return bench_id
 
 
-def record_divergences(store: TraceStore, target: Target, prompt_ids: torch.Tensor, outputs: dict) -> None:
-    """For every output that differs from AR's on this prompt: where, and the target's top-2 logit gap there."""
-    ar = outputs.get("ar")
+def record_divergences(store: TraceStore, prompt_ids: torch.Tensor, outputs: dict, targets: dict) -> None:
+    """For every output that differs from the output of AR in its dtype on this prompt (`outputs`: method -> (run
+    id, ids); `targets`: method -> the target it ran on, peers absent: AR's): where, and that target's top-2 logit
+    gap there."""
+    default = targets.get("ar")
+    ars = {targets.get(m, default).dtype: out for m, out in outputs.items() if family(m) == "ar" and "-" not in m}
     for m, (rid, ids) in outputs.items():
-        div = first_divergence(target, prompt_ids, ar[1], ids) if ar and m != "ar" else None
+        t = targets.get(m, default)
+        ar = ars.get(t.dtype)
+        div = first_divergence(t, prompt_ids, ar[1], ids) if ar and (rid, ids) is not ar else None
         if div is not None:
             store.record_divergence(rid, div)

@@ -7,14 +7,15 @@ import json
 import sys
 
 from speclab.cli.common import _num, _positive_int, write_report
+from speclab.core.precision import family
 from speclab.errors import SpeclabError
+from speclab.methods import get_method
 from speclab.models import ModelPaths, add_model_args, load_models
 
 
 def cmd_bench(a: argparse.Namespace) -> int:
     from speclab.bench.results import bench_report
     from speclab.bench.run import BenchConfig, run_bench
-    from speclab.methods import get_method
     from speclab.trace import TraceStore, check_trace
 
     methods = [m.strip() for m in a.methods.split(",") if m.strip()]
@@ -25,19 +26,46 @@ def cmd_bench(a: argparse.Namespace) -> int:
         cfg.limit, cfg.max_new_tokens = min(cfg.limit or 2, 2), min(cfg.max_new_tokens, 64)
     for m in methods:
         get_method(m)
-    if "ar" not in methods:  # before any file or model is opened
+    if not any(family(m) == "ar" for m in methods):  # before any file or model is opened
         raise SpeclabError("a benchmark needs 'ar' among its methods: speedups and equality are measured against it")
     from speclab.bench.suites import load_suite
     load_suite(cfg.suite, 1)  # an unknown suite, likewise
     check_trace(a.db)  # the trace file is made once the models loaded (a refused model leaves none behind)
-    roles = {r for m in methods for r in get_method(m).needs} | ({"draft"} if cfg.peers else set())
-    target, models = load_models(ModelPaths.from_args(a), roles=roles)
+    paths = ModelPaths.from_args(a)
+    paths.check()
+    target, models, sets = load_bench_sets(cfg, paths)
     with TraceStore(a.db) as store:
-        bench_id = run_bench(cfg, target, models, store, log=lambda s: print(s, file=sys.stderr))
+        bench_id = run_bench(cfg, target, models, store, log=lambda s: print(s, file=sys.stderr), sets=sets)
         report = bench_report(store, bench_id)
     write_report(report, a.report)
     print(f"bench {bench_id}: rows in {a.db}")
     return 0
+
+
+def load_bench_sets(cfg, paths: ModelPaths):
+    """The models of a bench, one set per dtype its methods run in (`plan_dtypes`: --dtype, a spec's @dtype, or
+    what --dtype auto chose per method family): sets cfg.methods / dtypes / dtype_why and returns (AR's target, its
+    models, {dtype: (target, models)})."""
+    from dataclasses import replace
+
+    from speclab.bench.run import plan_dtypes
+    from speclab.models import resolve_dtype
+
+    _, decision = resolve_dtype(paths)
+    cfg.methods, cfg.dtypes = plan_dtypes(cfg.methods, lambda f: decision.dtype(f) if decision else paths.dtype)
+    ar = next(m for m in cfg.methods if family(m) == "ar")
+    sets = {}
+    for dt in dict.fromkeys([cfg.dtypes[ar], *cfg.dtypes.values()]):
+        on = [m for m in cfg.methods if cfg.dtypes[m] == dt]
+        roles = {r for m in on for r in get_method(m).needs} | ({"draft"} if cfg.peers and not sets else set())
+        fams = [f for f in ("ar", "speculative") if decision and decision.dtype(f) == dt
+                and any(family(m) == f and "@" not in m for m in on)]
+        if fams:  # the auto choice of these methods' family: its load line says why
+            cfg.dtype_why.update({f: decision.line(f) for f in fams})
+            sets[dt] = load_models(paths, roles=roles, fam=fams[0])
+        else:
+            sets[dt] = load_models(replace(paths, dtype=dt), roles=roles)
+    return (*sets[cfg.dtypes[ar]], sets)
 
 
 def cmd_grid(a: argparse.Namespace) -> int:

@@ -39,6 +39,23 @@ def cmd_forward(a: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_dtype(a: argparse.Namespace) -> int:
+    """`speclab costs dtype`: --dtype auto's decision for these models on this machine, measured again (or, with
+    --cached, as the cache holds it) and kept in the cache."""
+    from dataclasses import replace
+
+    from speclab.bench.costs import dtype_decision_report
+    from speclab.models import resolve_dtype
+
+    check_model_args(a)
+    if a.dtype not in (None, "auto"):
+        raise SpeclabError(f"costs dtype measures what --dtype auto chooses; --dtype {a.dtype} chooses nothing")
+    paths = replace(ModelPaths.from_args(a), dtype="auto")
+    _, d = resolve_dtype(paths, remeasure=not a.cached)
+    write_report(dtype_decision_report(d), a.report)
+    return 0
+
+
 def cmd_catchup(a: argparse.Namespace) -> int:
     from speclab.bench.costs import catchup_costs, cost_curves_report
 
@@ -155,6 +172,13 @@ def add_parsers(sub) -> None:
                    help="interleaved repetitions (20 calls each); the median is shown")
     f.add_argument("--report", default="reports/forward_costs.html")
     f.set_defaults(fn=cmd_forward)
+
+    dt = cs.add_parser("dtype", help="--dtype auto on this machine: each method family's round timed in fp32 and "
+                       "bf16 until resolved, the choice kept in the per-user cache (measured again here)")
+    add_model_args(dt)
+    dt.add_argument("--cached", action="store_true", help="show the cached decision (measure only if there is none)")
+    dt.add_argument("--report", default="reports/dtype_auto.html")
+    dt.set_defaults(fn=cmd_dtype)
 
     cc = cs.add_parser("catchup", help="ms per EAGLE-3 catch-up: KV-only prefill vs a full backlog forward")
     cc.add_argument("--backlog", default="1,2,4,8,16,32,64", help="backlog lengths (comma-separated)")

@@ -44,7 +44,14 @@ def cmd_generate(a: argparse.Namespace) -> int:
                else _read_prompts(a.prompts))
     if a.db != "none":
         check_trace(a.db)  # a locked or foreign file fails fast; the file itself is made once all is checked
-    target, models = load_models(ModelPaths.from_args(a), roles=method.needs)
+    from dataclasses import replace
+
+    from speclab.core.precision import family
+    from speclab.methods import split_dtype
+    pinned = split_dtype(a.method)[1]  # 'eagle3@bf16' decodes in bf16 whatever --dtype says
+    paths = ModelPaths.from_args(a)
+    target, models = load_models(replace(paths, dtype=pinned) if pinned else paths, roles=method.needs,
+                                 fam=family(a.method))
     from speclab.methods import all_params
     params = {name: getattr(a, name) for name in all_params()}
     for p in prompts:  # every prompt and parameter checked against the models before anything is decoded

@@ -1,6 +1,7 @@
 """`speclab flashhead build | costs | agreement`: a drafter's FlashHead index (equal-size spherical k-means of its
-head's rows, stored beside the drafter: `speclab.flashhead`), the head's latency dense against flash (the FlashHead
-thesis's Tables 4.1-4.2: mean, P50 and P95 per call), and its top-1 agreement with the dense head while decoding."""
+head's rows, stored beside the drafter: `speclab.drafters.flashhead`), the head's latency dense against flash (the
+FlashHead thesis's Tables 4.1-4.2: mean, P50 and P95 per call), and its top-1 agreement with the dense head while
+decoding."""
 from __future__ import annotations
 
 import argparse
@@ -27,7 +28,7 @@ def _check_role(a: argparse.Namespace) -> None:
 def _index_sizes(a: argparse.Namespace, role: str, clusters: list[int], probes: list[int]) -> list[int]:
     """The clusters of each index asked for beside the role's drafter, found and checked against the probes from
     their files, before any model is loaded."""
-    from speclab.flashhead import locate_index
+    from speclab.drafters.flashhead import locate_index
     sizes = [locate_index(ModelPaths.from_args(a).model_path(role), c, role)[1] for c in clusters]
     if max(probes) > min(sizes):
         raise SpeclabError(f"--probes {','.join(map(str, probes))}: at most the {min(sizes)} clusters of the "
@@ -44,12 +45,12 @@ def _load(a: argparse.Namespace):
 
 
 def cmd_build(a: argparse.Namespace) -> int:
-    from speclab.flashhead import build_index, index_dir
+    from speclab.drafters.flashhead import build_index, index_dir
     from speclab.progress import Progress
     from speclab.zoo import display_path
     target, model, weight = _load(a)
     if weight.shape[0] % a.clusters:
-        from speclab.flashhead import _divisors_near
+        from speclab.drafters.flashhead import _divisors_near
         raise SpeclabError(f"--clusters {a.clusters} must divide the head's {weight.shape[0]} rows (e.g. "
                            f"{_divisors_near(weight.shape[0])})")
     bar = Progress(a.iters, f"flashhead build {a.drafter} c={a.clusters}")
@@ -70,7 +71,7 @@ def cmd_costs(a: argparse.Namespace) -> int:
 
     from speclab.bench.costs import timeit_interleaved
     from speclab.cli.common import write_report
-    from speclab.flashhead import FlashHead, find_index
+    from speclab.drafters.flashhead import FlashHead, find_index
     from speclab.viz import Report, lines_figure
     probes = _int_list(a.probes, "--probes")
     rows_list = _int_list(a.rows, "--rows")
@@ -118,8 +119,8 @@ def cmd_agreement(a: argparse.Namespace) -> int:
 
     from speclab.bench.costs import timeit_interleaved
     from speclab.cli.common import write_report
+    from speclab.drafters.flashhead import find_index
     from speclab.drafters.registry import build_drafter
-    from speclab.flashhead import find_index
     from speclab.metrics import drafter_ms_per_round, tau, tokens_per_s
     from speclab.progress import Progress
     from speclab.viz import Report, lines_figure
@@ -203,7 +204,7 @@ def cmd_tables(a: argparse.Namespace) -> int:
     import pandas as pd
 
     from speclab.cli.common import write_report
-    from speclab.flashhead import find_index
+    from speclab.drafters.flashhead import find_index
     from speclab.progress import Progress
     from speclab.viz import Report, bench_bars
     roles = head_roles()

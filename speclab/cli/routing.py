@@ -15,7 +15,7 @@ from speclab.viz import Report
 
 def _bench_store(a: argparse.Namespace):
     """The bench's trace (opened for writing: profiles and live runs go in) and the bench id (default: latest)."""
-    from speclab.routing.evaluate import bench_info, latest_bench
+    from speclab.bench.routing import bench_info, latest_bench
     from speclab.trace import TraceStore
 
     if not Path(a.db).exists():
@@ -31,8 +31,8 @@ def _bench_paths(a: argparse.Namespace, store, bench_id: str) -> ModelPaths:
     did): --dtype auto means the bench's; another dtype than the bench's is refused."""
     from dataclasses import replace
 
+    from speclab.bench.routing import bench_dtype
     from speclab.core.precision import DTYPES, dtype_option
-    from speclab.routing.evaluate import bench_dtype
 
     paths, want = ModelPaths.from_args(a), bench_dtype(store, bench_id)
     paths.check()
@@ -55,7 +55,7 @@ def _costs(a: argparse.Namespace):
 def _routing_setup(a: argparse.Namespace, store, bench_id: str, need_mlp: bool, profile=None):
     """Profiles (made when missing), the cost model (a hardware profile's, else fitted to the bench) and the neural
     router when needed."""
-    from speclab.routing.evaluate import check_profilable, get_profiles
+    from speclab.bench.routing import check_profilable, get_profiles
     from speclab.routing.replay import fit_costs
 
     loaded, paths = {}, _bench_paths(a, store, bench_id)
@@ -76,7 +76,7 @@ def _routing_setup(a: argparse.Namespace, store, bench_id: str, need_mlp: bool, 
 
 
 def cmd_profile(a: argparse.Namespace) -> int:
-    from speclab.routing.evaluate import check_profilable, profile_bench, profile_table
+    from speclab.bench.routing import check_profilable, profile_bench, profile_table
 
     store, bench_id = _bench_store(a)
     with store:
@@ -96,8 +96,8 @@ def _router(text: str) -> str:
 
 
 def cmd_sweep(a: argparse.Namespace) -> int:
-    from speclab.routing.calibration import grid_text
-    from speclab.routing.evaluate import live_specs, parse_thresholds, run_live, sweep_report
+    from speclab.bench.calibration import grid_text
+    from speclab.bench.routing import live_specs, parse_thresholds, run_live, sweep_report
 
     router = _router(a.router)
     grid = parse_thresholds(a.grid or grid_text(router))
@@ -119,8 +119,8 @@ def cmd_sweep(a: argparse.Namespace) -> int:
 
 
 def cmd_calibrate(a: argparse.Namespace) -> int:
-    from speclab.routing.calibration import Calibrator, calibrate, grid_text, save_thresholds
-    from speclab.routing.evaluate import parse_thresholds
+    from speclab.bench.calibration import Calibrator, calibrate, grid_text, save_thresholds
+    from speclab.bench.routing import parse_thresholds
     from speclab.routing.routers import calibration_path
 
     routers = [r.strip() for r in a.router.split(",") if r.strip()]
@@ -151,7 +151,7 @@ def cmd_calibrate(a: argparse.Namespace) -> int:
 
 
 def cmd_routing(a: argparse.Namespace) -> int:
-    from speclab.routing.evaluate import bench_routers, routing_report
+    from speclab.bench.routing import bench_routers, routing_report
 
     profile = _costs(a)
     store, bench_id = _bench_store(a)
@@ -187,7 +187,7 @@ def add_parsers(sub) -> None:
                         "(instant) and live at chosen thresholds")
     sw.add_argument("--router", required=True, help="entropy | neural")
     sw.add_argument("--grid", default=None, help="thresholds: start:stop:step or a comma-separated list (default: the "
-                    "router's calibration grid, speclab.routing.calibration.GRIDS)")
+                    "router's calibration grid, speclab.bench.calibration.GRIDS)")
     sw.add_argument("--live", default="", help="thresholds to also run live on the bench's prompts (into the bench)")
     bench_args(sw, "reports/sweep.html")
     costs_arg(sw)
@@ -197,7 +197,7 @@ def add_parsers(sub) -> None:
                         "routers by replay on a bench, written to data/zoo/calibration.json")
     ca.add_argument("--router", default="entropy,neural", help="entropy, neural or both (comma-separated)")
     ca.add_argument("--entropy-grid", default=None, help="thresholds in nats (default: the calibration grid, "
-                    "speclab.routing.calibration.GRIDS, which the app and the notebook widget sweep too)")
+                    "speclab.bench.calibration.GRIDS, which the app and the notebook widget sweep too)")
     ca.add_argument("--neural-grid", default=None, help="thresholds on the predicted Delta tau (default: the "
                     "calibration grid)")
     ca.add_argument("--out", help="calibration file (default: data/zoo/calibration.json)")

@@ -15,7 +15,14 @@ def cmd_zoo(a: argparse.Namespace) -> int:
     from speclab.train.zoo_build import ZooBuildConfig, build_zoo, evaluate_zoo
 
     if a.zoo_cmd == "build":
-        build_zoo(ZooBuildConfig(shared_data=a.shared_data, target_minutes=a.target_minutes,
+        from speclab import zoo
+        for path, option, what in ((a.work_dir, "--work-dir", "the zoo's training runs"),
+                                   (zoo.zoo_dir(), "the zoo folder", "the zoo's models"),
+                                   (zoo.REPO_ROOT / "data" / "corpus", "the corpus folder", "the corpus"),
+                                   (zoo.REPO_ROOT / "data" / "regen", "the regenerated data folder",
+                                    "the regenerated data")):
+            check_out(path, what, option=option)
+        build_zoo(ZooBuildConfig(work_dir=a.work_dir, shared_data=a.shared_data, target_minutes=a.target_minutes,
                                  draft_pretrain_minutes=a.draft_pretrain_minutes, draft_minutes=a.draft_minutes,
                                  draft_more_minutes=a.draft_more_minutes, eagle3_minutes=a.eagle3_minutes,
                                  dflash_minutes=a.dflash_minutes, regen_modes=tuple(a.regen_modes.split(",")),
@@ -24,6 +31,20 @@ def cmd_zoo(a: argparse.Namespace) -> int:
     elif a.zoo_cmd == "eval":
         print(evaluate_zoo(eval_tokens=a.eval_tokens))
     return 0
+
+
+def check_out(path: str | Path, what: str, file: str | None = None, option: str = "--out") -> None:
+    """An output folder (a training run, regenerated data, the zoo's) that can be made and written, and its `file`
+    if it is there, tried now, before any model or data is loaded (`speclab.files.check_writable`: the folder and a
+    file in it made, then removed, so nothing is left behind and a refused command makes no folder); else one line
+    naming the option."""
+    from speclab.files import check_writable
+    try:
+        if Path(path).exists() and not Path(path).is_dir():
+            raise ValueError("it is a file, not a folder")
+        check_writable(Path(path) / (file or ".speclab-probe"), what)
+    except ValueError as e:
+        raise SpeclabError(f"{option} {path}: {e}") from e
 
 
 def check_data(folders: str, regenerated_ok: bool = True) -> None:
@@ -58,13 +79,21 @@ def _modes(text: str) -> str:
 
 
 def _precision(name: str) -> str:
-    """--precision auto: bf16 autocast where a decode would run in bf16 (`speclab.core.precision.auto_choice`)."""
+    """--precision auto: bf16 autocast where the zoo's speculative decodes run in bf16 (this machine's --dtype auto
+    decision, `speclab.models.resolve_dtype`: cached, measured once)."""
     if name != "auto":
         return name
-    import torch
+    from speclab.models import ModelPaths, resolve_dtype
+    return resolve_dtype(ModelPaths())[0]
 
-    from speclab.core.precision import auto_choice
-    return "bf16" if auto_choice("cpu").dtype == torch.bfloat16 else "fp32"
+
+def _regen_dtype(name: str, target) -> str:
+    """--dtype auto of `data regenerate`: the target's speculative decodes' dtype on this machine (resolved here, so
+    the regeneration's settings name the dtype it really ran in)."""
+    if name != "auto":
+        return name
+    from speclab.models import ModelPaths, resolve_dtype
+    return resolve_dtype(ModelPaths(target=str(target)))[0]
 
 
 def _curve(a: argparse.Namespace) -> int:
@@ -92,7 +121,6 @@ def cmd_data(a: argparse.Namespace) -> int:
     """`speclab data regenerate`: the target's own continuations (speclab.train.regenerate)."""
     from speclab import zoo
     from speclab.core.target import check_model_dir, quiet_loads
-    from speclab.files import check_writable
     from speclab.train.regenerate import RegenConfig, regenerate
     quiet_loads()
     target = str(check_model_dir(a.target or zoo.default_target()))
@@ -104,15 +132,10 @@ def cmd_data(a: argparse.Namespace) -> int:
     if ctx and a.prompt_len + a.new_tokens > ctx:
         raise SpeclabError(f"--prompt-len {a.prompt_len} + --new-tokens {a.new_tokens} exceed the target's context "
                            f"of {ctx} positions")
-    try:
-        if Path(a.out).exists() and not Path(a.out).is_dir():
-            raise ValueError("it is a file, not a folder")
-        check_writable(Path(a.out) / "provenance.json", "the regenerated data")
-    except ValueError as e:
-        raise SpeclabError(f"--out {a.out}: {e}") from e
+    check_out(a.out, "the regenerated data", "provenance.json")
     cfg = RegenConfig(target_dir=target, corpus_dir=corpus, out_dir=a.out, mode=a.mode,
                       train_sequences=a.train_sequences, val_sequences=a.val_sequences, prompt_len=a.prompt_len,
-                      new_tokens=a.new_tokens, batch=a.batch, dtype=a.dtype, seed=a.seed)
+                      new_tokens=a.new_tokens, batch=a.batch, dtype=_regen_dtype(a.dtype, target), seed=a.seed)
     try:
         prov = regenerate(cfg, log=lambda s: print(s, file=sys.stderr, flush=True))
     except ValueError as e:
@@ -130,13 +153,7 @@ def cmd_train(a: argparse.Namespace) -> int:
     corpus = a.corpus or str(zoo.REPO_ROOT / "data" / "corpus")
     if a.what != "router" or a.corpus:
         check_data(corpus, regenerated_ok=a.what in DRAFTERS)
-    from speclab.files import check_writable
-    try:  # the run directory can be made and written, before any model or data is loaded
-        if Path(a.out).exists() and not Path(a.out).is_dir():
-            raise ValueError("it is a file, not a folder")
-        check_writable(Path(a.out) / ("curve.json" if a.what == "curve" else "train_log.jsonl"), "the run")
-    except ValueError as e:
-        raise SpeclabError(f"--out {a.out}: {e}") from e
+    check_out(a.out, "the run", "curve.json" if a.what == "curve" else "train_log.jsonl")
     if a.teacher:
         check_model_dir(a.teacher)
     if a.init_from:
@@ -359,6 +376,8 @@ def add_parsers(sub) -> None:
     zb.add_argument("--v2-minutes", type=_num(float, 0.01), default=60.0,
                     help="both drafters on the regenerated data, side by side")
     zb.add_argument("--seed", type=_num(int, 0, 2**63 - 1), default=0)
+    zb.add_argument("--work-dir", default="build/zoo", help="the run directory of each step, before its model is "
+                    "installed in data/zoo")
     ze = zs.add_parser("eval", help="per-domain validation loss and bits per byte of the zoo models")
     ze.add_argument("--eval-tokens", type=_positive_int, default=65536)
     z.set_defaults(fn=cmd_zoo)

@@ -5,9 +5,10 @@ model); the steps it calls follow it in the order they run. AR decoding is the s
 
 The engine owns the committed sequence (`Committed`: preallocated token ids and, when a drafter asks for target
 layers, the target's features of those tokens) and the target's KV cache, both sized once for the whole decode.
-The drafters and what each has been handed of the sequence live in a `DrafterPool` (speclab/core/pool.py), which
-also does the lazy catch-up. Each round one index of kept verification rows (the root and the accepted path)
-updates the KV cache, the feature buffer and the router's signals together (`commit_rows`).
+The drafters and what each has been handed of the sequence live in a `DrafterPool` (speclab/core/pool.py, where
+`Committed` is defined too), which also does the lazy catch-up. Each round one index of kept verification rows
+(the root and the accepted path) updates the KV cache, the feature buffer and the router's signals together
+(`commit_rows`).
 
 Deferred (the default): the target's bonus token is not forwarded on its own; it is the root of the next round
 and leads that round's verification batch (one target call per round). So at round start the committed tokens
@@ -18,7 +19,7 @@ next-token distribution) is known. Only `prefill` and `forward_root` know the mo
 the root's row is already there. Either way a drafter gets token x_t paired with f_{t-1} (EAGLE's pairing),
 which both modes always have.
 
-Router signals (`speclab.routing.routers.Signals`) describe the position that produced the last committed token: the
+Router signals (`speclab.core.protocol.Signals`) describe the position that produced the last committed token: the
 entropy of the target distribution it was drawn from and that row's final-norm hidden state; both come from the
 verification row of the last kept node (the prefill's last row in the first round), kept as one `Row`. They are
 computed only when the router asks for them.
@@ -40,15 +41,14 @@ import torch
 from kernels import ops as kernel_ops
 from speclab.core.contemplate import contemplate, last_token_rows, tree_rows
 from speclab.core.lean import ConRows
-from speclab.core.pool import DrafterPool, feature_columns, feature_layers
+from speclab.core.pool import Committed, DrafterPool, feature_columns, feature_layers
+from speclab.core.protocol import Contemplating, Decision, Drafter, FixedRouter, Router, Signals
 from speclab.core.sampling import Sampling
 from speclab.core.target import Target, forward_clock, keep_cache
 from speclab.core.tree import DraftTree, tree_attention_mask, tree_position_ids
 from speclab.core.verify import verify
-from speclab.drafters.base import Contemplating, Drafter
 from speclab.errors import InvalidInput
 from speclab.metrics import tokens_per_s
-from speclab.routing.routers import Decision, FixedRouter, Router, Signals
 
 __all__ = ["PHASES", "HISTORY", "RoundEvent", "DecodeResult", "Committed", "Row", "PhaseClock", "Verified",
            "decode", "decode_rounds", "prefill", "signals", "verify_batch", "cut", "commit_rows", "forward_root",
@@ -104,28 +104,6 @@ class DecodeResult:
     @property
     def tokens_per_s(self) -> float:
         return tokens_per_s(self.new_ids.numel(), self.elapsed_s)
-
-
-class Committed:
-    """The committed sequence, preallocated once per decode: token ids (CPU) and, when drafters ask for target
-    layers, the target's features of those tokens (target device). `n` tokens; features for the first `n_feats`."""
-
-    def __init__(self, prompt_ids: torch.Tensor, capacity: int, feat_dim: int, device, dtype):
-        self.ids = torch.zeros(capacity, dtype=torch.long)
-        self.n = prompt_ids.numel()
-        self.ids[: self.n] = prompt_ids
-        self.feats = torch.zeros(capacity, feat_dim, dtype=dtype, device=device) if feat_dim else None
-        self.n_feats = 0
-
-    def append(self, new: torch.Tensor) -> None:
-        self.ids[self.n : self.n + new.numel()] = new
-        self.n += new.numel()
-
-    def set_features(self, start: int, feats: torch.Tensor) -> None:
-        """Features of the tokens from `start` on (contiguous with those already there)."""
-        assert self.feats is not None, "no drafter asked for target layers"
-        self.feats[start : start + feats.shape[0]] = feats
-        self.n_feats = start + feats.shape[0]
 
 
 class Row(NamedTuple):

@@ -5,6 +5,9 @@ committed since it last looked), token x_t paired with the target's feature f_{t
 layers. Catch-up is lazy: only the drafter the router chose digests its backlog, in one call, when it is chosen;
 the others' backlog grows as views into the engine's buffers. An eager router brings every drafter up to date
 every round instead (the naive scheme WhiFlash measures lazy catch-up against).
+
+`Committed` (the engine's committed sequence: token ids and features) is defined here, beside the pool that reads
+it, so the pool needs nothing from the engine (the engine imports the pool, never the reverse).
 """
 from __future__ import annotations
 
@@ -12,12 +15,33 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from speclab.drafters.base import Drafter
+from speclab.core.protocol import Drafter
 from speclab.errors import InvalidInput
 
 if TYPE_CHECKING:
-    from speclab.core.engine import Committed
     from speclab.core.target import Target
+
+
+class Committed:
+    """The committed sequence, preallocated once per decode: token ids (CPU) and, when drafters ask for target
+    layers, the target's features of those tokens (target device). `n` tokens; features for the first `n_feats`."""
+
+    def __init__(self, prompt_ids: torch.Tensor, capacity: int, feat_dim: int, device, dtype):
+        self.ids = torch.zeros(capacity, dtype=torch.long)
+        self.n = prompt_ids.numel()
+        self.ids[: self.n] = prompt_ids
+        self.feats = torch.zeros(capacity, feat_dim, dtype=dtype, device=device) if feat_dim else None
+        self.n_feats = 0
+
+    def append(self, new: torch.Tensor) -> None:
+        self.ids[self.n : self.n + new.numel()] = new
+        self.n += new.numel()
+
+    def set_features(self, start: int, feats: torch.Tensor) -> None:
+        """Features of the tokens from `start` on (contiguous with those already there)."""
+        assert self.feats is not None, "no drafter asked for target layers"
+        self.feats[start : start + feats.shape[0]] = feats
+        self.n_feats = start + feats.shape[0]
 
 
 def feature_layers(target: Target, drafters: dict[str, Drafter]) -> tuple[int, ...]:

@@ -2,9 +2,11 @@
 
 Three decisions live here, one concept: how precisely the models compute.
 
-- **The dtype** (`pick_dtype`). `auto` (the default) is bf16 on CUDA, and on a CPU bf16 where the CPU computes
-  it natively (`avx512_bf16` or `amx_bf16` in its flags) *and* a quick measurement confirms that a bf16 matmul
-  of a decode's shape is faster there than fp32; fp32 elsewhere. `auto_choice()` says what was found and why.
+- **The dtype** (`pick_dtype`). `auto` (the default) is bf16 on CUDA, fp32 on a CPU without native bf16
+  (`avx512_bf16` / `amx_bf16`), and elsewhere what this machine measured once for these models and keeps in a
+  per-user cache (`DtypeDecision`, `cached_decision` / `store_decision`): per method family (AR, speculative) the
+  decode's own calls timed in both dtypes, interleaved until the difference is resolved or a tie (a tie picks
+  fp32). The measurement is `speclab.bench.costs.dtype_decision`; `speclab.models.resolve_dtype` ties it together.
 - **Logits in fp32** (`head_logits`). In bf16 the LM head's outputs carry 8 mantissa bits, so near the top of
   the distribution two logits often tie exactly, and a 1-row AR step and an n-row verification break the tie
   differently. Here the final norm runs in fp32 on the bf16 hidden state, the head matmul runs in bf16 (the
@@ -20,8 +22,7 @@ from __future__ import annotations
 
 import functools
 import platform
-import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -80,13 +81,6 @@ def cpu_info() -> tuple[str, tuple[str, ...]]:
     return name, tuple(f for f in BF16_FLAGS if f in flags)
 
 
-@dataclass(frozen=True)
-class DtypeChoice:
-    dtype: torch.dtype
-    reason: str  # one line: what was found
-    cpu: str  # CPU model and its bf16 capability (recorded on each run)
-
-
 def cpu_label() -> str:
     name, flags = cpu_info()
     return f"{name} ({', '.join(flags) if flags else 'no native bf16'})"
@@ -99,49 +93,215 @@ def precision_label(target) -> str:
             + (", exact" if p["exact"] else ""))
 
 
-def measure_bf16(rows: int = 8, d: int = 512, reps: int = 30) -> tuple[float, float]:
-    """ms of a [rows, d] x [d, 3d] matmul in fp32 and in bf16 on this CPU (a decode's shape; ~50 ms): the fastest of
-    `reps` calls each, the two dtypes taking turns, so a busy machine (another process preempting one block of
-    calls) cannot make one dtype look slower than it is (measured: seven processes on 2 cores once gave bf16 a
-    20 ms median against fp32's 0.18 ms when each dtype was timed in its own block)."""
-    g = torch.Generator().manual_seed(0)
-    w, x = torch.randn(3 * d, d, generator=g), torch.randn(rows, d, generator=g)
-    args = {dt: (x.to(dt), w.to(dt)) for dt in (torch.float32, torch.bfloat16)}
-    for xd, wd in args.values():
-        for _ in range(5):
-            F.linear(xd, wd)
-    best = {dt: float("inf") for dt in args}
-    for _ in range(reps):
-        for dt, (xd, wd) in args.items():
-            t0 = time.perf_counter()
-            F.linear(xd, wd)
-            best[dt] = min(best[dt], time.perf_counter() - t0)
-    return best[torch.float32] * 1e3, best[torch.bfloat16] * 1e3
+# ---- --dtype auto: one decision per machine, kept in a per-user cache ------------------------------------------
+# The decision is measured above this layer (`speclab.bench.costs.dtype_decision`: the decode's own calls in both
+# dtypes, interleaved until resolved) and resolved by `speclab.models.resolve_dtype`; here live what it is, its
+# key and its cache, so that every later run on the machine reads the same answer.
+
+FAMILIES = {"ar": "AR (one target row per token)",
+            "speculative": "speculative methods (a verification of several rows plus the drafter's calls per round)"}
+TIE_DTYPE = "fp32"  # a tie (neither dtype measurably faster) picks the exact reference: output equal to AR, no ties
+TIE_MARGIN = 0.03  # a difference under 3% either way, resolved as such, is a tie
+BUSY_CORES = 0.3  # other processes using more CPU than this while measuring: the decision is provisional
+CACHE_FORMAT, CACHE_VERSION = "speclab-dtype-auto", 1
 
 
-@functools.lru_cache(maxsize=4)
-def auto_choice(device_type: str = "cpu") -> DtypeChoice:
-    """What `--dtype auto` means on this machine, and why (measured once per process)."""
-    if device_type == "cuda":
-        return DtypeChoice(torch.bfloat16, "CUDA: bf16", cpu_label())
-    _, flags = cpu_info()
-    if not flags:
-        return DtypeChoice(torch.float32, "this CPU has no native bf16 (no avx512_bf16 / amx_bf16): fp32", cpu_label())
-    fp32_ms, bf16_ms = measure_bf16()
-    if bf16_ms >= fp32_ms:
-        return DtypeChoice(torch.float32, f"the CPU has {flags[0]} but a bf16 matmul measured slower than fp32 "
-                           f"({bf16_ms:.3f} vs {fp32_ms:.3f} ms): fp32", cpu_label())
-    return DtypeChoice(torch.bfloat16, f"the CPU computes bf16 natively ({flags[0]}; a decode-shaped matmul "
-                       f"{bf16_ms:.3f} ms in bf16 vs {fp32_ms:.3f} ms in fp32): bf16", cpu_label())
+def family(method: str) -> str:
+    """The method family a method spec decodes in: 'ar' or 'speculative'."""
+    return "ar" if str(method).split("@")[0].split(":")[0] == "ar" else "speculative"
 
 
-def pick_dtype(device: torch.device, dtype: str | torch.dtype | None = None) -> torch.dtype:
-    """The dtype a model runs in: a name, a torch dtype, or None / 'auto' (`auto_choice`)."""
+def machine() -> dict:
+    """What the decision depends on besides the models: CPU model, a hash of all its flags, cores, threads, torch."""
+    import hashlib
+    import os
+    name, _ = cpu_info()
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((ln.partition(":")[2] for ln in f if ln.startswith("flags")), "")
+    except OSError:
+        flags = platform.machine()
+    return {"cpu": name, "flags": hashlib.sha1(" ".join(sorted(flags.split())).encode()).hexdigest()[:12],
+            "bf16": list(cpu_info()[1]), "cores": os.cpu_count(), "threads": torch.get_num_threads(),
+            "torch": torch.__version__}
+
+
+def other_load(window_s: float = 0.3) -> float:
+    """How many cores other processes kept busy over the next `window_s` (Linux: /proc/stat minus this process);
+    0.0 where that cannot be read. Timings taken meanwhile are not this machine's own."""
+    import os
+    import time
+
+    def busy():
+        with open("/proc/stat") as f:
+            v = [int(x) for x in f.readline().split()[1:]]
+        mine = os.times()
+        return sum(v) - v[3] - v[4], sum(v), mine.user + mine.system
+
+    try:
+        b0, t0, m0 = busy()
+        time.sleep(window_s)
+        b1, t1, m1 = busy()
+    except (OSError, ValueError, IndexError):
+        return 0.0
+    hz, cores = os.sysconf("SC_CLK_TCK"), os.cpu_count() or 1
+    return max(0.0, ((b1 - b0) - (m1 - m0) * hz) / max(t1 - t0, 1) * cores)
+
+
+def model_key(path) -> str:
+    """A model's identity for the cache, wherever its folder lies: its config.json and its weight files' names and
+    sizes (a hub name stands for itself)."""
+    import hashlib
+    from pathlib import Path
+    p = Path(str(path)).expanduser()
+    if not p.is_dir():
+        return str(path)
+    h = hashlib.sha1((p / "config.json").read_bytes() if (p / "config.json").exists() else b"")
+    for f in sorted(p.iterdir()):
+        if f.suffix in (".safetensors", ".bin", ".pt"):
+            h.update(f"{f.name}:{f.stat().st_size}".encode())
+    return h.hexdigest()[:16]
+
+
+def decision_key(models: dict) -> str:
+    """The cache key of a decision: this machine and the models it was measured on (role -> `model_key`)."""
+    import hashlib
+    import json
+    return hashlib.sha1(json.dumps([machine(), sorted(models.items())]).encode()).hexdigest()[:16]
+
+
+@dataclass
+class DtypeDecision:
+    """What `--dtype auto` means on this machine for these models, per method family, and the measurement behind it.
+
+    `costs[family]`: ms of the family's calls per round in each dtype (medians), the bf16 / fp32 ratio and its 95%
+    interval over paired repetitions, how many, and the verdict ('bf16', 'fp32' or 'tie')."""
+    dtypes: dict  # family -> 'fp32' | 'bf16'
+    reason: dict  # family -> one line: why
+    costs: dict = field(default_factory=dict)
+    key: str = ""
+    models: dict = field(default_factory=dict)  # role -> model key, what was measured
+    machine: dict = field(default_factory=dict)
+    measured_at: str = ""
+    busy: float = 0.0  # cores other processes kept busy while it was measured (`other_load`)
+    source: str = "measured now"  # or "read from <cache file>" (set on read, never stored)
+    samples: object = field(default=None, repr=False)  # the paired repetitions, when measured now (never stored)
+
+    @property
+    def provisional(self) -> bool:
+        """Measured while other processes held the CPU: kept, and measured again once the machine is quiet."""
+        return self.busy > BUSY_CORES
+
+    def dtype(self, fam: str) -> str:
+        return self.dtypes[fam]
+
+    def line(self, fam: str) -> str:
+        """One line for load lines, headers and reports: the dtype, why, and whether measured now or cached."""
+        when = f", {self.measured_at}" if self.source != "measured now" and self.measured_at else ""
+        busy = f"; provisional: other processes used {self.busy:.1f} cores meanwhile" if self.provisional else ""
+        kept = f", kept in {cache_path()}" if self.source == "measured now" else ""
+        return f"--dtype auto -> {self.dtypes[fam]} for {fam}: {self.reason[fam]} ({self.source}{kept}{when}{busy})"
+
+    def to_json(self) -> dict:
+        return {"dtypes": self.dtypes, "reason": self.reason, "costs": self.costs, "key": self.key,
+                "models": self.models, "machine": self.machine, "measured_at": self.measured_at, "busy": self.busy}
+
+
+def fixed_decision(dtype: str, why: str) -> DtypeDecision:
+    """A decision that needs no measurement (CUDA; a CPU without native bf16): one dtype for every family."""
+    return DtypeDecision({f: dtype for f in FAMILIES}, {f: why for f in FAMILIES}, source="no measurement needed")
+
+
+def cache_path():
+    """The per-user cache file: $SPECLAB_CACHE_DIR, else $XDG_CACHE_HOME/speclab, else ~/.cache/speclab."""
+    import os
+    from pathlib import Path
+    base = os.environ.get("SPECLAB_CACHE_DIR") or str(Path(os.environ.get("XDG_CACHE_HOME") or
+                                                            Path.home() / ".cache") / "speclab")
+    return Path(base).expanduser() / "dtype-auto.json"
+
+
+def _read_cache(path) -> tuple[dict, str | None]:
+    """(entries, why the file cannot be trusted or None): a missing file is no entries and no complaint."""
+    import json
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        return {}, None
+    except (OSError, UnicodeDecodeError, ValueError) as e:
+        return {}, f"not readable JSON ({type(e).__name__})"
+    if not isinstance(data, dict) or data.get("format") != CACHE_FORMAT:
+        return {}, f"not a speclab dtype cache (no \"format\": \"{CACHE_FORMAT}\")"
+    if data.get("version") != CACHE_VERSION or not isinstance(data.get("entries"), dict):
+        return {}, f"cache version {data.get('version')!r}, this speclab reads {CACHE_VERSION}"
+    return data["entries"], None
+
+
+def _valid_entry(e, key: str) -> str | None:
+    """Why a cached entry cannot be trusted for `key` on this machine (None: it can)."""
+    if not isinstance(e, dict):
+        return "its entry is not an object"
+    if e.get("key") != key or e.get("machine") != machine():
+        return "its entry was measured on another machine or torch"
+    d, r = e.get("dtypes"), e.get("reason")
+    if not (isinstance(d, dict) and set(d) == set(FAMILIES) and all(v in ("fp32", "bf16") for v in d.values())):
+        return "its entry names no fp32/bf16 choice for every method family"
+    if not (isinstance(r, dict) and set(r) == set(FAMILIES) and all(isinstance(v, str) for v in r.values())):
+        return "its entry has no reason for every family"
+    if not isinstance(e.get("costs", {}), dict) or not isinstance(e.get("measured_at", ""), str) or \
+            not isinstance(e.get("busy", 0.0), (int, float)) or isinstance(e.get("busy", 0.0), bool):
+        return "its measurements are malformed"
+    return None
+
+
+def cached_decision(key: str, warn=None) -> DtypeDecision | None:
+    """The decision cached for `key`, or None (never measured here; or the file or entry is corrupt or foreign:
+    then `warn` gets one line and the caller measures again)."""
+    path = cache_path()
+    entries, bad = _read_cache(path)
+    if bad is None and key in entries:
+        bad = _valid_entry(entries[key], key)
+        if bad is None:
+            e = entries[key]
+            return DtypeDecision(e["dtypes"], e["reason"], e.get("costs", {}), key, e.get("models", {}),
+                                 e["machine"], e.get("measured_at", ""), float(e.get("busy", 0.0)),
+                                 source=f"read from {path}")
+    if bad is not None and warn is not None:
+        warn(f"ignoring the dtype cache {path}: {bad}; measuring again")
+    return None
+
+
+def store_decision(d: DtypeDecision, warn=None) -> None:
+    """Keep `d` in the cache (written whole: a temporary file, then one rename); the file's other valid entries
+    stay, a corrupt file is replaced. A cache that cannot be written costs a measurement next time, nothing else."""
+    import json
+
+    from speclab.files import write_atomic
+    path = cache_path()
+    entries, bad = _read_cache(path)
+    entries = {} if bad else {k: v for k, v in entries.items() if _valid_entry(v, k) is None or k == d.key}
+    entries[d.key] = d.to_json()
+    try:
+        write_atomic(path, json.dumps({"format": CACHE_FORMAT, "version": CACHE_VERSION, "entries": entries},
+                                      indent=1))
+    except OSError as e:
+        if warn is not None:
+            warn(f"could not keep the dtype decision in {path} ({e.strerror or e}): it is measured again next time")
+
+
+def pick_dtype(device: torch.device, dtype: str | torch.dtype | None = None, fam: str = "speculative",
+               key: str | None = None) -> torch.dtype:
+    """The dtype a model runs in: a name, a torch dtype, or None / 'auto'. `auto` is bf16 on CUDA, fp32 on a CPU
+    without native bf16, and elsewhere the cached decision for `key` (`speclab.models.resolve_dtype` measures and
+    caches it before loading); with none at hand, fp32, the exact reference, so 'auto' is never a coin flip."""
     if isinstance(dtype, torch.dtype):
         return dtype
     if dtype and dtype != "auto":
         return DTYPES[check_dtype(dtype)]
-    return auto_choice(device.type).dtype
+    if device.type == "cuda":
+        return torch.bfloat16
+    d = cached_decision(key) if key and cpu_info()[1] else None
+    return DTYPES[d.dtype(fam)] if d else torch.float32
 
 
 # ---- logits in fp32 -------------------------------------------------------------------------------------------

@@ -160,6 +160,7 @@ class Target:
         self.max_context = int(getattr(self.config, "max_position_embeddings", 2048))
         self.eos_ids = _eos_ids(model, tokenizer)
         self.calls = 0  # number of forwards since load (benchmarks and the engine read differences)
+        self.dtype_choice: str | None = None  # why --dtype auto chose this dtype (`DtypeDecision.line`), if it did
 
     @classmethod
     def load(cls, name_or_path: str | Path, device=None, dtype=None, backend: str = "auto", logits: str = "fp32",
@@ -224,7 +225,7 @@ class Target:
         model's call). `layers`: decoder layers whose outputs come back as `features` (layer i's output is
         transformers' `hidden_states[i + 1]`), concatenated in the order given. `hidden`: also return the
         final-norm hidden state of the returned rows (what the LM head sees). `head`: a callable that replaces
-        the LM head on those states (a draft model's FlashHead, `speclab.flashhead`). `con`: contemplate rows in the
+        the LM head on those states (a draft model's FlashHead, `drafters.flashhead`). `con`: contemplate rows in the
         same call (`speclab.core.lean.ConRows`, lean forward only), whose states come back as `future`.
         """
         ids = input_ids.view(-1).to(self.device)

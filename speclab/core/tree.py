@@ -25,7 +25,7 @@ class DraftTree:
     # Per-node integers a drafter attaches for the trace ([n] each; speclab.trace.NODE_EXTRAS: SpecBlock's block
     # and rank bucket). Verification never reads them.
     extra: dict[str, torch.Tensor] = field(default_factory=dict)
-    # FlashHead (speclab.flashhead): per node, the candidate token ids (target ids) of the row that drafted it
+    # FlashHead (speclab.drafters.flashhead): per node, the candidate token ids (target ids) of the row that drafted it
     # ([n, C], -1 = none); the engine then records whether the target's token was among them (`in_cands`)
     cands: torch.Tensor | None = None
 

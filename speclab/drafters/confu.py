@@ -31,9 +31,9 @@ import torch.nn as nn
 from speclab.drafters import eagle3
 from speclab.drafters.checkpoint import load_strict, place, read_checkpoint
 from speclab.drafters.eagle3 import Eagle3Config, Eagle3Drafter, Eagle3Model, _check_against
+from speclab.drafters.flashhead import HEAD_PARAMS, head_same_decode, with_head
 from speclab.drafters.registry import DrafterEntry, ModelRole, Param
 from speclab.errors import ModelNotFound
-from speclab.flashhead import HEAD_PARAMS, head_same_decode, with_head
 
 
 @dataclass

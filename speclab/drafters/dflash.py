@@ -49,10 +49,10 @@ from speclab.drafters.checkpoint import (
     read_checkpoint,
     save_checkpoint,
 )
+from speclab.drafters.flashhead import HEAD_PARAMS, head_same_decode, with_head
 from speclab.drafters.layers import DecoderLayer
 from speclab.drafters.registry import DrafterEntry, ModelRole, Param
 from speclab.errors import InvalidInput, ModelNotFound
-from speclab.flashhead import HEAD_PARAMS, head_same_decode, with_head
 
 
 def default_layer_ids(num_layers: int, n: int = 5) -> tuple[int, ...]:
@@ -229,9 +229,9 @@ def _check_against(cfg: DFlashConfig, target, where: Path) -> None:
 
 
 class DFlashDrafter:
-    """The DFlash drafter behind speclab's drafter protocol (speclab/drafters/base.py)."""
+    """The DFlash drafter behind speclab's drafter protocol (speclab/core/protocol.py)."""
     name = "dflash"
-    flash = None  # a FlashHead over the target's head (speclab.flashhead), or None: the dense head
+    flash = None  # a FlashHead over the target's head (speclab.drafters.flashhead), or None: the dense head
 
     def __init__(self, model: DFlashModel, target, *, block_size: int, markov: bool, tree_topk: int,
                  total_tokens: int):

@@ -50,10 +50,10 @@ from speclab.drafters.checkpoint import (
     read_checkpoint,
     save_checkpoint,
 )
+from speclab.drafters.flashhead import HEAD_PARAMS, head_same_decode, with_head
 from speclab.drafters.layers import MLP, Attention
 from speclab.drafters.registry import DrafterEntry, ModelRole, Param
 from speclab.errors import ModelNotFound
-from speclab.flashhead import HEAD_PARAMS, head_same_decode, with_head
 
 
 def default_layer_ids(num_layers: int) -> tuple[int, int, int]:
@@ -227,9 +227,9 @@ def _check_against(cfg: Eagle3Config, target, where: Path) -> None:
 
 
 class Eagle3Drafter:
-    """The EAGLE-3 drafter behind speclab's drafter protocol (speclab/drafters/base.py)."""
+    """The EAGLE-3 drafter behind speclab's drafter protocol (speclab/core/protocol.py)."""
     name = "eagle3"
-    flash = None  # a FlashHead over the draft vocabulary (speclab.flashhead), or None: the dense LM head
+    flash = None  # a FlashHead over the draft vocabulary (speclab.drafters.flashhead), or None: the dense LM head
 
     def __init__(self, model: Eagle3Model, target, *, depth: int, tree_topk: int, total_tokens: int,
                  kv_only: bool = True):

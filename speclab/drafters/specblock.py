@@ -43,10 +43,10 @@ from speclab.core.sampling import Sampling
 from speclab.core.target import forward_clock
 from speclab.core.tree import DraftTree
 from speclab.drafters.checkpoint import check_fits, load_strict, place, read_checkpoint, save_checkpoint
+from speclab.drafters.flashhead import HEAD_PARAMS, head_same_decode, with_head
 from speclab.drafters.layers import DecoderLayer
 from speclab.drafters.registry import DrafterEntry, ModelRole, Param
 from speclab.errors import InvalidInput, ModelNotFound
-from speclab.flashhead import HEAD_PARAMS, head_same_decode, with_head
 
 BUCKETS = ("rank 1", "rank 2-4", "rank 5-10", "rank > 10")  # b0..b3 (paper §3.3)
 BUCKET_EDGES = (1, 4, 10)  # the highest rank of b0, b1, b2
@@ -243,9 +243,9 @@ class _Start:
 
 
 class SpecBlockDrafter:
-    """The SpecBlock drafter behind speclab's drafter protocol (speclab/drafters/base.py)."""
+    """The SpecBlock drafter behind speclab's drafter protocol (speclab/core/protocol.py)."""
     name = "specblock"
-    flash = None  # a FlashHead (speclab.flashhead), or None: the dense LM head
+    flash = None  # a FlashHead (speclab.drafters.flashhead), or None: the dense LM head
 
     def __init__(self, model: SpecBlockModel, target, *, blocks: int, starts: int, width_b0: int, width_b1: int,
                  width_b2: int, width_b3: int, rank: int, total_tokens: int):

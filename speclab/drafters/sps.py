@@ -18,15 +18,15 @@ from speclab.checks import MAX_TREE_NODES, Bound
 from speclab.core.sampling import Sampling, logits_to_probs, sample
 from speclab.core.target import Target, keep_cache
 from speclab.core.tree import DraftTree
+from speclab.drafters.flashhead import HEAD_PARAMS, head_same_decode, with_head
 from speclab.drafters.registry import DrafterEntry, ModelRole, Param
 from speclab.errors import InvalidInput
-from speclab.flashhead import HEAD_PARAMS, head_same_decode, with_head
 
 
 class StandaloneDraft:
     name = "sps"
     layers: tuple[int, ...] = ()
-    flash = None  # a FlashHead over the draft model's head (speclab.flashhead), or None: its dense head
+    flash = None  # a FlashHead over the draft model's head (speclab.drafters.flashhead), or None: its dense head
     root_cands = None  # with a FlashHead: the root row's candidates [1, C] (from the catch-up)
 
     def __init__(self, model: Target, *, k: int, tree_topk: int, stop_prob: float):

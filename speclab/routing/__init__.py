@@ -1,2 +1,3 @@
-"""Routing between drafters (WhiFlash): routers, counterfactual profiles and replay, oracles, the cost model,
-calibration and the evaluation on a bench."""
+"""Routing between drafters (WhiFlash): routers, the routed methods, counterfactual profiles and replay, oracles,
+the cost model and hardware cost profiles. Their evaluation on a bench and the calibration, which run benches, are
+in `speclab.bench` (`bench.routing`, `bench.calibration`): routing sits below the bench (docs/ARCHITECTURE.md)."""

@@ -1,8 +1,9 @@
 """Routers: which drafter drafts the next round. Consulted once per round with the round's `Signals`; every
-`Decision` (policy, signal, threshold, choice) is written to the trace's `router_decisions`.
+`Decision` (policy, signal, threshold, choice) is written to the trace's `router_decisions`. The protocol they
+implement (`Router`, `Signals`, `Decision`) and `FixedRouter` live in `speclab.core.protocol`.
 
 Policies (WhiFlash, ../shared/papers/whiflash.txt, section 3.3):
-- `fixed`: one drafter, always (every single-drafter method).
+- `fixed`: one drafter, always (every single-drafter method; `speclab.core.protocol.FixedRouter`).
 - `entropy` (WhiFlash-Entropy): H_t, the entropy of the target distribution that produced the last committed
   token; the autoregressive drafter (EAGLE-3) when H_t > tau_entropy, else the parallel one (DFlash).
 - `neural` (WhiFlash-Neural): an MLP on the target's final-norm hidden state h_t predicts
@@ -23,56 +24,16 @@ import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Protocol
 
 import torch
 from torch import nn
 
+from speclab.core.protocol import Decision, Signals
 from speclab.errors import InvalidInput, ModelNotFound
 from speclab.files import write_atomic
 
 EAGLE3, DFLASH = "eagle3", "dflash"  # WhiFlash's m_a (autoregressive) and m_d (diffusion / parallel) drafters
 ENTROPY_FALLBACK = 1.0  # nats: the entropy threshold when nothing is calibrated for the target
-
-
-@dataclass
-class Signals:
-    """What a router sees at the start of a round (computed only when its `needs` ask for it)."""
-    round: int
-    entropy: float = math.nan  # nats: entropy of the target distribution (T = 1) that produced the last committed token
-    hidden: torch.Tensor | None = None  # [d] final-norm hidden state of that position (what the LM head saw)
-    accepted: list[int] = field(default_factory=list)  # accepted draft tokens of the recent rounds, oldest first
-    drafters: list[str | None] = field(default_factory=list)  # which drafter drafted each of those rounds
-
-
-@dataclass
-class Decision:
-    choice: str | None  # drafter name; None = the target steps alone
-    policy: str
-    signal: float = math.nan  # the value the policy compared (nan for policies without one)
-    threshold: float = math.nan
-
-
-class Router(Protocol):
-    policy: str
-    needs: frozenset[str]  # of "entropy", "hidden": the signals the engine must compute for it
-    eager: bool  # keep every drafter caught up every round (False: only the chosen one, lazily)
-
-    def choose(self, signals: Signals) -> Decision:
-        ...
-
-
-class FixedRouter:
-    """Always the same drafter."""
-    policy = "fixed"
-    needs: frozenset[str] = frozenset()
-    eager = False
-
-    def __init__(self, name: str | None):
-        self.name = name
-
-    def choose(self, signals: Signals) -> Decision:
-        return Decision(self.name, self.policy)
 
 
 def pick(signal: float, threshold: float) -> str:

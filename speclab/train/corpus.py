@@ -3,6 +3,8 @@
 `build_corpus(out_dir)` writes `<domain>.train.txt` and `<domain>.val.txt` per domain plus SOURCE.md.
 Documents are separated by EOS_TEXT so the tokenizer and the trainer see document boundaries.
 The validation slice is the last `val_fraction` of each domain's documents (deterministic).
+`tokenize_corpus` gives a corpus's token ids per domain and split (cached beside it), for the trainings and the
+regenerated data alike.
 """
 from __future__ import annotations
 
@@ -12,6 +14,8 @@ import re
 import sysconfig
 from dataclasses import dataclass
 from pathlib import Path
+
+import numpy as np
 
 EOS_TEXT = "<|endoftext|>"
 DOMAINS = ("code", "stories", "literature", "math")
@@ -104,6 +108,25 @@ def build_corpus(out_dir: Path, cfg: CorpusConfig) -> dict[str, dict[str, int]]:
 def read_split(corpus_dir: Path, domain: str, split: str) -> list[str]:
     text = (Path(corpus_dir) / f"{domain}.{split}.txt").read_text(encoding="utf-8")
     return [d for d in text.split(EOS_TEXT) if d]
+
+
+def tokenize_corpus(corpus_dir: Path, tokenizer, cache_dir: Path) -> dict[str, dict[str, np.ndarray]]:
+    """Token ids per domain and split, documents joined by EOS; cached as .npy next to the corpus."""
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    eos = tokenizer.convert_tokens_to_ids(EOS_TEXT)
+    out: dict[str, dict[str, np.ndarray]] = {}
+    for d in DOMAINS:
+        out[d] = {}
+        for split in ("train", "val"):
+            f = cache_dir / f"{d}.{split}.npy"
+            if not f.exists():
+                ids: list[int] = []
+                for doc in read_split(corpus_dir, d, split):
+                    ids.extend(tokenizer(doc)["input_ids"])
+                    ids.append(eos)
+                np.save(f, np.asarray(ids, dtype=np.uint16))
+            out[d][split] = np.load(f)
+    return out
 
 
 def domain_prompts(corpus_dir: Path, per_domain: int = 8, chars: int = 240, seed: int = 0) -> list[dict]:

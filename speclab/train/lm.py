@@ -21,7 +21,7 @@ import torch.nn.functional as F
 
 from speclab.files import write_atomic
 from speclab.progress import Progress
-from speclab.train.corpus import DOMAINS, EOS_TEXT, read_split
+from speclab.train.corpus import DOMAINS, tokenize_corpus
 
 DOMAIN_WEIGHTS = {"code": 0.3, "stories": 0.15, "literature": 0.3, "math": 0.25}  # the training mix of every recipe
 
@@ -83,25 +83,6 @@ class TrainConfig(Schedule):
     threads: int = 2
     compile: bool = True  # torch.compile pays ~1.2x here for runs longer than a few minutes
     domain_weights: dict = field(default_factory=DOMAIN_WEIGHTS.copy)
-
-
-def tokenize_corpus(corpus_dir: Path, tokenizer, cache_dir: Path) -> dict[str, dict[str, np.ndarray]]:
-    """Token ids per domain and split, documents joined by EOS; cached as .npy next to the corpus."""
-    cache_dir.mkdir(parents=True, exist_ok=True)
-    eos = tokenizer.convert_tokens_to_ids(EOS_TEXT)
-    out: dict[str, dict[str, np.ndarray]] = {}
-    for d in DOMAINS:
-        out[d] = {}
-        for split in ("train", "val"):
-            f = cache_dir / f"{d}.{split}.npy"
-            if not f.exists():
-                ids: list[int] = []
-                for doc in read_split(corpus_dir, d, split):
-                    ids.extend(tokenizer(doc)["input_ids"])
-                    ids.append(eos)
-                np.save(f, np.asarray(ids, dtype=np.uint16))
-            out[d][split] = np.load(f)
-    return out
 
 
 def build_model(shape: ModelShape, tokenizer):

@@ -117,9 +117,8 @@ def regenerate(cfg: RegenConfig, log=print) -> dict:
     """Generate every shard not yet on disk, then assemble the per-domain files and the provenance."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from speclab.core.precision import DTYPES, auto_choice
-    from speclab.train.corpus import EOS_TEXT
-    from speclab.train.lm import tokenize_corpus
+    from speclab.core.precision import pick_dtype
+    from speclab.train.corpus import EOS_TEXT, tokenize_corpus
 
     out = Path(cfg.out_dir)
     shard_dir = out / "shards"
@@ -139,8 +138,9 @@ def regenerate(cfg: RegenConfig, log=print) -> dict:
     tok = AutoTokenizer.from_pretrained(cfg.target_dir)
     eos = tok.convert_tokens_to_ids(EOS_TEXT)
     data = tokenize_corpus(Path(cfg.corpus_dir), tok, Path(cfg.corpus_dir) / ".tokens")
-    dtype, why = (auto_choice("cpu").dtype, auto_choice("cpu").reason) if cfg.dtype == "auto" else (
-        DTYPES[cfg.dtype], f"--dtype {cfg.dtype}")
+    # the command resolves --dtype auto to this machine's decision (`speclab.models.resolve_dtype`); a library
+    # call that passes auto gets `pick_dtype`'s answer without a measurement: fp32 unless cached
+    dtype, why = pick_dtype(torch.device("cpu"), cfg.dtype), f"--dtype {cfg.dtype}"
     model = AutoModelForCausalLM.from_pretrained(cfg.target_dir, dtype=dtype).eval()
     cont = _Continuer(model)
     plan = cfg.shards()
@@ -232,8 +232,7 @@ def load_regenerated(folder: str | Path, eos: int) -> dict[str, dict[str, np.nda
 def load_token_data(folders: str, tokenizer) -> dict[str, dict[str, np.ndarray]]:
     """The trainers' data: one or more folders (comma-separated), each a text corpus (<domain>.<split>.txt,
     tokenized and cached) or a regenerated one; several are concatenated per domain and split."""
-    from speclab.train.corpus import EOS_TEXT
-    from speclab.train.lm import tokenize_corpus
+    from speclab.train.corpus import EOS_TEXT, tokenize_corpus
 
     eos = tokenizer.convert_tokens_to_ids(EOS_TEXT)
     parts = []

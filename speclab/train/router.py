@@ -195,7 +195,7 @@ def measure_costs(target, models: dict, prompts, cfg: RouterTrainConfig, data: d
 
 def train_router(cfg: RouterTrainConfig, target, models: dict, log=print) -> dict:
     from speclab.routing.replay import DRAFTERS, hardware_threshold
-    from speclab.train.lm import tokenize_corpus
+    from speclab.train.corpus import tokenize_corpus
 
     torch.set_num_threads(cfg.threads)
     out = Path(cfg.out_dir)

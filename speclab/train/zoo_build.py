@@ -13,12 +13,11 @@ from pathlib import Path
 
 import torch
 
-from speclab.train.corpus import CorpusConfig, build_corpus
+from speclab.train.corpus import CorpusConfig, build_corpus, tokenize_corpus
 from speclab.train.lm import (
     ModelShape,
     TrainConfig,
     evaluate,
-    tokenize_corpus,
     train_lm,
 )
 from speclab.train.tokenizer import train_tokenizer

@@ -51,8 +51,7 @@ def check_profilable(store, bench_id: str):
 
     b = bench_info(store, bench_id)
     cfg = BenchConfig(**{k: v for k, v in json.loads(b.config_json).items() if k in BenchConfig.__dataclass_fields__})
-    ar = store.query("SELECT run_id, prompt_id, category FROM runs WHERE bench_id = ? AND method = 'ar' AND "
-                     "status = 'done'", [bench_id])
+    ar = ar_runs(store, bench_id)
     if ar.empty:
         raise InvalidInput(f"bench {bench_id} has no finished traced AR run: its output is what profiles replay")
     for t in store.query("SELECT DISTINCT params_json FROM runs WHERE bench_id = ?", [bench_id]).params_json:
@@ -61,13 +60,26 @@ def check_profilable(store, bench_id: str):
 
 
 def bench_dtype(store, bench_id: str) -> str | None:
-    """The dtype the bench's AR runs computed in ('float32', 'bfloat16', ...; None for a trace without it). Profiles
-    replay the bench's runs, so they are made in it: the drafters' inputs are then rounded as they were live."""
-    d = store.query("SELECT DISTINCT dtype FROM runs WHERE bench_id = ? AND method = 'ar' AND status = 'done' AND "
-                    "dtype IS NOT NULL", [bench_id]).dtype.tolist()
-    if len(d) > 1:
-        raise InvalidInput(f"bench {bench_id} mixes AR runs in {', '.join(sorted(d))}: profile one dtype's bench")
-    return d[0] if d else None
+    """The dtype the bench's speculative runs computed in ('float32', 'bfloat16', ...; AR's where it has none; None
+    for a trace without it). Profiles replay the bench's AR output in that dtype (`ar_runs`: a bench whose AR ran in
+    another dtype also ran `ar@<dtype>`), so the drafters' inputs are rounded as they were live."""
+    from speclab.metrics import AR_SQL
+    for which in (f"NOT {AR_SQL} AND method NOT LIKE '%-untraced' AND method NOT LIKE 'hf\\_%' ESCAPE '\\'",
+                  "method = 'ar'"):
+        d = store.query(f"SELECT DISTINCT dtype FROM runs WHERE bench_id = ? AND {which} AND status = 'done' AND "
+                        "dtype IS NOT NULL", [bench_id]).dtype.tolist()
+        if len(d) > 1:
+            raise InvalidInput(f"bench {bench_id} mixes runs in {', '.join(sorted(d))}: profile one dtype's bench")
+        if d:
+            return d[0]
+    return None
+
+
+def ar_runs(store, bench_id: str):
+    """The bench's finished traced AR runs in its dtype (`bench_dtype`): run_id, prompt_id, category."""
+    from speclab.metrics import AR_SQL
+    return store.query(f"SELECT run_id, prompt_id, category FROM runs WHERE bench_id = ? AND {AR_SQL} AND "
+                       "status = 'done' AND dtype IS NOT DISTINCT FROM ?", [bench_id, bench_dtype(store, bench_id)])
 
 
 def check_bench_dtype(store, bench_id: str, target) -> None:
@@ -628,7 +640,7 @@ def run_live(store, bench_id: str, target, models: dict, specs: list[str], log=p
 
     b = bench_info(store, bench_id)
     cfg = BenchConfig(**{k: v for k, v in json.loads(b.config_json).items() if k in BenchConfig.__dataclass_fields__})
-    done = set(store.query("SELECT prompt_id FROM runs WHERE bench_id = ? AND method = 'ar'", [bench_id]).prompt_id)
+    done = set(ar_runs(store, bench_id).prompt_id)
     rows = [r for r in load_suite(cfg.suite, cfg.limit) if r["prompt_id"] in done
             and (prompt_ids is None or r["prompt_id"] in prompt_ids)]
     if not rows:

@@ -3,7 +3,7 @@ batch form): find or run the suite's bench (AR for the sequences to profile, EAG
 model), profile it, replay any threshold instantly, save the chosen one to the calibration file the routers read,
 and confirm it live.
 
-A `Calibrator` holds one bench's profiles and cost model; every replay goes through `speclab.routing.evaluate` (the
+A `Calibrator` holds one bench's profiles and cost model; every replay goes through `speclab.bench.routing` (the
 sweep, the best threshold, the single drafters and the oracles of the routing report), so the figures here are the
 report's. `GRIDS` are the thresholds every calibration sweeps (the CLI's defaults, the app's slider, the notebook
 widget), so all of them save the same threshold for the same bench.
@@ -15,9 +15,9 @@ from dataclasses import dataclass, field
 
 import pandas as pd
 
+from speclab.bench import routing
 from speclab.errors import InvalidInput
 from speclab.metrics import model_error, tau, tokens_per_s
-from speclab.routing import evaluate as routing
 from speclab.routing import replay
 from speclab.routing.routers import (
     Calibration,
@@ -144,8 +144,7 @@ class Calibrator:
         if "refs" not in self.curves:
             from speclab.metrics import run_summary
             orc = routing.oracles(self.profiles, self.cost, routing.switch_backlog(self.store, self.bench_id))
-            ids = self.store.query("SELECT run_id FROM runs WHERE bench_id = ? AND method = 'ar' AND status = 'done'",
-                                   [self.bench_id]).run_id.tolist()
+            ids = routing.ar_runs(self.store, self.bench_id).run_id.tolist()
             ar = pd.concat([run_summary(self.store, ids, by="category"), run_summary(self.store, ids, by="method")
                             .assign(category="all")]) if ids else pd.DataFrame(columns=["category", "tokens_per_s"])
             ar = pd.DataFrame({"policy": "ar", "category": ar.category, "tau": 1.0, "tokens_per_s": ar.tokens_per_s})
@@ -165,7 +164,7 @@ class Calibrator:
         return sw[sw.category == self.check_category(category)].iloc[0].to_dict()
 
     def best(self, router: str, category: str) -> dict:
-        """The best threshold's row of the curve for one category (`speclab.routing.evaluate.best_per_category`)."""
+        """The best threshold's row of the curve for one category (`speclab.bench.routing.best_per_category`)."""
         return routing.best_per_category(self.curve(router)).loc[self.check_category(category)].to_dict()
 
     def confirm(self, target, models: dict, router: str, threshold: float, category: str, prompts: int,

@@ -1,4 +1,9 @@
-"""The drafter protocol (v2): one small interface every drafter implements.
+"""The protocols of a decode round and the types it passes: the drafter protocol (v2) every drafter implements,
+and the router protocol (`Router`, the `Signals` it sees, the `Decision` it returns) with `FixedRouter`, the
+engine's default. They live in core so the engine imports nothing above it: drafters (`speclab.drafters`) and
+routers (`speclab.routing.routers`) implement them.
+
+Drafters: one small interface every drafter implements.
 
 A drafter keeps its own state (KV cache, n-gram index, ...) and sees the committed sequence only through
 `reset` and `catch_up`, so a router can leave it idle for a few rounds and it catches up lazily.
@@ -15,6 +20,8 @@ first `propose`.
 """
 from __future__ import annotations
 
+import math
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import torch
@@ -55,3 +62,43 @@ class Contemplating(Drafter, Protocol):
 
     def see_future(self, f: torch.Tensor | None, tokens: int) -> None:
         """f [d] of the contemplate row after the first `tokens` committed tokens (None: none)."""
+
+
+@dataclass
+class Signals:
+    """What a router sees at the start of a round (computed only when its `needs` ask for it)."""
+    round: int
+    entropy: float = math.nan  # nats: entropy of the target distribution (T = 1) that produced the last committed token
+    hidden: torch.Tensor | None = None  # [d] final-norm hidden state of that position (what the LM head saw)
+    accepted: list[int] = field(default_factory=list)  # accepted draft tokens of the recent rounds, oldest first
+    drafters: list[str | None] = field(default_factory=list)  # which drafter drafted each of those rounds
+
+
+@dataclass
+class Decision:
+    choice: str | None  # drafter name; None = the target steps alone
+    policy: str
+    signal: float = math.nan  # the value the policy compared (nan for policies without one)
+    threshold: float = math.nan
+
+
+class Router(Protocol):
+    policy: str
+    needs: frozenset[str]  # of "entropy", "hidden": the signals the engine must compute for it
+    eager: bool  # keep every drafter caught up every round (False: only the chosen one, lazily)
+
+    def choose(self, signals: Signals) -> Decision:
+        ...
+
+
+class FixedRouter:
+    """Always the same drafter."""
+    policy = "fixed"
+    needs: frozenset[str] = frozenset()
+    eager = False
+
+    def __init__(self, name: str | None):
+        self.name = name
+
+    def choose(self, signals: Signals) -> Decision:
+        return Decision(self.name, self.policy)
