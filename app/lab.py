@@ -98,7 +98,7 @@ class Lab:
             generate(self.target, "The", name, models=self.models, max_new_tokens=4)
 
     def run_choices(self) -> list[str]:
-        return [str(r) for r in self.store.query("SELECT run_id FROM runs ORDER BY run_id DESC LIMIT 200").run_id]
+        return [str(r) for r in self.store.run_ids(200)]
 
 
 def run_id_of(value) -> int:

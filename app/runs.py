@@ -12,20 +12,12 @@ import torch
 from app.lab import Lab, answers, run_id_of
 from speclab import export, viz
 from speclab.bench.routing import router_rounds
-from speclab.core.engine import PHASES
 from speclab.errors import InvalidInput, SpeclabError
 from speclab.generate import encode_prompt
 from speclab.methods import METHODS, build_method, get_method, method_params
 from speclab.metrics import run_metrics, time_split
 from speclab.production import view
 from speclab.routing import replay
-
-RUN_LIST_SQL = """
-SELECT r.run_id, strftime(r.started_at, '%Y-%m-%d %H:%M:%S') AS started, r.method,
-       coalesce(r.engine || coalesce(' ' || r.engine_version, ''), 'speclab') AS engine, r.category, r.status,
-       m.new_tokens AS tokens, m.rounds, m.target_calls, round(m.tau, 2) AS tau, round(m.tokens_per_s, 1) AS tok_s,
-       round(r.elapsed_s, 3) AS decode_s, r.source
-FROM runs r LEFT JOIN run_metrics m USING (run_id) {where} ORDER BY r.run_id DESC LIMIT 500"""
 
 
 def routed_run(r) -> bool:
@@ -62,17 +54,11 @@ class Runs:
         prompt, started within a minute; an imported run: itself), and of `compare` (a run id: a speclab run
         beside an engine's, say); and the run's number of rounds."""
         store, rid = self.lab.store, int(r.run_id)
-        if isinstance(getattr(r, "engine", None), str):
-            ids = [rid]
-        else:
-            ids = store.query("""SELECT run_id FROM runs WHERE prompt_text IS NOT DISTINCT FROM ?
-                                 AND abs(epoch(started_at) - epoch(?::TIMESTAMP)) < 60 ORDER BY run_id""",
-                              [r.prompt_text, r.started_at]).run_id.tolist() or [rid]
+        ids = [rid] if isinstance(getattr(r, "engine", None), str) else store.decoded_with(rid)
         if compare not in (None, "") and run_id_of(compare) not in ids:
             ids.append(int(self.run_row(compare).run_id))
         labels = view.labels(store, ids)
-        marks = ",".join("?" * len(ids))
-        rounds = store.query(f"SELECT * FROM rounds WHERE run_id IN ({marks}) ORDER BY run_id, round", ids)
+        rounds = store.rounds_of(ids)
         rounds["label"] = rounds.run_id.map(labels)
         charts = {"per_round": viz.accepted_per_round(rounds),
                   "histogram": viz.accept_histogram(view.histogram_frame(store, ids)),
@@ -83,9 +69,7 @@ class Runs:
     def tokens_html(self, r, shade: str) -> str:
         """The run's tokens coloured by drafter, its header counted as the trace counts it (`run_metrics`)."""
         store, rid = self.lab.store, int(r.run_id)
-        toks = store.query("""SELECT t.*, d.choice AS drafter, d.signal, d.threshold FROM tokens t
-                              LEFT JOIN router_decisions d USING (run_id, round) WHERE t.run_id = ? ORDER BY t.pos""",
-                           [rid])
+        toks = store.tokens_with_decisions(rid)
         cols = {c: toks[c].tolist() for c in (*viz.TOKEN_COLUMNS, *viz.ROUTER_COLUMNS)}
         m = run_metrics(store, [rid])
         stats = {"status": r.status, "category": r.category or "-"}
@@ -95,8 +79,7 @@ class Runs:
                       "rounds": int(x.rounds or 0),
                       "target calls": int(x.target_calls) if x.target_calls == x.target_calls else "-",
                       "tau": f"{x.tau:.2f}", "tok/s": f"{x.tokens_per_s:.1f}" if pd.notna(x.tokens_per_s) else "-"}
-        phases = store.query("SELECT " + ", ".join(f"sum(t_{p}_ms) AS {p}" for p in PHASES)
-                             + " FROM rounds WHERE run_id = ?", [rid]).iloc[0].fillna(0.0).to_dict()
+        phases = store.phase_ms(rid)
         split = time_split(phases, 1e3 * r.elapsed_s) if r.elapsed_s == r.elapsed_s and r.elapsed_s else None
         header = viz.stats_header(f"run {rid} · {r.method}", stats, split)
         if isinstance(getattr(r, "engine", None), str):  # an imported run: where it came from, how it was converted
@@ -131,10 +114,10 @@ class Runs:
         return viz.router_figure(rr, f"run {r.run_id} · {r.method}: router per round{why}")
 
     def run_row(self, run_id):
-        runs = self.lab.store.query("SELECT * FROM runs WHERE run_id = ?", [run_id_of(run_id)])
-        if runs.empty:
+        r = self.lab.store.run(run_id_of(run_id))
+        if r is None:
             raise InvalidInput(f"no run {run_id} in the trace")
-        return runs.iloc[0]
+        return r
 
     @answers(1)
     def export_run(self, run_id, fmt):
@@ -194,7 +177,7 @@ class Runs:
         if not routed_run(r) or self.known_profile(r) is not None or self.on_demand(r):
             return gr.skip()
         lab, params = self.lab, json.loads(r.params_json or "{}")
-        toks = lab.store.query("SELECT token_id, round, pos FROM tokens WHERE run_id = ? ORDER BY pos", [rid])
+        toks = lab.store.tokens(rid)
         starts = toks.groupby("round").pos.min().tolist()
         with lab.line.hold(progress):
             progress(0, desc=f"profiling EAGLE-3 and DFlash at the {len(starts)} round starts of run {rid} ...")
@@ -214,25 +197,16 @@ class Runs:
             return viz.tree_figure(pd.DataFrame(columns=["node", "parent", "depth", "token_id", "draft_prob",
                                                          "target_prob", "accepted", "text"]),
                                    title=f"run {rid}, round {int(rnd)}: no draft (target step)")
-        root = self.lab.store.query("SELECT text FROM tokens WHERE run_id = ? AND round < ? ORDER BY pos DESC LIMIT 1",
-                                    [rid, int(rnd)])
-        drafter = self.lab.store.query("SELECT drafter FROM rounds WHERE run_id = ? AND round = ?", [rid, int(rnd)])
-        who = f"{drafter.drafter[0]}'s draft" if len(drafter) and drafter.drafter[0] else "draft"
-        return viz.tree_figure(nodes, root.text[0] if len(root) else "prompt", f"run {rid}, round {int(rnd)}: {who}",
+        root = self.lab.store.text_before(rid, int(rnd))
+        drafter = self.lab.store.round_drafter(rid, int(rnd))
+        who = f"{drafter}'s draft" if drafter else "draft"
+        return viz.tree_figure(nodes, "prompt" if root is None else root, f"run {rid}, round {int(rnd)}: {who}",
                                color_by)
 
     def table(self, method=None, category=None):
         """The newest 500 runs with their figures (`run_metrics`), rounded. A method name matches its specs too
         (`whiflash-neural` lists `whiflash-neural:threshold=0.45`)."""
-        where, params = [], []
-        if method:
-            where.append("(r.method = ? OR split_part(r.method, ':', 1) = ?)")
-            params += [str(method).strip()] * 2
-        if category:
-            where.append("r.category = ?")
-            params.append(str(category).strip())
-        return self.lab.store.query(RUN_LIST_SQL.format(where=f"WHERE {' AND '.join(where)}" if where else ""),
-                                    params)
+        return self.lab.store.run_list(method, category, limit=500)
 
     def opened(self, evt: gr.SelectData):
         """A click on a row of the run list opens that run in 'Rounds & trees'."""

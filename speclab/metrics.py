@@ -17,6 +17,10 @@ Python functions for live figures (the CLI summary, the app's columns) where the
 - target calls: a run's target forwards, prefill included (`runs.target_calls`; live, `RoundEvent.run_calls`).
 - target calls per token: target calls / new tokens.
 - mean entropy: the target's next-token entropy (nats, softmax at T=1) averaged over committed tokens.
+- implied tau (training-time validation, `implied_tau`): the tau a chain of S drafted steps would have, from each
+  step's acceptance a_s on held-out rows: 1 + mean over rows of sum_s prod_{j<=s} a_j (a_j 1/0: the step's draft
+  matches the target's token; or the per-step acceptance probabilities sum min(p, q) of one sampled draft,
+  taken as independent steps). Every drafter training's validation reports it.
 - equality with AR (greedy benches): each output is `equal` to the AR output of the same bench and prompt, differs
   at a `near-tie` (the target's top-2 logit gap at the first difference within `speclab.equality`'s tolerance:
   rounding), or differs otherwise: a `bug`. `equal_to_ar`, `near_tie` and `bug` are the shares of compared runs.
@@ -27,6 +31,8 @@ SQL box and notebooks see exactly these definitions.
 from __future__ import annotations
 
 import math
+
+import numpy as np
 
 # one line per metric a page shows (the app's tooltips): the definitions above, shortened
 METRIC_HELP = {
@@ -57,6 +63,24 @@ def time_split(phase_ms: dict, decode_ms: float) -> dict[str, float]:
 def tau(committed: int, rounds: int) -> float:
     """Tokens committed per verification round (SQL: `TAU_SQL`)."""
     return committed / rounds if rounds else math.nan
+
+
+def implied_tau(accept, rows=None) -> float:
+    """The tau a chain of S drafted steps implies, bonus token included: 1 + the mean over rows of
+    sum_{s=1..S} prod_{j<=s} a_j, i.e. 1 + the mean number of leading steps accepted.
+
+    `accept` [..., S] (torch or numpy array; a list of S numbers is one row): a_j = 1 / 0 where step j's draft
+    matched the target's token (greedy: the chain's leading matches), or step j's acceptance probability (sampled:
+    1 + a_1 + a_1 a_2 + ..., the steps taken as independent). `rows` (bool, `accept`'s shape without S): the rows
+    counted (default all). nan when there are no steps (nothing measured)."""
+    if isinstance(accept, (list, tuple)):
+        accept = np.asarray(accept, dtype=float)
+    if accept.shape[-1] == 0:
+        return math.nan
+    lead = accept.cumprod(-1).sum(-1)
+    if rows is not None:
+        lead = lead[rows]
+    return 1.0 + float(lead.mean())
 
 
 def tokens_per_s(tokens: int, decode_s: float) -> float:
@@ -258,3 +282,9 @@ def run_summary(store, run_ids=None, by: str = "method"):
     return store.query(f"""
         SELECT {by}, count(*) AS runs, sum(new_tokens) AS tokens, {RATIOS}
         FROM ({RUN_SUMS_SQL}) {where} GROUP BY {by} ORDER BY {by}""", params)
+
+
+def latency_quantiles(ms) -> dict[str, float]:
+    """Mean, median (P50) and P95 of times in ms, one per call or round: the FlashHead thesis's latency columns."""
+    import numpy as np
+    return {"mean": float(np.mean(ms)), "p50": float(np.median(ms)), "p95": float(np.percentile(ms, 95))}

@@ -15,8 +15,10 @@ fits, it stays `running`, then `interrupted`), never `done` with rows missing. T
 alone: by its next append, or by its `finish_run`, which waits for the run's writes to land; never by the writes of
 the next run, which go on (and fail by themselves if the disk is full).
 
-Read API (all return pandas DataFrames): `runs`, `rounds`, `tokens`, `draft_nodes`, `router_decisions`,
-`query`. Metrics are defined once, in SQL, in `speclab.metrics`.
+Read API (pandas DataFrames): `runs`, `rounds`, `tokens`, `draft_nodes`, `router_decisions`, `query`; and what the
+app's pages read, each query named once: `run`, `run_ids`, `run_list`, `decoded_with`, `rounds_of`,
+`tokens_with_decisions`, `phase_ms`, `text_before`, `round_drafter`. Metrics are defined once, in SQL, in
+`speclab.metrics`.
 """
 from __future__ import annotations
 
@@ -110,6 +112,14 @@ MIGRATIONS = {2: ["ALTER TABLE runs ADD COLUMN IF NOT EXISTS prefill_ms DOUBLE",
               8: ["ALTER TABLE runs ADD COLUMN IF NOT EXISTS engine VARCHAR",
                   "ALTER TABLE runs ADD COLUMN IF NOT EXISTS engine_version VARCHAR",
                   "ALTER TABLE runs ADD COLUMN IF NOT EXISTS source VARCHAR"]}
+# the trace explorer's run list (`TraceStore.run_list`): the newest runs with their `run_metrics` figures
+RUN_LIST_SQL = """
+SELECT r.run_id, strftime(r.started_at, '%Y-%m-%d %H:%M:%S') AS started, r.method,
+       coalesce(r.engine || coalesce(' ' || r.engine_version, ''), 'speclab') AS engine, r.category, r.status,
+       m.new_tokens AS tokens, m.rounds, m.target_calls, round(m.tau, 2) AS tau, round(m.tokens_per_s, 1) AS tok_s,
+       round(r.elapsed_s, 3) AS decode_s, r.source
+FROM runs r LEFT JOIN run_metrics m USING (run_id) {where} ORDER BY r.run_id DESC LIMIT ?"""
+
 TABLES = ("meta", "runs", "rounds", "tokens", "draft_nodes", "router_decisions", "benches", "profile_sets", "profiles",
           "profile_positions", "adaptation", "engine_totals", "engine_steps")
 
@@ -490,6 +500,68 @@ class TraceStore:
 
     def router_decisions(self, run_id: int):
         return self.query("SELECT * FROM router_decisions WHERE run_id = ? ORDER BY round", [run_id])
+
+    # ---- what the app's pages read (each query named once, here; unit-tested in tests/test_run_queries.py) ----
+    def _value(self, sql: str, params: list):
+        """The first column of the first row, None when there is no row or it is NULL."""
+        import pandas as pd
+        df = self.query(sql, params)
+        return None if df.empty or pd.isna(df.iloc[0, 0]) else df.iloc[0, 0]
+
+    def run(self, run_id: int):
+        """The run's row (a pandas Series), None when the trace has no such run."""
+        df = self.query("SELECT * FROM runs WHERE run_id = ?", [run_id])
+        return None if df.empty else df.iloc[0]
+
+    def run_ids(self, limit: int = 200) -> list[int]:
+        """The newest runs' ids, newest first."""
+        return [int(r) for r in self.query("SELECT run_id FROM runs ORDER BY run_id DESC LIMIT ?", [limit]).run_id]
+
+    def run_list(self, method: str | None = None, category: str | None = None, limit: int = 500):
+        """The newest runs with their figures from the `run_metrics` view (tokens, rounds, target calls, tau,
+        tokens/s; rounded) and where they came from (`engine`: speclab or the imported engine and its version).
+        A method name matches its specs too (`whiflash-neural` lists `whiflash-neural:threshold=0.45`)."""
+        where, params = [], []
+        if method:
+            where.append("(r.method = ? OR split_part(r.method, ':', 1) = ?)")
+            params += [str(method).strip()] * 2
+        if category:
+            where.append("r.category = ?")
+            params.append(str(category).strip())
+        return self.query(RUN_LIST_SQL.format(where=f"WHERE {' AND '.join(where)}" if where else ""),
+                          [*params, limit])
+
+    def decoded_with(self, run_id: int) -> list[int]:
+        """The runs decoded with `run_id` (the same prompt, started within a minute of it), itself included, in
+        order; [run_id] when the trace cannot tell (no start time)."""
+        return self.query("""SELECT o.run_id FROM runs r JOIN runs o ON o.prompt_text IS NOT DISTINCT FROM r.prompt_text
+                             AND abs(epoch(o.started_at) - epoch(r.started_at)) < 60
+                             WHERE r.run_id = ? ORDER BY o.run_id""", [run_id]).run_id.tolist() or [run_id]
+
+    def rounds_of(self, run_ids: list[int]):
+        """The rounds of several runs, by run and round."""
+        marks = ",".join("?" * len(run_ids))
+        return self.query(f"SELECT * FROM rounds WHERE run_id IN ({marks}) ORDER BY run_id, round", list(run_ids))
+
+    def tokens_with_decisions(self, run_id: int):
+        """The run's tokens, each with its round's router decision: `drafter` (the choice), `signal`, `threshold`."""
+        return self.query("""SELECT t.*, d.choice AS drafter, d.signal, d.threshold FROM tokens t
+                             LEFT JOIN router_decisions d USING (run_id, round) WHERE t.run_id = ? ORDER BY t.pos""",
+                          [run_id])
+
+    def phase_ms(self, run_id: int) -> dict[str, float]:
+        """The run's time in each engine phase, ms summed over its rounds (0 for a run without rounds)."""
+        return self.query("SELECT " + ", ".join(f"sum(t_{p}_ms) AS {p}" for p in PHASES)
+                          + " FROM rounds WHERE run_id = ?", [run_id]).iloc[0].fillna(0.0).to_dict()
+
+    def text_before(self, run_id: int, round: int) -> str | None:
+        """The text of the last token committed before `round` (the root of its draft tree); None before any."""
+        return self._value("SELECT text FROM tokens WHERE run_id = ? AND round < ? ORDER BY pos DESC LIMIT 1",
+                           [run_id, round])
+
+    def round_drafter(self, run_id: int, round: int) -> str | None:
+        """The drafter that drafted `round` of the run; None for a round without one (or no such round)."""
+        return self._value("SELECT drafter FROM rounds WHERE run_id = ? AND round = ?", [run_id, round])
 
 
 _OPEN: weakref.WeakSet[TraceStore] = weakref.WeakSet()  # stores with a background writer

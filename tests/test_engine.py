@@ -161,10 +161,10 @@ class Recorder:
         self.name, self.layers, self.inner = name, tuple(layers), inner
         self.ids, self.feats = [], []
 
-    def reset(self, ids, feats):
+    def reset(self, ids, feats, capacity=None):
         self.ids, self.feats = [ids.clone()], [feats.clone()]
         if self.inner:
-            self.inner.reset(ids, None)
+            self.inner.reset(ids, None, capacity)
 
     def catch_up(self, ids, feats):
         self.ids.append(ids.clone())
@@ -256,3 +256,40 @@ def test_untraced_fast_path_decodes_the_same(qwen3, qwen3_draft, ar_outputs):
         assert res.new_ids.tolist() == ar_outputs[PROMPTS[0]]
         assert all((it is None) != record for it in items) and len(items) == res.rounds
         assert res.elapsed_s > 0 and 0 < res.model_s <= res.elapsed_s
+
+
+@pytest.mark.parametrize("name, params", [
+    ("sps", dict(k=4, tree_topk=2)),
+    ("eagle3", dict(depth=4, tree_topk=2, total_tokens=8)),
+    ("dflash", dict(block_size=6)),
+    ("specblock", dict(blocks=2, starts=2, total_tokens=16)),
+    ("confu", dict(depth=3, tree_topk=2, total_tokens=6)),
+])
+def test_a_decode_never_reallocates_a_drafter_cache(deep, name, params, monkeypatch):
+    """Every drafter's cache is sized once per decode, at `reset` (the pool hands it the decode's prompt +
+    max_new_tokens; it adds its largest draft): with the default size of a cache (which doubles as it fills) made
+    tiny, a decode ends on the very tensors `reset` allocated."""
+    from helpers import random_confu, random_dflash, random_eagle3
+    from speclab.core.lean import KVCache
+    from speclab.drafters.registry import build_drafter
+    from test_specblock import random_specblock
+
+    monkeypatch.setattr(KVCache, "DEFAULT_CAPACITY", 4)
+    models = {"draft": deep, "eagle3": random_eagle3(deep, 0), "dflash": random_dflash(deep, 0),
+              "specblock": random_specblock(deep, 2), "confu": random_confu(deep, 0)}
+    d = build_drafter(name, deep, models, **params)
+    after_reset, reset = [], d.reset
+
+    def ptrs():
+        assert isinstance(d.cache, KVCache)
+        return d.cache.k.data_ptr(), d.cache.v.data_ptr(), d.cache.k.shape[2]
+
+    def spy(*a, **kw):
+        reset(*a, **kw)
+        after_reset.append(ptrs())
+
+    d.reset = spy
+    out = decode(deep, encode_prompt(deep, PROMPTS[0]), {name: d}, max_new_tokens=24, stop_on_eos=False)
+    assert out.new_ids.numel() == 24 and len(after_reset) == 1
+    assert ptrs() == after_reset[0]  # the same tensors, never grown
+    assert d.cache.length > 4 * KVCache.DEFAULT_CAPACITY  # and filled far past what a default one held

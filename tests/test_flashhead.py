@@ -297,3 +297,61 @@ def test_tables_command_on_the_zoo(tmp_path):
     end = [ln.split("|")[1:-1] for ln in sections[4].splitlines() if ln.startswith("| dflash")][0]
     assert all(float(x) > 0 for x in end[1:])
     assert (tmp_path / "tables.html").is_file()
+
+
+# ---- the experiments of `speclab flashhead` as library calls (speclab/bench/flashhead.py), on tiny models ----------
+def test_latency_quantiles():
+    from speclab.metrics import latency_quantiles
+    q = latency_quantiles([1.0, 2.0, 3.0, 4.0, 100.0])
+    assert q == {"mean": 22.0, "p50": 3.0, "p95": pytest.approx(80.8)}
+
+
+def test_build_head_index_saves_it_beside_the_drafter(tmp_path):
+    from speclab.bench.flashhead import build_head_index, build_line
+    w = torch.randn(256, 16, generator=torch.Generator().manual_seed(0))
+    idx, out = build_head_index(w, str(tmp_path), "eagle3", 8, iters=3)
+    assert out == index_dir(tmp_path, 8) and FlashIndex.load(out, w).clusters == 8
+    assert idx.meta["role"] == "eagle3" and build_line(idx, out, w).startswith(f"{out}: 8 clusters of 32 tokens")
+
+
+def test_head_costs_time_dense_against_flash(deep):
+    from speclab.bench.flashhead import head_costs, head_costs_report
+    w = deep.head_weight
+    idx = build_index(w, 64)
+    df = head_costs(w, idx, probes=[1, 64], rows=[1, 3], reps=5)
+    assert df["rows"].tolist() == [1, 1, 1, 3, 3, 3] and df["head"].tolist()[:3] == ["dense", "flash p=1", "flash p=64"]
+    assert (df.mean_ms > 0).all() and (df.p50_ms <= df.p95_ms).all() and (df[df["head"] == "dense"].speedup == 1).all()
+    report = head_costs_report(df, "dflash", w, idx)
+    assert report.title == "speclab flashhead costs: dflash" and len(report.figs) == 1
+    assert f"c = 64, b = {deep.vocab_size // 64}" in report.text and "| flash p=64 |" in report.text
+
+
+def test_agreement_of_all_probes_is_the_dense_head(deep, flash_models):
+    from speclab.bench.flashhead import agreement, agreement_report
+    prompts = [{"prompt": p} for p in PROMPTS[:1]]
+    df = agreement(deep, "dflash", flash_models["dflash"], deep.head_weight, [64], [1, 64], [0.0, 2.0], prompts,
+                   max_new_tokens=8, reps=5)
+    rows = df.set_index("head")
+    assert df["head"].tolist()[0] == "dense" and len(df) == 5
+    assert tuple(rows.loc["flash c=64 p=64 margin=0", ["top1_agreement", "recall"]]) == (1.0, 1.0)
+    assert rows.loc["flash c=64 p=1 margin=0", "recall"] <= 1.0 and (df.tau >= 1).all()
+    assert (df.drafter_ms_per_round > 0).all()
+    assert np.isnan(rows.loc["flash c=64 p=1 margin=2", "head_ms"])  # adaptive probes: not timed on a random row
+    report = agreement_report(df, "dflash", "zoo", 1)
+    assert len(report.figs) == 4 and report.text.startswith("# FlashHead of the dflash drafter on zoo (1 prompts")
+
+
+def test_flash_tables_per_drafter(deep, flash_models):
+    from speclab.bench.flashhead import flash_tables, flash_tables_report
+    prompts = [{"prompt": p} for p in PROMPTS[:1]]
+    head, steps, ends, indexes = flash_tables(deep, flash_models, ["eagle3", "dflash"], 0, 4, 0.0, prompts,
+                                              max_new_tokens=8, reps=5)
+    assert {r: x.clusters for r, x in indexes.items()} == {"eagle3": 64, "dflash": 64}
+    assert set(zip(steps.drafter, steps["head"])) == {(r, k) for r in indexes for k in ("dense", "flash")}
+    assert (steps.rounds > 0).all() and (head.mean_ms > 0).all() and (head[head.rows == 1].groupby("drafter").size()
+                                                                      == 2).all()
+    assert ends.drafter.tolist() == ["eagle3", "dflash"] and (ends.drop(columns="drafter") > 0).all().all()
+    report = flash_tables_report(head, steps, ends, indexes, deep, 4, 0.0, "zoo", 1, 8)
+    assert [x.split(":")[0] for x in report.text.split("## ")[1:]] == [
+        "Like Table 4.1", "Like Table 4.2", "Like Table 4.3", "Like Table 4.4", "Like Tables 4.5-4.6"]
+    assert "Clusters: eagle3 64 of" in report.text and len(report.figs) == 1

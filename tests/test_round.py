@@ -60,7 +60,7 @@ class Seen:
     def __init__(self, layers=()):
         self.layers, self.calls = tuple(layers), []
 
-    def reset(self, ids, feats):
+    def reset(self, ids, feats, capacity=None):
         self.calls.append(("reset", ids.tolist(), None if feats is None else feats.clone()))
 
     def catch_up(self, ids, feats):

@@ -116,7 +116,7 @@ class IIDTree:
     def __init__(self, model, width=2):
         self.model, self.width = model, width
 
-    def reset(self, ids, feats):
+    def reset(self, ids, feats, capacity=None):
         self.ids = ids.clone()
 
     def catch_up(self, ids, feats):

@@ -3,6 +3,7 @@ a smaller EAGLE-3 head, bf16 autocast) and the checkpoint curve, on a tiny targe
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import numpy as np
@@ -183,11 +184,19 @@ def test_a_shrunk_head_keeps_the_kept_tokens_logits(deep):
         shrink_vocab(small, torch.arange(0, 10))
 
 
-def test_sampled_tau_is_the_chain_of_acceptances():
-    from speclab.train.eagle3 import sampled_tau
+def test_implied_tau_is_one_plus_the_leading_acceptances():
+    """The one definition every training's validation uses (speclab.metrics.implied_tau), on known numbers."""
+    from speclab.metrics import implied_tau
 
-    assert sampled_tau([0.5, 0.5, 1.0]) == pytest.approx(1 + 0.5 + 0.25 + 0.25)
-    assert sampled_tau([]) != sampled_tau([])  # nan: nothing measured
+    m = torch.tensor([[1, 1, 0, 1], [0, 1, 1, 1], [1, 1, 1, 1]]).float()  # leading matches 2, 0, 4
+    assert implied_tau(m) == 1 + (2 + 0 + 4) / 3
+    assert implied_tau(m.numpy()) == implied_tau(m)  # numpy alike
+    assert implied_tau(m[None].expand(2, -1, -1)) == implied_tau(m)  # any leading dims: rows
+    assert implied_tau(m, torch.tensor([True, False, True])) == 1 + (2 + 4) / 2  # only the rows asked for
+    assert implied_tau(torch.zeros(5, 3)) == 1.0 and implied_tau(torch.ones(5, 3)) == 4.0
+    # sampled: per-step acceptance probabilities, independent steps: 1 + a1 + a1 a2 + ...
+    assert implied_tau([0.5, 0.5, 1.0]) == pytest.approx(1 + 0.5 + 0.25 + 0.25)
+    assert math.isnan(implied_tau([])) and math.isnan(implied_tau(torch.zeros(4, 0)))  # nothing measured
 
 
 @pytest.mark.slow

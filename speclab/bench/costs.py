@@ -13,7 +13,7 @@ import torch
 
 from speclab.core.sampling import Sampling
 from speclab.core.target import Target, crop_cache
-from speclab.metrics import speedup
+from speclab.metrics import latency_quantiles, speedup
 from speclab.progress import Progress
 from speclab.viz import Report, lines_figure
 
@@ -25,7 +25,8 @@ def timeit_interleaved(fns: dict[str, Callable[[], object]], reps: int, calls: i
     """Median milliseconds per call of each function (called without arguments). Every repetition calls each
     function `calls` times in turn (interleaved); a repetition's figure is the mean of its calls timed together,
     or with `each` the median of the calls timed one by one (robust to a stray slow call). `on_rep` runs after
-    every repetition (progress). With `quantiles`, each function's {mean, p50, p95} over the repetitions."""
+    every repetition (progress). With `quantiles`, each function's {mean, p50, p95} over the repetitions
+    (`metrics.latency_quantiles`)."""
     times: dict[str, list[float]] = {name: [] for name in fns}
     for _ in range(reps):
         for name, fn in fns.items():
@@ -44,8 +45,7 @@ def timeit_interleaved(fns: dict[str, Callable[[], object]], reps: int, calls: i
         if on_rep is not None:
             on_rep()
     if quantiles:
-        return {name: {"mean": float(np.mean(v)), "p50": float(np.median(v)), "p95": float(np.percentile(v, 95))}
-                for name, v in times.items()}
+        return {name: latency_quantiles(v) for name, v in times.items()}
     return {name: float(np.median(v)) for name, v in times.items()}
 
 

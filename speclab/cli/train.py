@@ -84,7 +84,10 @@ def _precision(name: str) -> str:
     if name != "auto":
         return name
     from speclab.models import ModelPaths, resolve_dtype
-    return resolve_dtype(ModelPaths())[0]
+    dtype, d = resolve_dtype(ModelPaths())
+    print(f"--precision auto: {'bf16 autocast' if dtype == 'bf16' else 'fp32'} ({d.line('speculative')})",
+          file=sys.stderr, flush=True)
+    return dtype
 
 
 def _regen_dtype(name: str, target) -> str:
@@ -93,7 +96,9 @@ def _regen_dtype(name: str, target) -> str:
     if name != "auto":
         return name
     from speclab.models import ModelPaths, resolve_dtype
-    return resolve_dtype(ModelPaths(target=str(target)))[0]
+    dtype, d = resolve_dtype(ModelPaths(target=str(target)))
+    print(f"data regenerate: {d.line('speculative')}", file=sys.stderr, flush=True)
+    return dtype
 
 
 def _curve(a: argparse.Namespace) -> int:

@@ -69,10 +69,15 @@ class ConRows:
 
 class KVCache:
     """Keys and values of all layers in one preallocated tensor each: [layers, kv_heads, capacity, head_dim]
-    (head-major, so attention reads contiguous rows and takes torch's fused CPU kernel)."""
+    (head-major, so attention reads contiguous rows and takes torch's fused CPU kernel). A decode sizes it once
+    (the target's `new_cache(capacity)`, a drafter's `reset(..., capacity)`); `reserve` grows it (doubling) only
+    for callers that gave no size (None: `DEFAULT_CAPACITY` slots)."""
+
+    DEFAULT_CAPACITY = 256
 
     @torch.inference_mode()
-    def __init__(self, n_layers: int, n_kv: int, head_dim: int, dtype, device, capacity: int = 256):
+    def __init__(self, n_layers: int, n_kv: int, head_dim: int, dtype, device, capacity: int | None = None):
+        capacity = self.DEFAULT_CAPACITY if capacity is None else capacity
         self.k = torch.zeros(n_layers, n_kv, capacity, head_dim, dtype=dtype, device=device)
         self.v = torch.zeros_like(self.k)
         self.length = 0
@@ -146,11 +151,13 @@ class LeanDecoder:
     def _rope_table(self, n: int) -> None:
         self.cos, self.sin = rope_tables(self.inv_freq, self.rope_scale, n, self.dtype)
 
-    def new_cache(self, capacity: int = 256) -> KVCache:
-        """A cache for `capacity` tokens (it grows when needed). In exact mode it never grows: its width is the
-        attention width of every call (`_exact_forward`): `capacity` (a decode's prompt + new tokens), room for
-        a tree of `EXACT_TREE_ROOM` nodes beyond it and a tile's padding; keys and values are kept in fp32 (the
-        bf16 values exactly), so the fixed-width attention needs no conversion per call."""
+    def new_cache(self, capacity: int | None = None) -> KVCache:
+        """A cache for `capacity` tokens (None: `KVCache.DEFAULT_CAPACITY`; it grows when needed). In exact mode it
+        never grows: its width is the attention width of every call (`_exact_forward`): `capacity` (a decode's
+        prompt + new tokens), room for a tree of `EXACT_TREE_ROOM` nodes beyond it and a tile's padding; keys and
+        values are kept in fp32 (the bf16 values exactly), so the fixed-width attention needs no conversion per
+        call."""
+        capacity = KVCache.DEFAULT_CAPACITY if capacity is None else capacity
         if self.exact:
             width = -(-(capacity + EXACT_TREE_ROOM + self.tile) // self.tile) * self.tile
             return KVCache(len(self.layers), self.n_kv, self.head_dim, torch.float32, self.device, width)

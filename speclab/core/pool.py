@@ -28,6 +28,7 @@ class Committed:
 
     def __init__(self, prompt_ids: torch.Tensor, capacity: int, feat_dim: int, device, dtype):
         self.ids = torch.zeros(capacity, dtype=torch.long)
+        self.capacity = capacity  # the most tokens the decode commits: prompt + max_new_tokens
         self.n = prompt_ids.numel()
         self.ids[: self.n] = prompt_ids
         self.feats = torch.zeros(capacity, feat_dim, dtype=dtype, device=device) if feat_dim else None
@@ -84,10 +85,11 @@ class DrafterPool:
 
     def reset(self, seq: Committed) -> None:
         """A new sequence (at prefill): every drafter is handed the prompt, cheaply (it digests it in its first
-        catch-up), with the features of all prompt tokens but the last."""
+        catch-up), with the features of all prompt tokens but the last, and the decode's capacity (`seq`'s:
+        prompt + max_new_tokens), so its caches are sized once."""
         n = seq.n
         for name, d in self.drafters.items():
-            d.reset(seq.ids[:n], self.features(name, seq, 0, n - 1))
+            d.reset(seq.ids[:n], self.features(name, seq, 0, n - 1), capacity=seq.capacity)
             self.seen[name], self.unread[name] = n, n - 1
 
     def catch_up(self, name: str | None, seq: Committed, eager: bool = False) -> int:

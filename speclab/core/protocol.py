@@ -34,10 +34,14 @@ class Drafter(Protocol):
     name: str
     layers: tuple[int, ...]  # target decoder layers whose outputs it drafts from (empty: tokens only)
 
-    def reset(self, prompt_ids: torch.Tensor, prompt_features: torch.Tensor | None) -> None:
+    def reset(self, prompt_ids: torch.Tensor, prompt_features: torch.Tensor | None,
+              capacity: int | None = None) -> None:
         """Start a new sequence: committed tokens `prompt_ids` [n] (the last is the pending root) and
         `prompt_features` [n - 1, F] paired with prompt_ids[1:] (None when `layers` is empty). Cheap: the real
-        work waits for the first `catch_up`, which the engine calls before the first `propose`."""
+        work waits for the first `catch_up`, which the engine calls before the first `propose`. `capacity`: the
+        most committed tokens the sequence will hold (the decode's prompt + max_new_tokens): a drafter with a cache
+        sizes it once for that plus its largest draft, so nothing grows during the decode; None (a caller that
+        drives a drafter by hand with no decode length) leaves the cache at its default size, growing on demand."""
 
     def catch_up(self, ids: torch.Tensor, features: torch.Tensor | None) -> None:
         """Tokens committed since this drafter last looked [m] (its own accepted drafts included, then the

@@ -205,8 +205,9 @@ class Target:
     def num_layers(self) -> int:
         return len(self.layers)
 
-    def new_cache(self, capacity: int = 256):
-        """A KV cache for about `capacity` tokens (a decode's prompt + new tokens; it grows, except in exact mode)."""
+    def new_cache(self, capacity: int | None = None):
+        """A KV cache for about `capacity` tokens (a decode's prompt + new tokens, and a drafter's room; None: the
+        default size; it grows, except in exact mode)."""
         if self.lean:
             return self.lean.new_cache(capacity)
         from transformers import DynamicCache

@@ -158,8 +158,13 @@ class ConFuDrafter(Eagle3Drafter):
         self.f: torch.Tensor | None = None  # [1, d]: the future vector for the next catch-up (None: no slot)
         self.f_tokens = -1  # the committed tokens f was computed after (the engine refreshes a stale one)
 
-    def reset(self, prompt_ids: torch.Tensor, prompt_features: torch.Tensor | None) -> None:
-        super().reset(prompt_ids, prompt_features)
+    @property
+    def draft_slots(self) -> int:
+        return super().draft_slots + 1  # the future slot after the committed pairs
+
+    def reset(self, prompt_ids: torch.Tensor, prompt_features: torch.Tensor | None,
+              capacity: int | None = None) -> None:
+        super().reset(prompt_ids, prompt_features, capacity)
         self.f, self.f_tokens = None, -1
 
     def see_future(self, f: torch.Tensor | None, tokens: int) -> None:

@@ -258,8 +258,12 @@ class DFlashDrafter:
         return self.cos[start : start + n][:, None], self.sin[start : start + n][:, None]  # [n, 1, D]
 
     # -- protocol -------------------------------------------------------------------------------------------------
-    def reset(self, prompt_ids: torch.Tensor, prompt_features: torch.Tensor | None) -> None:
-        self.cache = KVCache(len(self.m.layers), self.KV, self.D, self.dtype, self.device)
+    def reset(self, prompt_ids: torch.Tensor, prompt_features: torch.Tensor | None,
+              capacity: int | None = None) -> None:
+        """`capacity` (committed tokens; None: grow on demand): the cache is sized once for the context (one fewer
+        than the committed tokens) and a block."""
+        self.cache = KVCache(len(self.m.layers), self.KV, self.D, self.dtype, self.device,
+                             None if capacity is None else capacity + self.block_size)
         self.known = 0
         self.root = prompt_ids[-1:].to(self.device)
         self.pending_feats = prompt_features if prompt_features is not None else \

@@ -262,8 +262,18 @@ class Eagle3Drafter:
         return self.cos[pos][:, None], self.sin[pos][:, None]  # [n, 1, D]
 
     # -- protocol -------------------------------------------------------------------------------------------------
-    def reset(self, prompt_ids: torch.Tensor, prompt_features: torch.Tensor | None) -> None:
-        self.cache = KVCache(1, self.KV, self.D, self.dtype, self.device)
+    @property
+    def draft_slots(self) -> int:
+        """Cache slots its largest draft takes after the committed pairs: tree_topk nodes per depth after the
+        first (a chain: depth - 1)."""
+        return self.tree_topk * (self.depth - 1)
+
+    def reset(self, prompt_ids: torch.Tensor, prompt_features: torch.Tensor | None,
+              capacity: int | None = None) -> None:
+        """`capacity` (committed tokens; None: grow on demand): the cache is sized once for it and the largest
+        draft (the committed pairs are one fewer than the committed tokens)."""
+        self.cache = KVCache(1, self.KV, self.D, self.dtype, self.device,
+                             None if capacity is None else capacity + self.draft_slots)
         self.known, self.root_logits, self.root_h = 0, None, None
         self.pending_ids = prompt_ids[1:].to(self.device)
         self.pending_feats = prompt_features if prompt_features is not None else \

@@ -21,7 +21,7 @@ class PromptLookup:
         self.k, self.max_ngram, self.min_ngram = k, max_ngram, min_ngram
         self.ids = torch.zeros(0, dtype=torch.long)
 
-    def reset(self, prompt_ids: torch.Tensor, prompt_features=None) -> None:
+    def reset(self, prompt_ids: torch.Tensor, prompt_features=None, capacity: int | None = None) -> None:
         self.ids = prompt_ids.detach().cpu().long().clone()
 
     def catch_up(self, ids: torch.Tensor, features=None) -> None:

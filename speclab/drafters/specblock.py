@@ -275,8 +275,13 @@ class SpecBlockDrafter:
         return self.cos[pos][:, None], self.sin[pos][:, None]  # [n, 1, D]
 
     # -- protocol -------------------------------------------------------------------------------------------------
-    def reset(self, prompt_ids: torch.Tensor, prompt_features: torch.Tensor | None) -> None:
-        self.cache = KVCache(self.m.config.num_hidden_layers, self.KV, self.D, self.dtype, self.device)
+    def reset(self, prompt_ids: torch.Tensor, prompt_features: torch.Tensor | None,
+              capacity: int | None = None) -> None:
+        """`capacity` (committed tokens; None: grow on demand): the cache is sized once for the committed rows (all
+        but the root) and the largest draft: a first block, then up to `starts` blocks per further block."""
+        room = self.K * (1 + (self.blocks - 1) * self.starts)
+        self.cache = KVCache(self.m.config.num_hidden_layers, self.KV, self.D, self.dtype, self.device,
+                             None if capacity is None else capacity + room)
         self.known = 0
         self.seen_ids = [prompt_ids.cpu()]
         self.seen_feats = [prompt_features] if prompt_features is not None else []

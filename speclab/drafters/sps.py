@@ -41,8 +41,11 @@ class StandaloneDraft:
         self.reused = 0  # of the next catch-up's tokens, how many `commit` already kept in the cache
         self.n_forwarded = 0  # nodes of the last proposal whose KV went into the cache while drafting
 
-    def reset(self, prompt_ids: torch.Tensor, prompt_features=None) -> None:
-        self.cache = self.model.new_cache()
+    def reset(self, prompt_ids: torch.Tensor, prompt_features=None, capacity: int | None = None) -> None:
+        """`capacity` (committed tokens; None: the draft model's default cache, growing on demand): the draft
+        model's cache is sized once for them and the nodes a draft forwards (every level but the last)."""
+        self.cache = self.model.new_cache() if capacity is None else \
+            self.model.new_cache(capacity + self.tree_topk * (self.k - 1))
         self.backlog = prompt_ids.detach().cpu().long().clone()
         self.root_logits, self.known, self.reused = None, 0, 0
 

@@ -99,7 +99,7 @@ def profile_sequence(target: Target, drafters: dict, prompt_ids: torch.Tensor, t
     for i, name in enumerate(DRAFTERS):
         d = drafters[name]
         cols = _columns(d, layers, target.hidden_size, out.features)
-        d.reset(ids[:P], cols[: P - 1])
+        d.reset(ids[:P], cols[: P - 1], capacity=ids.numel())
         seen = P
         for g in np.flatnonzero(todo).tolist():
             n = P + g

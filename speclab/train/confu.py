@@ -35,9 +35,10 @@ from speclab.core.contemplate import contemplate_lean
 from speclab.core.lean import LeanDecoder
 from speclab.drafters.confu import ConFuConfig, ConFuModel, load_confu
 from speclab.drafters.eagle3 import load_eagle3
+from speclab.metrics import implied_tau
 from speclab.train import lm
 from speclab.train.corpus import DOMAINS
-from speclab.train.eagle3 import sampled_tau, ttt_forward, ttt_loss, val_table  # noqa: F401 (the CLI prints it)
+from speclab.train.eagle3 import ttt_forward, ttt_loss, val_table  # noqa: F401 (the CLI prints it)
 
 
 @dataclass
@@ -124,7 +125,7 @@ def evaluate(m, dec, embed, target, data, cfg: ConFuTrainConfig) -> dict:
         ids = lm.val_windows(data, d, cfg.eval_windows, cfg.seq_len)
         _, losses, accs, tau, alphas = train_step(m, dec, embed, target, ids, replace(cfg, loss_topk=0),
                                                   np.random.default_rng(0))
-        res[d] = {"loss": losses, "acc": accs, "tau": tau, "alpha": alphas, "tau_sampled": sampled_tau(alphas)}
+        res[d] = {"loss": losses, "acc": accs, "tau": tau, "alpha": alphas, "tau_sampled": implied_tau(alphas)}
     m.train()
     return res
 

@@ -33,6 +33,7 @@ from speclab.drafters.dflash import (
     default_layer_ids,
     load_dflash,
 )
+from speclab.metrics import implied_tau
 from speclab.train import lm
 from speclab.train.corpus import DOMAINS
 
@@ -132,7 +133,7 @@ def block_loss(m: DFlashModel, logits: torch.Tensor, ids: torch.Tensor, target_t
         total = total + (ce * w).sum(-1).mean() / w.sum()
         match = (lg.detach().argmax(-1) == top).float()
         metrics[name] = {"loss": float(ce.detach().mean()), "acc": match.mean((0, 1)).tolist(),
-                         "tau": 1.0 + float(match.cumprod(-1).sum(-1).mean())}
+                         "tau": implied_tau(match)}
     return total, metrics
 
 

@@ -12,8 +12,9 @@ is the cross-entropy of the drafter against the target's distribution at positio
 target's entropy; over the full vocabulary, or over the target's `loss_topk` most likely tokens and one bucket for
 the rest, `lm.topk_soft_ce`),
 weighted 0.8^s as in EAGLE-3. Logged per step: the accuracy (the draft's argmax, as a target token, equals the
-target's argmax) and the implied greedy tau of a chain as deep as the unroll: 1 + the mean number of leading
-steps that match (step s reads the true token, which is the draft's own exactly when the steps before matched).
+target's argmax) and the implied greedy tau of a chain as deep as the unroll (`speclab.metrics.implied_tau`): 1 + the
+mean number of leading steps that match (step s reads the true token, which is the draft's own exactly when the
+steps before matched).
 
 `precision="bf16"` runs the target in bf16 (the features a bf16 decode gives the drafter) and the drafter in bf16
 autocast; this CPU has native bf16 (`speclab.train.speed` measures both).
@@ -32,6 +33,7 @@ from speclab.drafters.eagle3 import (
     default_layer_ids,
     load_eagle3,
 )
+from speclab.metrics import implied_tau
 from speclab.train import lm
 from speclab.train.corpus import DOMAINS
 
@@ -185,16 +187,9 @@ def ttt_loss(logits: list[torch.Tensor], target: tuple, m: Eagle3Model, weight: 
         losses.append(float(loss.detach()))
         accs.append(float(match[sel].float().mean()))
         matches.append(match[:, : R - len(logits) + 1])
-    lead = torch.stack(matches, -1).float().cumprod(-1).sum(-1)
-    if rows is not None:
-        lead = lead[rows[:, : lead.shape[1]]]
-    return total, losses, accs, 1.0 + float(lead.mean()), alphas
-
-
-def sampled_tau(alphas: list[float]) -> float:
-    """The expected tokens per round of a chain drafted at temperature 1, implied by per-step acceptance
-    probabilities (each step taken as independent of the last): 1 + a0 + a0 a1 + ..."""
-    return 1.0 + float(np.cumprod(alphas).sum()) if alphas else float("nan")
+    lead = torch.stack(matches, -1).float()  # [B, rows every step predicts, steps]
+    tau = implied_tau(lead, None if rows is None else rows[:, : lead.shape[1]])
+    return total, losses, accs, tau, alphas
 
 
 def target_features(target, ids: torch.Tensor, layer_ids, topk: int = 0) -> tuple[torch.Tensor, tuple]:
@@ -226,7 +221,7 @@ def evaluate(m, embed, target, data, cfg: Eagle3TrainConfig) -> dict:
     for d in DOMAINS:
         ids = lm.val_windows(data, d, cfg.eval_windows, cfg.seq_len)
         _, losses, accs, tau, alphas = train_step(m, embed, target, ids, replace(cfg, loss_topk=0))
-        res[d] = {"loss": losses, "acc": accs, "tau": tau, "alpha": alphas, "tau_sampled": sampled_tau(alphas)}
+        res[d] = {"loss": losses, "acc": accs, "tau": tau, "alpha": alphas, "tau_sampled": implied_tau(alphas)}
     m.train()
     return res
 

@@ -27,6 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from speclab.drafters.specblock import BUCKETS, SpecBlockModel, bucket_of_rank, load_specblock, rank_of
+from speclab.metrics import implied_tau
 from speclab.train import lm
 from speclab.train.corpus import DOMAINS
 
@@ -183,7 +184,7 @@ def block_loss(m: SpecBlockModel, h1, lg1, h2, lg2, lgp, ids, tgt, anchors, cuts
     ce_p = lm.topk_soft_ce(lgp[:, : P - 1].float(), p_top[:, 1:P], idx[:, 1:P])
     draft = ce_p.mean() + per_k[0][1:].sum() + per_k[1].sum()
     metrics = {"draft_loss": float(draft.detach()), "chain_acc": path1[..., 1:].mean((0, 1)).tolist(),
-               "tau_block": float(1 + path1[..., 1:].sum(-1).mean())}
+               "tau_block": implied_tau(correct1)}
     rank_loss = torch.zeros(())
     labels = torch.cat([bucket_of_rank(rank_of(lg1.detach(), y1)), bucket_of_rank(rank_of(lg2.detach(), y2))], 2)
     rl = m.rank_logits(torch.cat([h1, h2], 2), torch.cat([lg1, lg2], 2)).float()
