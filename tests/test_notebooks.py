@@ -21,7 +21,21 @@ def test_there_are_five_walkthroughs():
 # pytest-timeout's per test (pyproject.toml): the likely failure. The cells now share this budget (`timeout_func`),
 # so a cell that really hangs is stopped by nbclient, which names it, before pytest-timeout kills the test unnamed.
 NOTEBOOK_BUDGET_S = 1500
-CELL_LIMIT_S = 900  # one cell at most (within the budget): a hung cell fails, named, long before CI's limit
+
+
+def _kernel_in(folder: str):
+    """nbclient's kernel manager, with the kernel's sockets as Unix sockets in `folder` (and its connection file
+    there) instead of TCP ports on 127.0.0.1: jupyter_client picks free ports, closes them and leaves the kernel
+    to bind them once it has started (seconds on a loaded machine), a window in which any other process of a long
+    run may take one, and the kernel then dies before it answers. A folder of this test's own has no such race
+    and nothing shared with other kernels."""
+    from jupyter_client.manager import AsyncKernelManager
+
+    class Kernel(AsyncKernelManager):
+        def __init__(self, **kw):
+            super().__init__(transport="ipc", ip=str(Path(folder) / "k"),
+                             connection_file=str(Path(folder) / "kernel.json"), **kw)
+    return Kernel
 
 
 def _cell_name(nb, index: int) -> str:
@@ -56,6 +70,8 @@ def zoo_dtype_decided():
 def test_notebook_executes_top_to_bottom(path: Path, zoo_dtype_decided):
     """Every cell runs without an error and the figures and tables come out. A failure names the notebook and the
     cell (its index and first line) with the cell's exception, or says that the kernel did not start."""
+    import tempfile
+
     from nbclient import NotebookClient
 
     nb = nbformat.read(path, as_version=4)
@@ -64,19 +80,19 @@ def test_notebook_executes_top_to_bottom(path: Path, zoo_dtype_decided):
     t0 = time.monotonic()
     deadline = t0 + NOTEBOOK_BUDGET_S
     at: dict[str, int] = {}
-    # (TCP, jupyter_client's default transport: Unix sockets (transport="ipc") were tried and once left a finished
-    # cell's reply unreceived, both sides idle, until the budget ran out)
-    client = NotebookClient(
-        nb, kernel_name="python3", resources={"metadata": {"path": str(path.parent)}},
-        startup_timeout=300,  # not 60: a kernel starts in under a second here, but a loaded machine is slower
-        timeout_func=lambda cell: max(1, min(CELL_LIMIT_S, int(deadline - time.monotonic()))),
-        iopub_timeout=120, raise_on_iopub_timeout=True,  # a cell's outputs are waited for, never dropped after 4 s
-        on_cell_execute=lambda cell, cell_index, **kw: at.update(index=cell_index))
-    try:
-        client.execute()
-    except Exception as e:
-        where = _cell_name(nb, at["index"]) if "index" in at else "starting the kernel, before any cell"
-        pytest.fail(f"{path.name}, {where}, after {time.monotonic() - t0:.0f} s: {_why(e)}", pytrace=False)
+    with tempfile.TemporaryDirectory(prefix="speclab-kernel-") as sockets:  # short: a Unix socket path has 107 bytes
+        client = NotebookClient(
+            nb, kernel_name="python3", kernel_manager_class=_kernel_in(sockets),
+            resources={"metadata": {"path": str(path.parent)}},
+            startup_timeout=300,  # not 60: a kernel starts in under a second here, but a loaded machine is slower
+            timeout_func=lambda cell: max(1, int(deadline - time.monotonic())),
+            iopub_timeout=120, raise_on_iopub_timeout=True,  # a cell's outputs are waited for, never dropped after 4 s
+            on_cell_execute=lambda cell, cell_index, **kw: at.update(index=cell_index))
+        try:
+            client.execute()
+        except Exception as e:
+            where = _cell_name(nb, at["index"]) if "index" in at else "starting the kernel, before any cell"
+            pytest.fail(f"{path.name}, {where}, after {time.monotonic() - t0:.0f} s: {_why(e)}", pytrace=False)
     print(f"{path.name}: executed in {time.monotonic() - t0:.1f} s")
     errors = [f"{_cell_name(nb, i)}: {o.get('ename')}: {o.get('evalue')}" for i, c in enumerate(nb.cells)
               for o in c.get("outputs", []) if o.get("output_type") == "error"]
