@@ -63,9 +63,9 @@ def check_logits(name: str) -> str:
 
 
 @functools.lru_cache(maxsize=1)
-def cpu_info() -> tuple[str, tuple[str, ...]]:
-    """(CPU model name, its bf16 flags) from /proc/cpuinfo (empty flags where it cannot be read)."""
-    name, flags = platform.processor() or platform.machine(), set()
+def _cpu() -> tuple[str, frozenset[str]]:
+    """(CPU model name, all its flags) from /proc/cpuinfo (no flags where it cannot be read)."""
+    name, flags = platform.processor() or platform.machine(), frozenset[str]()
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
@@ -74,10 +74,16 @@ def cpu_info() -> tuple[str, tuple[str, ...]]:
                 if key == "model name":
                     name = value.strip()
                 elif key == "flags":
-                    flags = set(value.split())
+                    flags = frozenset(value.split())
                     break
     except OSError:
         pass
+    return name, flags
+
+
+def cpu_info() -> tuple[str, tuple[str, ...]]:
+    """(CPU model name, its bf16 flags)."""
+    name, flags = _cpu()
     return name, tuple(f for f in BF16_FLAGS if f in flags)
 
 
@@ -115,13 +121,8 @@ def machine() -> dict:
     """What the decision depends on besides the models: CPU model, a hash of all its flags, cores, threads, torch."""
     import hashlib
     import os
-    name, _ = cpu_info()
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = next((ln.partition(":")[2] for ln in f if ln.startswith("flags")), "")
-    except OSError:
-        flags = platform.machine()
-    return {"cpu": name, "flags": hashlib.sha1(" ".join(sorted(flags.split())).encode()).hexdigest()[:12],
+    name, flags = _cpu()
+    return {"cpu": name, "flags": hashlib.sha1(" ".join(sorted(flags)).encode()).hexdigest()[:12],
             "bf16": list(cpu_info()[1]), "cores": os.cpu_count(), "threads": torch.get_num_threads(),
             "torch": torch.__version__}
 
