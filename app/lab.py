@@ -71,7 +71,7 @@ class Lab:
         self.target, self.models, self.store = target, models, store  # drafter models by role (speclab.methods)
         self.costs = costs  # a hardware cost profile the calibration tab replays under (--costs), or None
         self.text = vocab_text(target.tokenizer)
-        self.calibrators: dict = {}  # bench id -> speclab.routing.calibration.Calibrator (profiles loaded once)
+        self.calibrators: dict = {}  # bench id -> speclab.bench.calibration.Calibrator (profiles loaded once)
         self.line = ModelLine()  # every event that runs a model waits its turn here
         self.profiles: dict = {}  # run id -> the greedy profile at its round starts (a routed run's counterfactuals)
         self.exports = Path(tempfile.mkdtemp(prefix="speclab-exports-"))  # files the export buttons hand out

@@ -127,9 +127,9 @@ def test_greedy_confu_equals_ar(deep, deferred, schedule, monkeypatch):
     """Greedy decoding through a random ConFu drafter (chain and trees, full and reduced draft vocabulary) gives
     the AR tokens, with the contemplate rows in the verification call (wide) or after it: they never touch the
     target's own rows or cache. After costs one more target call a round; wide none past the first round's."""
-    import speclab.core.engine as engine
+    import speclab.drafters.confu as confu
     calls = []
-    monkeypatch.setattr(engine, "contemplate", lambda *a: (calls.append(1), contemplate(*a))[1])
+    monkeypatch.setattr(confu, "contemplate", lambda *a: (calls.append(1), contemplate(*a))[1])
     for vocab in (None, deep.vocab_size // 2):
         m = random_confu(deep, 0, draft_vocab=vocab)
         for p in PROMPTS[:2]:

@@ -8,7 +8,9 @@ layers, the target's features of those tokens) and the target's KV cache, both s
 The drafters and what each has been handed of the sequence live in a `DrafterPool` (speclab/core/pool.py, where
 `Committed` is defined too), which also does the lazy catch-up. Each round one index of kept verification rows
 (the root and the accepted path) updates the KV cache, the feature buffer and the router's signals together
-(`commit_rows`).
+(`commit_rows`). A drafter's optional round hooks (`speclab.core.protocol.RoundHooks`: target work before its
+catch-up, extra rows in the verification call, their state at commit) go through `Hooks`, the same way for every
+drafter: the engine knows none by name.
 
 Deferred (the default): the target's bonus token is not forwarded on its own; it is the root of the next round
 and leads that round's verification batch (one target call per round). So at round start the committed tokens
@@ -34,15 +36,15 @@ import time
 from collections import deque
 from collections.abc import Callable, Generator
 from dataclasses import dataclass, field
-from typing import NamedTuple, cast
+from typing import NamedTuple
 
 import torch
 
 from kernels import ops as kernel_ops
-from speclab.core.contemplate import contemplate, last_token_rows, tree_rows
+from speclab.core.contemplate import tree_rows
 from speclab.core.lean import ConRows
 from speclab.core.pool import Committed, DrafterPool, feature_columns, feature_layers
-from speclab.core.protocol import Contemplating, Decision, Drafter, FixedRouter, Router, Signals
+from speclab.core.protocol import Decision, Drafter, ExtraRows, FixedRouter, RoundView, Router, Signals
 from speclab.core.sampling import Sampling
 from speclab.core.target import Target, forward_clock, keep_cache
 from speclab.core.tree import DraftTree, tree_attention_mask, tree_position_ids
@@ -50,7 +52,7 @@ from speclab.core.verify import verify
 from speclab.errors import InvalidInput
 from speclab.metrics import tokens_per_s
 
-__all__ = ["PHASES", "HISTORY", "RoundEvent", "DecodeResult", "Committed", "Row", "PhaseClock", "Verified",
+__all__ = ["PHASES", "HISTORY", "RoundEvent", "DecodeResult", "Committed", "Row", "PhaseClock", "Verified", "Hooks",
            "decode", "decode_rounds", "prefill", "signals", "verify_batch", "cut", "commit_rows", "forward_root",
            "round_event", "entropy", "check_request", "feature_layers", "feature_columns"]
 
@@ -223,17 +225,15 @@ def decode_rounds(target: Target, prompt_ids: torch.Tensor, drafters: dict[str, 
             decision = router.choose(signals(rnd, last, router.needs, history)) if drafters else None
             name = decision.choice if decision is not None else None
         with clock.phase("catchup"):  # lazily: only the chosen drafter, everything since it last looked
-            con = contemplator(target, pool, name)  # ConFu: its future vector first (unless the last verify made it)
-            if con is not None and con.drafter.f_tokens != seq.n - 1:
-                see_future(target, cache, seq, pool, con)
+            hooks = Hooks.of(target, cache, seq, pool, name)  # the chosen drafter's optional round hooks
+            hooks.before_catch_up()
             backlog = pool.catch_up(name, seq, eager)
         with clock.phase("draft"):
             room = max_new_tokens - (seq.n - n_prompt) - 1  # the bonus token always fits
             drafter = pool.drafters[name] if name is not None and room > 0 else None
             tree = drafter.propose(room, sampling, gen).to(dev) if drafter is not None else DraftTree.empty(dev)
         with clock.phase("verify"):  # ONE target forward over the pending root (deferred) and the flattened tree
-            v = verify_batch(target, cache, seq, tree, root, layers, want_hidden, sampling, gen,
-                             con_emb(seq, pool, con) if con is not None and con.schedule == "wide" else None)
+            v = verify_batch(target, cache, seq, tree, root, layers, want_hidden, sampling, gen, hooks.extra_rows())
         with clock.phase("commit") as commit:  # kept rows (root + accepted path): KV cache, features, signals
             accepted = v.accepted.to(dev)
             new = torch.cat([tree.tokens[accepted].cpu(), torch.tensor([v.bonus])])
@@ -245,9 +245,8 @@ def decode_rounds(target: Target, prompt_ids: torch.Tensor, drafters: dict[str, 
             seq.append(new)
             if drafter is not None:  # it keeps what was accepted (its draft KV)
                 drafter.commit(tree, accepted)
-            if con is not None and v.future is not None and not done:  # ConFu, wide: the last accepted node's f
-                con.drafter.see_future(v.future[accepted[-1:] + 1 if accepted.numel() else 0], seq.n - 1)
             if not done:
+                hooks.after_verify(v, accepted, seq.n - 1)  # its extra row beside the row that drew the last token
                 root = forward_root(target, cache, seq, layers, want_hidden, deferred)
             history.append((accepted.numel(), name))
         calls = target.calls - calls0
@@ -295,56 +294,44 @@ def prefill(target: Target, cache, seq: Committed, layers: tuple[int, ...], hidd
     return last, root
 
 
-class Contemplator(NamedTuple):
-    """The round's drafter when it reads contemplate rows (ConFu), its name in the pool and its schedule this
-    round: "wide" (rows in the verification call: the lean forward outside exact mode) or "after" (one row in a
-    call of its own, in the next catch-up phase)."""
-    drafter: Contemplating
-    name: str
-    schedule: str
+class Hooks:
+    """The round's chosen drafter's optional round hooks (`speclab.core.protocol.RoundHooks`), each a no-op where it
+    defines none (and for the target stepping alone), with the `RoundView` they see: the loop calls every hook the
+    same way and names no drafter. `NONE`: a round without hooks."""
+    NONE: Hooks
+
+    def __init__(self, drafter: object = None, view: RoundView | None = None):
+        self.drafter, self.view = drafter, view
+
+    @classmethod
+    def of(cls, target: Target, cache, seq: Committed, pool: DrafterPool, name: str | None) -> Hooks:
+        d = pool.drafters.get(name) if name is not None else None
+        if name is None or not any(hasattr(d, h) for h in ("before_catch_up", "extra_rows", "after_verify")):
+            return cls.NONE
+        rows_ride = target.lean is not None and not target.lean.exact
+        return cls(d, RoundView(target, cache, seq.n, seq.n_feats, lambda a, b: pool.features(name, seq, a, b),
+                                rows_ride))
+
+    def before_catch_up(self) -> None:
+        """Work of the drafter's own on the target before its catch-up (timed as catch-up)."""
+        hook = getattr(self.drafter, "before_catch_up", None)
+        if hook is not None:
+            hook(self.view)
+
+    def extra_rows(self) -> ExtraRows | None:
+        """The rows the drafter asks to ride in this round's verification call (None: none)."""
+        hook = getattr(self.drafter, "extra_rows", None)
+        return None if hook is None else hook(self.view)
+
+    def after_verify(self, v: Verified, accepted: torch.Tensor, tokens: int) -> None:
+        """The final-norm state of the drafter's extra row after the row that drew the round's last token (the
+        root's when no node was accepted): it follows the first `tokens` committed tokens. Nothing when none rode."""
+        hook = getattr(self.drafter, "after_verify", None)
+        if hook is not None and v.extra is not None:
+            hook(v.extra[accepted[-1:] + 1 if accepted.numel() else 0], tokens)
 
 
-def contemplator(target: Target, pool: DrafterPool, name: str | None) -> Contemplator | None:
-    """The round's drafter as a `Contemplator`, or None when it reads no contemplate rows (or no drafter runs)."""
-    drafter = pool.drafters.get(name) if name is not None else None
-    if name is None or getattr(drafter, "contemplation", None) is None:
-        return None
-    d = cast(Contemplating, drafter)
-    wide = d.schedule == "wide" and target.lean is not None and not target.lean.exact
-    return Contemplator(d, name, "wide" if wide else "after")
-
-
-def _con_input(seq: Committed, pool: DrafterPool, con: Contemplator, t: int) -> torch.Tensor:
-    """[con] = the drafter's MoE over the target's features of token t [1, d]."""
-    c = con.drafter.contemplation
-    feats = pool.features(con.name, seq, t, t + 1)
-    assert feats is not None, "a contemplating drafter reads target layers"
-    with torch.inference_mode():
-        return c.con(feats.to(c.soft_k.dtype))
-
-
-def con_emb(seq: Committed, pool: DrafterPool, con: Contemplator) -> tuple[torch.Tensor, torch.Tensor,
-                                                                          torch.Tensor] | None:
-    """ConFu's contemplate rows for the round's verification: (the embedding [con] = the MoE over the target's
-    features of the newest token that has them, the last accepted one before the round; the soft prompts' keys
-    and values). None before any token has features (a one-token prompt's first round)."""
-    if seq.n_feats == 0:
-        return None
-    c = con.drafter.contemplation
-    return _con_input(seq, pool, con, seq.n_feats - 1), c.soft_k, c.soft_v
-
-
-def see_future(target: Target, cache, seq: Committed, pool: DrafterPool, con: Contemplator) -> None:
-    """A contemplating drafter (ConFu) gets, before its catch-up, the future vector f of the token before the root
-    (its newest pair after the catch-up): one contemplate row after that token over the target's cache, its
-    embedding from the MoE over the target's features of the token (`speclab.core.contemplate`). A one-token
-    prompt has no such token: no f."""
-    c, t = con.drafter.contemplation, seq.n - 2
-    if t < 0:
-        return con.drafter.see_future(None, seq.n - 1)
-    pos, visible = last_token_rows(t + 1, cache.get_seq_length(), target.device)
-    f = contemplate(target, cache, _con_input(seq, pool, con, t), pos, visible, c.soft_k, c.soft_v)
-    con.drafter.see_future(f, seq.n - 1)
+Hooks.NONE = Hooks()
 
 
 def signals(rnd: int, last: Row | None, needs: frozenset[str], history: deque[tuple[int, str | None]]) -> Signals:
@@ -365,40 +352,39 @@ class Verified:
     features: torch.Tensor | None  # the target's features of the forwarded rows (None: no layers or no forward)
     past: int  # KV cache length before the batch
     lead: int  # forwarded rows before the tree's: 1 = the pending root (deferred), 0 = none
-    future: torch.Tensor | None = None  # [n + 1, d]: ConFu's f of the root and of each node (wide schedule)
+    extra: torch.Tensor | None = None  # [n + 1, d]: final-norm states of the extra rows (one after each row)
 
 
 def verify_batch(target: Target, cache, seq: Committed, tree: DraftTree, root: Row | None, layers: tuple[int, ...],
                  hidden: bool, sampling: Sampling, gen: torch.Generator | None,
-                 con: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> Verified:
+                 extra: ExtraRows | None = None) -> Verified:
     """ONE target forward over the round's new rows, the pending root (when `root` is None: deferred) and the
     flattened tree, under the tree's mask and positions (a chain: the forward's causal defaults); then the verdict
     over the logits of every row, the root's first (`speclab.core.verify.verify`). With the root's row known and
-    no tree there is nothing to forward. `con` (ConFu, wide): (the contemplate embedding [1, d], the soft prompts'
-    keys and values) of one contemplate row per batch row, each seeing its row's path and the soft prompts,
-    forwarded in the same call (`Verified.future`)."""
+    no tree there is nothing to forward. `extra` (a drafter's `RoundHooks.extra_rows`): one extra row after each
+    row of the batch (the root's included), each seeing its row's path and the extra keys and values, forwarded in
+    the same call (`Verified.extra`; `speclab.core.contemplate.tree_rows` places them)."""
     past = cache.get_seq_length()
     with_root, chain = root is None, tree.is_chain
     mask = None if chain else tree_attention_mask(tree.ancestors, past, target.dtype, with_root=with_root)
     pos = None if chain else tree_position_ids(tree.depth, past, with_root)
     rows = None
-    if con is not None and (with_root or len(tree)):  # one contemplate row per batch row (and the cached root's)
-        emb, soft_k, soft_v = con
+    if extra is not None and (with_root or len(tree)):  # one extra row per batch row (and the cached root's)
         c_pos, visible = tree_rows(tree.ancestors, tree.depth, past, with_root)
-        rows = ConRows(emb.expand(c_pos.numel(), -1), c_pos, visible, soft_k, soft_v)
-    future = None
+        rows = ConRows(extra.emb.expand(c_pos.numel(), -1), c_pos, visible, extra.keys, extra.values)
+    states = None
     if root is None:  # deferred: the pending root leads the batch
         inp = torch.cat([seq.ids[seq.n - 1 : seq.n].to(target.device), tree.tokens])
         out = target.forward(inp, cache, pos, mask, layers=layers, hidden=hidden, con=rows)
-        logits, hid, feats, future = out.logits, out.hidden, out.features, out.future
+        logits, hid, feats, states = out.logits, out.hidden, out.features, out.future
     elif len(tree):  # the root's row is known: the tree alone, after it
         out = target.forward(tree.tokens, cache, pos, mask, layers=layers, hidden=hidden, con=rows)
-        logits, feats, future = torch.cat([root.logits, out.logits]), out.features, out.future
+        logits, feats, states = torch.cat([root.logits, out.logits]), out.features, out.future
         hid = None if root.hidden is None or out.hidden is None else torch.cat([root.hidden, out.hidden])
     else:
         logits, hid, feats = root.logits, root.hidden, None
     verdict = verify(tree, logits, sampling, gen)
-    return Verified(verdict.accepted, verdict.bonus, logits, hid, feats, past, int(with_root), future)
+    return Verified(verdict.accepted, verdict.bonus, logits, hid, feats, past, int(with_root), states)
 
 
 def cut(new: torch.Tensor, accepted: torch.Tensor, room: int, eos: torch.Tensor,

@@ -48,10 +48,11 @@ def supports(model) -> str | None:
 
 
 class ConRows:
-    """Contemplate rows in a verification call (ConFu's "wide" schedule; `speclab.core.contemplate`): input
-    embeddings emb [m, d] at positions pos [m], row r seeing the cache slots where visible [m, slots] is True (the
-    call's own rows included: slots = the cache after the call), the soft prompts soft_k / soft_v [layers, kv_heads,
-    s, D] and itself."""
+    """Extra rows in a verification call (a drafter's `speclab.core.protocol.ExtraRows`: ConFu's contemplate rows,
+    its "wide" schedule; `speclab.core.contemplate`): input embeddings emb [m, d] at positions pos [m], row r seeing
+    the cache slots where visible [m, slots] is True (the call's own rows included: slots = the cache after the
+    call), the keys and values only they see soft_k / soft_v [layers, kv_heads, s, D] (ConFu's soft prompts) and
+    itself."""
 
     def __init__(self, emb, pos, visible, soft_k, soft_v):
         self.emb, self.pos, self.soft_k, self.soft_v = emb, pos, soft_k, soft_v

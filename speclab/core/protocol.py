@@ -17,10 +17,16 @@ token but the last (the pending root), in deferred and non-deferred mode alike.
 Timing: the work of digesting tokens (a draft model's KV for the backlog, say) belongs in `catch_up`, which
 the engine times as the round's "catchup" phase (the switch cost of a router is measured there), not in the
 first `propose`.
+
+Round hooks (optional, `RoundHooks`): a drafter that needs more of the target than features (ConFu's contemplate
+rows) defines any of `before_catch_up` (target work of its own, timed as catch-up), `extra_rows` (rows riding in
+the verification call) and `after_verify` (their final-norm state at commit); the engine calls them for the round's
+drafter and knows no drafter by name.
 """
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -57,15 +63,48 @@ class Drafter(Protocol):
         need not recompute it."""
 
 
-class Contemplating(Drafter, Protocol):
-    """A drafter that reads a future vector from contemplate rows on the target (ConFu,
-    `speclab.core.contemplate`): the engine forwards its rows and hands it f before its catch-up."""
-    contemplation: Any  # soft prompts `soft_k` / `soft_v` [layers, kv heads, s, D], the MoE `con`: features -> [con]
-    schedule: str  # "wide": rows in the verification call; "after": one row in a call of its own
-    f_tokens: int  # the committed tokens its f was computed after
+@dataclass(frozen=True)
+class RoundView:
+    """What a drafter's round hooks (`RoundHooks`) see of the decode, from the catch-up phase to the verification:
+    the target and its KV cache (every committed token, or every one but the pending root when deferred), the
+    committed tokens (the last is the round's root), how many of them have target features (the first
+    `featured`), the target's features of tokens a..b-1 in the drafter's own columns, and whether extra rows can
+    ride in this target's verification call (the lean forward outside exact mode)."""
+    target: Any
+    cache: Any
+    tokens: int
+    featured: int
+    features: Callable[[int, int], torch.Tensor | None]
+    rows_ride: bool
 
-    def see_future(self, f: torch.Tensor | None, tokens: int) -> None:
-        """f [d] of the contemplate row after the first `tokens` committed tokens (None: none)."""
+
+@dataclass(frozen=True)
+class ExtraRows:
+    """Rows a drafter asks to ride in a round's verification call (`RoundHooks.extra_rows`): one after each
+    verification row (the root's and each node's), given as an input embedding, not a token: it sits at the position
+    after its row, sees what its row sees and that row, plus `keys` / `values` that no other row sees, and itself;
+    it writes nothing to the cache and never changes the target's own rows (`speclab.core.lean.ConRows`)."""
+    emb: torch.Tensor  # [1, d]: every row's input embedding (broadcast), or [rows, d]
+    keys: torch.Tensor  # [target layers, kv heads, s, head dim]: post-RoPE keys only these rows see
+    values: torch.Tensor  # the same, values
+
+
+class RoundHooks(Protocol):
+    """Optional per-round hooks of a drafter: the engine calls each one the round's chosen drafter defines (and no
+    other drafter's), so a drafter may do target work of its own and have extra rows ride in the verification
+    call without the engine knowing it by name (ConFu's contemplate rows, `speclab.drafters.confu`)."""
+
+    def before_catch_up(self, view: RoundView) -> None:
+        """In the catch-up phase, before its `catch_up`: work of its own on the target (each call counted)."""
+
+    def extra_rows(self, view: RoundView) -> ExtraRows | None:
+        """In the verification phase: rows to ride in the verification call (None: none; `view.rows_ride` False:
+        the target cannot carry them, ask for none)."""
+
+    def after_verify(self, state: torch.Tensor, tokens: int) -> None:
+        """At commit, when its extra rows rode and the decode goes on: the final-norm state [1, d] of the extra
+        row after the row that drew the round's last token, i.e. the row after the first `tokens` committed
+        tokens."""
 
 
 @dataclass

@@ -28,6 +28,8 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 
+from speclab.core.contemplate import contemplate, last_token_rows
+from speclab.core.protocol import ExtraRows, RoundView
 from speclab.drafters import eagle3
 from speclab.drafters.checkpoint import load_strict, place, read_checkpoint
 from speclab.drafters.eagle3 import Eagle3Config, Eagle3Drafter, Eagle3Model, _check_against
@@ -147,8 +149,11 @@ def load_confu(path: str | Path, target=None, device=None, dtype=None) -> ConFuM
 
 
 class ConFuDrafter(Eagle3Drafter):
-    """EAGLE-3's drafter with the future slot. The engine hands it f (`see_future`) before its catch-up, from the
-    contemplate row of `contemplation` (speclab.core.engine.see_future)."""
+    """EAGLE-3's drafter with the future slot, its f from contemplate rows on the target through the engine's round
+    hooks (`speclab.core.protocol.RoundHooks`): wide, its rows ride in the verification call (`extra_rows`) and the
+    state after the round's last token is its next f (`after_verify`); after (or where the target cannot carry
+    them: the hf forward, exact mode), one contemplate row in a call of its own before its catch-up
+    (`before_catch_up`), whenever its f is stale."""
     name = "confu"
 
     def __init__(self, model: ConFuModel, target, *, schedule: str = "wide", **params):
@@ -156,7 +161,7 @@ class ConFuDrafter(Eagle3Drafter):
         self.contemplation = model.confu.contemplation
         self.schedule = schedule  # "wide": f from the verification call; "after": one more target row per round
         self.f: torch.Tensor | None = None  # [1, d]: the future vector for the next catch-up (None: no slot)
-        self.f_tokens = -1  # the committed tokens f was computed after (the engine refreshes a stale one)
+        self.f_tokens = -1  # the committed tokens f was computed after (`before_catch_up` refreshes a stale one)
 
     @property
     def draft_slots(self) -> int:
@@ -171,6 +176,40 @@ class ConFuDrafter(Eagle3Drafter):
         """f [d] of the contemplate row after the first `tokens` committed tokens (None: none)."""
         self.f = None if f is None else f.reshape(1, -1).to(self.device, self.dtype)
         self.f_tokens = tokens
+
+    def _con_input(self, view: RoundView, t: int) -> torch.Tensor:
+        """[con] = the MoE over the target's features of token t [1, d]."""
+        c = self.contemplation
+        feats = view.features(t, t + 1)
+        assert feats is not None, "a contemplating drafter reads target layers"
+        with torch.inference_mode():
+            return c.con(feats.to(c.soft_k.dtype))
+
+    def before_catch_up(self, view: RoundView) -> None:
+        """f of the token before the root (its newest pair after the catch-up), unless the last verification gave
+        it: one contemplate row after that token over the target's cache, its embedding [con] from the MoE over the
+        target's features of the token (`speclab.core.contemplate`). A one-token prompt has no such token: no f."""
+        if self.f_tokens == view.tokens - 1:
+            return
+        c, t = self.contemplation, view.tokens - 2
+        if t < 0:
+            return self.see_future(None, view.tokens - 1)
+        pos, visible = last_token_rows(t + 1, view.cache.get_seq_length(), view.target.device)
+        f = contemplate(view.target, view.cache, self._con_input(view, t), pos, visible, c.soft_k, c.soft_v)
+        self.see_future(f, view.tokens - 1)
+
+    def extra_rows(self, view: RoundView) -> ExtraRows | None:
+        """Wide (where the target can carry them): one contemplate row after each verification row, its embedding
+        [con] the MoE over the target's features of the newest token that has them (the last accepted one before
+        the round), with the soft prompts. None before any token has features (a one-token prompt's first round)."""
+        if self.schedule != "wide" or not view.rows_ride or view.featured == 0:
+            return None
+        c = self.contemplation
+        return ExtraRows(self._con_input(view, view.featured - 1), c.soft_k, c.soft_v)
+
+    def after_verify(self, state: torch.Tensor, tokens: int) -> None:
+        """Wide: the contemplate row after the round's last accepted node (the root when none) is the next f."""
+        self.see_future(state, tokens)
 
     def _prefill(self, m: int) -> None:
         if self.f is None:  # no future yet (a one-token prompt): EAGLE-3's catch-up
