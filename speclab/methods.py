@@ -12,7 +12,7 @@ the spec, so variants of one method stay apart in every table.
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 from speclab.checks import Bound, check_number
@@ -51,7 +51,8 @@ class Method:
         return ";".join(f"{p.name}={','.join(map(str, p.grid))}" for p in self.params if p.grid)
 
 
-def _methods() -> dict[str, Method]:
+@functools.lru_cache(maxsize=4)
+def _methods(registered: tuple[str, ...]) -> dict[str, Method]:
     from speclab.routing import whiflash
     out = {"ar": Method("ar", "autoregressive baseline: one target call per token")}
     for e in drafters().values():
@@ -66,18 +67,43 @@ def _methods() -> dict[str, Method]:
     return out
 
 
-def _roles() -> dict[str, ModelRole]:
+@functools.lru_cache(maxsize=4)
+def _roles(registered: tuple[str, ...]) -> dict[str, ModelRole]:
     from speclab.routing.whiflash import ROUTER_ROLE
     return {**{e.model.role: e.model for e in drafters().values() if e.model}, ROUTER_ROLE.role: ROUTER_ROLE}
 
 
-METHODS: dict[str, Method] = _methods()
-ROLES: dict[str, ModelRole] = _roles()  # every model a method may need, by role
+class _FromRegistry(Mapping):
+    """A read-only view made from the drafter registry as it is now: a drafter registered at run time
+    (`registry.register`) appears in it at once (made again only when the registered drafters change)."""
+
+    def __init__(self, make: Callable[[tuple[str, ...]], dict]):
+        self._make = make
+
+    def _now(self) -> dict:
+        return self._make(tuple(drafters()))
+
+    def __getitem__(self, key):
+        return self._now()[key]
+
+    def __iter__(self):
+        return iter(self._now())
+
+    def __len__(self) -> int:
+        return len(self._now())
 
 
-@functools.cache
+METHODS: Mapping[str, Method] = _FromRegistry(_methods)
+ROLES: Mapping[str, ModelRole] = _FromRegistry(_roles)  # every model a method may need, by role
+
+
 def all_params() -> dict[str, list[Param]]:
     """Every parameter name any method takes -> its declarations (the CLI makes one option per name)."""
+    return _all_params(tuple(drafters()))
+
+
+@functools.lru_cache(maxsize=4)
+def _all_params(registered: tuple[str, ...]) -> dict[str, list[Param]]:
     out: dict[str, list[Param]] = {}
     for m in METHODS.values():
         for p in m.params:

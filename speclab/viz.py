@@ -11,8 +11,8 @@ import plotly.graph_objects as go
 
 from speclab.files import write_atomic
 
-METHOD_COLORS = {"ar": "#7f7f7f", "sps": "#1f77b4", "pld": "#2ca02c", "eagle3": "#9467bd", "dflash": "#d62728",
-                 "hf_assisted": "#aec7e8", "hf_pld": "#98df8a", "whiflash-entropy": "#ff7f0e",
+# the colours of what is not a drafter (a drafter's, and its methods', come from its registry entry: `method_color`)
+METHOD_COLORS = {"ar": "#7f7f7f", "hf_assisted": "#aec7e8", "hf_pld": "#98df8a", "whiflash-entropy": "#ff7f0e",
                  "whiflash-neural": "#8c564b", "oracle-task": "#17becf", "oracle-prompt": "#bcbd22",
                  "oracle-token": "#e377c2", "oracle-token-time": "#404040"}
 ORACLE_DASH = {"oracle-task": "dot", "oracle-prompt": "dashdot", "oracle-token": "dash",
@@ -30,9 +30,16 @@ class Report:
     summary: str | None = None
 
 
-def _color(method: str) -> str | None:
-    """A registered method's colour; None (plotly's palette) for specs and variants, so they stay apart."""
+def method_color(method: str) -> str | None:
+    """A registered method's colour (a drafter's and its methods' from its registry entry, `DrafterEntry.color`);
+    None (plotly's palette) for specs and variants, so they stay apart."""
+    from speclab.drafters.registry import drafters
+    for e in drafters().values():
+        if method == e.name or method in e.methods:
+            return e.color
     return METHOD_COLORS.get(method)
+
+
 
 
 def bench_bars(table, metric: str, title: str) -> go.Figure:
@@ -41,7 +48,7 @@ def bench_bars(table, metric: str, title: str) -> go.Figure:
     for method, g in table.groupby("method", sort=False):
         g = g[g[metric].notna()]
         if len(g):
-            fig.add_bar(name=method, x=g["category"], y=g[metric], marker_color=_color(method),
+            fig.add_bar(name=method, x=g["category"], y=g[metric], marker_color=method_color(method),
                         text=[f"{v:.2f}" for v in g[metric]], textposition="outside")
     if metric == "speedup":
         fig.add_hline(y=1.0, line_dash="dot", line_color="gray")
@@ -71,7 +78,8 @@ def position_acceptance(pos) -> go.Figure:
     """Per-position acceptance curves: P(depth d accepted | the draft reached depth d), one line per method."""
     fig = go.Figure()
     for method, g in pos.groupby("method", sort=False):
-        fig.add_scatter(name=method, x=g["depth"], y=g["acceptance"], mode="lines+markers", line_color=_color(method),
+        fig.add_scatter(name=method, x=g["depth"], y=g["acceptance"], mode="lines+markers",
+                        line_color=method_color(method),
                         customdata=g["rounds_reaching"], hovertemplate="depth %{x}: %{y:.2f} of %{customdata} rounds")
     fig.update_layout(title="Per-position acceptance", xaxis_title="draft depth", yaxis_title="acceptance",
                       yaxis_range=[0, 1.05], template="plotly_white", height=380)
@@ -83,7 +91,7 @@ def accept_histogram(hist) -> go.Figure:
     engine's histogram beside speclab's rounds (`speclab.metrics.ACCEPT_HISTOGRAM_SQL`)."""
     fig = go.Figure()
     for label, g in hist.groupby("label", sort=False):
-        fig.add_bar(name=label, x=g["accepted"], y=g["share"], marker_color=_color(label.split(" ")[0]),
+        fig.add_bar(name=label, x=g["accepted"], y=g["share"], marker_color=method_color(label.split(" ")[0]),
                     customdata=g["steps"], hovertemplate="%{x} accepted: %{y:.1%} (%{customdata} steps)")
     fig.update_layout(title="Accepted draft tokens per step", barmode="group", xaxis_title="accepted draft tokens "
                       "(bonus excluded)", yaxis_title="share of steps", xaxis_dtick=1, template="plotly_white",
@@ -97,7 +105,7 @@ def lines_figure(df, x: str, y: str, group: str, title: str, x_title: str | None
     fig = go.Figure()
     for name, g in df.groupby(group, sort=False):
         g = g.sort_values(x)
-        fig.add_scatter(name=str(name), x=g[x], y=g[y], mode="lines+markers", line_color=_color(str(name)),
+        fig.add_scatter(name=str(name), x=g[x], y=g[y], mode="lines+markers", line_color=method_color(str(name)),
                         customdata=g[hover] if hover else None,
                         hovertemplate=f"{x} %{{x}}: %{{y:.2f}}" + (" (%{customdata})" if hover else ""))
     fig.update_layout(title=title, xaxis_title=x_title or x, yaxis_title=y_title or y, template="plotly_white",
@@ -118,14 +126,19 @@ def write_html_report(path: str | Path, title: str, figs: list[go.Figure], text:
 
 TARGET_BG = "#e8e8e8"
 DRAFTER_COLORS = {"target": "#9e9e9e", "tie": "#bbbbbb"}  # non-method groups in histograms
-DRAFTER_RGB = {"sps": (31, 119, 180), "pld": (44, 160, 44), "eagle3": (148, 103, 189), "dflash": (214, 39, 40)}
 _FALLBACK_RGB = [(255, 127, 14), (140, 86, 75), (227, 119, 194), (23, 190, 207)]
 TOKEN_COLUMNS = ("pos", "round", "text", "source", "depth", "draft_prob", "target_prob", "entropy")
 ROUTER_COLUMNS = ("drafter", "signal", "threshold")  # per token, the round's router decision (routed runs)
 
 
 def drafter_rgb(name: str) -> tuple[int, int, int]:
-    return DRAFTER_RGB.get(name, _FALLBACK_RGB[sum(map(ord, name)) % len(_FALLBACK_RGB)])
+    """A drafter's colour (its registry entry's) as RGB, for token shading; one of a few others for a name the
+    registry does not know."""
+    color = method_color(name)
+    if color is None:
+        return _FALLBACK_RGB[sum(map(ord, name)) % len(_FALLBACK_RGB)]
+    h = color.lstrip("#")
+    return int(h[0:2], 16), int(h[2:4], 16), int(h[4:6], 16)
 
 
 def _missing(v) -> bool:
@@ -322,7 +335,7 @@ def accepted_per_round(rounds) -> go.Figure:
     fig = go.Figure()
     for label, g in rounds.groupby("label", sort=False):
         fig.add_scatter(x=g["round"], y=g["committed"], mode="lines+markers", name=label,
-                        line_color=_color(label.split(" ")[0]))
+                        line_color=method_color(label.split(" ")[0]))
     fig.update_layout(title="Tokens committed per round", xaxis_title="round", yaxis_title="tokens",
                       template="plotly_white", height=340)
     return fig
@@ -348,7 +361,7 @@ def volatility_figure(prof, title: str = "") -> go.Figure:
     fig = go.Figure()
     for name, g in prof.groupby("drafter", sort=False):
         fig.add_scatter(name=name, x=g["pos"], y=g["accepted"], mode="lines", line_shape="hv",
-                        line_color=_color(name), hovertemplate="position %{x}: %{y} accepted")
+                        line_color=method_color(name), hovertemplate="position %{x}: %{y} accepted")
     fig.update_layout(title=title or "Accepted draft tokens of a round starting at each position",
                       xaxis_title="position in the output (tokens)", yaxis_title="accepted draft tokens",
                       template="plotly_white", height=380)
@@ -381,14 +394,14 @@ def router_figure(rr, title: str = "") -> go.Figure:
         text = [f"switch: backlog {b}, catch-up {c:.2f} ms" if s else "" for b, c, s in
                 zip(g["backlog"], g["catchup_ms"], g["switch"])]
         fig.add_scatter(x=g["round"], y=g["signal"], mode="markers", name=f"chose {name}", text=text,
-                        marker=dict(color=_color(name), size=[10 if s else 6 for s in g["switch"]],
+                        marker=dict(color=method_color(name), size=[10 if s else 6 for s in g["switch"]],
                                     symbol=["diamond" if s else "circle" for s in g["switch"]]),
                         hovertemplate="round %{x}: %{y:.3f} %{text}", row=1, col=1)
     fig.add_bar(x=rr["round"], y=rr["n_accepted"], name="accepted (chosen)", marker_color="#cfcfcf", row=2, col=1)
     for name in ("eagle3", "dflash"):
         col = f"{name}_would_accept"
         if col in rr and rr[col].notna().any():
-            fig.add_scatter(x=rr["round"], y=rr[col], mode="lines", line_shape="hvh", line_color=_color(name),
+            fig.add_scatter(x=rr["round"], y=rr[col], mode="lines", line_shape="hvh", line_color=method_color(name),
                             name=f"{name} would accept", row=2, col=1)
     fig.update_yaxes(title_text="signal", row=1, col=1)
     fig.update_yaxes(title_text="accepted drafts", row=2, col=1)
@@ -412,7 +425,7 @@ def calibration_figure(curve, refs, threshold: float, point: dict, best: dict, r
     named = set()  # reference lines already in the legend
     for row, y in ((1, "tau"), (2, "tokens_per_s")):
         fig.add_scatter(x=c["threshold"], y=c[y], mode="lines", name=f"whiflash-{router}", showlegend=row == 1,
-                        line=dict(color=_color(f"whiflash-{router}"), width=3), row=row, col=1,
+                        line=dict(color=method_color(f"whiflash-{router}"), width=3), row=row, col=1,
                         customdata=c[["eagle3_share", "switches"]].to_numpy(),
                         hovertemplate="threshold %{x:.2f}: %{y:.3f}<br>EAGLE-3 share %{customdata[0]:.2f}, "
                                       "%{customdata[1]} switches<extra></extra>")
@@ -421,7 +434,7 @@ def calibration_figure(curve, refs, threshold: float, point: dict, best: dict, r
             if v == v:
                 fig.add_scatter(x=[c["threshold"].min(), c["threshold"].max()], y=[v, v], mode="lines",
                                 name=ref.policy, legendgroup=ref.policy, showlegend=ref.policy not in named,
-                                line=dict(color=_color(ref.policy) or "#404040",
+                                line=dict(color=method_color(ref.policy) or "#404040",
                                           dash=ORACLE_DASH.get(ref.policy, "solid" if ref.policy == "ar" else "dash"),
                                           width=2), row=row, col=1,
                                 hovertemplate=f"{ref.policy}: %{{y:.3f}}<extra></extra>")
@@ -490,7 +503,7 @@ def histograms(df, x: str, group: str, title: str = "", x_title: str | None = No
     fig = go.Figure()
     for name, g in df[df[x].notna()].groupby(group, sort=True):
         fig.add_histogram(x=g[x], name=f"{name} ({len(g)})", histnorm="probability", opacity=0.6, nbinsx=40,
-                          marker_color=_color(str(name)) or DRAFTER_COLORS.get(str(name)))
+                          marker_color=method_color(str(name)) or DRAFTER_COLORS.get(str(name)))
     fig.update_layout(title=title or f"{x} by {group}", barmode="overlay", xaxis_title=x_title or x,
                       yaxis_title="share", legend_title=group, template="plotly_white", height=380)
     return fig

@@ -1,6 +1,7 @@
 """What several test modules share: tiny models built from configs (no downloads), the test prompts, the tiny
-EAGLE-3 and DFlash drafters (random, and trained for a few seconds: conftest.py trains each once per session), the
-CLI run in-process or as a subprocess, and the check that bad input gets exactly one error line."""
+EAGLE-3 and DFlash drafters trained for a few seconds (conftest.py trains each once per session; the random drafters
+are the registry's `ModelRole.random`, in the drafter modules, re-exported here), the CLI run in-process or as a
+subprocess, and the check that bad input gets exactly one error line."""
 from __future__ import annotations
 
 import json
@@ -11,6 +12,11 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from speclab.drafters.confu import random_confu  # noqa: F401  (re-exported: the random drafters of the registry)
+from speclab.drafters.dflash import random_dflash  # noqa: F401
+from speclab.drafters.eagle3 import random_eagle3  # noqa: F401
+from speclab.drafters.specblock import random_specblock  # noqa: F401
+from speclab.drafters.sps import random_draft  # noqa: F401
 from speclab.zoo import REPO_ROOT, tokenizer_dir
 
 PROMPTS = ["def add(a, b):\n    return", "Once upon a time, a little dog", "Question: Tom has 3 apples. How many",
@@ -100,44 +106,6 @@ def start_drafter(drafter, target, prompt: str) -> torch.Tensor:
 
 # ---- tiny EAGLE-3 drafters --------------------------------------------------------------------------------------
 
-def eagle3_config(target, draft_vocab: int | None = None):
-    from speclab.drafters.eagle3 import Eagle3Config, default_layer_ids
-
-    c = target.config
-    return Eagle3Config(hidden_size=c.hidden_size, intermediate_size=c.intermediate_size,
-                        num_attention_heads=c.num_attention_heads, num_key_value_heads=c.num_key_value_heads,
-                        head_dim=c.head_dim, vocab_size=target.vocab_size,
-                        draft_vocab_size=draft_vocab or target.vocab_size, target_hidden_size=c.hidden_size,
-                        layer_ids=default_layer_ids(target.num_layers), rms_norm_eps=c.rms_norm_eps,
-                        max_position_embeddings=c.max_position_embeddings)
-
-
-def random_eagle3(target, seed: int, draft_vocab: int | None = None):
-    from speclab.drafters.eagle3 import Eagle3Model
-
-    torch.manual_seed(seed)
-    m = Eagle3Model(eagle3_config(target, draft_vocab))
-    if draft_vocab:  # a reduced vocabulary: every other target id, mapped back with d2t / t2d
-        keep = torch.arange(0, 2 * draft_vocab, 2)
-        m.d2t.copy_(keep - torch.arange(draft_vocab))
-        m.t2d.zero_()
-        m.t2d[keep] = True
-    return m.eval().requires_grad_(False)
-
-
-def random_confu(target, seed: int, draft_vocab: int | None = None, soft_prompts: int = 4, experts: int = 3):
-    """A random ConFu drafter: a random EAGLE-3 part and random soft prompts and MoEs, at scales that move f."""
-    from speclab.drafters.confu import ConFuConfig, ConFuModel
-
-    m = ConFuModel.from_eagle3(random_eagle3(target, seed, draft_vocab),
-                               ConFuConfig.for_target(target, soft_prompts=soft_prompts, experts=experts))
-    g = torch.Generator().manual_seed(seed + 1000)
-    with torch.no_grad():
-        for p in m.confu.parameters():
-            p.copy_(torch.randn(p.shape, generator=g) * 0.5)
-    return m.eval().requires_grad_(False)
-
-
 def assert_drafts_as_unrolled(d, ids: torch.Tensor, i: int, unrolled, steps: int = 3) -> None:
     """An EAGLE-3-style drafter caught up to pair i (its root) drafts what training's unroll computed at row i:
     the root's logits, then each depth's node fed the window's own next token."""
@@ -153,12 +121,12 @@ def train_tiny_eagle3(target, steps: int = 120, seed: int = 0):
     """A drafter trained for a few seconds with speclab's own training step (training-time test, 3 steps) on the
     target's own text (its greedy and sampled continuations of the test prompts): it agrees with the target
     often, so trees get accepted paths. Its last step's per-depth accuracies are in `train_acc`."""
-    from speclab.drafters.eagle3 import Eagle3Model
+    from speclab.drafters.eagle3 import Eagle3Model, config_for
     from speclab.train.eagle3 import target_features, ttt_forward, ttt_loss
 
     torch.manual_seed(seed)
     windows = own_text_windows(target)
-    m = Eagle3Model(eagle3_config(target))
+    m = Eagle3Model(config_for(target))
     with torch.no_grad():
         m.lm_head.weight.copy_(target.model.get_output_embeddings().weight)
     opt = torch.optim.AdamW(m.parameters(), lr=3e-3)
@@ -175,42 +143,18 @@ def train_tiny_eagle3(target, steps: int = 120, seed: int = 0):
 
 # ---- tiny DFlash drafters ---------------------------------------------------------------------------------------
 
-def dflash_config(target, markov_rank: int = 0, layers: int = 2, mask_id: int = 2):
-    from speclab.drafters.dflash import DFlashConfig, default_layer_ids
-
-    c = target.config
-    return DFlashConfig(hidden_size=c.hidden_size, intermediate_size=c.intermediate_size, num_hidden_layers=layers,
-                        num_attention_heads=c.num_attention_heads, num_key_value_heads=c.num_key_value_heads,
-                        head_dim=c.head_dim, vocab_size=target.vocab_size,
-                        target_layer_ids=default_layer_ids(target.num_layers), mask_token_id=mask_id, block_size=8,
-                        rms_norm_eps=c.rms_norm_eps, max_position_embeddings=c.max_position_embeddings,
-                        markov_rank=markov_rank)
-
-
-def random_dflash(target, seed: int, markov_rank: int = 0, mask_id: int = 2):
-    from speclab.drafters.dflash import DFlashModel
-
-    torch.manual_seed(seed)
-    m = DFlashModel(dflash_config(target, markov_rank, mask_id=mask_id))
-    with torch.no_grad():  # larger weights than the default init: peaked, varied drafts
-        for p in m.parameters():
-            if p.dim() == 2:
-                p.normal_(0, 0.08)
-    return m.eval().requires_grad_(False)
-
-
 def train_tiny_dflash(target, steps: int = 150, seed: int = 0):
     """A drafter trained for a few seconds with speclab's own training step (random anchors, blocks of 2..8, the
     Markov head on both readouts) on the target's own text (its greedy and sampled continuations of the test
     prompts): it agrees with the target often, so blocks get accepted prefixes. Its last step's metrics are in
     `train_metrics`."""
-    from speclab.drafters.dflash import DFlashModel
+    from speclab.drafters.dflash import DFlashModel, config_for
     from speclab.train.dflash import block_forward, block_loss, pick_blocks, target_features
 
     torch.manual_seed(seed)
     rng = np.random.default_rng(seed)
     windows = own_text_windows(target)
-    m = DFlashModel(dflash_config(target, markov_rank=8))
+    m = DFlashModel(config_for(target, markov_rank=8))
     embed_w = target.model.get_input_embeddings().weight
     head_w = target.model.get_output_embeddings().weight
     feats, top = target_features(target.model, windows, m.config.target_layer_ids)

@@ -1,7 +1,9 @@
 """FlashHead's core (speclab/drafters/flashhead.py): equal-size clusters cover the vocabulary exactly once, the build is
 deterministic given its seed and round-trips through its files, probing every cluster gives the dense head's
 logits, fewer probes give -inf exactly off the candidates, adaptive probes follow the centroid margin, and
-sampled clusters are drawn without replacement from the centroid softmax."""
+sampled clusters are drawn without replacement from the centroid softmax. Every drafter with head=flash: greedy equals
+AR (FlashHead shapes of the registry entries: the conformance suite, tests/test_conformance.py), and its drafts come
+from its candidates."""
 import numpy as np
 import pytest
 import torch
@@ -124,10 +126,7 @@ def test_sampled_clusters_are_drawn_without_replacement_from_the_centroid_softma
     assert torch.equal(pick_clusters(scores[:2], 3, 0.0, None), torch.tensor([[0, 1, 2], [0, 1, 2]]))
 
 
-# ---- every drafter with head=flash: greedy output equals AR, and the head is really the clustered one ----------
-SETTINGS = {"1 probe": dict(probes=1), "4 probes, adaptive": dict(probes=4, margin=2.0)}
-
-
+# ---- every drafter with head=flash: the head is really the clustered one (greedy equals AR: the conformance suite) -
 def with_index(model, weight, tmp_path, c=64):
     """The drafter `model` named by a directory that holds a FlashHead index of its head `weight`."""
     build_index(weight, c).save(index_dir(tmp_path, c))
@@ -136,8 +135,7 @@ def with_index(model, weight, tmp_path, c=64):
 
 
 def drafters_under_test(deep, tmp_path_factory):
-    from helpers import random_dflash, random_eagle3
-    from test_specblock import random_specblock
+    from helpers import random_dflash, random_eagle3, random_specblock
     e3 = random_eagle3(deep, 3, draft_vocab=deep.vocab_size // 2)
     df = random_dflash(deep, 4, markov_rank=8)
     sb = random_specblock(deep, 5)
@@ -151,28 +149,15 @@ def flash_models(deep, tmp_path_factory):
     return drafters_under_test(deep, tmp_path_factory)
 
 
-@pytest.mark.parametrize("method,extra", [("eagle3", {}), ("eagle3", {"tree_topk": 3, "depth": 4}),
-                                          ("dflash", {"markov": 0}), ("dflash", {"markov": 1}),
-                                          ("dflash", {"tree_topk": 2}), ("specblock", {"blocks": 2})],
-                         ids=["eagle3-chain", "eagle3-tree", "dflash", "dflash-markov", "dflash-tree", "specblock"])
-@pytest.mark.parametrize("setting", list(SETTINGS))
-@pytest.mark.parametrize("deferred", [True, False], ids=["deferred", "not-deferred"])
-def test_greedy_flashhead_equals_ar(deep, flash_models, method, extra, setting, deferred):
-    for p in PROMPTS[:2]:
-        ar = generate(deep, p, "ar", max_new_tokens=32, deferred=deferred)
-        fl = generate(deep, p, method, models=flash_models, max_new_tokens=32, deferred=deferred, head="flash",
-                      **SETTINGS[setting], **extra)
-        assert fl.token_ids == ar.token_ids, (method, extra, setting, p)
-
-
-def test_greedy_flashhead_sps_equals_ar(qwen3, qwen3_draft, model_dir):
+def test_a_flash_sps_draft_is_accepted(qwen3, qwen3_draft, model_dir):
+    """A draft model that agrees with the target still agrees through its FlashHead: chains and trees get accepted
+    tokens (and the output is AR's)."""
     build_index(qwen3_draft.head_weight, 64).save(index_dir(model_dir["qwen3_draft"], 64))
+    ar = generate(qwen3, PROMPTS[0], "ar", max_new_tokens=32)
     for extra in ({}, {"tree_topk": 2, "k": 3}):
-        for p in PROMPTS[:2]:
-            ar = generate(qwen3, p, "ar", max_new_tokens=32)
-            fl = generate(qwen3, p, "sps", models={"draft": qwen3_draft}, max_new_tokens=32, head="flash",
-                          clusters=64, probes=8, **extra)
-            assert fl.token_ids == ar.token_ids and fl.summary()["rounds"] < len(ar.token_ids), (extra, p)
+        fl = generate(qwen3, PROMPTS[0], "sps", models={"draft": qwen3_draft}, max_new_tokens=32, head="flash",
+                      clusters=64, probes=8, **extra)
+        assert fl.token_ids == ar.token_ids and fl.summary()["rounds"] < len(ar.token_ids), extra
 
 
 def test_flash_drafters_draft_from_their_candidates_only(deep, flash_models):

@@ -96,9 +96,9 @@ def contemplate_costs(target: Target, confu, nodes=(1, 2, 4, 8, 16), context: in
     chain of n nodes after a `context`-token cache, plain (n + 1 rows), wide (plus n + 1 contemplate rows in the
     same call) and after (plain, then one contemplate row in a call of its own); `confu` is a ConFu drafter model
     (its soft prompts and [con] MoE). Per n the three are interleaved."""
-    from speclab.core.contemplate import contemplate, last_token_rows, tree_rows
     from speclab.core.lean import ConRows
-    from speclab.core.tree import DraftTree
+    from speclab.core.tree import DraftTree, tree_rows
+    from speclab.drafters.contemplate import contemplate, last_token_rows
     if target.lean is None or target.lean.exact:
         raise ValueError("the wide schedule needs the lean forward outside exact mode")
     c = confu.confu.contemplation

@@ -25,10 +25,11 @@ import torch
 from speclab.bench.suites import load_suite
 from speclab.core.precision import dtype_name, family
 from speclab.core.target import Target
+from speclab.drafters.registry import drafters
 from speclab.equality import first_divergence, output_hash
 from speclab.errors import InvalidInput
 from speclab.generate import encode_prompt, generate, model_ms, run_device
-from speclab.methods import get_method, parse_spec
+from speclab.methods import get_method
 from speclab.progress import Progress
 from speclab.trace import TraceStore
 
@@ -41,9 +42,10 @@ class BenchConfig:
     methods: list[str] = field(default_factory=lambda: ["ar", "sps", "pld"])
     limit: int | None = 8  # prompts per category
     max_new_tokens: int = 128
-    k: dict = field(default_factory=lambda: {"sps": 4, "pld": 8})
-    tree_topk: int = 1
-    stop_prob: float = 0.0  # sps: stop a chain after a draft token below this probability (hf_assisted gets the same)
+    drafter_params: dict = field(default_factory=lambda: {n: dict(e.bench) for n, e in drafters().items() if e.bench})
+    # drafter -> the parameters its methods take in a bench (its registry entry's `bench`)
+    tree_topk: int = 1  # the drafters run beside a transformers peer (sps): their tree (the peer's is a chain)
+    stop_prob: float = 0.0  # and their early stop after a draft token below this probability (the peer's the same)
     peers: bool = True
     untraced: bool = True  # also time every method with tracing off (peer comparison, tracing overhead)
     warmup: int = 1
@@ -132,10 +134,14 @@ def run_bench(cfg: BenchConfig, target: Target, models: dict, store: TraceStore,
         log(f"skipping {len(skipped)} prompt(s) longer than the context ({target.max_context} tokens)")
 
     def params(m):
-        """The bench's settings for sps and pld; a spec's own parameters override them, others keep defaults."""
-        name = parse_spec(m)[0]
-        return {"sps": {"k": cfg.k.get("sps"), "tree_topk": cfg.tree_topk, "stop_prob": cfg.stop_prob},
-                "pld": {"k": cfg.k.get("pld")}}.get(name, {})
+        """The bench's settings of the method's drafter (`drafter_params`, and --tree-topk / --stop-prob where it
+        runs beside a transformers peer); a spec's own parameters override them, others keep defaults."""
+        method = get_method(m)
+        e = drafters().get(method.drafter or "")
+        if e is None:
+            return {}
+        matched = {"tree_topk": cfg.tree_topk, "stop_prob": cfg.stop_prob} if e.peer else {}
+        return {**cfg.drafter_params.get(e.name, {}), **{k: v for k, v in matched.items() if k in method.defaults}}
 
     def sampling(i):
         return {"temperature": cfg.temperature, "seed": cfg.seed + i} if cfg.temperature > 0 else {}
@@ -160,7 +166,8 @@ def run_bench(cfg: BenchConfig, target: Target, models: dict, store: TraceStore,
         return rid, res.token_ids
 
     def run_peer(p, r, ids):
-        k = cfg.k.get("sps" if p == "hf_assisted" else "pld", 4)
+        beside = next(n for n, e in drafters().items() if e.peer == p)  # the drafter it runs beside: its k
+        k = cfg.drafter_params.get(beside, {}).get("k", 4)
         out, secs = peer_generate(p, target, draft, ids, cfg.max_new_tokens, k, cfg.stop_prob)
         peer_params = {"k": k, "stop_prob": cfg.stop_prob} if p == "hf_assisted" else {"k": k}
         rid = store.start_run(method=p, target=target.name, drafters=draft.name if p == "hf_assisted" else None,

@@ -1,10 +1,12 @@
-"""The cost micro-benchmarks as one command group: `speclab costs forward | catchup | switch | block | kernels`
-(`speclab.bench.costs`: every table and curve; the kernels' own timing loop is handed speclab's)."""
+"""The cost micro-benchmarks as one command group: `speclab costs forward | dtype | switch | measure | kernels`,
+and each drafter's own from its registry entry (`catchup`, `block`, `contemplate`) (`speclab.bench.costs`: every
+table and curve; the kernels' own timing loop is handed speclab's)."""
 from __future__ import annotations
 
 import argparse
 
 from speclab.cli.common import _positive_int, _positive_ints, write_report
+from speclab.drafters.registry import drafters
 from speclab.errors import SpeclabError
 from speclab.models import ModelPaths, add_model_args, check_model_args, load_models
 
@@ -56,19 +58,6 @@ def cmd_dtype(a: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_catchup(a: argparse.Namespace) -> int:
-    from speclab.bench.costs import catchup_costs, cost_curves_report
-
-    backlogs = _positive_ints(a.backlog, "--backlog")
-    target, models = load_models(ModelPaths.from_args(a), roles=("eagle3",))
-    df = catchup_costs(target, models["eagle3"], backlogs=backlogs, context=a.context, reps=a.reps)
-    write_report(cost_curves_report(df, "backlog", ["kv_only_ms", "full_ms"], "catch-up",
-                                    "EAGLE-3 catch-up: KV-only prefill vs a full forward of the backlog",
-                                    f"ms per catch-up after a {a.context}-token drafter cache (lower is better)",
-                                    "backlog tokens"), a.report)
-    return 0
-
-
 def cmd_switch(a: argparse.Namespace) -> int:
     from speclab.bench.costs import switch_costs, switch_costs_report
 
@@ -80,36 +69,24 @@ def cmd_switch(a: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_block(a: argparse.Namespace) -> int:
-    from speclab.bench.costs import block_costs, cost_curves_report
+def cmd_drafter_costs(a: argparse.Namespace) -> int:
+    """`speclab costs NAME` of a drafter's own micro-benchmark (its registry entry's `costs`: the function of
+    speclab.bench.costs that times it and how its curves are drawn)."""
+    from speclab.bench import costs
 
-    sizes = _positive_ints(a.block_size, "--block-size")
-    if min(sizes) < 2:
-        raise SpeclabError(f"--block-size: a block is the root and at least one mask, so sizes start at 2 (got "
-                           f"{min(sizes)})")
-    target, models = load_models(ModelPaths.from_args(a), roles=("dflash",))
-    df = block_costs(target, models["dflash"], block_sizes=sizes, context=a.context, reps=a.reps)
-    parts = [c for c in ("draft_ms", "draft_markov_ms", "verify_ms") if c in df]
-    write_report(cost_curves_report(df, "block_size", parts, "part",
-                                    "DFlash: what a block costs (drafter call, Markov head, verification)",
-                                    f"ms per block after a {a.context}-token context (lower is better)",
-                                    "block size (rows)"), a.report)
-    return 0
-
-
-def cmd_contemplate(a: argparse.Namespace) -> int:
-    from speclab.bench.costs import contemplate_costs, cost_curves_report
-
-    nodes = _positive_ints(a.nodes, "--nodes")
-    target, models = load_models(ModelPaths.from_args(a), roles=("confu",))
+    c, drafter = a.cost, a.drafter
+    values = _positive_ints(getattr(a, c.option.lstrip("-").replace("-", "_")), c.option)
+    if min(values) < c.low:
+        raise SpeclabError(f"{c.option}: {c.low_why + ', so ' if c.low_why else ''}the values start at {c.low} "
+                           f"(got {min(values)})")
+    role = drafters()[drafter].model.role
+    target, models = load_models(ModelPaths.from_args(a), roles=(role,))
     try:
-        df = contemplate_costs(target, models["confu"], nodes=nodes, context=a.context, reps=a.reps)
+        df = getattr(costs, c.fn)(target, models[role], **{c.axis: values}, context=a.context, reps=a.reps)
     except ValueError as e:
         raise SpeclabError(str(e)) from e
-    write_report(cost_curves_report(df, "nodes", ["plain_ms", "wide_ms", "after_ms"], "verification",
-                                    "ConFu: what the contemplate rows add to a verification (plain, wide, after)",
-                                    f"ms per verification of the root and n chain nodes after a {a.context}-token "
-                                    "context (lower is better)", "draft nodes"), a.report)
+    write_report(costs.cost_curves_report(df, c.x, [p for p in c.parts if p in df], c.part, c.title,
+                                          c.ylabel.format(context=a.context), c.xlabel), a.report)
     return 0
 
 
@@ -180,15 +157,6 @@ def add_parsers(sub) -> None:
     dt.add_argument("--report", default="reports/dtype_auto.html")
     dt.set_defaults(fn=cmd_dtype)
 
-    cc = cs.add_parser("catchup", help="ms per EAGLE-3 catch-up: KV-only prefill vs a full backlog forward")
-    cc.add_argument("--backlog", default="1,2,4,8,16,32,64", help="backlog lengths (comma-separated)")
-    cc.add_argument("--context", type=_positive_int, default=200, help="tokens already in the drafter's cache")
-    cc.add_argument("--reps", type=_positive_int, default=15,
-                    help="interleaved repetitions (20 calls each); the median is shown")
-    cc.add_argument("--report", default="reports/catchup_costs.html")
-    add_model_args(cc)
-    cc.set_defaults(fn=cmd_catchup)
-
     sc = cs.add_parser("switch", help="EAGLE-3 catch-up at a switch as a share of round latency, by context "
                         "and backlog (WhiFlash Table 4)")
     sc.add_argument("--context", default="64,128,256,512", help="tokens already in the caches (comma-separated)")
@@ -198,18 +166,16 @@ def add_parsers(sub) -> None:
     add_model_args(sc)
     sc.set_defaults(fn=cmd_switch)
 
-    for name, sizes, values, what, fn in (
-            ("block", "--block-size", "2,3,4,6,8,12,16", "ms per DFlash block: drafter call, Markov head, "
-             "verification, by block size", cmd_block),
-            ("contemplate", "--nodes", "1,2,4,8,16", "ms per verification with ConFu's contemplate rows: plain, in "
-             "the same call (wide) and after it, by draft nodes", cmd_contemplate)):
-        q = cs.add_parser(name, help=what)
-        add_model_args(q)
-        q.add_argument(sizes, default=values, help="the sizes timed (comma-separated)")
-        q.add_argument("--context", type=_positive_int, default=200, help="tokens already in the caches")
-        q.add_argument("--reps", type=_positive_int, default=15, help="interleaved repetitions; the median is shown")
-        q.add_argument("--report", default=f"reports/{name}_costs.html")
-        q.set_defaults(fn=fn)
+    for drafter, e in drafters().items():  # each drafter's own micro-benchmarks (its registry entry)
+        for c in e.costs:
+            q = cs.add_parser(c.command, help=c.help)
+            add_model_args(q)
+            q.add_argument(c.option, default=c.default, help=f"the values timed (comma-separated, from {c.low})")
+            q.add_argument("--context", type=_positive_int, default=200, help="tokens already in the caches")
+            q.add_argument("--reps", type=_positive_int, default=15,
+                           help="interleaved repetitions; the median is shown")
+            q.add_argument("--report", default=f"reports/{c.command}_costs.html")
+            q.set_defaults(fn=cmd_drafter_costs, cost=c, drafter=drafter)
 
     me = cs.add_parser("measure", help="a hardware cost profile of this machine (target forward by rows, each "
                        "drafter's call and catch-up by backlog, the head) as JSON, for --costs")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import sys
 from pathlib import Path
@@ -155,29 +156,31 @@ def cmd_train(a: argparse.Namespace) -> int:
     from speclab.train.lm import TrainConfig, train_lm
     from speclab.train.zoo_build import DRAFT_SHAPE, TARGET_SHAPE
     quiet_loads()
-    corpus = a.corpus or str(zoo.REPO_ROOT / "data" / "corpus")
-    if a.what != "router" or a.corpus:
-        check_data(corpus, regenerated_ok=a.what in DRAFTERS)
+    entry = trainings().get(a.what)  # a drafter's training (its registry entry), or None
+    corpus = getattr(a, "corpus", None) or str(zoo.REPO_ROOT / "data" / "corpus")
+    if a.what not in ("router", "curve") or getattr(a, "corpus", None):
+        check_data(corpus, regenerated_ok=entry is not None)
     check_out(a.out, "the run", "curve.json" if a.what == "curve" else "train_log.jsonl")
-    if a.teacher:
+    if getattr(a, "teacher", None):
         check_model_dir(a.teacher)
-    if a.init_from:
-        if a.what in DRAFTERS:
+    if getattr(a, "init_from", None):
+        if entry is not None:
             from speclab.drafters.checkpoint import check_dir
-            check_dir(a.init_from, {"eagle3": "EAGLE-3 drafter", "dflash": "DFlash drafter",
-                                    "specblock": "SpecBlock drafter",
-                                    "confu": "EAGLE-3 or ConFu drafter"}[a.what])
+            check_dir(a.init_from, entry.init_from)
+            if entry.check_resume:
+                check = getattr(importlib.import_module(entry.module), entry.check_resume)
+                try:
+                    check(a.init_from, _given(a, entry))
+                except ValueError as e:
+                    raise SpeclabError(str(e)) from e
         else:
             check_model_dir(a.init_from)
-        if a.what == "confu":
-            _check_confu_resume(a)
-    elif a.what == "confu":
-        raise SpeclabError("train confu starts from a trained EAGLE-3 drafter (the paper's start): give --init-from "
-                           "(e.g. data/zoo/eagle3), or a ConFu run's OUT/model to resume")
+    elif entry is not None and entry.needs_init:
+        raise SpeclabError(entry.needs_init)
     if a.what == "curve":
         return _curve(a)
-    if a.what in DRAFTERS:
-        return _train_drafter(a, corpus)
+    if entry is not None:
+        return _train_drafter(a, entry, corpus)
     if a.what == "router":
         from speclab.core.target import Target
         from speclab.drafters.dflash import load_dflash
@@ -210,57 +213,51 @@ def cmd_train(a: argparse.Namespace) -> int:
     return 0
 
 
-# the options that fix a ConFu run's shape (None when not given: ConFuTrainConfig's default)
-CONFU_SHAPE = {"soft_prompts": "--soft-prompts", "experts": "--experts", "expert_topk": "--expert-topk"}
+def trainings() -> dict:
+    """Drafter name -> its training (`registry.TrainEntry`), for every registered drafter that has one."""
+    from speclab.drafters.registry import drafters
+    return {n: e.train for n, e in drafters().items() if e.train is not None}
 
 
-def _check_confu_resume(a: argparse.Namespace) -> None:
-    """A ConFu run resumed with --init-from keeps its own shape (s, experts, top-k): an option that asks for
-    another is refused rather than ignored."""
-    raw = json.loads((Path(a.init_from) / "config.json").read_text())
-    for key, flag in CONFU_SHAPE.items():
-        asked, has = getattr(a, key), raw.get("confu", {}).get(key)
-        if has is not None and asked is not None and asked != has:
-            raise SpeclabError(f"{flag} {asked}: the ConFu run at {a.init_from} has {has} (a resumed run keeps its "
-                               f"shape; leave {flag} out)")
+def _options(entry) -> list:
+    """The options of a drafter's training, generated from its config's fields that `speclab.train.lm.option`
+    declares: (field, option, kind, default, help, lo, hi). The default is the config's (shown in --help); the
+    parsed value is None when the option is not given, so the config's default applies."""
+    import dataclasses
+    import typing
+    config = entry.load()[0]
+    hints = typing.get_type_hints(config)
+    out = []
+    for f in dataclasses.fields(config):
+        if "help" not in f.metadata:
+            continue
+        kind = next(t for t in (bool, int, float, str) if t is hints[f.name] or t in typing.get_args(hints[f.name]))
+        out.append((f.name, f.metadata["flag"] or "--" + f.name.replace("_", "-"), kind, f.default,
+                    f.metadata["help"], f.metadata["lo"], f.metadata["hi"]))
+    return out
 
 
-def _train_drafter(a: argparse.Namespace, corpus: str) -> int:
-    """`speclab train eagle3 | dflash | specblock`: the run's settings every drafter training shares, its own,
-    the training, then its validation table."""
+def _given(a: argparse.Namespace, entry) -> dict:
+    """The config fields of the training's own options that were given on the command line."""
+    return {name: getattr(a, name) for name, *_ in _options(entry) if getattr(a, name) is not None}
+
+
+def _train_drafter(a: argparse.Namespace, entry, corpus: str) -> int:
+    """`speclab train <drafter>`: the run's settings every drafter training shares, its own options (those given;
+    the config's defaults otherwise), the training, then its validation table."""
     from speclab import zoo
+    config, train, val_table = entry.load()
+    if a.minutes is None:
+        raise SpeclabError(f"train {a.what} needs --minutes (its wall-clock budget)")
     run = dict(target_dir=a.teacher or str(zoo.default_target()), corpus_dir=corpus, out_dir=a.out,
                max_minutes=a.minutes, seed=a.seed, init_from=a.init_from, precision=_precision(a.precision),
                threads=a.threads, domain_weights=_domain_weights(a.without), max_tokens=a.max_tokens)
-    if a.what == "eagle3":
-        from speclab.train import eagle3 as t
-        cfg = t.Eagle3TrainConfig(**run, lr=a.lr or 2e-3, ttt_steps=a.ttt_steps, loss_topk=a.loss_topk,
-                                  draft_vocab_size=a.draft_vocab)
-        train = t.train_eagle3
-    elif a.what == "dflash":
-        from speclab.train import dflash as t
-        cfg = t.DFlashTrainConfig(**run, lr=a.lr or 1.5e-3, block_size=a.block_size or 16,
-                                  markov_rank=a.markov_rank, num_layers=a.layers)
-        train = t.train_dflash
-    elif a.what == "confu":
-        from speclab.train import confu as t
-        cfg = t.ConFuTrainConfig(**run, lr=a.lr or 1e-3, ttt_steps=a.ttt_steps, loss_topk=a.loss_topk or 32,
-                                 **{k: getattr(a, k) for k in CONFU_SHAPE if getattr(a, k) is not None},
-                                 replicate=a.replicate, anchors=a.anchors)
-        train = t.train_confu
-    else:
-        from speclab.train import specblock as t
-        cfg = t.SpecBlockTrainConfig(**run, lr=a.lr or 1e-3, block_size=a.block_size or 4, hidden_layers=a.layers,
-                                     layer_shift=not a.no_shift, valid_prefix=not a.no_valid_prefix,
-                                     rank_warmup=a.rank_warmup, loss_topk=a.loss_topk or 32)
-        train = t.train_specblock
-    summary = train(cfg, log=lambda s: print(s, file=sys.stderr, flush=True))
+    if a.lr is not None:
+        run["lr"] = a.lr
+    summary = train(config(**run, **_given(a, entry)), log=lambda s: print(s, file=sys.stderr, flush=True))
     print(json.dumps({k: summary[k] for k in ("params", "steps", "tokens", "minutes")}, indent=1))
-    print(t.val_table(summary["val"]))
+    print(val_table(summary["val"]))
     return 0
-
-
-DRAFTERS = ("eagle3", "dflash", "specblock", "confu")  # the online drafter trainings
 
 
 def _domain_weights(without: str | None) -> dict:
@@ -272,74 +269,79 @@ def _domain_weights(without: str | None) -> dict:
 def add_parsers(sub) -> None:
     """`train` and `zoo`."""
     from speclab.train.corpus import DOMAINS
-    t = sub.add_parser("train", help="train the zoo target, distil the zoo draft, train an EAGLE-3 or DFlash "
-                       "drafter online from the frozen target, or WhiFlash's neural router from profiles (long)")
-    t.add_argument("what", choices=["target", "draft", *DRAFTERS, "router", "curve"],
-                   help="curve: decode the zoo prompts with every checkpoint a drafter training (--out) kept")
-    t.add_argument("--drafter", choices=["eagle3", "dflash"], help="curve: the kind of drafter --out trained")
-    t.add_argument("--limit", type=_positive_int, default=2, help="curve: zoo prompts per category")
-    t.add_argument("--out", required=True, help="run directory (checkpoints in OUT/model, log in OUT/train_log.jsonl)")
-    t.add_argument("--minutes", type=_num(float, 0.01),
-                   help="wall-clock budget; the LR schedule follows it (not for router)")
-    t.add_argument("--sequences", type=_positive_int, default=240, help="router: corpus prompts profiled (their "
+    t = sub.add_parser("train", help="train the zoo target, distil the zoo draft, train a drafter online from the "
+                       "frozen target, or WhiFlash's neural router from profiles (long)")
+    ts = t.add_subparsers(dest="what", required=True, metavar="{target,draft,<drafter>,router,curve}")
+
+    def run_options(q, *, teacher: str, init_from: str, lr: str = "peak learning rate"):
+        q.add_argument("--out", required=True, help="run directory (checkpoints in OUT/model, log in "
+                       "OUT/train_log.jsonl)")
+        q.add_argument("--minutes", type=_num(float, 0.01), help="wall-clock budget; the LR schedule follows it")
+        q.add_argument("--corpus", help="folder of <domain>.train.txt / .val.txt (default: data/corpus)")
+        q.add_argument("--teacher", help=teacher)
+        q.add_argument("--init-from", help=init_from)
+        q.add_argument("--lr", type=_num(float, 1e-8, 1.0), default=None, help=lr)
+        q.add_argument("--seed", type=_num(int, 0, 2**63 - 1), default=0)
+
+    for what, shape in (("target", "the zoo target from the corpus"), ("draft", "the zoo draft, distilled from "
+                                                                         "the target")):
+        q = ts.add_parser(what, help=f"train {shape}")
+        run_options(q, teacher="draft: the target to distil from (default: the zoo target)",
+                    init_from="resume from this model directory (HF)", lr="peak learning rate (default: the zoo "
+                    "recipe's)")
+        q.set_defaults(fn=cmd_train)
+
+    for name, entry in trainings().items():  # every registered drafter with a training: options from its config
+        q = ts.add_parser(name, help=entry.help)
+        config = entry.load()[0]
+        run_options(q, teacher="the target to learn from (default: the zoo target)",
+                    init_from=f"resume from (or start from) a {entry.init_from} directory",
+                    lr=f"peak learning rate (default {config.__dataclass_fields__['lr'].default:g})")
+        q.set_defaults(fn=cmd_train)
+        q.add_argument("--precision", choices=["auto", "fp32", "bf16"], default="auto",
+                       help="the drafter in fp32 or in bf16 autocast (the target then in bf16); auto: bf16 where this "
+                       "machine's speculative decodes run in bf16 (README \"Training the drafters\")")
+        q.add_argument("--without", choices=list(DOMAINS), default=None,
+                       help="leave one domain out of the training mix (a domain shift to adapt to)")
+        q.add_argument("--max-tokens", type=_num(int, 0), default=0, help="stop after this many training tokens "
+                       "(or --minutes, whichever comes first; 0: minutes only): two runs on the same token budget")
+        q.add_argument("--threads", type=_num(int, 1, 256), default=2,
+                       help="torch threads (two runs side by side on a 2-core machine: 1 each)")
+        for field, option, kind, default, text, lo, hi in _options(entry):
+            if kind is bool:
+                q.add_argument(option, dest=field, action="store_const", const=not default, default=None,
+                               help=text)
+            else:
+                q.add_argument(option, dest=field, type=_num(kind, lo, hi) if kind in (int, float) else kind,
+                               default=None, help=f"{text} (default {default})")
+
+    r = ts.add_parser("router", help="WhiFlash's neural router from profiles of corpus text")
+    r.add_argument("--out", required=True, help="run directory")
+    r.add_argument("--sequences", type=_positive_int, default=240, help="corpus prompts profiled (their "
                    "greedy continuations give the (h_t, Delta AL) pairs; a fifth held out)")
-    t.add_argument("--new-tokens", type=_positive_int, default=96, help="router, curve: tokens generated per prompt")
-    t.add_argument("--epochs", type=_positive_int, default=12, help="router: passes over the pairs (the profiles "
+    r.add_argument("--new-tokens", type=_positive_int, default=96, help="tokens generated per prompt")
+    r.add_argument("--epochs", type=_positive_int, default=12, help="passes over the pairs (the profiles "
                    "are collected once and reused from OUT/pairs.pt when the run is repeated)")
-    t.add_argument("--cost-prompts", type=_positive_int, default=6, help="router: prompts decoded live to fit the "
+    r.add_argument("--cost-prompts", type=_positive_int, default=6, help="prompts decoded live to fit the "
                    "cost model of the hardware-aware threshold")
-    t.add_argument("--eagle", help="router: the EAGLE-3 drafter (default: the zoo's)")
-    t.add_argument("--dflash", help="router: the DFlash drafter (default: the zoo's)")
-    t.add_argument("--corpus", help="folder of <domain>.train.txt / .val.txt (default: data/corpus); eagle3 and "
-                   "dflash also read folders of `speclab data regenerate`, several joined by commas")
-    t.add_argument("--precision", choices=["auto", "fp32", "bf16"], default="auto",
-                   help="eagle3, dflash: the drafter in fp32 or in bf16 autocast (the target then in bf16); auto: "
-                   "bf16 where the CPU computes it natively (README \"Training the drafters\"); curve, router: the "
-                   "decodes' dtype (the router's profiles and round timings)")
-    t.add_argument("--loss-topk", type=_num(int, 0), default=32, help="eagle3: the loss against the target's k most "
-                   "likely tokens, renormalised (0: its full distribution)")
-    t.add_argument("--draft-vocab", type=_num(int, 2), default=None, help="eagle3: the draft head's vocabulary, the "
-                   "training data's most frequent tokens (default: the target's whole vocabulary, or --init-from's)")
-    t.add_argument("--teacher", help="draft, eagle3, dflash: the target to learn from (default: the zoo target)")
-    t.add_argument("--ttt-steps", type=_positive_int, default=3,
-                   help="eagle3: training-time-test steps (unrolled on its own "
-                   "outputs)")
-    t.add_argument("--block-size", type=_num(int, 2, 64), default=None,
-                   help="dflash: the largest block trained (each step draws its block size from 2..this; default 16); "
-                   "specblock: K, the positions of one block (default 4, fixed for the drafter's life)")
-    t.add_argument("--no-shift", action="store_true", help="specblock: no layer-wise shift (the ablation)")
-    t.add_argument("--no-valid-prefix", action="store_true",
-                   help="specblock: supervise every row, not only those after a right prefix (the ablation)")
-    t.add_argument("--rank-warmup", type=_num(int, 0), default=300,
-                   help="specblock: steps before the rank head's loss is switched on")
-    t.add_argument("--without", choices=list(DOMAINS), default=None,
-                   help="eagle3, dflash, specblock: leave one domain out of the training mix (a domain shift to "
-                   "adapt to)")
-    t.add_argument("--markov-rank", type=_num(int, 0), default=64,
-                   help="dflash: rank of DSpark's Markov head (0: none)")
-    t.add_argument("--layers", type=_positive_int, default=2, help="dflash, specblock: drafter depth (decoder layers)")
-    t.add_argument("--init-from", help="resume from this model directory (HF; the drafter's own for a drafter; "
-                   "confu: a trained EAGLE-3 to start from, or a ConFu run to resume)")
-    t.add_argument("--max-tokens", type=_num(int, 0), default=0, help="eagle3, dflash, specblock, confu: stop after "
-                   "this many training tokens (or --minutes, whichever comes first; 0: minutes only): two runs on "
-                   "the same token budget")
-    t.add_argument("--soft-prompts", type=_num(int, 0, 4096), default=None,
-                   help="confu: s, soft-prompt key/value entries per target layer (default 16; 0: none)")
-    t.add_argument("--experts", type=_num(int, 1, 4096), default=None,
-                   help="confu: experts of each MoE (default 8; 1: a static embedding, the paper's ablation without "
-                   "MoE)")
-    t.add_argument("--expert-topk", type=_num(int, 1, 4096), default=None,
-                   help="confu: experts mixed per row (default 2)")
-    t.add_argument("--replicate", type=_num(int, 0, 4096), default=3,
-                   help="confu: l, rows after an anchor that reuse its future vector (0: none, the ablation)")
-    t.add_argument("--anchors", type=_num(int, 0, 1 << 20), default=0, help="confu: K_train anchors per window, "
-                   "drawn at random (0: one every l + 1 rows)")
-    t.add_argument("--lr", type=_num(float, 1e-8, 1.0), default=None,
-                   help="peak learning rate (default: the zoo recipe's)")
-    t.add_argument("--seed", type=_num(int, 0, 2**63 - 1), default=0)
-    t.add_argument("--threads", type=_num(int, 1, 256), default=2, help="eagle3, dflash: torch threads (two runs side "
-                   "by side on a 2-core machine: 1 each)")
-    t.set_defaults(fn=cmd_train)
+    r.add_argument("--eagle", help="the EAGLE-3 drafter (default: the zoo's)")
+    r.add_argument("--dflash", help="the DFlash drafter (default: the zoo's)")
+    r.add_argument("--corpus", help="folder of <domain>.train.txt / .val.txt (default: data/corpus)")
+    r.add_argument("--teacher", help="the target (default: the zoo target)")
+    r.add_argument("--precision", choices=["auto", "fp32", "bf16"], default="auto",
+                   help="the decodes' dtype (the router's profiles and round timings)")
+    r.add_argument("--lr", type=_num(float, 1e-8, 1.0), default=None, help="peak learning rate (default 1e-3)")
+    r.add_argument("--seed", type=_num(int, 0, 2**63 - 1), default=0)
+    r.set_defaults(fn=cmd_train)
+
+    c = ts.add_parser("curve", help="decode the zoo prompts with every checkpoint a drafter training (--out) kept")
+    c.add_argument("--out", required=True, help="the training run's directory")
+    c.add_argument("--drafter", choices=[n for n, e in trainings().items()],
+                   help="the kind of drafter --out trained")
+    c.add_argument("--limit", type=_positive_int, default=2, help="zoo prompts per category")
+    c.add_argument("--new-tokens", type=_positive_int, default=96, help="tokens generated per prompt")
+    c.add_argument("--precision", choices=["auto", "fp32", "bf16"], default="auto", help="the decodes' dtype")
+    c.set_defaults(fn=cmd_train)
 
     d = sub.add_parser("data", help="drafter training data: the target's own continuations of corpus prompts")
     ds = d.add_subparsers(dest="data_cmd", required=True)

@@ -41,13 +41,12 @@ from typing import NamedTuple
 import torch
 
 from kernels import ops as kernel_ops
-from speclab.core.contemplate import tree_rows
 from speclab.core.lean import ConRows
 from speclab.core.pool import Committed, DrafterPool, feature_columns, feature_layers
 from speclab.core.protocol import Decision, Drafter, ExtraRows, FixedRouter, RoundView, Router, Signals
 from speclab.core.sampling import Sampling
 from speclab.core.target import Target, forward_clock, keep_cache
-from speclab.core.tree import DraftTree, tree_attention_mask, tree_position_ids
+from speclab.core.tree import DraftTree, tree_attention_mask, tree_position_ids, tree_rows
 from speclab.core.verify import verify
 from speclab.errors import InvalidInput
 from speclab.metrics import tokens_per_s
@@ -363,7 +362,7 @@ def verify_batch(target: Target, cache, seq: Committed, tree: DraftTree, root: R
     over the logits of every row, the root's first (`speclab.core.verify.verify`). With the root's row known and
     no tree there is nothing to forward. `extra` (a drafter's `RoundHooks.extra_rows`): one extra row after each
     row of the batch (the root's included), each seeing its row's path and the extra keys and values, forwarded in
-    the same call (`Verified.extra`; `speclab.core.contemplate.tree_rows` places them)."""
+    the same call (`Verified.extra`; `speclab.core.tree.tree_rows` places them)."""
     past = cache.get_seq_length()
     with_root, chain = root is None, tree.is_chain
     mask = None if chain else tree_attention_mask(tree.ancestors, past, target.dtype, with_root=with_root)

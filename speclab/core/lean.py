@@ -21,11 +21,13 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from speclab.core.layers import FusedLayer, attend, causal_mask, rope_tables
 from speclab.core.precision import Head, rms_norm32
 
 FAMILIES = ("llama", "qwen2", "qwen3")
 EXACT_TILE = 8  # rows per call in exact mode: a verification of up to 8 rows costs what one AR step costs
-EXACT_TREE_ROOM = 128  # cache slots beyond the context for a verification tree's nodes in exact mode
+TREE_ROOM = 128  # cache slots beyond a decode's tokens for the last verification tree's nodes (a larger tree
+# grows a cache once in the usual mode; exact mode's fixed width refuses it)
 
 
 def supports(model) -> str | None:
@@ -49,7 +51,7 @@ def supports(model) -> str | None:
 
 class ConRows:
     """Extra rows in a verification call (a drafter's `speclab.core.protocol.ExtraRows`: ConFu's contemplate rows,
-    its "wide" schedule; `speclab.core.contemplate`): input embeddings emb [m, d] at positions pos [m], row r seeing
+    its "wide" schedule; `speclab.drafters.contemplate`): input embeddings emb [m, d] at positions pos [m], row r seeing
     the cache slots where visible [m, slots] is True (the call's own rows included: slots = the cache after the
     call), the keys and values only they see soft_k / soft_v [layers, kv_heads, s, D] (ConFu's soft prompts) and
     itself."""
@@ -60,12 +62,12 @@ class ConRows:
         own = torch.eye(m, dtype=torch.bool, device=emb.device)
         self.mask = torch.cat([visible.new_ones(m, s), visible, own], -1)  # [m, s + slots + m]
 
-    def attend(self, i: int, qk, v, k_cache, v_cache, end: int, H: int, scale: float) -> torch.Tensor:
-        """Layer i's attention of the rows (qk [H + kv, m, D], v [kv, m, D]) -> [H, m, D]."""
-        keys = torch.cat([self.soft_k[i].to(qk.dtype), k_cache[:, :end], qk[H:]], 1)
-        vals = torch.cat([self.soft_v[i].to(v.dtype), v_cache[:, :end], v], 1)
-        return F.scaled_dot_product_attention(qk[None, :H], keys[None], vals[None], attn_mask=self.mask, scale=scale,
-                                              enable_gqa=keys.shape[0] != H)[0]
+    def attend(self, i: int, q, k, v, cache: KVCache, end: int, scale: float) -> torch.Tensor:
+        """Layer i's attention of the rows (q [heads, m, D], k, v [kv_heads, m, D]) over the soft prompts, the
+        cache's first `end` slots and themselves -> [heads, m, D]."""
+        keys = torch.cat([self.soft_k[i].to(k.dtype), cache.k[i, :, :end], k], 1)
+        vals = torch.cat([self.soft_v[i].to(v.dtype), cache.v[i, :, :end], v], 1)
+        return attend(q, keys, vals, self.mask, scale)
 
 
 class KVCache:
@@ -100,6 +102,18 @@ class KVCache:
     def crop(self, length: int) -> None:
         self.length = min(self.length, length)
 
+    def write(self, i: int, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Layer i's keys and values k, v [kv_heads, n, D] into slots start..start+n (the length stays: the caller
+        says which slots count)."""
+        end = start + k.shape[1]
+        self.k[i, :, start:end], self.v[i, :, start:end] = k, v
+
+    def attend(self, i: int, q: torch.Tensor, end: int, mask: torch.Tensor | None, scale: float) -> torch.Tensor:
+        """The cached-attention step every forward over a `KVCache` takes (the target's, EAGLE-3's and ConFu's,
+        DFlash's, SpecBlock's): queries q [heads, n, D] over layer i's first `end` slots under `mask` ([n, end]; None:
+        every slot) -> [heads, n, D] (`speclab.core.layers.attend`)."""
+        return attend(q, self.k[i, :, :end], self.v[i, :, :end], mask, scale)
+
     @torch.inference_mode()
     def keep(self, start: int, keep: torch.Tensor) -> None:
         """Keep positions [0, start) plus `start + keep` (ascending)."""
@@ -126,7 +140,7 @@ class LeanDecoder:
         self.embed = inner.embed_tokens.weight
         self.norm = inner.norm.weight
         self.lm_head = model.get_output_embeddings().weight
-        self.layers = [self._layer(layer) for layer in inner.layers]
+        self.layers = [FusedLayer(layer, self.n_heads, self.n_kv, self.head_dim, self.eps) for layer in inner.layers]
         self.scaling = getattr(inner.layers[0].self_attn, "scaling", self.head_dim ** -0.5)
         self.dtype, self.device = self.embed.dtype, self.embed.device
         rope = inner.rotary_emb
@@ -137,32 +151,20 @@ class LeanDecoder:
         self.logits, self.exact, self.tile = logits, exact, tile
         self.lm = Head(self.lm_head, logits)
 
-    def _layer(self, layer) -> dict:
-        a, m = layer.self_attn, layer.mlp
-        qkv = _fuse([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight])
-        qkv_bias = None if a.q_proj.bias is None else _fuse([a.q_proj.bias, a.k_proj.bias, a.v_proj.bias])
-        gate_up = _fuse([m.gate_proj.weight, m.up_proj.weight])
-        qk_norm = None
-        if getattr(a, "q_norm", None) is not None:  # one [q_heads + kv_heads, D] weight for both norms
-            qk_norm = torch.cat([a.q_norm.weight.expand(self.n_heads, -1), a.k_norm.weight.expand(self.n_kv, -1)])
-        return {"in_norm": layer.input_layernorm.weight, "post_norm": layer.post_attention_layernorm.weight,
-                "qkv": qkv, "qkv_bias": qkv_bias, "qk_norm": qk_norm, "o": a.o_proj.weight, "o_bias": a.o_proj.bias,
-                "gate_up": gate_up, "down": m.down_proj.weight}
-
     def _rope_table(self, n: int) -> None:
         self.cos, self.sin = rope_tables(self.inv_freq, self.rope_scale, n, self.dtype)
 
     def new_cache(self, capacity: int | None = None) -> KVCache:
-        """A cache for `capacity` tokens (None: `KVCache.DEFAULT_CAPACITY`; it grows when needed). In exact mode it
-        never grows: its width is the attention width of every call (`_exact_forward`): `capacity` (a decode's
-        prompt + new tokens), room for a tree of `EXACT_TREE_ROOM` nodes beyond it and a tile's padding; keys and
-        values are kept in fp32 (the bf16 values exactly), so the fixed-width attention needs no conversion per
-        call."""
-        capacity = KVCache.DEFAULT_CAPACITY if capacity is None else capacity
+        """A cache for `capacity` tokens (a decode's prompt + new tokens) and a verification tree of `TREE_ROOM`
+        nodes beyond them, so a decode's last rounds do not grow it (None: `KVCache.DEFAULT_CAPACITY`; it grows
+        when needed). In exact mode it never grows: its width is the attention width of every call
+        (`_exact_forward`): that, and a tile's padding; keys and values are kept in fp32 (the bf16 values exactly),
+        so the fixed-width attention needs no conversion per call."""
         if self.exact:
-            width = -(-(capacity + EXACT_TREE_ROOM + self.tile) // self.tile) * self.tile
+            width = -(-((capacity or KVCache.DEFAULT_CAPACITY) + TREE_ROOM + self.tile) // self.tile) * self.tile
             return KVCache(len(self.layers), self.n_kv, self.head_dim, torch.float32, self.device, width)
-        return KVCache(len(self.layers), self.n_kv, self.head_dim, self.dtype, self.device, capacity)
+        return KVCache(len(self.layers), self.n_kv, self.head_dim, self.dtype, self.device,
+                       None if capacity is None else capacity + TREE_ROOM)
 
     def forward(self, ids: torch.Tensor, cache: KVCache, pos: torch.Tensor | None = None,
                 mask: torch.Tensor | None = None, layers: tuple[int, ...] = (), last: int | None = None,
@@ -174,7 +176,7 @@ class LeanDecoder:
         in the order given (None without layers); hidden [n or last, d]: the final-norm hidden state of the rows
         whose logits are returned (None unless asked). `mask` is an additive [1, 1, n, start + n] float mask (tree
         attention); the default is causal. `con`: contemplate rows forwarded in the same call (ConFu's "wide"
-        schedule, `speclab.core.contemplate`): they share the call's matrix products, write nothing to the cache,
+        schedule, `speclab.drafters.contemplate`): they share the call's matrix products, write nothing to the cache,
         and their final-norm states come back as `future` [m, d] (None without them)."""
         n, start = ids.numel(), cache.length
         end = start + n
@@ -190,10 +192,10 @@ class LeanDecoder:
         cache.reserve(n)
         cos, sin = self.cos[pos][:, None], self.sin[pos][:, None]  # [n, 1, D]; sin carries rotate_half's sign
         if mask is None and n > 1:
-            mask = torch.ones(n, end, dtype=torch.bool, device=self.device).tril(start)
+            mask = causal_mask(n, end, self.device)
         elif mask is not None:
             mask = mask[0, 0]  # Target has cast it to the model's dtype
-        h, kept, h_con = self._layers(ids, cache, start, cos, sin, self._sdpa(mask), layers, con)
+        h, kept, h_con = self._layers(ids, cache, start, cos, sin, self._sdpa(cache, mask), layers, con)
         cache.length = end
         feats = (kept[layers[0]] if len(layers) == 1 else torch.cat([kept[i] for i in layers], -1)) if layers else None
         if last is not None:
@@ -203,14 +205,14 @@ class LeanDecoder:
         return (head or self.head)(h), feats, h if hidden else None, future
 
     def _layers(self, ids, cache: KVCache, start: int, cos, sin, attend, layers, con: ConRows | None = None):
-        """The decoder layers over rows `ids` written at cache slots start..start+n; `attend(q, k_cache, v_cache, end)`
-        is the attention of queries [heads, n, D] over the layer's cache up to slot `end` (the fused kernel, or exact
-        mode's fixed-shape one). Contemplate rows `con` ride along in every matrix product; the plain rows' attention
-        is the same call as without them, and theirs runs over [soft prompts ; cache ; themselves] (`ConRows`).
-        -> (the plain rows' last states, the kept layers' outputs, the contemplate rows' last states or None)."""
+        """The decoder layers (`speclab.core.layers.FusedLayer`) over rows `ids` written at cache slots
+        start..start+n; `attend(q, i, end)` is the attention of queries [heads, n, D] over layer i's cache up to slot
+        `end` (the fused kernel, or exact mode's fixed-shape one). Contemplate rows `con` ride along in every matrix
+        product; the plain rows' attention is the same call as without them, and theirs runs over [soft prompts ;
+        cache ; themselves] (`ConRows`). -> (the plain rows' last states, the kept layers' outputs, the contemplate
+        rows' last states or None)."""
         n = ids.numel()
         m = 0 if con is None else con.emb.shape[0]
-        H, KV, D, eps = self.n_heads, self.n_kv, self.head_dim, self.eps
         h = self.embed[ids]
         if con is not None:
             h = torch.cat([h, con.emb.to(h.dtype)])
@@ -218,35 +220,19 @@ class LeanDecoder:
             sin = torch.cat([sin, self.sin[con.pos][:, None]])
         kept = {}
         for i, L in enumerate(self.layers):
-            x = F.rms_norm(h, h.shape[-1:], L["in_norm"], eps)
-            qkv = F.linear(x, L["qkv"], L["qkv_bias"]).view(n + m, H + 2 * KV, D)
-            qk, v = qkv[:, : H + KV], qkv[:, H + KV :]
-            if L["qk_norm"] is not None:  # Qwen3: RMSNorm per head, q and k in one call
-                qk = F.rms_norm(qk, (D,), None, eps) * L["qk_norm"]
-            qk = apply_rope(qk, cos, sin)  # rotary embedding, q and k together
-            k_cache, v_cache = cache.k[i], cache.v[i]  # [kv_heads, capacity, D]
-            k_cache[:, start : start + n] = qk[:n, H:].transpose(0, 1)
-            v_cache[:, start : start + n] = v[:n].transpose(0, 1)
-            o = attend(qk[:n, :H].transpose(0, 1), k_cache, v_cache, start + n)  # [H, n, D]
+            q, k, v = L.qkv(h, cos, sin)  # [heads | kv_heads, n + m, D]
+            cache.write(i, start, k[:, :n], v[:, :n])
+            o = attend(q[:, :n], i, start + n)  # [heads, n, D]
             if con is not None:
-                o = torch.cat([o, con.attend(i, qk[n:].transpose(0, 1), v[n:].transpose(0, 1), k_cache, v_cache,
-                                             start + n, H, self.scaling)], 1)
-            h = h + F.linear(o.transpose(0, 1).reshape(n + m, H * D), L["o"], L["o_bias"])
-            x = F.rms_norm(h, h.shape[-1:], L["post_norm"], eps)
-            gate, up = F.linear(x, L["gate_up"]).chunk(2, -1)
-            h = h + F.linear(F.silu(gate) * up, L["down"])
+                o = torch.cat([o, con.attend(i, q[:, n:], k[:, n:], v[:, n:], cache, start + n, self.scaling)], 1)
+            h = L.finish(h, o)
             if i in layers:
                 kept[i] = h[:n]
         return (h[:n], kept, h[n:]) if m else (h, kept, None)
 
-    def _sdpa(self, mask):
-        """Attention through torch's fused kernel (4D inputs) over the first `end` cache slots."""
-        H, KV = self.n_heads, self.n_kv
-
-        def attend(q, k_cache, v_cache, end):
-            return F.scaled_dot_product_attention(q[None], k_cache[None, :, :end], v_cache[None, :, :end],
-                                                  attn_mask=mask, scale=self.scaling, enable_gqa=H != KV)[0]
-        return attend
+    def _sdpa(self, cache: KVCache, mask):
+        """Attention through torch's fused kernel over the first `end` cache slots (`KVCache.attend`)."""
+        return lambda q, i, end: cache.attend(i, q, end, mask, self.scaling)
 
     def _exact_forward(self, ids, cache: KVCache, pos, mask, layers, last, hidden, head=None):
         """The same forward, batch-invariant: rows go through in tiles of exactly `tile` rows (the last tile padded),
@@ -279,7 +265,7 @@ class LeanDecoder:
             order = torch.where(ok, cols, cols + W).sort(-1).values % W
             bias = torch.zeros(T, W, device=self.device).masked_fill_(~ok.gather(-1, order), float("-inf"))
             h, kept, _ = self._layers(tid, cache, start + r0, self.cos[tpos][:, None], self.sin[tpos][:, None],
-                                   self._fixed_attention(order, bias), layers)
+                                      self._fixed_attention(cache, order, bias), layers)
             hs.append(h[:m])
             for i in layers:
                 kept_all[i].append(kept[i][:m])
@@ -295,7 +281,7 @@ class LeanDecoder:
         normed = normed[: rows.shape[0]]
         return logits, feats, normed if hidden else None
 
-    def _fixed_attention(self, order: torch.Tensor, bias: torch.Tensor):
+    def _fixed_attention(self, cache: KVCache, order: torch.Tensor, bias: torch.Tensor):
         """Attention of one tile over every slot of the (fp32) cache, in fp32, in fixed shapes (scores [kv_heads,
         group * T, W]), so a row's result depends on that row alone. The softmax of row r runs over its scores
         in the order `order[r]` (the slots it sees first, ascending: its context in sequence order, whichever slots
@@ -304,7 +290,8 @@ class LeanDecoder:
         H, KV = self.n_heads, self.n_kv
         G = H // KV
 
-        def attend(q, k_cache, v_cache, end):
+        def attend(q, i, end):
+            k_cache, v_cache = cache.k[i], cache.v[i]  # every slot: the fixed width
             T, D = q.shape[1], q.shape[2]
             s = (torch.bmm(q.float().reshape(KV, G * T, D), k_cache.transpose(1, 2)) * self.scaling).view(KV, G, T, -1)
             idx = order.expand_as(s)
@@ -322,48 +309,3 @@ class LeanDecoder:
         """float32 logits of final-norm states (`speclab.core.precision.Head`)."""
         return self.lm(h)
 
-
-def rope_inv_freq(c) -> tuple[torch.Tensor, float]:
-    """inv_freq and attention scaling of a drafter's rotary embedding (`c`: a config with rope_theta, rope_scaling,
-    hidden_size, num_attention_heads, head_dim, max_position_embeddings) (transformers' own rope functions, so
-    llama3 / linear / yarn scalings of public checkpoints are honoured)."""
-    from transformers import LlamaConfig
-    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
-
-    kw = {"rope_theta": c.rope_theta}
-    if c.rope_scaling:
-        kw["rope_scaling"] = dict(c.rope_scaling)
-    cfg = LlamaConfig(hidden_size=c.hidden_size, num_attention_heads=c.num_attention_heads, head_dim=c.head_dim,
-                      max_position_embeddings=c.max_position_embeddings, **kw)
-    rot = LlamaRotaryEmbedding(cfg)
-    return rot.inv_freq.float().clone(), float(getattr(rot, "attention_scaling", 1.0))
-
-
-def rope_tables(inv_freq: torch.Tensor, scale: float, n: int, dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin tables [n, head_dim] for positions 0..n-1; sin carries rotate_half's sign (see `apply_rope`)."""
-    freqs = torch.arange(n, device=inv_freq.device).float()[:, None] * inv_freq.float()[None]
-    emb = torch.cat([freqs, freqs], -1)
-    sign = torch.cat([-torch.ones_like(freqs), torch.ones_like(freqs)], -1)
-    return (emb.cos() * scale).to(dtype), (emb.sin() * sign * scale).to(dtype)
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotary embedding with tables from `rope_tables` (broadcast over heads): x*cos + rotate_half(x)*sin."""
-    return x * cos + _swap_halves(x) * sin
-
-
-def _swap_halves(x: torch.Tensor) -> torch.Tensor:
-    """[x1, x2] -> [x2, x1] on the last dim: rotate_half without its sign (the sin table has it)."""
-    return x.unflatten(-1, (2, -1)).flip(-2).flatten(-2)
-
-
-def _fuse(params) -> torch.Tensor:
-    """One tensor for the weights (or biases) of several Linear layers on the same input; the layers'
-    parameters become views of it, so the HF forward keeps working on the same storage."""
-    fused = torch.cat([p.data for p in params])
-    row = 0
-    for p in params:
-        rows = p.shape[0]
-        p.data = fused[row : row + rows]
-        row += rows
-    return fused

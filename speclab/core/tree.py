@@ -191,3 +191,24 @@ def dynamic_tree(root_logp: torch.Tensor, expand, depth: int, k: int, total: int
     par = parents[keep]
     return DraftTree(tokens[keep], torch.where(par >= 0, remap[par.clamp(min=0)], par), logq[keep].exp(),
                      cands=None if cand_l is None else torch.cat(cand_l)[keep])
+
+
+def tree_rows(ancestors: torch.Tensor, depth: torch.Tensor, past: int, with_root: bool) -> tuple[torch.Tensor,
+                                                                                                 torch.Tensor]:
+    """(pos [n + 1], visible [n + 1, past + q]) of one extra row per row of a verification batch of a draft tree
+    (ancestors [n, n], depth [n]) after `past` cached tokens (`speclab.core.protocol.ExtraRows`; ConFu's
+    contemplate rows): row 0 follows the root (the last committed token, cached at past - 1, or leading the batch
+    when `with_root`), row i + 1 follows node i and sees what node i saw (the committed tokens, the root, its path)
+    and node i itself. q = n + with_root batch rows."""
+    n, dev = depth.numel(), depth.device
+    q = n + int(with_root)
+    visible = torch.zeros(n + 1, past + q, dtype=torch.bool, device=dev)
+    visible[:, :past] = True
+    if with_root:
+        visible[:, past] = True
+        visible[1:, past + 1:] = ancestors
+    else:
+        visible[1:, past:] = ancestors
+    root_pos = past + 1 if with_root else past  # the root sits at past (with_root) or past - 1
+    pos = torch.cat([torch.tensor([root_pos], device=dev), root_pos + depth.to(dev)])
+    return pos, visible

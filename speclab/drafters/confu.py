@@ -1,6 +1,6 @@
 """ConFu: EAGLE-3 with a "future" token from contemplate rows on the frozen target (../shared/papers/confu.txt).
 
-The target side (speclab.core.contemplate) stays frozen: `s` learned soft-prompt keys and values per target layer,
+The target side (speclab.drafters.contemplate) stays frozen: `s` learned soft-prompt keys and values per target layer,
 seen only by contemplate rows, and a contemplate row after the token t whose drafter pair is the newest (the token
 before the round's root). Its input embedding [con] comes from an MoE over the target's features of t, its
 final-norm hidden state is the future vector f_t. The drafter is EAGLE-3's, with one more key/value slot per round
@@ -28,13 +28,13 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 
-from speclab.core.contemplate import contemplate, last_token_rows
 from speclab.core.protocol import ExtraRows, RoundView
 from speclab.drafters import eagle3
 from speclab.drafters.checkpoint import load_strict, place, read_checkpoint
+from speclab.drafters.contemplate import contemplate, last_token_rows
 from speclab.drafters.eagle3 import Eagle3Config, Eagle3Drafter, Eagle3Model, _check_against
 from speclab.drafters.flashhead import HEAD_PARAMS, head_same_decode, with_head
-from speclab.drafters.registry import DrafterEntry, ModelRole, Param
+from speclab.drafters.registry import CostBench, DrafterEntry, ModelRole, Param, Shape, TrainEntry
 from speclab.errors import ModelNotFound
 
 
@@ -188,7 +188,7 @@ class ConFuDrafter(Eagle3Drafter):
     def before_catch_up(self, view: RoundView) -> None:
         """f of the token before the root (its newest pair after the catch-up), unless the last verification gave
         it: one contemplate row after that token over the target's cache, its embedding [con] from the MoE over the
-        target's features of the token (`speclab.core.contemplate`). A one-token prompt has no such token: no f."""
+        target's features of the token (`speclab.drafters.contemplate`). A one-token prompt has no such token: no f."""
         if self.f_tokens == view.tokens - 1:
             return
         c, t = self.contemplation, view.tokens - 2
@@ -240,8 +240,30 @@ class ConFuDrafter(Eagle3Drafter):
 PARAMS = (Param("schedule", "wide", choices=("wide", "after"),
                 help="the contemplate rows: in the verification call (wide; lean forward) or one row after it"),)
 
+# the shapes the conformance suite checks for this drafter (tests/test_conformance.py: greedy equals AR, sampling
+# keeps the target's distribution, catch-up, reset), each with the random model `ModelRole.random` builds
+SHAPES = (Shape("chain", dict(depth=4, tree_topk=1, total_tokens=4)),
+          Shape("tree", dict(depth=4, tree_topk=3, total_tokens=10)),
+          Shape("tree-narrow", dict(depth=3, tree_topk=2, total_tokens=6)),
+          Shape("after-chain", dict(depth=4, tree_topk=1, total_tokens=4, schedule="after")),
+          Shape("after-tree", dict(depth=4, tree_topk=3, total_tokens=10, schedule="after")),
+          Shape("reduced-vocab", dict(depth=3, tree_topk=2, total_tokens=6), dict(draft_vocab="half")),
+          Shape("reduced-vocab-after", dict(depth=4, tree_topk=3, total_tokens=10, schedule="after"),
+                dict(draft_vocab="half")))
+
 ENTRY = DrafterEntry(
-    name="confu", params=eagle3.PARAMS + PARAMS + HEAD_PARAMS, check=eagle3._check,
+    name="confu", label="ConFu", color="#c5b0d5",
+    train=TrainEntry("speclab.train.confu", "ConFuTrainConfig", "train_confu", "ConFu online from the frozen "
+                     "target, from a trained EAGLE-3", init_from="EAGLE-3 or ConFu drafter",
+                     needs_init="train confu starts from a trained EAGLE-3 drafter (the paper's start): give "
+                     "--init-from (e.g. data/zoo/eagle3), or a ConFu run's OUT/model to resume",
+                     check_resume="check_resume"),
+    costs=(CostBench("contemplate", "contemplate_costs", "what ConFu's contemplate rows add to a verification "
+                     "(plain, wide, after)", "nodes", "--nodes", "1,2,4,8,16", 1, "nodes",
+                     ("plain_ms", "wide_ms", "after_ms"), "verification",
+                     "ConFu: what the contemplate rows add to a verification (plain, wide, after)",
+                     "ms per verification of the root and n chain nodes after a {context}-token context (lower is "
+                     "better)", "draft nodes"),), params=eagle3.PARAMS + PARAMS + HEAD_PARAMS, check=eagle3._check,
     same_decode=head_same_decode(eagle3._same_decode),
     build=with_head(lambda target, model, **params: ConFuDrafter(model, target, **params), "confu",
                     lambda model, target: model.lm_head.weight),
@@ -249,4 +271,21 @@ ENTRY = DrafterEntry(
                       "prompts, MoE); EAGLE-3's trees"},
     model=ModelRole("confu", "--confu", "ConFu", "a ConFu drafter",
                     lambda path, target, paths: load_confu(path, target), zoo="confu", card="data/zoo/confu/README.md",
-                    help="ConFu drafter directory for confu (EAGLE-3 layout plus `confu`; default: the zoo's)"))
+                    help="ConFu drafter directory for confu (EAGLE-3 layout plus `confu`; default: the zoo's)",
+                    random=lambda target, seed, **kw: random_confu(target, seed, **kw)),
+    shapes=SHAPES)
+
+
+# ---- random drafters: `ModelRole.random` (the conformance suite's and the smoke tests' models, no files) ------------
+
+def random_confu(target, seed: int, draft_vocab: int | str | None = None, soft_prompts: int = 4,
+                 experts: int = 3) -> ConFuModel:
+    """A random ConFu drafter for `target` (seeded): a random EAGLE-3 part (`eagle3.random_eagle3`, `draft_vocab`
+    as there) and random soft prompts and MoEs at scales that move f; frozen, in its dtype and on its device."""
+    m = ConFuModel.from_eagle3(eagle3.random_eagle3(target, seed, draft_vocab),
+                               ConFuConfig.for_target(target, soft_prompts=soft_prompts, experts=experts))
+    g = torch.Generator().manual_seed(seed + 1000)
+    with torch.no_grad():
+        for p in m.confu.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * 0.5)
+    return m.to(device=target.device, dtype=target.dtype).eval().requires_grad_(False)

@@ -38,7 +38,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from speclab.checks import MAX_TREE_NODES, Bound
-from speclab.core.lean import KVCache, apply_rope, rope_inv_freq, rope_tables
+from speclab.core.layers import DecoderLayer, rope_inv_freq, rope_tables
+from speclab.core.lean import KVCache
 from speclab.core.sampling import Sampling, logits_to_probs, sample
 from speclab.core.target import forward_clock
 from speclab.core.tree import DraftTree, check_dynamic_tree, dynamic_tree
@@ -50,8 +51,7 @@ from speclab.drafters.checkpoint import (
     save_checkpoint,
 )
 from speclab.drafters.flashhead import HEAD_PARAMS, head_same_decode, with_head
-from speclab.drafters.layers import DecoderLayer
-from speclab.drafters.registry import DrafterEntry, ModelRole, Param
+from speclab.drafters.registry import CostBench, DrafterEntry, ModelRole, Param, Shape, TrainEntry
 from speclab.errors import InvalidInput, ModelNotFound
 
 
@@ -163,20 +163,13 @@ class DFlashModel(nn.Module):
         return self.hidden_norm(self.fc(feats))
 
     def context_kv(self, i: int, ctx: torch.Tensor, cos, sin):
-        """Layer i's keys and values [.., kv_heads, n, D] of context rows (rope applied)."""
-        a, c = self.layers[i].self_attn, self.config
-        k = a.k_norm(a.k_proj(ctx).unflatten(-1, (c.num_key_value_heads, c.head_dim)))
-        v = a.v_proj(ctx).unflatten(-1, (c.num_key_value_heads, c.head_dim))
-        return apply_rope(k, cos, sin).transpose(-2, -3), v.transpose(-2, -3)
+        """Layer i's keys and values [.., kv_heads, n, D] of context rows (rope applied; KV injection: the context
+        goes straight into the projections, normed by `context`, not by the layer's input norm)."""
+        return self.layers[i].self_attn.kv(ctx, cos, sin)
 
     def block_qkv(self, i: int, x: torch.Tensor, cos, sin):
         """Layer i's queries [.., heads, B, D] and keys, values [.., kv_heads, B, D] of block rows x [.., B, H]."""
-        layer, c = self.layers[i], self.config
-        a = layer.self_attn
-        h = layer.input_layernorm(x)
-        q = a.q_norm(a.q_proj(h).unflatten(-1, (c.num_attention_heads, c.head_dim)))
-        k, v = self.context_kv(i, h, cos, sin)
-        return apply_rope(q, cos, sin).transpose(-2, -3), k, v
+        return self.layers[i].qkv(x, cos, sin)
 
     def finish(self, i: int, x: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
         """The rest of layer i: residual + o_proj(attention output [.., heads, B, D]), then the MLP."""
@@ -287,8 +280,7 @@ class DFlashDrafter:
             self.cache.reserve(m)
             end = self.known + m
             for i in range(len(self.m.layers)):
-                self.cache.k[i, :, self.known:end], self.cache.v[i, :, self.known:end] = self.m.context_kv(
-                    i, ctx, cos, sin)
+                self.cache.write(i, self.known, *self.m.context_kv(i, ctx, cos, sin))
             self.cache.length = self.known = end
 
     @torch.inference_mode()
@@ -303,11 +295,8 @@ class DFlashDrafter:
         end = start + n_rows
         for i in range(len(self.m.layers)):
             q, k, v = self.m.block_qkv(i, x, cos, sin)
-            self.cache.k[i, :, start:end], self.cache.v[i, :, start:end] = k, v
-            o = F.scaled_dot_product_attention(q[None], self.cache.k[i : i + 1, :, :end],
-                                               self.cache.v[i : i + 1, :, :end], scale=self.scale,
-                                               enable_gqa=self.H != self.KV)[0]
-            x = self.m.finish(i, x, o)
+            self.cache.write(i, start, k, v)
+            x = self.m.finish(i, x, self.cache.attend(i, q, end, None, self.scale))  # context and block, both ways
         # the target's head weight after the drafter's own norm, in the drafter's dtype: draft logits only choose what
         # to propose (verification accepts by the target's), so they skip the fp32 refinement of the target's
         # (`speclab.core.precision.Head`; measured: it cost 7% of DFlash's tokens/s here)
@@ -394,8 +383,30 @@ PARAMS = (Param("markov", 1, lambda t: Bound(0, 1), grid=(0, 1),
           Param("total_tokens", 16, lambda t: Bound(1, min(MAX_TREE_NODES, t.max_context)),
                 help="draft nodes kept from the tree"))
 
+# the shapes the conformance suite checks for this drafter (tests/test_conformance.py: greedy equals AR, sampling
+# keeps the target's distribution, catch-up, reset), each with the random model `ModelRole.random` builds
+SHAPES = (Shape("chain", dict(block_size=4, markov=1), dict(markov_rank=8)),
+          Shape("chain-long", dict(block_size=12, markov=1), dict(markov_rank=8)),
+          Shape("chain-plain", dict(block_size=4, markov=0)),
+          Shape("chain-plain-short", dict(block_size=2, markov=0)),
+          Shape("chain-plain-long", dict(block_size=7, markov=0)),
+          Shape("tree", dict(block_size=5, markov=1, tree_topk=3, total_tokens=8), dict(markov_rank=8)),
+          Shape("tree-plain", dict(block_size=7, markov=0, tree_topk=2, total_tokens=12)),
+          Shape("flash", dict(markov=0, head="flash", clusters=64, probes=4, margin=2.0), dict(markov_rank=8)),
+          Shape("flash-markov", dict(markov=1, head="flash", clusters=64, probes=1), dict(markov_rank=8)),
+          Shape("flash-tree", dict(tree_topk=2, head="flash", clusters=64, probes=1), dict(markov_rank=8)))
+
 ENTRY = DrafterEntry(
-    name="dflash", params=PARAMS + HEAD_PARAMS, check=_check, same_decode=head_same_decode(_same_decode),
+    name="dflash", label="DFlash", color="#d62728",
+    train=TrainEntry("speclab.train.dflash", "DFlashTrainConfig", "train_dflash", "DFlash (with DSpark's Markov "
+                     "head) online from the frozen target", init_from="DFlash drafter"),
+    costs=(CostBench("block", "block_costs", "what a DFlash block costs by block size (drafter call, Markov head, "
+                     "verification)", "block_sizes", "--block-size", "2,3,4,6,8,12,16", 2, "block_size",
+                     ("draft_ms", "draft_markov_ms", "verify_ms"), "part",
+                     "DFlash: what a block costs (drafter call, Markov head, verification)",
+                     "ms per block after a {context}-token context (lower is better)", "block size (rows)",
+                     low_why="a block is the root and at least one mask"),),
+    params=PARAMS + HEAD_PARAMS, check=_check, same_decode=head_same_decode(_same_decode),
     build=with_head(lambda target, model, markov, **params: DFlashDrafter(model, target, markov=bool(markov), **params),
                     "dflash", lambda model, target: target.head_weight,
                     scale=lambda model: model.config.output_multiplier),
@@ -405,4 +416,41 @@ ENTRY = DrafterEntry(
     model=ModelRole("dflash", "--dflash", "DFlash", "a DFlash drafter",
                     lambda path, target, paths: load_dflash(path, target),
                     zoo="dflash", card="data/zoo/dflash/README.md",
-                    help="DFlash drafter directory for dflash (public layout; default: the zoo's)"))
+                    help="DFlash drafter directory for dflash (public layout; default: the zoo's)",
+                    random=lambda target, seed, **kw: random_dflash(target, seed, **kw)),
+    shapes=SHAPES)
+
+
+# ---- random drafters: `ModelRole.random` (the conformance suite's and the smoke tests' models, no files) ------------
+
+def mask_id_of(target) -> int:
+    """The mask token a drafter for `target` drafts with: its tokenizer's (the zoo's reserves <|mask|>), else the
+    last id of its vocabulary."""
+    tok = target.tokenizer
+    mask = getattr(tok, "mask_token", None)
+    return int(tok.convert_tokens_to_ids(mask)) if mask else target.vocab_size - 1
+
+
+def config_for(target, markov_rank: int = 0, layers: int = 2, mask_id: int | None = None) -> DFlashConfig:
+    """A DFlash config shaped for `target`: its width, heads, MLP and default layers, `layers` decoder layers, blocks
+    of 8, a Markov head of `markov_rank` (0: none)."""
+    c = target.config
+    return DFlashConfig(hidden_size=c.hidden_size, intermediate_size=c.intermediate_size, num_hidden_layers=layers,
+                        num_attention_heads=c.num_attention_heads, num_key_value_heads=c.num_key_value_heads,
+                        head_dim=c.head_dim, vocab_size=target.vocab_size,
+                        target_layer_ids=default_layer_ids(target.num_layers),
+                        mask_token_id=mask_id_of(target) if mask_id is None else mask_id, block_size=8,
+                        rms_norm_eps=c.rms_norm_eps, max_position_embeddings=c.max_position_embeddings,
+                        markov_rank=markov_rank)
+
+
+def random_dflash(target, seed: int, markov_rank: int = 0, mask_id: int | None = None) -> DFlashModel:
+    """A random DFlash drafter for `target` (seeded; weights larger than the default init, so its drafts are
+    peaked and varied), frozen, in its dtype and on its device; with a Markov head of `markov_rank`."""
+    torch.manual_seed(seed)
+    m = DFlashModel(config_for(target, markov_rank, mask_id=mask_id))
+    with torch.no_grad():
+        for p in m.parameters():
+            if p.dim() == 2:
+                p.normal_(0, 0.08)
+    return m.to(device=target.device, dtype=target.dtype).eval().requires_grad_(False)

@@ -36,10 +36,10 @@ from pathlib import Path
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
 from speclab.checks import MAX_TREE_NODES, Bound
-from speclab.core.lean import KVCache, apply_rope, rope_inv_freq, rope_tables
+from speclab.core.layers import DecoderLayer, causal_mask, rope_inv_freq, rope_tables
+from speclab.core.lean import KVCache
 from speclab.core.sampling import Sampling
 from speclab.core.target import forward_clock
 from speclab.core.tree import DraftTree, check_dynamic_tree, dynamic_tree
@@ -51,8 +51,7 @@ from speclab.drafters.checkpoint import (
     save_checkpoint,
 )
 from speclab.drafters.flashhead import HEAD_PARAMS, head_same_decode, with_head
-from speclab.drafters.layers import MLP, Attention
-from speclab.drafters.registry import DrafterEntry, ModelRole, Param
+from speclab.drafters.registry import CostBench, DrafterEntry, ModelRole, Param, Shape, TrainEntry
 from speclab.errors import ModelNotFound
 
 
@@ -129,15 +128,19 @@ class Eagle3Config:
         return out
 
 
-class _MidLayer(nn.Module):
+class _MidLayer(DecoderLayer):
+    """EAGLE-3's one decoder layer (`speclab.core.layers.DecoderLayer`, the public `midlayer.*` names): attention
+    reads [input_layernorm(embedding), hidden_norm(hidden)], 2 x d wide, without q/k norms (`Eagle3Model.qkv`);
+    the rest is the shared layer's `finish`."""
+
     def __init__(self, c: Eagle3Config):
-        super().__init__()
+        super().__init__(c.hidden_size, c.intermediate_size, c.num_attention_heads, c.num_key_value_heads,
+                         c.head_dim, c.rms_norm_eps, d_in=2 * c.hidden_size, qk_norm=False)
         self.hidden_norm = nn.RMSNorm(c.hidden_size, eps=c.rms_norm_eps)
-        self.input_layernorm = nn.RMSNorm(c.hidden_size, eps=c.rms_norm_eps)
-        self.post_attention_layernorm = nn.RMSNorm(c.hidden_size, eps=c.rms_norm_eps)
-        self.self_attn = Attention(2 * c.hidden_size, c.hidden_size, c.num_attention_heads, c.num_key_value_heads,
-                                   c.head_dim)
-        self.mlp = MLP(c.hidden_size, c.intermediate_size)
+        # the parameters in the order EAGLE-3's layer always listed them (random init draws in construction order,
+        # the shared layer's: the same; gradient clipping sums norms in this order: training's bits unchanged)
+        order = ("hidden_norm", "input_layernorm", "post_attention_layernorm", "self_attn", "mlp")
+        self._modules = {k: self._modules[k] for k in order}
 
 
 class Eagle3Model(nn.Module):
@@ -160,22 +163,13 @@ class Eagle3Model(nn.Module):
     def qkv(self, emb: torch.Tensor, h: torch.Tensor, cos, sin, q_rows: slice | None = None):
         """Queries [.., heads, n_q, D] (of `q_rows`, default all) and keys, values [.., kv_heads, n, D] for
         inputs (embedding of the next token, hidden) [.., n, H]; rotary applied."""
-        L, c = self.midlayer, self.config
-        x = torch.cat([L.input_layernorm(emb), L.hidden_norm(h)], -1)
-        xq = x if q_rows is None else x[..., q_rows, :]
-        q = L.self_attn.q_proj(xq).unflatten(-1, (c.num_attention_heads, c.head_dim))
-        k = L.self_attn.k_proj(x).unflatten(-1, (c.num_key_value_heads, c.head_dim))
-        v = L.self_attn.v_proj(x).unflatten(-1, (c.num_key_value_heads, c.head_dim))
-        cq, sq = (cos, sin) if q_rows is None else (cos[..., q_rows, :, :], sin[..., q_rows, :, :])
-        return (apply_rope(q, cq, sq).transpose(-2, -3), apply_rope(k, cos, sin).transpose(-2, -3),
-                v.transpose(-2, -3))
+        L = self.midlayer
+        return L.self_attn.qkv(torch.cat([L.input_layernorm(emb), L.hidden_norm(h)], -1), cos, sin, q_rows)
 
     def finish(self, h: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
-        """The rest of the layer: residual + o_proj(attention output [.., heads, n, D]), then the MLP."""
-        L = self.midlayer
-        h = h + L.self_attn.o_proj(attn.transpose(-2, -3).flatten(-2))
-        x = L.post_attention_layernorm(h)
-        return h + L.mlp.down_proj(F.silu(L.mlp.gate_proj(x)) * L.mlp.up_proj(x))
+        """The rest of the layer (`speclab.core.layers.Layer.finish`): residual + o_proj(attention output
+        [.., heads, n, D]), then the MLP."""
+        return self.midlayer.finish(h, attn)
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """Logits over the draft vocabulary of pre-norm outputs h [.., H]."""
@@ -325,14 +319,11 @@ class Eagle3Drafter:
         to there (default: causal for the last n_q rows; `mask` [n_q, end] bool otherwise)."""
         n, end = k.shape[1], start + k.shape[1]
         self.cache.reserve(n)
-        self.cache.k[0, :, start:end], self.cache.v[0, :, start:end] = k, v
+        self.cache.write(0, start, k, v)
         self.cache.length = end
-        nq = q.shape[1]
-        if mask is None and nq > 1:
-            mask = torch.ones(nq, end, dtype=torch.bool, device=self.device).tril(end - nq)
-        o = F.scaled_dot_product_attention(q[None], self.cache.k[:, :, :end], self.cache.v[:, :, :end],
-                                           attn_mask=mask, scale=self.scale, enable_gqa=self.H != self.KV)
-        return o[0]
+        if mask is None and q.shape[1] > 1:
+            mask = causal_mask(q.shape[1], end, self.device)
+        return self.cache.attend(0, q, end, mask, self.scale)
 
     @torch.inference_mode()
     def propose(self, max_depth: int, sampling: Sampling, generator: torch.Generator | None = None) -> DraftTree:
@@ -430,8 +421,28 @@ PARAMS = (Param("depth", 4, lambda t: Bound(1, t.max_context), gpu=8, grid=(3, 4
           Param("total_tokens", 8, lambda t: Bound(1, min(MAX_TREE_NODES, t.max_context)), gpu=60,
                 grid=(4, 6, 8, 12, 16), help="draft nodes kept from the expanded tree"))
 
+# the shapes the conformance suite checks for this drafter (tests/test_conformance.py: greedy equals AR, sampling
+# keeps the target's distribution, catch-up, reset), each with the random model `ModelRole.random` builds
+SHAPES = (Shape("chain", dict(depth=4, tree_topk=1, total_tokens=4)),
+          Shape("tree", dict(depth=4, tree_topk=3, total_tokens=10)),
+          Shape("tree-narrow", dict(depth=3, tree_topk=2, total_tokens=6)),
+          Shape("tree-cut", dict(depth=5, tree_topk=4, total_tokens=4)),  # fewer nodes than the depth
+          Shape("tree-wide", dict(depth=2, tree_topk=8, total_tokens=16)),
+          Shape("reduced-vocab", dict(depth=4, tree_topk=1, total_tokens=4), dict(draft_vocab="half")),
+          Shape("reduced-vocab-tree", dict(depth=4, tree_topk=3, total_tokens=10), dict(draft_vocab="half")),
+          Shape("flash", dict(head="flash", clusters=64, probes=1), dict(draft_vocab="half")),
+          Shape("flash-tree", dict(depth=4, tree_topk=3, head="flash", clusters=64, probes=4, margin=2.0),
+                dict(draft_vocab="half")))
+
 ENTRY = DrafterEntry(
-    name="eagle3", params=PARAMS + HEAD_PARAMS, check=_check, same_decode=head_same_decode(_same_decode),
+    name="eagle3", label="EAGLE-3", color="#9467bd",
+    train=TrainEntry("speclab.train.eagle3", "Eagle3TrainConfig", "train_eagle3", "EAGLE-3 online from the frozen "
+                     "target (training-time test)", init_from="EAGLE-3 drafter"),
+    costs=(CostBench("catchup", "catchup_costs", "EAGLE-3's catch-up after a backlog: KV-only prefill vs a full "
+                     "forward", "backlogs", "--backlog", "1,2,4,8,16,32,64", 1, "backlog", ("kv_only_ms", "full_ms"),
+                     "catch-up", "EAGLE-3 catch-up: KV-only prefill vs a full forward of the backlog",
+                     "ms per catch-up after a {context}-token drafter cache (lower is better)", "backlog tokens"),),
+    params=PARAMS + HEAD_PARAMS, check=_check, same_decode=head_same_decode(_same_decode),
     build=with_head(lambda target, model, **params: Eagle3Drafter(model, target, **params), "eagle3",
                     lambda model, target: model.lm_head.weight),
     methods={"eagle3": "EAGLE-3: one-layer drafter on the target's features; dynamic tree (depth, tree_topk, "
@@ -439,4 +450,36 @@ ENTRY = DrafterEntry(
     model=ModelRole("eagle3", "--eagle", "EAGLE-3", "an EAGLE-3 drafter",
                     lambda path, target, paths: load_eagle3(path, target),
                     zoo="eagle3", card="data/zoo/eagle3/README.md",
-                    help="EAGLE-3 drafter directory for eagle3 (public layout; default: the zoo's)"))
+                    help="EAGLE-3 drafter directory for eagle3 (public layout; default: the zoo's)",
+                    random=lambda target, seed, **kw: random_eagle3(target, seed, **kw)),
+    shapes=SHAPES)
+
+
+# ---- random drafters: `ModelRole.random` (the conformance suite's and the smoke tests' models, no files) ------------
+
+def config_for(target, draft_vocab: int | None = None) -> Eagle3Config:
+    """An EAGLE-3 config shaped for `target`: its width, heads, MLP and default layers, a draft vocabulary of
+    `draft_vocab` tokens (None: the target's)."""
+    c = target.config
+    return Eagle3Config(hidden_size=c.hidden_size, intermediate_size=c.intermediate_size,
+                        num_attention_heads=c.num_attention_heads, num_key_value_heads=c.num_key_value_heads,
+                        head_dim=c.head_dim, vocab_size=target.vocab_size,
+                        draft_vocab_size=draft_vocab or target.vocab_size, target_hidden_size=c.hidden_size,
+                        layer_ids=default_layer_ids(target.num_layers), rms_norm_eps=c.rms_norm_eps,
+                        max_position_embeddings=c.max_position_embeddings)
+
+
+def random_eagle3(target, seed: int, draft_vocab: int | str | None = None) -> Eagle3Model:
+    """A random EAGLE-3 drafter for `target` (seeded), frozen, in its dtype and on its device. `draft_vocab` (a size,
+    or "half": half the target's) keeps every other target id in a reduced vocabulary, mapped back by d2t / t2d."""
+    if draft_vocab == "half":
+        draft_vocab = target.vocab_size // 2
+    n = int(draft_vocab) if draft_vocab else 0
+    torch.manual_seed(seed)
+    m = Eagle3Model(config_for(target, n or None))
+    if n:
+        keep = torch.arange(0, 2 * n, 2)
+        m.d2t.copy_(keep - torch.arange(n))
+        m.t2d.zero_()
+        m.t2d[keep] = True
+    return m.to(device=target.device, dtype=target.dtype).eval().requires_grad_(False)

@@ -6,7 +6,7 @@ import torch
 from speclab.checks import Bound
 from speclab.core.sampling import Sampling
 from speclab.core.tree import DraftTree
-from speclab.drafters.registry import DrafterEntry, Param
+from speclab.drafters.registry import DrafterEntry, Param, Shape
 from speclab.errors import InvalidInput
 
 
@@ -51,9 +51,14 @@ def _check(p: dict, target) -> None:
         raise InvalidInput(f"pld: min_ngram ({p['min_ngram']}) must not exceed max_ngram ({p['max_ngram']})")
 
 
+# the shapes the conformance suite checks for this drafter (tests/test_conformance.py: greedy equals AR, sampling
+# keeps the target's distribution, catch-up, reset)
+SHAPES = (Shape("chain", dict(k=2)), Shape("long-chain", dict(k=6)))
+
 ENTRY = DrafterEntry(
-    name="pld", build=lambda target, model, **params: PromptLookup(**params), check=_check,
-    methods={"pld": "prompt lookup: n-gram match in prompt + output, no model"},
+    name="pld", label="prompt lookup", color="#2ca02c", bench={"k": 8}, peer="hf_pld",
+    build=lambda target, model, **params: PromptLookup(**params), check=_check,
+    methods={"pld": "prompt lookup: n-gram match in prompt + output, no model"}, shapes=SHAPES,
     params=(Param("k", 8, lambda t: Bound(1, t.max_context), help="tokens proposed after a match"),
             Param("max_ngram", 3, lambda t: Bound(1, 64), help="longest n-gram matched"),
             Param("min_ngram", 1, lambda t: Bound(1, 64), help="shortest n-gram matched")))

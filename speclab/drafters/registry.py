@@ -14,7 +14,7 @@ from __future__ import annotations
 import functools
 import importlib
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from speclab.checks import Bound
@@ -65,11 +65,68 @@ class ModelRole:
     zoo: str  # the zoo's default: data/zoo/<zoo>
     card: str = ""  # the model card, relative to the repository
     help: str = ""
+    random: Callable | None = None  # (target, seed, **kw) -> a random model of this role shaped for `target`, in
+    # its dtype and on its device (what the conformance suite and smoke tests build; kw: a `Shape`'s `model`)
 
     @property
     def dest(self) -> str:
         """The argparse attribute of `option`."""
         return self.option.lstrip("-").replace("-", "_")
+
+
+@dataclass(frozen=True)
+class TrainEntry:
+    """How a drafter trains online from the frozen target (`speclab train NAME`): the module holding its config
+    class, its train function and its `val_table` (named, not imported: the registry sits below `speclab.train`;
+    they are imported when the command runs). The command's options are generated from the config's fields that
+    `speclab.train.lm.option` declares (`speclab.cli.train`), so every default lives in the config class."""
+    module: str  # "speclab.train.eagle3"
+    config: str  # its config class: "Eagle3TrainConfig"
+    train: str  # its train function: (config, log=) -> summary
+    help: str  # the command's one-line help
+    init_from: str  # what --init-from holds, as `checkpoint.check_dir` names it ("EAGLE-3 drafter")
+    needs_init: str = ""  # non-empty: --init-from is required, and this says why
+    check_resume: str = ""  # a function of the module: (init_from, options given) -> None; ValueError when a
+    # resumed run's shape differs from the options (ConFu keeps its s, experts and top-k)
+
+    def load(self) -> tuple[type, Callable, Callable]:
+        """(config class, train function, val_table) of the module."""
+        m = importlib.import_module(self.module)
+        return getattr(m, self.config), getattr(m, self.train), m.val_table
+
+
+@dataclass(frozen=True)
+class CostBench:
+    """A cost micro-benchmark of a drafter (`speclab costs NAME`): the function of `speclab.bench.costs` that
+    times it, `(target, model, <axis>=[values], context=, reps=) -> DataFrame` (named: the bench sits above the
+    registry), the axis it sweeps (a comma-separated option, its default and its lowest value), and how
+    `bench.costs.cost_curves_report` draws it."""
+    command: str  # "catchup": `speclab costs catchup`
+    fn: str  # "catchup_costs"
+    help: str
+    axis: str  # the keyword of `fn` and the option: "backlogs" <- --backlog
+    option: str  # "--backlog"
+    default: str  # "1,2,4,8,16,32"
+    low: int  # the smallest value allowed on the axis
+    x: str  # the DataFrame column of the axis
+    parts: tuple[str, ...]  # the columns drawn (those present)
+    part: str  # the legend's title
+    title: str
+    ylabel: str  # "{context}" is replaced by --context
+    xlabel: str
+    low_why: str = ""  # why the axis starts at `low`, in the refusal of a smaller value
+
+
+@dataclass(frozen=True)
+class Shape:
+    """One documented shape of a drafter (a chain, a tree, a reduced vocabulary, FlashHead...): what
+    tests/test_conformance.py checks for every registered drafter (greedy equals AR in fp32 and bf16, sampling keeps
+    the target's distribution, catch-up in one call equals catch-up round by round, `reset` forgets). `params`: the
+    method's parameters over its defaults; `model`: the keywords of its `ModelRole.random` (a reduced vocabulary,
+    a Markov head, ...)."""
+    name: str  # "chain", "tree", "reduced-vocab", "flash"
+    params: dict = field(default_factory=dict)
+    model: dict = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -86,13 +143,49 @@ class DrafterEntry:
     model: ModelRole | None = None
     check: Callable | None = None
     same_decode: Callable | None = None
+    shapes: tuple[Shape, ...] = ()  # the shapes the conformance suite checks (none: one, the default parameters)
+    label: str = ""  # its name in figures and tables ("EAGLE-3"); empty: `name`
+    color: str = "#8c564b"  # its colour in every figure (`speclab.viz`)
+    train: TrainEntry | None = None  # `speclab train NAME`; None: trained elsewhere, or nothing to train
+    costs: tuple[CostBench, ...] = ()  # `speclab costs ...` micro-benchmarks of its own
+    bench: dict = field(default_factory=dict)  # parameters its methods take in `speclab bench` (over the
+    # defaults; a spec's own win), e.g. sps's chain length matched to its transformers peer's
+    peer: str = ""  # the transformers implementation `speclab bench` runs beside it ("hf_assisted"), if any
+
+    @property
+    def title(self) -> str:
+        return self.label or self.name
+
+
+_REGISTERED: dict[str, DrafterEntry] = {}  # drafters registered at run time (`register`), after the modules'
 
 
 @functools.cache
-def drafters() -> dict[str, DrafterEntry]:
-    """Every registered drafter by name, in registration order."""
+def _from_modules() -> dict[str, DrafterEntry]:
     entries = [importlib.import_module(m).ENTRY for m in DRAFTER_MODULES]
     return {e.name: e for e in entries}
+
+
+def drafters() -> dict[str, DrafterEntry]:
+    """Every registered drafter by name, in registration order (`DRAFTER_MODULES`, then `register`'s)."""
+    return {**_from_modules(), **_REGISTERED}
+
+
+def register(entry: DrafterEntry) -> DrafterEntry:
+    """Register a drafter from outside `DRAFTER_MODULES` (a plug-in, or a test's own drafter): its methods, model
+    role, colour and training then appear wherever the registry's do (`speclab.methods` reads the registry on
+    every call). A name taken by another drafter, or a method name another drafter serves, is refused."""
+    taken = {m for e in drafters().values() if e.name != entry.name for m in (e.name, *e.methods)}
+    clash = sorted(taken & {entry.name, *entry.methods})
+    if clash:
+        raise ValueError(f"drafter {entry.name!r}: {', '.join(clash)} already registered")
+    _REGISTERED[entry.name] = entry
+    return entry
+
+
+def unregister(name: str) -> None:
+    """Forget a drafter `register` added (a test's cleanup)."""
+    _REGISTERED.pop(name, None)
 
 
 def build_drafter(name: str, target, models: dict, **params):

@@ -38,14 +38,14 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from speclab.checks import MAX_TREE_NODES, Bound
-from speclab.core.lean import KVCache, apply_rope, rope_inv_freq, rope_tables
+from speclab.core.layers import DecoderLayer, causal_mask, rope_inv_freq, rope_tables
+from speclab.core.lean import KVCache
 from speclab.core.sampling import Sampling
 from speclab.core.target import forward_clock
 from speclab.core.tree import DraftTree
 from speclab.drafters.checkpoint import check_fits, load_strict, place, read_checkpoint, save_checkpoint
 from speclab.drafters.flashhead import HEAD_PARAMS, head_same_decode, with_head
-from speclab.drafters.layers import DecoderLayer
-from speclab.drafters.registry import DrafterEntry, ModelRole, Param
+from speclab.drafters.registry import DrafterEntry, ModelRole, Param, Shape, TrainEntry
 from speclab.errors import InvalidInput, ModelNotFound
 
 BUCKETS = ("rank 1", "rank 2-4", "rank 5-10", "rank > 10")  # b0..b3 (paper §3.3)
@@ -158,17 +158,12 @@ class SpecBlockModel(nn.Module):
         return self.shift[i](torch.cat([x, prev], -1)) if self.config.layer_shift else x
 
     def qkv(self, i: int, x: torch.Tensor, cos, sin):
-        """Layer i's queries [.., heads, n, D] and keys, values [.., kv_heads, n, D] of rows x [.., n, H]."""
-        a, c = self.layers[i].self_attn, self.config
-        h = self.layers[i].input_layernorm(x)
-        q = a.q_norm(a.q_proj(h).unflatten(-1, (c.num_attention_heads, c.head_dim)))
-        k = a.k_norm(a.k_proj(h).unflatten(-1, (c.num_key_value_heads, c.head_dim)))
-        v = a.v_proj(h).unflatten(-1, (c.num_key_value_heads, c.head_dim))
-        return (apply_rope(q, cos, sin).transpose(-2, -3), apply_rope(k, cos, sin).transpose(-2, -3),
-                v.transpose(-2, -3))
+        """Layer i's queries [.., heads, n, D] and keys, values [.., kv_heads, n, D] of rows x [.., n, H] (the
+        target's layer design: `speclab.core.layers.DecoderLayer`)."""
+        return self.layers[i].qkv(x, cos, sin)
 
     def finish(self, i: int, x: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
-        """The rest of layer i (the target's layer design: `layers.DecoderLayer.finish`)."""
+        """The rest of layer i (`speclab.core.layers.Layer.finish`)."""
         return self.layers[i].finish(x, attn)
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
@@ -306,21 +301,16 @@ class SpecBlockDrafter:
             x = x[:, 0]  # [m, H]: each token's first row
             start, end = self.known, self.known + m
             cos, sin = self._rope(torch.arange(start, end, device=self.device))
+            mask = causal_mask(m, end, self.device)
+            self.cache.reserve(m)
             for i in range(len(self.m.layers)):
                 x = self.m.shifted(i, x, x)
                 q, k, v = self.m.qkv(i, x, cos, sin)
-                self.cache.reserve(m)
-                self.cache.k[i, :, start:end], self.cache.v[i, :, start:end] = k, v
-                mask = torch.ones(m, end, dtype=torch.bool, device=self.device).tril(start)
-                x = self.m.finish(i, x, self._attend(i, q, end, mask))
+                self.cache.write(i, start, k, v)
+                x = self.m.finish(i, x, self.cache.attend(i, q, end, mask, self.scale))
             self.cache.length = end
         self.known = end
         self.pending_ids, self.pending_feats = self.pending_ids[m:], self.pending_feats[m:]
-
-    def _attend(self, i: int, q, end: int, mask):
-        o = F.scaled_dot_product_attention(q[None], self.cache.k[i:i + 1, :, :end], self.cache.v[i:i + 1, :, :end],
-                                           attn_mask=mask, scale=self.scale, enable_gqa=self.H != self.KV)
-        return o[0]
 
     def block_forward(self, starts: list[_Start]):
         """One drafter call for every start's block, batched: rows [S*K] appended to the cache after the committed
@@ -348,8 +338,8 @@ class SpecBlockDrafter:
             prev = torch.cat([x[:, :1], x[:, :-1]], 1)  # row k-1 of the same block (row 1: itself)
             x = self.m.shifted(i, x, prev)
             q, k, v = self.m.qkv(i, x.flatten(0, 1), cos, sin)
-            self.cache.k[i, :, start:end], self.cache.v[i, :, start:end] = k, v
-            x = self.m.finish(i, x.flatten(0, 1), self._attend(i, q, end, mask)).unflatten(0, (S, K))
+            self.cache.write(i, start, k, v)
+            x = self.m.finish(i, x.flatten(0, 1), self.cache.attend(i, q, end, mask, self.scale)).unflatten(0, (S, K))
         self.cache.length = end
         logits = self.flash(self.m.norm(x)) if self.flash is not None else self.m.logits(x).float()
         buckets = self.m.rank_logits(x, logits).argmax(-1) if self.rank else torch.zeros(S, K, dtype=torch.long)
@@ -439,8 +429,24 @@ PARAMS = (Param("blocks", 1, lambda t: Bound(1, 64), gpu=2, grid=(1, 2, 3), help
           Param("total_tokens", 16, lambda t: Bound(1, min(MAX_TREE_NODES, t.max_context)), gpu=60,
                 help="draft nodes at most"))
 
+# the shapes the conformance suite checks for this drafter (tests/test_conformance.py: greedy equals AR, sampling
+# keeps the target's distribution, catch-up, reset), each with the random model `ModelRole.random` builds
+_PAPER = dict(blocks=2, starts=2, width_b0=2, width_b1=4, width_b2=10, width_b3=0, rank=1, total_tokens=60)
+SHAPES = (Shape("chain", dict(blocks=1, starts=1, width_b0=1, width_b1=1, width_b2=1, width_b3=1, rank=1,
+                              total_tokens=16)),
+          Shape("tree", dict(blocks=3, starts=1, width_b0=2, width_b1=4, width_b2=6, width_b3=4, rank=1,
+                             total_tokens=24)),  # three blocks, the fallback widths
+          Shape("tree-paper", _PAPER),  # the paper's widths, two blocks
+          Shape("uniform-tree", dict(blocks=2, starts=2, width_b0=2, width_b1=0, width_b2=0, width_b3=0, rank=0,
+                                     total_tokens=20)),  # no rank head: the ablation
+          Shape("block-3", {**_PAPER, "blocks": 3}, dict(block_size=3)),  # another K
+          Shape("flash", dict(blocks=2, head="flash", clusters=64, probes=1)),
+          Shape("flash-adaptive", dict(blocks=2, head="flash", clusters=64, probes=4, margin=2.0)))
+
 ENTRY = DrafterEntry(
-    name="specblock",
+    name="specblock", label="SpecBlock", color="#8c6d31",
+    train=TrainEntry("speclab.train.specblock", "SpecBlockTrainConfig", "train_specblock", "SpecBlock online from "
+                     "the frozen target (blocks of K, rank head)", init_from="SpecBlock drafter"),
     build=with_head(lambda target, model, **params: SpecBlockDrafter(model, target, **params), "specblock",
                     lambda model, target: model.lm_head.weight),
     params=PARAMS + HEAD_PARAMS, check=_check, same_decode=head_same_decode(_same_decode),
@@ -450,4 +456,24 @@ ENTRY = DrafterEntry(
     model=ModelRole("specblock", "--specblock", "SpecBlock", "a SpecBlock drafter",
                     lambda path, target, paths: load_specblock(path, target), zoo="specblock",
                     card="data/zoo/specblock/README.md",
-                    help="SpecBlock drafter directory for specblock (default: the zoo's)"))
+                    help="SpecBlock drafter directory for specblock (default: the zoo's)",
+                    random=lambda target, seed, **kw: random_specblock(target, seed, **kw)),
+    shapes=SHAPES)
+
+
+# ---- random drafters: `ModelRole.random` (the conformance suite's and the smoke tests' models, no files) ------------
+
+def random_specblock(target, seed: int, **kw) -> SpecBlockModel:
+    """A random SpecBlock drafter for `target` (seeded; `kw`: `new_specblock`'s, e.g. block_size), in its dtype and
+    on its device: its LM head the target's, so it agrees with the target now and then, and a rank head that reads
+    the hidden state only, with a lean to b0: buckets of every kind, and rank-1 positions that start later blocks."""
+    torch.manual_seed(seed)
+    m = new_specblock(target.config, target.head_weight, **kw)
+    H = m.config.hidden_size
+    with torch.no_grad():
+        m.rank_head[0].weight.normal_(0, 1.0)
+        m.rank_head[0].weight[:, H:] = 0
+        m.rank_head[0].bias.zero_()
+        m.rank_head[2].weight.normal_(0, 1.0)
+        m.rank_head[2].bias.copy_(torch.tensor([3.0, 0, 0, 0]))
+    return m.to(device=target.device, dtype=target.dtype).eval()

@@ -19,7 +19,7 @@ from speclab.core.sampling import Sampling, logits_to_probs, sample
 from speclab.core.target import Target, keep_cache
 from speclab.core.tree import DraftTree
 from speclab.drafters.flashhead import HEAD_PARAMS, head_same_decode, with_head
-from speclab.drafters.registry import DrafterEntry, ModelRole, Param
+from speclab.drafters.registry import DrafterEntry, ModelRole, Param, Shape
 from speclab.errors import InvalidInput
 
 
@@ -48,6 +48,8 @@ class StandaloneDraft:
             self.model.new_cache(capacity + self.tree_topk * (self.k - 1))
         self.backlog = prompt_ids.detach().cpu().long().clone()
         self.root_logits, self.known, self.reused = None, 0, 0
+        if self.flash is not None:  # the first catch-up picks the root's clusters greedily, never with the sampling
+            self.flash.temperature, self.flash.generator = 0.0, None  # of the decode before (`propose` sets them)
 
     def catch_up(self, ids: torch.Tensor, features=None) -> None:
         """Forward every committed token the cache lacks (KV for all, logits of the last only)."""
@@ -167,14 +169,48 @@ def _load(path, target, paths) -> Target:
     return Target.load(path, device=paths.device, dtype=paths.dtype, backend=paths.backend, logits=paths.logits)
 
 
+# the shapes the conformance suite checks for this drafter (tests/test_conformance.py: greedy equals AR, sampling
+# keeps the target's distribution, catch-up, reset), each with the random model `ModelRole.random` builds
+SHAPES = (Shape("chain", dict(k=5)),
+          Shape("chain-1", dict(k=1)),
+          Shape("early-stop", dict(k=6, stop_prob=0.5)),
+          Shape("tree", dict(k=3, tree_topk=2)),
+          Shape("tree-wide", dict(k=4, tree_topk=3)),
+          Shape("flash", dict(head="flash", clusters=64, probes=8)),
+          Shape("flash-tree", dict(k=3, tree_topk=2, head="flash", clusters=64, probes=8)))
+
 ENTRY = DrafterEntry(
-    name="sps", build=with_head(_build, "draft", lambda model, target: model.head_weight), check=_check,
+    name="sps", label="SpS", color="#1f77b4", bench={"k": 4}, peer="hf_assisted",
+    build=with_head(_build, "draft", lambda model, target: model.head_weight), check=_check,
     same_decode=head_same_decode(),
     methods={"sps": "standalone draft model (SpS): chain of k, or a top-k tree"},
     model=ModelRole("draft", "--draft", "draft", "a draft model", _load, zoo="draft", card="data/zoo/README.md",
-                    help="draft model for sps (default: the zoo draft)"),
+                    help="draft model for sps (default: the zoo draft)",
+                    random=lambda target, seed, **kw: random_draft(target, seed, **kw)),
+    shapes=SHAPES,
     params=(Param("k", 4, lambda t: Bound(1, t.max_context), help="draft length (a chain) or depth (a tree)"),
             Param("tree_topk", 1, lambda t: Bound(1, t.vocab_size), help="children per level (1 = a chain)"),
             Param("stop_prob", 0.0, lambda t: Bound(0.0, 1.0, hi_open=True),
                   help="end a chain after a draft token below this probability (0 = always k tokens)"))
     + HEAD_PARAMS)
+
+
+# ---- random drafters: `ModelRole.random` (the conformance suite's and the smoke tests' models, no files) ------------
+
+def random_draft(target: Target, seed: int, noise: float = 0.15) -> Target:
+    """A draft model for `target` built in memory: the target's own weights plus seeded noise (`noise` x each
+    tensor's std), so it agrees with the target often but not always; the target's tokenizer, dtype, device and
+    forward."""
+    from transformers import AutoModelForCausalLM
+
+    with torch.random.fork_rng(devices=[]):  # the throwaway init leaves the global generator as it was
+        model = AutoModelForCausalLM.from_config(target.config)
+    model.load_state_dict(target.model.state_dict())
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn(p.shape, generator=g) * noise * p.float().std())
+    model = model.to(device=target.device, dtype=target.dtype).eval().requires_grad_(False)
+    draft = Target(model, target.tokenizer, backend=target.backend, logits=target.logits)
+    draft.eos_ids = list(target.eos_ids)
+    return draft

@@ -6,7 +6,7 @@ distributions and its keys and values in every layer (what the lean cache holds 
 1. **Anchors** (the paper's anchor-token sampling). Row i of a window is the drafter's pair (x_{i+1}, h_i), as in
    EAGLE-3's training. Anchors sit every `replicate` + 1 rows from a random phase (or, with `anchors` K set, at K
    rows drawn at random). One contemplate row after each anchor a goes through the frozen target
-   (`speclab.core.contemplate.contemplate_lean`, the function decoding uses): it sees the soft prompts and tokens
+   (`speclab.drafters.contemplate.contemplate_lean`, the function decoding uses): it sees the soft prompts and tokens
    0..a, sits at position a + 1, its embedding is [con] = MoE(h_a), and its final-norm state is f_a. Gradients reach
    the soft prompts and the MoE through the frozen target.
 2. **Replication** (future-prediction replication): rows a..a + `replicate` reuse f_a, and with it [f] = MoE(fc(h_a)).
@@ -25,15 +25,15 @@ noise, the routers at zero (uniform gates).
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from speclab.core.contemplate import contemplate_lean
 from speclab.core.lean import LeanDecoder
 from speclab.drafters.confu import ConFuConfig, ConFuModel, load_confu
+from speclab.drafters.contemplate import contemplate_lean
 from speclab.drafters.eagle3 import load_eagle3
 from speclab.metrics import implied_tau
 from speclab.train import lm
@@ -46,13 +46,17 @@ class ConFuTrainConfig(lm.OnlineSchedule):
     target_dir: str
     corpus_dir: str
     out_dir: str
-    soft_prompts: int = 16  # s
-    experts: int = 8  # per MoE (1: no MoE, the ablation)
-    expert_topk: int = 2
-    replicate: int = 3  # l: rows after an anchor that reuse its f (0: none, the ablation)
-    anchors: int = 0  # K_train per window: 0 = every replicate + 1 rows; K = K anchors drawn at random
-    ttt_steps: int = 3
-    loss_topk: int = 32
+    lr: float = field(default=1e-3, kw_only=True)  # the zoo recipe's peak
+    soft_prompts: int = lm.option(16, "s, soft-prompt key/value entries per target layer (0: none)", lo=0, hi=4096)
+    experts: int = lm.option(8, "experts of each MoE (1: a static embedding, the paper's ablation without MoE)",
+                             lo=1, hi=4096)
+    expert_topk: int = lm.option(2, "experts mixed per row", lo=1, hi=4096)
+    replicate: int = lm.option(3, "l, rows after an anchor that reuse its future vector (0: none, the ablation)",
+                               lo=0, hi=4096)
+    anchors: int = lm.option(0, "K_train anchors per window, drawn at random (0: one every l + 1 rows)",
+                             lo=0, hi=1 << 20)
+    ttt_steps: int = lm.option(3, "training-time-test steps (unrolled on its own outputs)", lo=1)
+    loss_topk: int = lm.option(32, "the loss against the target's k most likely tokens, renormalised (0: all)", lo=0)
     step_weight: float = 0.8
 
 
@@ -161,6 +165,20 @@ def new_or_resumed(cfg: ConFuTrainConfig, target, data, rng) -> ConFuModel:
     m = ConFuModel.from_eagle3(load_eagle3(cfg.init_from).float(), c)
     init_confu(m, target, data, cfg, rng)
     return m
+
+
+SHAPE_OPTIONS = {"soft_prompts": "--soft-prompts", "experts": "--experts", "expert_topk": "--expert-topk"}
+
+
+def check_resume(init_from: str, given: dict) -> None:
+    """A ConFu run resumed from `init_from` keeps its own shape (s, experts, top-k): an option given (`given`:
+    field -> value) that asks for another is refused rather than ignored (ValueError). An EAGLE-3 start takes any."""
+    raw = json.loads((Path(init_from) / "config.json").read_text())
+    for key, flag in SHAPE_OPTIONS.items():
+        asked, has = given.get(key), raw.get("confu", {}).get(key)
+        if has is not None and asked is not None and asked != has:
+            raise ValueError(f"{flag} {asked}: the ConFu run at {init_from} has {has} (a resumed run keeps its "
+                             f"shape; leave {flag} out)")
 
 
 class _Shape:

@@ -45,9 +45,11 @@ class DFlashTrainConfig(lm.OnlineSchedule):
     corpus_dir: str
     out_dir: str
     layer_ids: tuple[int, ...] | None = None  # target decoder layers; None = default_layer_ids(target depth)
-    num_layers: int = 2  # drafter depth (DSpark: a 2-layer drafter with the Markov head beats a 5-layer DFlash)
-    block_size: int = 16  # the largest block trained (and the config's default)
-    markov_rank: int = 64  # 0: no Markov head
+    num_layers: int = lm.option(  # DSpark: a 2-layer drafter with the Markov head beats a 5-layer DFlash
+        2, "drafter depth (decoder layers)", lo=1, flag="--layers")
+    block_size: int = lm.option(  # the largest block trained (and the config's default)
+        16, "the largest block trained (each step draws its block size from 2..this)", lo=2, hi=64)
+    markov_rank: int = lm.option(64, "rank of DSpark's Markov head (0: none)", lo=0)
     gamma: float = 4.0  # loss weight exp(-(k - 1) / gamma) of block row k
     rows: int = 512  # block rows per window (anchors = rows // block size of the step; blocks may overlap)
 

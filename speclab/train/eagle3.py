@@ -44,10 +44,13 @@ class Eagle3TrainConfig(lm.OnlineSchedule):
     corpus_dir: str
     out_dir: str
     layer_ids: tuple[int, ...] | None = None  # hidden_states indices; None = default_layer_ids(target depth)
-    draft_vocab_size: int | None = None  # None = the target's vocabulary; smaller = the most frequent tokens
+    draft_vocab_size: int | None = lm.option(  # None = the target's vocabulary; smaller = the most frequent tokens
+        None, "the draft head's vocabulary, the training data's most frequent tokens (default: the target's whole "
+        "vocabulary, or --init-from's)", lo=2, flag="--draft-vocab")
     intermediate_size: int | None = None  # None = the target's
-    ttt_steps: int = 3  # unrolled steps (step 0 included)
-    loss_topk: int = 0  # 0: the target's full distribution; k: its k most likely tokens + a bucket for the rest
+    ttt_steps: int = lm.option(3, "training-time-test steps (unrolled on its own outputs, step 0 included)", lo=1)
+    loss_topk: int = lm.option(  # 0: the target's full distribution; k: its k most likely tokens + a rest bucket
+        32, "the loss against the target's k most likely tokens, renormalised (0: its full distribution)", lo=0)
     step_weight: float = 0.8
 
 

@@ -37,6 +37,14 @@ class ModelShape:
     max_position_embeddings: int = 1024
 
 
+def option(default, help: str, *, lo=None, hi=None, flag: str = ""):
+    """A training config field that is also an option of its `speclab train` command (the drafter trainings'
+    options are generated from their configs' fields, `speclab.cli.train`, so the default lives here only): its
+    help, the values allowed ([lo, hi]), and the option's name where it is not `--field-name` (a bool that is True
+    by default is the switch `flag` that turns it off, e.g. `--no-shift`)."""
+    return field(default=default, metadata={"help": help, "lo": lo, "hi": hi, "flag": flag})
+
+
 @dataclass(kw_only=True)
 class Schedule:
     """The batches and the LR schedule (`lr_at`) of a training run: the fields every training config shares,

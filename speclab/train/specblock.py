@@ -37,13 +37,16 @@ class SpecBlockTrainConfig(lm.OnlineSchedule):
     target_dir: str
     corpus_dir: str
     out_dir: str
-    block_size: int = 4  # K
-    hidden_layers: int = 2  # L
-    layer_shift: bool = True  # False: the ablation without W_shift
-    valid_prefix: bool = True  # False: the ablation that supervises every row
+    lr: float = 1e-3  # the zoo recipe's peak
+    block_size: int = lm.option(4, "K, the positions of one block (fixed for the drafter's life)", lo=2, hi=64)
+    hidden_layers: int = lm.option(2, "L, the drafter's depth (decoder layers)", lo=1, flag="--layers")
+    layer_shift: bool = lm.option(True, "no layer-wise shift (the ablation without W_shift)", flag="--no-shift")
+    valid_prefix: bool = lm.option(True, "supervise every row, not only those after a right prefix (the ablation)",
+                                   flag="--no-valid-prefix")
     block_frac: float = 0.25  # share of positions that start a (first) block
-    rank_warmup: int = 300  # steps before the rank head's loss is on
-    loss_topk: int = 32  # the target's distribution by its top tokens + a rest bucket (lm.topk_soft_ce)
+    rank_warmup: int = lm.option(300, "steps before the rank head's loss is switched on", lo=0)
+    loss_topk: int = lm.option(  # lm.topk_soft_ce
+        32, "the target's distribution by its k most likely tokens + a bucket for the rest (0: all of it)", lo=0)
 
 
 def target_features(target, ids: torch.Tensor, layers, topk: int):

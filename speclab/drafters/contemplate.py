@@ -24,7 +24,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from speclab.core.lean import KVCache, LeanDecoder, apply_rope
+from speclab.core.layers import attend
+from speclab.core.lean import KVCache, LeanDecoder
 
 
 def contemplate_lean(dec: LeanDecoder, ctx_k, ctx_v, emb: torch.Tensor, pos: torch.Tensor, visible: torch.Tensor,
@@ -35,30 +36,18 @@ def contemplate_lean(dec: LeanDecoder, ctx_k, ctx_v, emb: torch.Tensor, pos: tor
     or an [L, B, kv, P, D] tensor); a lean cache's are `cache_context(cache, P)`."""
     B, m, _ = emb.shape
     P, s = visible.shape[-1], soft_k.shape[2]
-    H, KV, D, eps = dec.n_heads, dec.n_kv, dec.head_dim, dec.eps
     if int(pos.max()) >= dec.cos.shape[0]:
         dec._rope_table(2 * int(pos.max()) + 2)
     cos, sin = dec.cos[pos][:, :, None], dec.sin[pos][:, :, None]  # [B, m, 1, D]
     own = torch.eye(m, dtype=torch.bool, device=emb.device).expand(B, m, m)
     mask = torch.cat([visible.new_ones(B, m, s), visible, own], -1)[:, None]  # [B, 1, m, s + P + m]
     h = emb.to(dec.dtype)
-    for i, L in enumerate(dec.layers):
-        x = F.rms_norm(h, h.shape[-1:], L["in_norm"], eps)
-        qkv = F.linear(x, L["qkv"], L["qkv_bias"]).view(B, m, H + 2 * KV, D)
-        qk, v = qkv[:, :, : H + KV], qkv[:, :, H + KV :]
-        if L["qk_norm"] is not None:
-            qk = F.rms_norm(qk, (D,), None, eps) * L["qk_norm"]
-        qk = apply_rope(qk, cos, sin).transpose(1, 2)  # [B, H + KV, m, D]
-        keys = torch.cat([soft_k[i].to(h.dtype).expand(B, -1, -1, -1), ctx_k[i][:, :, :P].to(h.dtype), qk[:, H:]], 2)
-        vals = torch.cat([soft_v[i].to(h.dtype).expand(B, -1, -1, -1), ctx_v[i][:, :, :P].to(h.dtype),
-                          v.transpose(1, 2)], 2)
-        o = F.scaled_dot_product_attention(qk[:, :H], keys, vals, attn_mask=mask, scale=dec.scaling,
-                                           enable_gqa=H != KV)  # [B, H, m, D]
-        h = h + F.linear(o.transpose(1, 2).reshape(B, m, H * D), L["o"], L["o_bias"])
-        x = F.rms_norm(h, h.shape[-1:], L["post_norm"], eps)
-        gate, up = F.linear(x, L["gate_up"]).chunk(2, -1)
-        h = h + F.linear(F.silu(gate) * up, L["down"])
-    return F.rms_norm(h, h.shape[-1:], dec.norm, eps)
+    for i, L in enumerate(dec.layers):  # the target's own layers (`speclab.core.layers.FusedLayer`)
+        q, k, v = L.qkv(h, cos, sin)  # [B, heads | kv_heads, m, D]
+        keys = torch.cat([soft_k[i].to(h.dtype).expand(B, -1, -1, -1), ctx_k[i][:, :, :P].to(h.dtype), k], 2)
+        vals = torch.cat([soft_v[i].to(h.dtype).expand(B, -1, -1, -1), ctx_v[i][:, :, :P].to(h.dtype), v], 2)
+        h = L.finish(h, attend(q, keys, vals, mask, dec.scaling))
+    return F.rms_norm(h, h.shape[-1:], dec.norm, dec.eps)
 
 
 def cache_context(cache: KVCache):
@@ -110,21 +99,3 @@ def last_token_rows(n_tokens: int, slots: int, device=None) -> tuple[torch.Tenso
     return torch.tensor([n_tokens], device=device), visible
 
 
-def tree_rows(ancestors: torch.Tensor, depth: torch.Tensor, past: int, with_root: bool) -> tuple[torch.Tensor,
-                                                                                                 torch.Tensor]:
-    """(pos [n + 1], visible [n + 1, past + q]) of one contemplate row per row of a verification batch of a draft
-    tree (ancestors [n, n], depth [n]) after `past` cached tokens: row 0 follows the root (the last committed
-    token, cached at past - 1, or leading the batch when `with_root`), row i + 1 follows node i and sees what node
-    i saw (the committed tokens, the root, its path) and node i itself. q = n + with_root batch rows."""
-    n, dev = depth.numel(), depth.device
-    q = n + int(with_root)
-    visible = torch.zeros(n + 1, past + q, dtype=torch.bool, device=dev)
-    visible[:, :past] = True
-    if with_root:
-        visible[:, past] = True
-        visible[1:, past + 1:] = ancestors
-    else:
-        visible[1:, past:] = ancestors
-    root_pos = past + 1 if with_root else past  # the root sits at past (with_root) or past - 1
-    pos = torch.cat([torch.tensor([root_pos], device=dev), root_pos + depth.to(dev)])
-    return pos, visible

@@ -1,0 +1,242 @@
+"""The model code every forward in speclab shares: one decoder layer, one attention step and the rotary embedding.
+
+The target's lean forward (`speclab.core.lean`), ConFu's contemplate rows on it (`speclab.drafters.contemplate`) and
+the drafters (EAGLE-3 and ConFu, DFlash, SpecBlock: `speclab.drafters`) all run the Llama / Qwen decoder layer:
+
+    q, k, v = heads(input_norm(h))     per-head q / k RMSNorms (Qwen3, DFlash, SpecBlock); RoPE on q and k
+    a = softmax(q k^T * scale + mask) v         grouped-query: a kv head serves heads / kv_heads query heads
+    h = h + o_proj(a);  h = h + down(silu(gate(x)) * up(x)),  x = post_attention_norm(h)
+
+`Layer` writes it once, in the two pieces on either side of attention: `qkv` and `finish`. Attention sits between
+them because each caller attends over its own keys: a KV cache (`attend`, the step `speclab.core.lean.KVCache.attend`
+takes over a cache), a block's context and itself (DFlash), the soft prompts, a cache and itself (ConFu's
+contemplate rows), training's unrolled windows. Two kinds of weights carry the layer, each computing its projections
+its own way (a fused matmul is not bitwise the split ones, so each keeps the one its logits were always made with):
+
+- `FusedLayer`: a Hugging Face Llama / Qwen2 / Qwen3 layer's weights for the lean forward, q/k/v and gate/up fused
+  into one matmul each, both q/k norms in one call;
+- `DecoderLayer`: the drafters' nn.Module, one Linear per projection, with the public checkpoints' parameter names
+  (`self_attn.q_proj`, `mlp.gate_proj`, `input_layernorm`, ...). Its variants are parameters: EAGLE-3's layer reads
+  [embedding, hidden] (`d_in` = 2 x d; it builds that input itself, `speclab.drafters.eagle3`) and has no q/k norms;
+  DFlash's context rows take the layer's keys and values alone (`Attention.kv`, no input norm: the context is
+  normed before it).
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+# -- the rotary embedding -------------------------------------------------------------------------------------------
+
+
+def rope_inv_freq(c) -> tuple[torch.Tensor, float]:
+    """inv_freq and attention scaling of a drafter's rotary embedding (`c`: a config with rope_theta, rope_scaling,
+    hidden_size, num_attention_heads, head_dim, max_position_embeddings) (transformers' own rope functions, so
+    llama3 / linear / yarn scalings of public checkpoints are honoured)."""
+    from transformers import LlamaConfig
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+    kw = {"rope_theta": c.rope_theta}
+    if c.rope_scaling:
+        kw["rope_scaling"] = dict(c.rope_scaling)
+    cfg = LlamaConfig(hidden_size=c.hidden_size, num_attention_heads=c.num_attention_heads, head_dim=c.head_dim,
+                      max_position_embeddings=c.max_position_embeddings, **kw)
+    rot = LlamaRotaryEmbedding(cfg)
+    return rot.inv_freq.float().clone(), float(getattr(rot, "attention_scaling", 1.0))
+
+
+def rope_tables(inv_freq: torch.Tensor, scale: float, n: int, dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin tables [n, head_dim] for positions 0..n-1; sin carries rotate_half's sign (see `apply_rope`)."""
+    freqs = torch.arange(n, device=inv_freq.device).float()[:, None] * inv_freq.float()[None]
+    emb = torch.cat([freqs, freqs], -1)
+    sign = torch.cat([-torch.ones_like(freqs), torch.ones_like(freqs)], -1)
+    return (emb.cos() * scale).to(dtype), (emb.sin() * sign * scale).to(dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotary embedding with tables from `rope_tables` (broadcast over heads): x*cos + rotate_half(x)*sin."""
+    return x * cos + _swap_halves(x) * sin
+
+
+def _swap_halves(x: torch.Tensor) -> torch.Tensor:
+    """[x1, x2] -> [x2, x1] on the last dim: rotate_half without its sign (the sin table has it)."""
+    return x.unflatten(-1, (2, -1)).flip(-2).flatten(-2)
+
+
+# -- attention ------------------------------------------------------------------------------------------------------
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float) -> torch.Tensor:
+    """Attention of queries q [.., heads, n, D] over keys and values [.., kv_heads, slots, D] (grouped-query when
+    kv_heads < heads) under `mask` ([.., n, slots]: bool, True = seen, or additive; None: every slot), through
+    torch's fused kernel. A 3-D call runs as a batch of one: the fused CPU kernel takes 4-D inputs only."""
+    gqa = q.shape[-3] != k.shape[-3]
+    if q.dim() == 3:
+        return F.scaled_dot_product_attention(q[None], k[None], v[None], attn_mask=mask, scale=scale,
+                                              enable_gqa=gqa)[0]
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=gqa)
+
+
+def causal_mask(n: int, end: int, device=None) -> torch.Tensor:
+    """[n, end] bool: the last n of `end` slots as rows, each seeing every slot up to its own."""
+    return torch.ones(n, end, dtype=torch.bool, device=device).tril(end - n)
+
+
+# -- the decoder layer ----------------------------------------------------------------------------------------------
+
+
+class Layer:
+    """The decoder layer's math in its two pieces around attention. `qkv(h, cos, sin)`: queries [.., heads, n, D],
+    keys and values [.., kv_heads, n, D] of rows h [.., n, d] (input norm, projections, q/k norms, RoPE at the rows'
+    cos / sin [.., n, 1, D]); `finish(h, attn)`: the rest. A subclass holds the weights and says how each projection
+    is computed (`attn_out`, `post_norm`, `ffn`)."""
+
+    def qkv(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        raise NotImplementedError
+
+    def attn_out(self, a: torch.Tensor) -> torch.Tensor:
+        """o_proj of the heads' outputs, concatenated [.., n, heads * D]."""
+        raise NotImplementedError
+
+    def post_norm(self, h: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def ffn(self, x: torch.Tensor) -> torch.Tensor:
+        """The SwiGLU MLP: down(silu(gate(x)) * up(x))."""
+        raise NotImplementedError
+
+    def finish(self, h: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
+        """The layer after attention: residual + o_proj(attention output attn [.., heads, n, D]), then residual +
+        the MLP of the post-attention norm."""
+        h = h + self.attn_out(attn.transpose(-2, -3).flatten(-2))
+        return h + self.ffn(self.post_norm(h))
+
+
+class FusedLayer(Layer):
+    """A Hugging Face Llama / Qwen2 / Qwen3 decoder layer's weights as the lean forward runs them (shared, not
+    copied): q/k/v and gate/up fused into one matmul each (the HF modules' weights become views of the fused tensors,
+    so memory is not doubled and the HF forward stays valid), the q and k norms' weights (Qwen3) in one
+    [heads + kv_heads, D] tensor so both norms are one call (a copy: build a new layer after training the model)."""
+
+    def __init__(self, layer, heads: int, kv_heads: int, head_dim: int, eps: float):
+        a, m = layer.self_attn, layer.mlp
+        self.H, self.KV, self.D, self.eps = heads, kv_heads, head_dim, eps
+        self.in_norm, self.post = layer.input_layernorm.weight, layer.post_attention_layernorm.weight
+        self.qkv_w = _fuse([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight])
+        self.qkv_b = None if a.q_proj.bias is None else _fuse([a.q_proj.bias, a.k_proj.bias, a.v_proj.bias])
+        self.qk_norm = None
+        if getattr(a, "q_norm", None) is not None:
+            self.qk_norm = torch.cat([a.q_norm.weight.expand(heads, -1), a.k_norm.weight.expand(kv_heads, -1)])
+        self.o, self.o_bias = a.o_proj.weight, a.o_proj.bias
+        self.gate_up, self.down = _fuse([m.gate_proj.weight, m.up_proj.weight]), m.down_proj.weight
+
+    def qkv(self, h, cos, sin):
+        H, KV, D = self.H, self.KV, self.D
+        x = F.rms_norm(h, h.shape[-1:], self.in_norm, self.eps)
+        qkv = F.linear(x, self.qkv_w, self.qkv_b).unflatten(-1, (H + 2 * KV, D))
+        qk, v = qkv[..., : H + KV, :], qkv[..., H + KV :, :]
+        if self.qk_norm is not None:  # Qwen3: RMSNorm per head, q and k in one call
+            qk = F.rms_norm(qk, (D,), None, self.eps) * self.qk_norm
+        qk = apply_rope(qk, cos, sin).transpose(-2, -3)  # rotary embedding, q and k together
+        return qk[..., :H, :, :], qk[..., H:, :, :], v.transpose(-2, -3)
+
+    def attn_out(self, a):
+        return F.linear(a, self.o, self.o_bias)
+
+    def post_norm(self, h):
+        return F.rms_norm(h, h.shape[-1:], self.post, self.eps)
+
+    def ffn(self, x):
+        gate, up = F.linear(x, self.gate_up).chunk(2, -1)
+        return F.linear(F.silu(gate) * up, self.down)
+
+
+def _fuse(params) -> torch.Tensor:
+    """One tensor for the weights (or biases) of several Linear layers on the same input; the layers'
+    parameters become views of it, so the HF forward keeps working on the same storage."""
+    fused = torch.cat([p.data for p in params])
+    row = 0
+    for p in params:
+        rows = p.shape[0]
+        p.data = fused[row : row + rows]
+        row += rows
+    return fused
+
+
+class Attention(nn.Module):
+    """q/k/v/o projections from `d_in` (EAGLE-3 reads [embedding, hidden], 2 x d), optionally with per-head q/k
+    RMSNorms (Qwen3, DFlash, SpecBlock)."""
+
+    def __init__(self, d_in: int, d_model: int, heads: int, kv_heads: int, head_dim: int, bias: bool = False,
+                 qk_norm_eps: float | None = None):
+        super().__init__()
+        self.heads, self.kv_heads, self.head_dim = heads, kv_heads, head_dim
+        self.q_proj = nn.Linear(d_in, heads * head_dim, bias=bias)
+        self.k_proj = nn.Linear(d_in, kv_heads * head_dim, bias=bias)
+        self.v_proj = nn.Linear(d_in, kv_heads * head_dim, bias=bias)
+        self.o_proj = nn.Linear(heads * head_dim, d_model, bias=bias)
+        self.qk_norm = qk_norm_eps is not None
+        if self.qk_norm:
+            self.q_norm = nn.RMSNorm(head_dim, eps=qk_norm_eps)
+            self.k_norm = nn.RMSNorm(head_dim, eps=qk_norm_eps)
+
+    def qkv(self, x: torch.Tensor, cos, sin, q_rows: slice | None = None):
+        """Queries [.., heads, n_q, D] of the rows `q_rows` (default all) and keys, values [.., kv_heads, n, D] of
+        normed inputs x [.., n, d_in]; rotary applied (cos / sin [.., n, 1, D])."""
+        xq = x if q_rows is None else x[..., q_rows, :]
+        q = self.q_proj(xq).unflatten(-1, (self.heads, self.head_dim))
+        if self.qk_norm:
+            q = self.q_norm(q)
+        k, v = self.kv(x, cos, sin)
+        cq, sq = (cos, sin) if q_rows is None else (cos[..., q_rows, :, :], sin[..., q_rows, :, :])
+        return apply_rope(q, cq, sq).transpose(-2, -3), k, v
+
+    def kv(self, x: torch.Tensor, cos, sin):
+        """Keys and values [.., kv_heads, n, D] of normed inputs x [.., n, d_in] (rotary applied to the keys)."""
+        k = self.k_proj(x).unflatten(-1, (self.kv_heads, self.head_dim))
+        if self.qk_norm:
+            k = self.k_norm(k)
+        v = self.v_proj(x).unflatten(-1, (self.kv_heads, self.head_dim))
+        return apply_rope(k, cos, sin).transpose(-2, -3), v.transpose(-2, -3)
+
+
+class MLP(nn.Module):
+    """SwiGLU: down(silu(gate(x)) * up(x))."""
+
+    def __init__(self, d_model: int, intermediate: int):
+        super().__init__()
+        self.gate_proj = nn.Linear(d_model, intermediate, bias=False)
+        self.up_proj = nn.Linear(d_model, intermediate, bias=False)
+        self.down_proj = nn.Linear(intermediate, d_model, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(Layer, nn.Module):
+    """The drafters' decoder layer, in the public checkpoints' layout: pre-norms `input_layernorm` /
+    `post_attention_layernorm`, `self_attn` with per-head q/k norms (Qwen3-style: DFlash's and SpecBlock's; none
+    with `qk_norm=False`), a SwiGLU `mlp`. `d_in`: the width attention reads, when it is not the residual's
+    (EAGLE-3's 2 x d; that layer builds its own input and calls `self_attn.qkv`)."""
+
+    def __init__(self, d_model: int, intermediate: int, heads: int, kv_heads: int, head_dim: int, eps: float,
+                 bias: bool = False, d_in: int | None = None, qk_norm: bool = True):
+        super().__init__()
+        self.self_attn = Attention(d_in or d_model, d_model, heads, kv_heads, head_dim, bias,
+                                   qk_norm_eps=eps if qk_norm else None)
+        self.mlp = MLP(d_model, intermediate)
+        self.input_layernorm = nn.RMSNorm(d_model, eps=eps)
+        self.post_attention_layernorm = nn.RMSNorm(d_model, eps=eps)
+
+    def qkv(self, h, cos, sin):
+        return self.self_attn.qkv(self.input_layernorm(h), cos, sin)
+
+    def attn_out(self, a):
+        return self.self_attn.o_proj(a)
+
+    def post_norm(self, h):
+        return self.post_attention_layernorm(h)
+
+    def ffn(self, x):
+        return self.mlp(x)
