@@ -3,7 +3,7 @@
 # Both create/reuse .venv and install what they need (scripts/setup.sh).
 PY := .venv/bin/python
 
-.PHONY: setup run demo test test-fast bench bench-quick whiflash app-probe lab
+.PHONY: setup run demo test test-fast bench bench-sampled bench-quick whiflash app-probe lab
 
 setup:
 	@bash scripts/setup.sh
@@ -43,6 +43,13 @@ test-fast:
 # Benchmarks on the zoo (README "Benchmarks"): report in reports/bench.md + .html, rows in traces/bench.duckdb
 bench: setup
 	$(PY) -m speclab.cli bench --suite zoo --methods ar,sps,pld,eagle3,dflash,dflash:markov=0,whiflash-entropy,whiflash-neural --limit 8 --max-new-tokens 128
+
+# Sampled decoding on the zoo (README "Sampling"): every method at T = 0.7 and T = 1, fixed seeds (prompt i at seed i),
+# paired by prompt; reports in reports/bench_t0.7.md and reports/bench_t1.md
+SAMPLED_METHODS = ar,sps,pld,eagle3,dflash,specblock,confu,whiflash-entropy
+bench-sampled: setup
+	$(PY) -m speclab.cli bench --suite zoo --methods $(SAMPLED_METHODS) --limit 8 --max-new-tokens 128 --no-peers --no-untraced --temperature 0.7 --seed 0 --report reports/bench_t0.7.md
+	$(PY) -m speclab.cli bench --suite zoo --methods $(SAMPLED_METHODS) --limit 8 --max-new-tokens 128 --no-peers --no-untraced --temperature 1 --seed 0 --report reports/bench_t1.md
 
 bench-quick: setup
 	$(PY) -m speclab.cli bench --suite zoo --methods ar,sps,pld,eagle3,dflash,whiflash-entropy --quick

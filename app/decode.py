@@ -205,7 +205,8 @@ class SideBySide:
             return [gr.skip()] * (1 + MAX_COLUMNS)
         toks = [gr.update(value="".join(span for cols, last in shown["cols"][m]
                                         for span in viz.token_spans(cols, last, shade))) for m in shown["methods"]]
-        return [viz.legend_html(shown["drafters"], shade), *toks, *[gr.skip()] * (MAX_COLUMNS - len(toks))]
+        legend = viz.legend_html(shown["drafters"], shade, shown.get("sampled", False))
+        return [legend, *toks, *[gr.skip()] * (MAX_COLUMNS - len(toks))]
 
     @answers(3 + 3 * MAX_COLUMNS)
     def decode(self, prompt, methods, max_new, temperature, seed, deferred, shade, *values):
@@ -229,10 +230,10 @@ class SideBySide:
         cols = {m: Column(g) for m, g in gens.items()}
         iters = {m: iter(g) for m, g in gens.items()}
         drafters = list(dict.fromkeys(d for g in gens.values() for d in g.drafters))
-        legend = viz.legend_html(drafters, shade)
+        greedy = not temperature or float(temperature) == 0  # counterfactuals (a profile) exist for greedy runs only
+        legend = viz.legend_html(drafters, shade, sampled=not greedy)
         last, last_plot = 0.0, time.perf_counter()
         first = True
-        greedy = not temperature or float(temperature) == 0  # counterfactuals (a profile) exist for greedy runs only
         late = [m for m in methods if routed(gens[m]) and greedy and set(replay.DRAFTERS) <= set(gens[m].drafters)]
         try:
             while iters:
@@ -253,7 +254,7 @@ class SideBySide:
                                 + self._equality_note(gens, temperature))
                         status = (f"decoded: {done} · computing counterfactual accept lengths of {', '.join(late)} ..."
                                   if late else f"done: {done}")
-                    shown = gr.skip() if iters else {"methods": methods, "drafters": drafters,
+                    shown = gr.skip() if iters else {"methods": methods, "drafters": drafters, "sampled": not greedy,
                                                       "cols": {m: c.token_cols for m, c in cols.items()}}
                     yield [*self._update(methods, cols, status, legend if first else gr.skip(), plots, first,
                                          not iters), shown]

@@ -70,7 +70,7 @@ class Runs:
         """The run's tokens coloured by drafter, its header counted as the trace counts it (`run_metrics`)."""
         store, rid = self.lab.store, int(r.run_id)
         toks = store.tokens_with_decisions(rid)
-        cols = {c: toks[c].tolist() for c in (*viz.TOKEN_COLUMNS, *viz.ROUTER_COLUMNS)}
+        cols = {c: toks[c].tolist() for c in (*viz.TOKEN_COLUMNS, *viz.ROUTER_COLUMNS, "accept_prob") if c in toks}
         m = run_metrics(store, [rid])
         stats = {"status": r.status, "category": r.category or "-"}
         if len(m):
@@ -88,8 +88,9 @@ class Runs:
             return header + viz.engine_card(card, view.conversions(store, [rid]), r.output_text)
         base = r.method.split(":")[0]
         drafters = (r.drafters or "").split(",") if base in METHODS and METHODS[base].build else []
-        return viz.legend_html([d for d in drafters if d], shade) + viz.tokens_html(viz.token_spans(cols, None, shade),
-                                                                                    header)
+        sampled = bool(pd.notna(pd.Series(cols.get("accept_prob", []), dtype=float)).any())
+        return viz.legend_html([d for d in drafters if d], shade, sampled) + viz.tokens_html(
+            viz.token_spans(cols, None, shade), header)
 
     @answers(1)
     def reshade(self, run_id, shade):

@@ -41,7 +41,7 @@ from speclab.core.engine import PHASES
 from speclab.errors import TraceError
 from speclab.files import check_writable
 
-SCHEMA_VERSION = 8
+SCHEMA_VERSION = 9
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS meta (key VARCHAR PRIMARY KEY, value VARCHAR);
@@ -63,10 +63,11 @@ CREATE TABLE IF NOT EXISTS rounds (
     t_commit_ms DOUBLE, backlog INTEGER, target_calls INTEGER, t_record_ms DOUBLE);
 CREATE TABLE IF NOT EXISTS tokens (
     run_id BIGINT, pos INTEGER, round INTEGER, token_id INTEGER, text VARCHAR, source VARCHAR, depth INTEGER,
-    draft_prob DOUBLE, target_prob DOUBLE, entropy DOUBLE);
+    draft_prob DOUBLE, target_prob DOUBLE, entropy DOUBLE, accept_prob DOUBLE);
 CREATE TABLE IF NOT EXISTS draft_nodes (
     run_id BIGINT, round INTEGER, node INTEGER, parent INTEGER, depth INTEGER, token_id INTEGER,
-    draft_prob DOUBLE, target_prob DOUBLE, accepted BOOLEAN, block INTEGER, bucket INTEGER, in_cands INTEGER);
+    draft_prob DOUBLE, target_prob DOUBLE, accepted BOOLEAN, block INTEGER, bucket INTEGER, in_cands INTEGER,
+    sampled_p DOUBLE, sampled_q DOUBLE);
 CREATE TABLE IF NOT EXISTS router_decisions (
     run_id BIGINT, round INTEGER, policy VARCHAR, signal DOUBLE, threshold DOUBLE, choice VARCHAR);
 CREATE TABLE IF NOT EXISTS adaptation (
@@ -111,7 +112,12 @@ MIGRATIONS = {2: ["ALTER TABLE runs ADD COLUMN IF NOT EXISTS prefill_ms DOUBLE",
               # NULL for speclab's own runs (the engine_* tables come with SCHEMA)
               8: ["ALTER TABLE runs ADD COLUMN IF NOT EXISTS engine VARCHAR",
                   "ALTER TABLE runs ADD COLUMN IF NOT EXISTS engine_version VARCHAR",
-                  "ALTER TABLE runs ADD COLUMN IF NOT EXISTS source VARCHAR"]}
+                  "ALTER TABLE runs ADD COLUMN IF NOT EXISTS source VARCHAR"],
+              # sampled decoding: p(x) and q(x) of every node as verification tested them, and each drafted token's
+              # acceptance probability min(1, p / q) (NULL at T = 0)
+              9: ["ALTER TABLE draft_nodes ADD COLUMN IF NOT EXISTS sampled_p DOUBLE",
+                  "ALTER TABLE draft_nodes ADD COLUMN IF NOT EXISTS sampled_q DOUBLE",
+                  "ALTER TABLE tokens ADD COLUMN IF NOT EXISTS accept_prob DOUBLE"]}
 # the trace explorer's run list (`TraceStore.run_list`): the newest runs with their `run_metrics` figures
 RUN_LIST_SQL = """
 SELECT r.run_id, strftime(r.started_at, '%Y-%m-%d %H:%M:%S') AS started, r.method,
@@ -595,8 +601,9 @@ def _cat(xs) -> np.ndarray:
 
 def token_columns(evs, text: np.ndarray) -> dict[str, np.ndarray]:
     """Per committed token of these RoundEvents: pos, round, token_id, text, source (drafter or 'target'),
-    depth, draft_prob, target_prob, entropy. Vectorised over rounds (one host copy per tensor kind, no Python
-    per token); shared by the trace writer and live views.
+    depth, draft_prob, target_prob, entropy, accept_prob (a drafted token under sampling: min(1, p(x) / q(x)), the
+    probability it passed its test as its node's first candidate; NaN otherwise). Vectorised over rounds (one host
+    copy per tensor kind, no Python per token); shared by the trace writer and live views.
 
     Token j < a of a round is its j-th accepted node: its target prob is the node's, its entropy that of the
     row that verified it. The target's own token (j = a, when the round was not cut before it) was drawn at
@@ -622,11 +629,23 @@ def token_columns(evs, text: np.ndarray) -> dict[str, np.ndarray]:
     ent[drafted] = entropy[parents[acc] + 1 + np.repeat(row_off, a)]
     ent[~drafted] = entropy[bonus_row]
     draft_prob[drafted] = _cat([e.tree.draft_probs.float() for e in evs])[acc]
+    accept_prob = np.full(m.sum(), np.nan)
+    p, q = _node_sampled(evs)
+    accept_prob[drafted] = np.minimum(1.0, p[acc] / q[acc])
     return {
         "pos": (np.repeat([e.pos0 for e in evs], m) + within).astype(np.int32),
         "round": np.repeat(np.array([e.round for e in evs], np.int32), m), "token_id": ids, "text": text[ids],
         "source": np.where(drafted, np.repeat(names, m), "target"), "depth": (within + 1).astype(np.int32),
-        "draft_prob": draft_prob, "target_prob": target_prob, "entropy": ent}
+        "draft_prob": draft_prob, "target_prob": target_prob, "entropy": ent, "accept_prob": accept_prob}
+
+
+def _node_sampled(evs) -> tuple[np.ndarray, np.ndarray]:
+    """p(x) and q(x) of every node of these RoundEvents under the decode's sampling (`RoundEvent.node_p` / `node_q`;
+    NaN for rounds decoded greedily)."""
+    def col(key: str) -> np.ndarray:
+        return np.concatenate([np.full(len(e.tree), np.nan) if getattr(e, key) is None
+                               else getattr(e, key).float().cpu().numpy().astype(np.float64) for e in evs] or [[]])
+    return col("node_p"), col("node_q")
 
 
 def decision_columns(evs) -> dict[str, np.ndarray]:
@@ -703,10 +722,11 @@ class RunWriter:
             "token_id": _cat([e.tree.tokens for e in evs]).astype(np.int32),
             "draft_prob": _nullable(_cat([e.tree.draft_probs.float() for e in evs]).astype(np.float64)),
             "target_prob": np.exp(_cat([e.node_logp for e in evs]).astype(np.float64)), "accepted": accepted,
-            **{key: _node_extra(evs, key) for key in NODE_EXTRAS}})
+            **{key: _node_extra(evs, key) for key in NODE_EXTRAS},
+            **{k: _nullable(v) for k, v in zip(("sampled_p", "sampled_q"), _node_sampled(evs))}})
         cols = token_columns(evs, self.text)
         tokens = pa.table({"run_id": np.full(len(cols["pos"]), self.run_id, np.int64),
-                           **{k: _nullable(v) if k == "draft_prob" else v for k, v in cols.items()}})
+                           **{k: _nullable(v) if k in ("draft_prob", "accept_prob") else v for k, v in cols.items()}})
         t = {k: np.array([e.timings_ms[k] for e in evs]) for k in PHASES}
         rounds = pa.table({
             "run_id": np.full(len(evs), self.run_id, np.int64), "round": rnd,

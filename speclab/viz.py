@@ -159,12 +159,16 @@ def token_spans(cols: dict, first_round_seen: int | None = None, shade: str = "d
     """One <span> per token from per-token columns (TOKEN_COLUMNS): background = who produced it (drafter colour,
     or grey for the target's own token), opacity = draft depth or draft probability; a bar marks round starts;
     hovering shows round, drafter, depth, draft p, target p, entropy and, for routed runs (columns `drafter`,
-    `signal` and `threshold`: the round's router decision), the router's choice, signal and threshold."""
+    `signal` and `threshold`: the round's router decision), the router's choice, signal and threshold. A sampled run's
+    accepted drafts (column `accept_prob`: min(1, p / q) of the test each passed) are underlined, the darker the less
+    likely their acceptance was, and the tip gives the probability."""
     out = []
     prev = first_round_seen
     n = len(cols["pos"])
     routed = zip(*(cols[c] for c in ROUTER_COLUMNS)) if all(c in cols for c in ROUTER_COLUMNS) else [None] * n
-    for (pos, rnd, text, src, depth, dp, tp, ent), rd in zip(zip(*(cols[c] for c in TOKEN_COLUMNS)), routed):
+    accept = cols["accept_prob"] if "accept_prob" in cols else [None] * n
+    for (pos, rnd, text, src, depth, dp, tp, ent), rd, ap in zip(zip(*(cols[c] for c in TOKEN_COLUMNS)), routed,
+                                                                accept):
         if src == "target":
             bg = TARGET_BG
         else:
@@ -177,6 +181,9 @@ def token_spans(cols: dict, first_round_seen: int | None = None, shade: str = "d
                f"· entropy {_fmt(ent)}")
         if rd is not None and rd[0] and rd[1] == rd[1]:  # a routed round (fixed routers have no signal)
             tip += f" · router chose {rd[0]}: signal {_fmt(rd[1])} vs threshold {_fmt(rd[2])}"
+        if not _missing(ap):  # a sampled draft: how likely its acceptance was
+            tip += f" · accepted with probability {_fmt(ap)} (min(1, p/q))"
+            edge += f"border-bottom:2px solid rgba(0,0,0,{0.9 * (1 - ap):.2f});"
         out.append(f'<span class="tok" data-src="{html.escape(str(src))}" title="{html.escape(tip)}" '
                    f'style="background:{bg};{edge}">{html.escape(str(text))}</span>')
     return out
@@ -187,13 +194,15 @@ def tokens_html(spans: list[str], header: str = "") -> str:
             f'font-family:monospace;font-size:13px;line-height:1.7">{"".join(spans)}</div></div>')
 
 
-def legend_html(drafters: list[str], shade: str = "depth") -> str:
+def legend_html(drafters: list[str], shade: str = "depth", sampled: bool = False) -> str:
     items = [f'<span style="background:{TARGET_BG};padding:1px 6px">target (AR step, bonus or correction)</span>']
     for d in drafters:
         r, g, b = drafter_rgb(d)
         items.append(f'<span style="background:rgba({r},{g},{b},0.85);padding:1px 6px">'
                      f'{html.escape(d)}: accepted draft</span>')
     how = "darker = shallower draft depth" if shade == "depth" else "darker = higher draft probability"
+    if sampled:
+        how += " · underline: a sampled draft, darker = accepted against the odds (hover: min(1, p/q))"
     return (f'<div class="speclab-legend" style="font-size:12px">{" ".join(items)} · {how} · '
             '<span style="border-left:2px solid #444;padding-left:4px">round start</span> · '
             'hover a token for details</div>')

@@ -38,7 +38,9 @@ from speclab.methods import method_params
 SEED = 0  # every random model's
 N_NEW = 32  # tokens per greedy decode
 DEFAULT = Shape("default")  # the one shape of an entry that documents none: its default parameters
-SAMPLING_PROMPT = torch.tensor([1, 5, 2, 1, 5, 2])  # repeats itself: a drafter that looks things up in it drafts too
+PLAIN = Sampling(1.0)  # temperature 1, no top-k / top-p
+SAMPLING_PROMPT = torch.tensor([2, 1, 4, 4, 2, 1])  # repeats itself: a drafter that looks things up in it drafts too
+# (and tiny_v8 continues it as it repeats, under each of SAMPLINGS, often enough for two-token drafts to be accepted)
 
 
 # ---- what each entry is checked in ----------------------------------------------------------------------------------
@@ -172,13 +174,15 @@ def check_greedy(target, entry: DrafterEntry, shape: Shape, models: dict, deferr
     return accepted, total
 
 
-def check_sampling(target, entry: DrafterEntry, shape: Shape, models: dict, seed0: int) -> None:
-    """The first two tokens sampled through the drafter follow the target's exact joint distribution, more than 1%
-    of the decodes accept drafts for both, and the target at temperature 0.7 is told apart (tests/test_sampling.py)."""
+def check_sampling(target, entry: DrafterEntry, shape: Shape, models: dict, seed0: int,
+                   s: Sampling = PLAIN) -> None:
+    """The first two tokens sampled through the drafter under `s` follow the target's exact joint distribution, more
+    than 1% of the decodes accept drafts for both, and the target's joint under other sampling is told apart
+    (tests/test_sampling.py)."""
     from test_sampling import N_RUNS, assert_keeps_target_distribution
 
     drafter = build_drafter(entry.name, target, models, **method_params(method_of(entry), shape.params, target))
-    assert_keeps_target_distribution(target, drafter, seed0, N_RUNS // 100, prompt=SAMPLING_PROMPT)
+    assert_keeps_target_distribution(target, drafter, seed0, N_RUNS // 100, prompt=SAMPLING_PROMPT, s=s)
 
 
 def accepted_path(tree, upcoming: torch.Tensor) -> torch.Tensor:
@@ -352,12 +356,20 @@ def test_greedy_equals_ar_with_a_trained_model(deep, models, ar, name, shape, de
     assert accepted > 0.3 * total, (accepted, total)
 
 
+# the decode's sampling in the sampling checks: plain, nucleus and top-k (the issue's top-k 20, scaled to the
+# 8-token vocabulary of tiny_v8: 3 of 8 tokens kept, so the target's and the drafter's supports differ)
+SAMPLINGS = {"T1": Sampling(1.0), "T0.7-top_p0.9": Sampling(0.7, top_p=0.9), "T1-top_k5": Sampling(1.0, top_k=5)}
+
+
 @pytest.mark.slow
+@pytest.mark.parametrize("sampling", list(SAMPLINGS))
 @pytest.mark.parametrize("name,shape", cases(sampled_shapes))
-def test_sampling_keeps_the_target_distribution(tiny_v8, models, name, shape):
+def test_sampling_keeps_the_target_distribution(tiny_v8, models, name, shape, sampling):
+    """Chains and trees (a tree's children drawn from q at T > 0: the drafter's default scheme)."""
     entry = drafters()[name]
-    seed0 = 100_000 * (1 + list(drafters()).index(name)) + 10_000 * shapes_of(entry).index(shape)
-    check_sampling(tiny_v8, entry, shape, models.of(entry, shape, tiny_v8), seed0)
+    seed0 = 100_000 * (1 + list(drafters()).index(name)) + 10_000 * shapes_of(entry).index(shape) + \
+        1_000_000 * list(SAMPLINGS).index(sampling)
+    check_sampling(tiny_v8, entry, shape, models.of(entry, shape, tiny_v8), seed0, SAMPLINGS[sampling])
 
 
 @pytest.mark.parametrize("name,shape", cases())

@@ -4,6 +4,8 @@ Checked with chi-square goodness-of-fit tests at fixed seeds, against the exact 
 from the target. Each test also shows the same test has power: samples from the draft alone fail it, and
 end to end a chain whose depth-2 token is verified against the wrong draft distribution fails it too.
 """
+import zlib
+
 import numpy as np
 import pytest
 import torch
@@ -12,13 +14,14 @@ from scipy.stats import chisquare
 from helpers import NoTok as _NoTok
 from helpers import build_tiny
 from speclab.core.engine import decode
-from speclab.core.sampling import Sampling, logits_to_probs, sample
+from speclab.core.sampling import Sampling, draw, logits_to_probs, sample
 from speclab.core.target import Target
-from speclab.core.tree import DraftTree
+from speclab.core.tree import DraftTree, TreeDraw, dynamic_tree
 from speclab.core.verify import verify_sampling
 from speclab.drafters.sps import StandaloneDraft
 
 V = 8
+PLAIN = Sampling(1.0)  # temperature 1, no top-k / top-p
 N_RUNS = 1200  # decodes per end-to-end test (the depth-2 power check rejects at p ~ 1e-11)
 
 
@@ -67,6 +70,112 @@ def test_verify_sampled_multi_candidate_node_keeps_p(pq):
     counts = first_token_counts(p, q, tree_fn, 6000, seed=1)
     assert chi2_p(counts, p.numpy()) > 1e-3
     assert chi2_p(counts, q.numpy()) < 1e-3  # the test can tell p from q
+
+
+def wor_tree(q: torch.Tensor, k: int, g, scheme: str = "wor") -> DraftTree:
+    """k children of the root drawn from q without replacement (`speclab.core.sampling.draw`), verified as `scheme`."""
+    toks = draw(q[None], k, "wor", g)[0]
+    toks = toks[toks >= 0]
+    tree = DraftTree(toks, torch.full((toks.numel(),), -1), q[toks], q.repeat(toks.numel() + 1, 1))
+    tree.scheme = scheme
+    return tree
+
+
+@pytest.mark.slow
+def test_verify_children_drawn_without_replacement_keeps_p(pq):
+    """Three children drawn from q without replacement, verified by recursive rejection without replacement (the
+    rejected token leaves q as well as p): the first token follows p. Power: the same draws verified as if i.i.d.
+    (q left whole) do not."""
+    p, q = pq
+    counts = first_token_counts(p, q, lambda g: wor_tree(q, 3, g), 6000, seed=3)
+    assert chi2_p(counts, p.numpy()) > 1e-3
+    wrong = first_token_counts(p, q, lambda g: wor_tree(q, 3, g, scheme="iid"), 6000, seed=3)
+    assert chi2_p(wrong, p.numpy()) < 1e-3
+
+
+def test_draws_without_replacement_follow_sequential_sampling():
+    """Gumbel top-k draws are sequential draws without replacement: the first follows q, the second q without the
+    first renormalised (exact distribution of the ordered pair, chi-square), and no row repeats a token; a row with
+    fewer tokens of mass than k marks the rest -1."""
+    g = torch.Generator().manual_seed(0)
+    q = torch.softmax(torch.randn(5, generator=g) * 1.5, -1)
+    pairs = draw(q[None].expand(20000, -1).contiguous(), 2, "wor", g)
+    assert (pairs[:, 0] != pairs[:, 1]).all()
+    counts = np.bincount((pairs[:, 0] * 5 + pairs[:, 1]).numpy(), minlength=25)
+    want = (q[:, None] * q[None] / (1 - q[:, None])).fill_diagonal_(0).flatten().numpy()
+    assert chi2_p(counts, want) > 1e-3
+    assert chi2_p(counts, np.outer(q, q).flatten()) < 1e-3  # i.i.d. pairs are told apart
+    sparse = torch.tensor([[0.5, 0.5, 0.0, 0.0]])
+    assert sorted(draw(sparse, 3, "wor", g)[0].tolist()) == [-1, 0, 1]
+
+
+class PathModels:
+    """Synthetic target and drafter over a vocabulary of `v` tokens: p and q after any path are seeded random softmaxes
+    (fixed per path), so the exact joint of the next tokens is a sum over paths, with no model."""
+
+    def __init__(self, v: int, seed: int):
+        self.v, self.seed, self.memo = v, seed, {}
+
+    def dist(self, who: str, path: tuple) -> torch.Tensor:
+        key = (who, path)
+        if key not in self.memo:
+            g = torch.Generator().manual_seed(zlib.crc32(repr(key).encode()) + self.seed)  # stable across runs
+            self.memo[key] = torch.softmax(torch.randn(self.v, generator=g) * 1.5, -1)
+        return self.memo[key]
+
+    def joint(self, n: int, path: tuple = (), who: str = "p") -> np.ndarray:
+        """The target's ("p") or the drafter's ("q") exact distribution of the next n tokens after `path`, flattened
+        (index a * v^2 + b * v + c)."""
+        p = self.dist(who, path).double().numpy()
+        if n == 1:
+            return p
+        return np.concatenate([p[t] * self.joint(n - 1, path + (t,), who) for t in range(self.v)])
+
+    def tree(self, k: int, depth: int, total: int, scheme: str, g) -> DraftTree:
+        """The sampled dynamic tree (`dynamic_tree` with a `TreeDraw`) of the drafter's q."""
+        def expand(level, tokens, state):
+            paths = torch.cat([state[0], tokens[:, None]], 1)
+            lq = torch.stack([self.dist("q", tuple(r)).log() for r in paths.tolist()])
+            return lq, (paths,)
+        return dynamic_tree(self.dist("q", ()).log(), expand, depth, k, total, (torch.zeros(k, 0, dtype=torch.long),),
+                            sampled=TreeDraw(lambda lq: lq.exp(), scheme, g, self.v))
+
+    def first_tokens(self, tree: DraftTree, n: int, g, verify_as: str) -> tuple[int, int]:
+        """The first n tokens out of a decode whose first round verifies `tree` (as drawn by `verify_as`) and whose
+        later tokens the target samples alone, as one cell index; and how many drafts the round accepted."""
+        tree.scheme = verify_as
+        rows = [self.dist("p", ())] + [self.dist("p", tuple(tree.tokens[tree.path_to(i)].tolist()))
+                                       for i in range(len(tree))]
+        v = verify_sampling(tree, torch.stack(rows), g)
+        out = tree.tokens[v.accepted].tolist() + [v.bonus]
+        while len(out) < n:
+            out.append(int(sample(self.dist("p", tuple(out)), g)))
+        return int(np.ravel_multi_index(out[:n], (self.v,) * n)), v.accepted.numel()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("scheme", ["wor", "iid"])
+def test_sampled_depth3_trees_keep_the_joint(scheme):
+    """A sampled dynamic tree of depth 3 with 2 children per expanded node (2 + 4 + 4 nodes, children drawn without
+    replacement or i.i.d.), verified by its scheme's recursive rejection: the first three tokens follow the target's
+    exact joint. Power: as many draws from the drafter's own joint are told apart; the round accepts drafts at all
+    three depths often (the test is not AR in disguise). (Verifying these trees as point masses, accept x with p(x),
+    would pass too: that rule is exact for any candidates, only less often accepted.)"""
+    m = PathModels(4, seed=11)
+    want = m.joint(3)
+    g = torch.Generator().manual_seed(7)
+    counts, deep = np.zeros(64), 0
+    for _ in range(6000):
+        tree = m.tree(2, 3, 10, scheme, g)
+        assert int((tree.parents == -1).sum()) == 2 and int(tree.depth.max()) == 3
+        cell, accepted = m.first_tokens(tree, 3, g, scheme)
+        counts[cell] += 1
+        deep += accepted == 3
+    assert chi2_p(counts, want) > 1e-3
+    q = m.joint(3, who="q")
+    drafted = np.bincount(np.random.default_rng(0).choice(64, size=6000, p=q / q.sum()), minlength=64)
+    assert chi2_p(drafted, want) < 1e-3
+    assert deep > 300, deep
 
 
 @pytest.mark.slow
@@ -157,11 +266,11 @@ class WrongDepth2Q(StandaloneDraft):
 PROMPT = torch.tensor([1, 5, 2])
 
 
-def decode_counts(target, drafter, s: Sampling, prompt=PROMPT, deferred=True, seed0=0):
-    """N_RUNS decodes of N_NEW tokens at seeds seed0, seed0 + 1, ...: counts of the first two tokens (a * V + b)
+def decode_counts(target, drafter, s: Sampling, prompt=PROMPT, deferred=True, seed0=0, runs: int = N_RUNS):
+    """`runs` decodes of N_NEW tokens at seeds seed0, seed0 + 1, ...: counts of the first two tokens (a * V + b)
     and how many decodes took one round (the first round accepted drafts at depths 1 and 2)."""
     counts, one_round = np.zeros(V * V), 0
-    for seed in range(seed0, seed0 + N_RUNS):
+    for seed in range(seed0, seed0 + runs):
         res = decode(target, prompt, {drafter.name: drafter}, max_new_tokens=N_NEW, deferred=deferred,
                      sampling=Sampling(s.temperature, s.top_k, s.top_p, seed=seed))
         a, b = res.new_ids.tolist()[:2]
@@ -170,23 +279,27 @@ def decode_counts(target, drafter, s: Sampling, prompt=PROMPT, deferred=True, se
     return counts, one_round
 
 
-def told_apart(other_joint: np.ndarray, want: np.ndarray, seed: int = 0) -> bool:
-    """Power: N_RUNS draws from another joint distribution fail the chi-square test against `want`."""
+def told_apart(other_joint: np.ndarray, want: np.ndarray, seed: int = 0, runs: int = N_RUNS) -> bool:
+    """Power: `runs` draws from another joint distribution fail the chi-square test against `want`."""
     rng = np.random.default_rng(seed)
-    other = np.bincount(rng.choice(V * V, size=N_RUNS, p=other_joint / other_joint.sum()), minlength=V * V)
+    other = np.bincount(rng.choice(V * V, size=runs, p=other_joint / other_joint.sum()), minlength=V * V)
     return chi2_p(other, want) < 1e-3
 
 
 def assert_keeps_target_distribution(target, drafter, seed0: int, min_one_round: int,
-                                     prompt: torch.Tensor = PROMPT) -> None:
-    """The first two tokens sampled through `drafter` after `prompt` follow the target's exact joint (chi-square),
-    more than `min_one_round` decodes take both in one round (the drafts are really tested), and the test has power:
-    the target's joint at temperature 0.7 is told apart."""
-    want = exact_joint(target, prompt, Sampling(1.0))
-    counts, one_round = decode_counts(target, drafter, Sampling(1.0), prompt, seed0=seed0)
-    assert one_round > min_one_round, (one_round, min_one_round)
+                                     prompt: torch.Tensor = PROMPT, s: Sampling = PLAIN) -> None:
+    """The first two tokens sampled through `drafter` after `prompt` under `s` follow the target's exact joint
+    (chi-square), more than `min_one_round` decodes take both in one round (the drafts are really tested), and the
+    test has power: the target's joint under other sampling is told apart by as many draws. Plain T = 1: N_RUNS
+    decodes, against temperature 0.7. Top-k / top-p: N_RUNS / 2, against plain T = 1 (whose draws land on tokens the
+    truncation excludes: a sharp test with half the decodes)."""
+    want = exact_joint(target, prompt, s)
+    plain = s.temperature == 1.0 and not s.top_k and s.top_p >= 1.0
+    runs = N_RUNS if plain else N_RUNS // 2
+    counts, one_round = decode_counts(target, drafter, s, prompt, seed0=seed0, runs=runs)
+    assert one_round > min_one_round * runs // N_RUNS, (one_round, min_one_round)
     assert chi2_p(counts, want) > 1e-3
-    assert told_apart(exact_joint(target, prompt, Sampling(0.7)), want)
+    assert told_apart(exact_joint(target, prompt, Sampling(0.7 if plain else 1.0)), want, runs=runs)
 
 
 # name: (sps drafter params, or None for the i.i.d. sibling tree; sampling besides temperature 1; deferred; prompt).

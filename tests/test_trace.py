@@ -2,6 +2,7 @@
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 from helpers import PROMPTS
@@ -338,13 +339,44 @@ def test_eager_is_a_column_written_by_the_run_and_migrated(qwen3, tmp_path):
     con.execute("ALTER TABLE draft_nodes DROP COLUMN in_cands")  # and schema 7's
     for col in ("engine", "engine_version", "source"):  # and schema 8's (imported runs)
         con.execute(f"ALTER TABLE runs DROP COLUMN {col}")
+    for table, col in (("draft_nodes", "sampled_p"), ("draft_nodes", "sampled_q"), ("tokens", "accept_prob")):
+        con.execute(f"ALTER TABLE {table} DROP COLUMN {col}")  # and schema 9's (sampled decoding)
     con.execute("UPDATE meta SET value = '4' WHERE key = 'schema_version'")
     con.close()
     with pytest.raises(TraceError, match="older than this speclab's"):
         TraceStore(old, read_only=True)
     with TraceStore(old) as s:
         runs = s.query("SELECT method, eager FROM runs ORDER BY run_id")
-        nodes = s.query("SELECT block, bucket, in_cands FROM draft_nodes")  # the columns are back (empty)
+        nodes = s.query("SELECT block, bucket, in_cands, sampled_p, sampled_q FROM draft_nodes")  # back (empty)
         engines = s.query("SELECT engine, engine_version, source FROM runs")
-    assert runs.eager.tolist() == [True, False, False] and SCHEMA_VERSION == 8 and list(nodes.columns) == [
-        "block", "bucket", "in_cands"] and engines.engine.isna().all()
+        s.query("SELECT accept_prob FROM tokens")
+    assert runs.eager.tolist() == [True, False, False] and SCHEMA_VERSION == 9 and list(nodes.columns) == [
+        "block", "bucket", "in_cands", "sampled_p", "sampled_q"] and engines.engine.isna().all()
+
+
+@pytest.mark.parametrize("tree_topk", [1, 2])
+def test_sampled_runs_keep_p_and_q_of_every_node(qwen3, qwen3_draft, tmp_path, tree_topk):
+    """Under sampling every draft node keeps p(x) and q(x) as verification tested it (q: the drafter's at its
+    draft_temp; a sampled chain's and a sampled tree's), and every accepted draft token its acceptance probability
+    min(1, p / q); a greedy run keeps none of them; the app's token spans show it (`viz.token_spans`)."""
+    from speclab import viz
+
+    with TraceStore(tmp_path / "t.duckdb") as store:
+        res = generate(qwen3, PROMPTS[2], "sps", models={"draft": qwen3_draft}, k=3, tree_topk=tree_topk,
+                       draft_temp=0.8, max_new_tokens=30, temperature=1.0, seed=4, trace=store)
+        greedy = generate(qwen3, PROMPTS[2], "sps", models={"draft": qwen3_draft}, k=3, tree_topk=tree_topk,
+                          max_new_tokens=10, trace=store)
+        nodes = store.query("SELECT * FROM draft_nodes WHERE run_id = ?", [res.run_id])
+        toks = store.query("SELECT * FROM tokens WHERE run_id = ? ORDER BY pos", [res.run_id])
+        assert store.query("SELECT count(sampled_p) + count(sampled_q) AS n FROM draft_nodes WHERE run_id = ?",
+                           [greedy.run_id]).n[0] == 0
+        assert store.query("SELECT count(accept_prob) AS n FROM tokens WHERE run_id = ?", [greedy.run_id]).n[0] == 0
+    assert nodes.sampled_p.between(0, 1).all() and nodes.sampled_q.between(0, 1, inclusive="right").all()
+    assert (nodes.sampled_q == nodes.draft_prob).all()  # q(x) as drawn: the drafter's tempered, not its T = 1 softmax
+    acc = nodes[nodes.accepted].sort_values(["round", "depth"])
+    drafted = toks[toks.source == "sps"]
+    assert len(drafted) == len(acc) > 0 and toks[toks.source == "target"].accept_prob.isna().all()
+    want = np.minimum(1.0, acc.sampled_p.to_numpy() / acc.sampled_q.to_numpy())
+    np.testing.assert_allclose(drafted.accept_prob.to_numpy(), want, rtol=1e-6)
+    spans = viz.token_spans({c: toks[c].tolist() for c in (*viz.TOKEN_COLUMNS, "accept_prob")})
+    assert sum("accepted with probability" in s for s in spans) == len(drafted)

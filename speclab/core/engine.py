@@ -44,7 +44,7 @@ from kernels import ops as kernel_ops
 from speclab.core.lean import ConRows
 from speclab.core.pool import Committed, DrafterPool, feature_columns, feature_layers
 from speclab.core.protocol import Decision, Drafter, ExtraRows, FixedRouter, RoundView, Router, Signals
-from speclab.core.sampling import Sampling
+from speclab.core.sampling import Sampling, logits_to_probs
 from speclab.core.target import Target, forward_clock, keep_cache
 from speclab.core.tree import DraftTree, tree_attention_mask, tree_position_ids, tree_rows
 from speclab.core.verify import verify
@@ -79,6 +79,11 @@ class RoundEvent:
     elapsed_ms: float = 0.0  # the run's decode time so far: prefill + every phase of every round up to this one
     run_calls: int = 0  # the run's target calls so far, prefill included (what its run row counts at the end)
     logits: torch.Tensor | None = None  # [n + 1, V] the verification logits, kept only with keep_logits (inspection)
+    # under sampling (None at T = 0), per node: p(x), the target's probability of its token at its parent's row under
+    # the decode's sampling (temperature, top-k, top-p), and q(x), the drafter's as it drew it (1 for a point mass:
+    # a deterministic draft); its first test accepts it with min(1, p(x) / q(x)) (`speclab.core.verify`)
+    node_p: torch.Tensor | None = None
+    node_q: torch.Tensor | None = None
 
     @property
     def n_accepted(self) -> int:
@@ -255,7 +260,7 @@ def decode_rounds(target: Target, prompt_ids: torch.Tensor, drafters: dict[str, 
         if record:  # the RoundEvent for the listeners (only when someone listens)
             with clock.phase("record"):
                 ev = round_event(rnd, name, tree, accepted, new, v.logits, v.bonus, clock.ms, calls, backlog, pos0,
-                                 decision)
+                                 decision, sampling)
                 ev.logits = v.logits if keep_logits else None
                 for fn in listeners:
                     fn(ev)
@@ -422,15 +427,20 @@ def forward_root(target: Target, cache, seq: Committed, layers: tuple[int, ...],
     return Row(out.logits, out.hidden)
 
 
-def round_event(rnd, name, tree, accepted, new, logits, bonus, timings, calls, backlog, pos0, decision) -> RoundEvent:
+def round_event(rnd, name, tree, accepted, new, logits, bonus, timings, calls, backlog, pos0, decision,
+                sampling: Sampling | None = None) -> RoundEvent:
     """What the listeners need, in five tensor ops over the verification logits (no host sync, no per-token
-    work); `token_columns` derives the per-token figures from it, in batches."""
+    work; two more under sampling); `token_columns` derives the per-token figures from it, in batches."""
     lse, ent = kernel_ops.softmax_entropy(logits)  # one pass over the vocabulary (a Triton kernel on CUDA)
     rows = tree.parents + 1
     if tree.cands is not None:  # FlashHead: was the target's token (its argmax at the parent) retrieved?
         tree.extra["in_cands"] = (tree.cands == logits[rows].argmax(-1)[:, None]).any(-1).long()
-    return RoundEvent(rnd, name, tree, accepted, new, logits[rows, tree.tokens].float() - lse[rows], ent,
-                      logits[:, bonus].float() - lse, timings, calls, backlog, pos0, decision)
+    ev = RoundEvent(rnd, name, tree, accepted, new, logits[rows, tree.tokens].float() - lse[rows], ent,
+                    logits[:, bonus].float() - lse, timings, calls, backlog, pos0, decision)
+    if sampling is not None and not sampling.greedy:  # p(x) and q(x) as verification tested them
+        ev.node_p = logits_to_probs(logits, sampling)[rows, tree.tokens]
+        ev.node_q = tree.draft_probs.float() if tree.sampled else torch.ones_like(ev.node_p)
+    return ev
 
 
 def entropy(logits: torch.Tensor) -> torch.Tensor:

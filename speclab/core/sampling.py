@@ -42,3 +42,43 @@ def sample(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tens
     idx = torch.searchsorted(cdf, u * cdf[..., -1:], right=True)  # first index with cdf > u: never a zero-mass token
     return idx.clamp_(max=probs.shape[-1] - 1).squeeze(-1)
 
+
+
+def draft_probs(logits: torch.Tensor, s: Sampling, draft_temp: float = 1.0) -> torch.Tensor:
+    """The distribution q a drafter samples from: its logits (any shift: log-probs will do) through the same transform
+    as the target's (`logits_to_probs`: top-k and top-p too), at `draft_temp` times the target's temperature.
+    Any q keeps a sampled decode exact (verification tests min(1, p/q)); a cooler q trades coverage for acceptance."""
+    return logits_to_probs(logits, Sampling(s.temperature * draft_temp, s.top_k, s.top_p))
+
+
+def draw(q: torch.Tensor, k: int, scheme: str, generator: torch.Generator | None) -> torch.Tensor:
+    """k children of each row of q [f, V] -> token ids [f, k], -1 where a row has fewer than k tokens of mass
+    (scheme "wor" only). "iid": k independent draws (SpecInfer's siblings; a token may repeat); "wor": k draws
+    without replacement (Gumbel top-k: the keys log q + Gumbel noise in falling order are sequential draws without
+    replacement; Jeon et al. 2024, "Recursive Speculative Decoding"), in the order they were drawn."""
+    if scheme == "iid":
+        return sample(q[:, None, :].expand(-1, k, -1), generator)
+    u = torch.rand(q.shape, generator=generator, device="cpu").to(q.device).clamp_(min=1e-20)
+    keys = q.log() - (-u.log()).log()  # log q + Gumbel(0, 1); -inf where q is 0
+    top = keys.topk(min(k, q.shape[-1]), -1)
+    return torch.where(top.values > float("-inf"), top.indices, -1)
+
+
+def draw_one(logits: torch.Tensor, s: Sampling, draft_temp: float, generator: torch.Generator | None,
+             to_target: torch.Tensor | None = None, vocab: int = 0):
+    """A sampled chain's step: one token per row of a drafter's logits [f, Vd] drawn from q (`draft_probs`), its
+    q(x) and q itself for verification, spread into the target's vocabulary of `vocab` ids when the drafter's is
+    reduced (`to_target` [Vd]: the target id of each draft id). Returns (token ids in target ids [f], q(x) [f],
+    q [f, V])."""
+    q = draft_probs(logits, s, draft_temp)
+    idx = sample(q, generator)
+    qx = q.gather(-1, idx[..., None])[..., 0]
+    if to_target is None:
+        return idx, qx, q
+    return to_target[idx], qx, torch.zeros(q.shape[:-1] + (vocab,), device=q.device).index_add_(-1, to_target, q)
+
+
+def chain_dists(rows: list[torch.Tensor]) -> torch.Tensor:
+    """`DraftTree.draft_dists` of a sampled chain from the q rows its tokens were drawn from [1, V] each: the last
+    node has no child (a zero row)."""
+    return torch.cat(rows + [torch.zeros_like(rows[0])])

@@ -5,11 +5,13 @@ the last committed token and is not a node (parent -1 means "child of the root")
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 
 from kernels.reference import ancestor_mask
+from speclab.core.sampling import draw as draw_children
 
 
 @dataclass
@@ -28,6 +30,10 @@ class DraftTree:
     # FlashHead (speclab.drafters.flashhead): per node, the candidate token ids (target ids) of the row that drafted it
     # ([n, C], -1 = none); the engine then records whether the target's token was among them (`in_cands`)
     cands: torch.Tensor | None = None
+    # How sampled siblings were drawn from their parent's q (`speclab.core.sampling.draw`): "iid" (SpecInfer) or
+    # "wor" (without replacement: verification then also takes a rejected token out of q). A chain has one child
+    # per node, where the two are the same test.
+    scheme: str = "iid"
 
     def __post_init__(self):
         self._anc: torch.Tensor | None = None
@@ -67,7 +73,7 @@ class DraftTree:
             return self
         tree = DraftTree(self.tokens.to(device), self.parents.to(device), self.draft_probs.to(device),
                          None if self.draft_dists is None else self.draft_dists.to(device), self.extra,
-                         None if self.cands is None else self.cands.to(device))
+                         None if self.cands is None else self.cands.to(device), self.scheme)
         tree._chain = self._chain
         return tree
 
@@ -144,8 +150,21 @@ def check_dynamic_tree(method: str, name: str, value: int, depth: int, topk: int
                            f"than {64 * MAX_TREE_NODES}; lower {name} or tree_topk")
 
 
+@dataclass(frozen=True)
+class TreeDraw:
+    """How a tree's children are drawn under sampling (`dynamic_tree`): `q(logp [f, V]) -> [f, V]` the drafter's
+    distribution (`speclab.core.sampling.draft_probs`), the scheme (`speclab.core.sampling.draw`: "iid" or "wor"),
+    the decode's generator and the target's vocabulary size (q rows of a reduced draft vocabulary are spread into
+    it for verification)."""
+    q: Callable[[torch.Tensor], torch.Tensor]
+    scheme: str
+    generator: torch.Generator | None
+    vocab: int
+
+
 def dynamic_tree(root_logp: torch.Tensor, expand, depth: int, k: int, total: int, state,
-                 to_target: torch.Tensor | None = None, root_cands: torch.Tensor | None = None) -> DraftTree:
+                 to_target: torch.Tensor | None = None, root_cands: torch.Tensor | None = None,
+                 sampled: TreeDraw | None = None) -> DraftTree:
     """EAGLE-2's dynamic draft tree, for any drafter that can score children of a set of nodes.
 
     The root's top-k children form the frontier; then `depth - 1` times the frontier's nodes are expanded by
@@ -158,17 +177,42 @@ def dynamic_tree(root_logp: torch.Tensor, expand, depth: int, k: int, total: int
     vocabulary ids to the target's (a reduced draft vocabulary). Deterministic: verification treats the nodes
     as point masses, lossless under sampling as well. With a FlashHead, `root_cands` [C] are the root row's
     candidates and `expand` returns a third item, the frontier rows' candidates [f, C]: each node keeps those of
-    the row that drafted it (`DraftTree.cands`)."""
+    the row that drafted it (`DraftTree.cands`).
+
+    `sampled` (a sampled decode): each expanded node's k children are drawn from its q instead (`TreeDraw`), the
+    frontier is still the k best by cumulative log q, and the tree is the first `total` nodes in the order they were
+    drawn (level by level), not the best: how many children a node keeps must not depend on what they are, or the
+    verified distribution is no longer the target's (the selection bias of DSpark's Appendix A). Each node keeps q of
+    its children (`DraftTree.draft_dists`) for verification."""
     dev = root_logp.device
     ids = (lambda i: to_target[i]) if to_target is not None else (lambda i: i)
-    vals, idx = root_logp.topk(min(k, root_logp.numel()))
+
+    def children(logp: torch.Tensor):  # [f, V] -> log q(child) [f, k], child ids [f, k], q [f, V] (sampled)
+        if sampled is None:
+            return *logp.topk(min(k, logp.shape[-1]), -1), None
+        q = sampled.q(logp)
+        idx = draw_children(q, k, sampled.scheme, sampled.generator)
+        lq = torch.where(idx >= 0, q.gather(-1, idx.clamp(min=0)).log(), float("-inf"))
+        return lq, idx.clamp(min=0), q
+
+    vals, idx, q = children(root_logp[None])
+    vals, idx = vals[0], idx[0]
     tok_l, par_l, lq_l, score_l, dep_l = [ids(idx)], [torch.full_like(idx, -1)], [vals], [vals], [torch.ones_like(idx)]
+    q_l = [] if q is None else [(torch.tensor([-1], device=dev), q)]  # (node ids, their children's q rows)
     n = idx.numel()
     cand_l = None if root_cands is None else [root_cands[None].expand(n, -1)]
-    front, front_tok, front_score = torch.arange(n, device=dev), tok_l[0], vals
+    front = torch.arange(n, device=dev)
+    if sampled is not None:  # a child without mass (fewer than k tokens have some) is never expanded, nor kept
+        front = front[vals > float("-inf")]
+        state = None if state is None else tuple(t[front] for t in state)
+    front_tok, front_score = tok_l[0][front], vals[front]
     for level in range(1, depth):
+        if front.numel() == 0:
+            break
         logp, out_state, *cands = expand(level, front_tok, state)
-        vals, idx = logp.topk(min(k, logp.shape[-1]), -1)  # [f, k]
+        vals, idx, q = children(logp)  # [f, k]
+        if q is not None:
+            q_l.append((front, q))
         if cand_l is not None:
             cand_l.append(cands[0].repeat_interleave(vals.shape[1], 0))
         cand = (front_score[:, None] + vals).flatten()
@@ -179,18 +223,43 @@ def dynamic_tree(root_logp: torch.Tensor, expand, depth: int, k: int, total: int
         score_l.append(cand)
         dep_l.append(torch.full_like(kids, level + 1))
         best = cand.topk(min(k, cand.numel())).indices
+        if sampled is not None:
+            best = best[cand[best] > float("-inf")]
         rows = best // vals.shape[1]
         front, front_tok, front_score = n + best, kids[best], cand[best]
         state = None if out_state is None else tuple(t[rows] for t in out_state)
         n += cand.numel()
     tokens, parents, logq = torch.cat(tok_l), torch.cat(par_l), torch.cat(lq_l)
-    score = torch.cat(score_l) - 1e-6 * torch.cat(dep_l)  # strictly falling along a path: closed under ancestors
-    keep = score.topk(min(total, n)).indices.sort().values  # pool order is topological
+    if sampled is None:
+        score = torch.cat(score_l) - 1e-6 * torch.cat(dep_l)  # strictly falling along a path: closed under ancestors
+        keep = score.topk(min(total, n)).indices.sort().values  # pool order is topological
+    else:  # the first `total` drawn (pool order: level by level), never chosen by what was drawn
+        keep = (logq > float("-inf")).nonzero().flatten()[:total]
     remap = torch.full((n,), -1, dtype=torch.long, device=dev)
     remap[keep] = torch.arange(keep.numel(), device=dev)
     par = parents[keep]
-    return DraftTree(tokens[keep], torch.where(par >= 0, remap[par.clamp(min=0)], par), logq[keep].exp(),
+    tree = DraftTree(tokens[keep], torch.where(par >= 0, remap[par.clamp(min=0)], par), logq[keep].exp(),
                      cands=None if cand_l is None else torch.cat(cand_l)[keep])
+    if sampled is not None:
+        tree.draft_dists = _node_dists(q_l, remap, keep.numel(), sampled.vocab, to_target)
+        tree.scheme = sampled.scheme
+    return tree
+
+
+def _node_dists(q_l, remap: torch.Tensor, n: int, vocab: int, to_target: torch.Tensor | None) -> torch.Tensor:
+    """[n + 1, vocab]: row 0 the root's children's q, row i + 1 node i's (zeros for a node not expanded), from the
+    (pool node ids [f] (-1: the root), q rows [f, V]) of each expansion, the draft vocabulary spread into the
+    target's."""
+    out = torch.zeros(n + 1, vocab, device=q_l[0][1].device)
+    for nodes, q in q_l:
+        rows = torch.where(nodes >= 0, remap[nodes.clamp(min=0)] + 1, 0)
+        kept = (nodes < 0) | (rows > 0)
+        q, rows = q[kept], rows[kept]
+        if to_target is None:
+            out[rows] = q.float()
+        else:
+            out[rows] = torch.zeros(rows.numel(), vocab, device=out.device).index_add_(1, to_target, q.float())
+    return out
 
 
 def tree_rows(ancestors: torch.Tensor, depth: torch.Tensor, past: int, with_root: bool) -> tuple[torch.Tensor,

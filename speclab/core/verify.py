@@ -52,7 +52,9 @@ def verify_tokens(tree: DraftTree, target_argmax: torch.Tensor) -> Verdict:
 
 def verify_sampling(tree: DraftTree, target_probs: torch.Tensor, generator: torch.Generator | None) -> Verdict:
     """Recursive rejection sampling. Sampled drafts (tree.draft_dists given): accept x with min(1, p(x)/q(x)),
-    else p <- norm(max(p - q, 0)) and try the next sibling (all siblings drawn i.i.d. from q).
+    else p <- norm(max(p - q, 0)) and try the next sibling: siblings drawn i.i.d. from q (SpecInfer), or without
+    replacement (`tree.scheme` "wor": then q <- q with x removed, renormalised, too; recursive rejection sampling
+    without replacement, Jeon et al. 2024, "Recursive Speculative Decoding").
     Deterministic drafts: accept x with p(x), else p <- p with x removed, renormalised. A chain (one candidate
     per node) takes all its tests at once (`kernels.ops.sampling_accept`), with the same uniforms in the same
     order as the recursion."""
@@ -60,6 +62,7 @@ def verify_sampling(tree: DraftTree, target_probs: torch.Tensor, generator: torc
         return _verify_sampled_chain(tree, target_probs, generator)
     parents = tree.parents.tolist()
     tokens = tree.tokens.tolist()
+    wor = tree.scheme == "wor"
     children: dict[int, list[int]] = {}
     for i, par in enumerate(parents):
         children.setdefault(par, []).append(i)
@@ -81,6 +84,10 @@ def verify_sampling(tree: DraftTree, target_probs: torch.Tensor, generator: torc
                 break
             if q is not None:
                 p = residual(p, q)
+                if wor:  # the next sibling was drawn from q without x (Jeon et al. 2024: RRSw)
+                    q = q.clone()
+                    q[x] = 0
+                    q = q / q.sum().clamp(min=1e-30)
             else:
                 p = p.clone()
                 p[x] = 0

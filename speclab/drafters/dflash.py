@@ -22,11 +22,13 @@ decoded left to right inside the block (r x V work per token; the backbone stays
 are independent and the whole block is one argmax.
 
 Optional tree (`tree_topk` > 1, off by default): EAGLE-2's dynamic tree over the rows' top-k (with the Markov bias
-of each parent's token), the best `total_tokens` nodes kept; it costs no drafter call beyond the block's.
+of each parent's token), the best `total_tokens` nodes kept; it costs no drafter call beyond the block's. At T > 0
+its children are drawn from the rows' q instead (`scheme`: without replacement or i.i.d.; topk keeps the greedy
+tree), the first `total_tokens` drawn kept.
 
 Verification: greedy drafts are the per-row argmax (point masses). Under sampling every token is drawn from its
-row's distribution q_k (with the Markov bias of the token drawn before it) and q_k is recorded, so verification
-uses min(1, p/q) and the residual: lossless.
+row's distribution q_k (with the Markov bias of the token drawn before it; `draft_temp` times the target's
+temperature) and q_k is recorded, so verification uses min(1, p/q) and the residual: lossless.
 """
 from __future__ import annotations
 
@@ -40,9 +42,9 @@ import torch.nn.functional as F
 from speclab.checks import MAX_TREE_NODES, Bound
 from speclab.core.layers import DecoderLayer, rope_inv_freq, rope_tables
 from speclab.core.lean import KVCache
-from speclab.core.sampling import Sampling, logits_to_probs, sample
+from speclab.core.sampling import Sampling, chain_dists, draft_probs, sample
 from speclab.core.target import forward_clock
-from speclab.core.tree import DraftTree, check_dynamic_tree, dynamic_tree
+from speclab.core.tree import DraftTree, TreeDraw, check_dynamic_tree, dynamic_tree
 from speclab.drafters.checkpoint import (
     check_fits,
     load_strict,
@@ -51,7 +53,7 @@ from speclab.drafters.checkpoint import (
     save_checkpoint,
 )
 from speclab.drafters.flashhead import HEAD_PARAMS, head_same_decode, with_head
-from speclab.drafters.registry import CostBench, DrafterEntry, ModelRole, Param, Shape, TrainEntry
+from speclab.drafters.registry import CostBench, DrafterEntry, ModelRole, Param, Shape, TrainEntry, sampling_params
 from speclab.errors import InvalidInput, ModelNotFound
 
 
@@ -227,13 +229,14 @@ class DFlashDrafter:
     flash = None  # a FlashHead over the target's head (speclab.drafters.flashhead), or None: the dense head
 
     def __init__(self, model: DFlashModel, target, *, block_size: int, markov: bool, tree_topk: int,
-                 total_tokens: int):
+                 total_tokens: int, draft_temp: float = 1.0, scheme: str = "wor"):
         c = model.config
         if block_size < 2 or tree_topk < 1 or total_tokens < 1:
             raise ValueError(f"dflash needs block_size >= 2 (a block is the root and at least one mask), tree_topk and "
                              f"total_tokens >= 1 (got {block_size}, {tree_topk}, {total_tokens})")
         self.m, self.target, self.block_size = model, target, block_size
         self.tree_topk, self.total_tokens = tree_topk, total_tokens
+        self.draft_temp, self.scheme = draft_temp, scheme
         self.markov = bool(markov) and model.has_markov
         self.layers = c.target_layer_ids
         self.H, self.KV, self.D = c.num_attention_heads, c.num_key_value_heads, c.head_dim
@@ -314,8 +317,10 @@ class DFlashDrafter:
             self.flash.generator = generator
         with forward_clock:
             logits = self.block_logits(n_rows)
+        if self.scheme == "topk":  # deterministic drafts at T > 0 too (the comparison)
+            sampling = Sampling()
         if self.tree_topk > 1:
-            tree = self._tree(logits)
+            tree = self._tree(logits, sampling, generator)
         elif not self.markov and sampling.greedy:  # independent rows: the whole block is one argmax
             logp = torch.log_softmax(logits, -1)
             lq, tokens = logp.max(-1)
@@ -337,25 +342,28 @@ class DFlashDrafter:
             if sampling.greedy:
                 prev = row.argmax(-1)
             else:
-                dists.append(logits_to_probs(row, sampling))
+                dists.append(draft_probs(row, sampling, self.draft_temp))
                 prev = sample(dists[-1], generator).view(1).to(self.device)
             tokens.append(prev)
             rows.append(row)
         tokens = torch.cat(tokens)
         if dists:
             q = torch.cat(dists)
-            return DraftTree.chain(tokens, q.gather(1, tokens[:, None])[:, 0], torch.cat([q, torch.zeros_like(q[:1])]))
+            return DraftTree.chain(tokens, q.gather(1, tokens[:, None])[:, 0], chain_dists(dists))
         return DraftTree.chain(tokens, torch.softmax(torch.cat(rows), -1).gather(1, tokens[:, None])[:, 0])
 
-    def _tree(self, logits: torch.Tensor) -> DraftTree:
+    def _tree(self, logits: torch.Tensor, sampling: Sampling, generator) -> DraftTree:
         """A tree from the rows' top-k (speclab.core.tree.dynamic_tree): depth d's children are row d's top tokens, with
-        the Markov bias of their parent's token when the head is on. No drafter call beyond the block's."""
+        the Markov bias of their parent's token when the head is on; at T > 0 drawn from those rows' q instead. No
+        drafter call beyond the block's."""
         def logp_after(row: int, parents: torch.Tensor) -> torch.Tensor:
             lg = logits[row].expand(parents.numel(), -1)
             return torch.log_softmax(lg + self.m.markov_bias(parents).float() if self.markov else lg, -1)
 
+        drawn = None if sampling.greedy else TreeDraw(lambda lp: draft_probs(lp, sampling, self.draft_temp),
+                                                      self.scheme, generator, logits.shape[-1])
         return dynamic_tree(logp_after(0, self.root)[0], lambda level, tokens, _: (logp_after(level, tokens), None),
-                            logits.shape[0], self.tree_topk, self.total_tokens, None)
+                            logits.shape[0], self.tree_topk, self.total_tokens, None, sampled=drawn)
 
     def commit(self, tree: DraftTree, accepted: torch.Tensor) -> None:
         """Nothing to keep: the block's keys and values sit past `known` and the next block overwrites them; the
@@ -406,7 +414,7 @@ ENTRY = DrafterEntry(
                      "DFlash: what a block costs (drafter call, Markov head, verification)",
                      "ms per block after a {context}-token context (lower is better)", "block size (rows)",
                      low_why="a block is the root and at least one mask"),),
-    params=PARAMS + HEAD_PARAMS, check=_check, same_decode=head_same_decode(_same_decode),
+    params=PARAMS + sampling_params() + HEAD_PARAMS, check=_check, same_decode=head_same_decode(_same_decode),
     build=with_head(lambda target, model, markov, **params: DFlashDrafter(model, target, markov=bool(markov), **params),
                     "dflash", lambda model, target: target.head_weight,
                     scale=lambda model: model.config.output_multiplier),

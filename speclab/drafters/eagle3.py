@@ -20,8 +20,11 @@ uses (1, 3, 5): low, middle and the input of the last layer.
 Drafting (EAGLE-2's dynamic tree): the root's top-k children; then `depth - 1` times the k best frontier nodes
 (cumulative log-probability) are forwarded in one drafter call under a tree mask and expanded by their top-k;
 at the end the best `total_tokens` nodes of everything expanded form the tree (ancestor-closed, since a score
-only falls along a path). tree_topk = 1 is a chain. The tree is deterministic, so verification treats its nodes as
-point masses: lossless under sampling as well.
+only falls along a path). tree_topk = 1 is a chain. At T = 0 the tree is deterministic (verification treats its
+nodes as point masses). At T > 0 the drafter samples (`draft_temp` times the target's temperature, its top-k and
+top-p): a chain draws each token from q, a tree draws each expanded node's children from q without replacement or
+i.i.d. (`scheme`; `speclab.core.tree.dynamic_tree`), and verification tests min(1, p/q); `scheme=topk` keeps the
+deterministic drafts for comparison.
 
 Catch-up with KV-only prefill: the backlog (tokens accepted since the drafter last looked, with the target's
 features) needs only its keys and values in the drafter's cache. With one layer those depend on the inputs
@@ -40,9 +43,9 @@ import torch.nn as nn
 from speclab.checks import MAX_TREE_NODES, Bound
 from speclab.core.layers import DecoderLayer, causal_mask, rope_inv_freq, rope_tables
 from speclab.core.lean import KVCache
-from speclab.core.sampling import Sampling
+from speclab.core.sampling import Sampling, chain_dists, draft_probs, draw_one
 from speclab.core.target import forward_clock
-from speclab.core.tree import DraftTree, check_dynamic_tree, dynamic_tree
+from speclab.core.tree import DraftTree, TreeDraw, check_dynamic_tree, dynamic_tree
 from speclab.drafters.checkpoint import (
     check_fits,
     load_strict,
@@ -51,7 +54,7 @@ from speclab.drafters.checkpoint import (
     save_checkpoint,
 )
 from speclab.drafters.flashhead import HEAD_PARAMS, head_same_decode, with_head
-from speclab.drafters.registry import CostBench, DrafterEntry, ModelRole, Param, Shape, TrainEntry
+from speclab.drafters.registry import CostBench, DrafterEntry, ModelRole, Param, Shape, TrainEntry, sampling_params
 from speclab.errors import ModelNotFound
 
 
@@ -226,12 +229,12 @@ class Eagle3Drafter:
     flash = None  # a FlashHead over the draft vocabulary (speclab.drafters.flashhead), or None: the dense LM head
 
     def __init__(self, model: Eagle3Model, target, *, depth: int, tree_topk: int, total_tokens: int,
-                 kv_only: bool = True):
+                 draft_temp: float = 1.0, scheme: str = "wor", kv_only: bool = True):
         if depth < 1 or tree_topk < 1 or total_tokens < 1:
             raise ValueError(f"eagle3 needs depth, tree_topk and total_tokens >= 1 (got {depth}, {tree_topk}, "
                              f"{total_tokens})")
         self.m, self.depth, self.tree_topk, self.total_tokens = model, depth, tree_topk, total_tokens
-        self.kv_only = kv_only
+        self.kv_only, self.draft_temp, self.scheme = kv_only, draft_temp, scheme
         self.layers = model.config.target_layers
         c = model.config
         self.H, self.KV, self.D = c.num_attention_heads, c.num_key_value_heads, c.head_dim
@@ -330,9 +333,10 @@ class Eagle3Drafter:
         depth = min(self.depth, max_depth)
         if depth <= 0 or self.root_logits is None:
             return DraftTree.empty(self.device)
+        drawn = not sampling.greedy and self.scheme != "topk"
         if self.tree_topk == 1:
-            return self._chain(min(depth, self.total_tokens))
-        return self._tree(depth)
+            return self._chain(min(depth, self.total_tokens), sampling if drawn else None, generator)
+        return self._tree(depth, sampling if drawn else None, generator)
 
     def _forward_nodes(self, tokens, h_parent, depth_of_rows: int, mask):
         """One drafter call for draft nodes at the same depth (tokens [f], parents' outputs [f, H]), appended to
@@ -347,14 +351,21 @@ class Eagle3Drafter:
             logits = self._logits(h)
         return h, torch.log_softmax(logits.float(), -1)
 
-    def _chain(self, depth: int) -> DraftTree:
-        """Greedy chain: argmax at every depth, one drafter call per token after the first."""
+    def _chain(self, depth: int, sampling: Sampling | None = None, generator=None) -> DraftTree:
+        """A chain, one drafter call per token after the first: the argmax at every depth, or (`sampling`) a token
+        drawn from the drafter's q (`speclab.core.sampling.draw_one`), q kept for verification."""
         logp = torch.log_softmax(self.root_logits.float(), -1)
         h = self.root_h
-        tokens, logq, cands = [], [], [self.root_cands] if self.flash is not None else []
+        tokens, logq, dists, cands = [], [], [], [self.root_cands] if self.flash is not None else []
         for level in range(1, depth + 1):
-            lq, idx = logp.max(-1)
-            tok = self.to_target[idx]
+            if sampling is None:
+                lq, idx = logp.max(-1)
+                tok = self.to_target[idx]
+            else:
+                tok, qx, q = draw_one(logp, sampling, self.draft_temp, generator, self.to_target,
+                                      self.target.vocab_size)
+                lq = qx.log()
+                dists.append(q)
             tokens.append(tok)
             logq.append(lq)
             if level == depth:
@@ -362,11 +373,11 @@ class Eagle3Drafter:
             h, logp = self._forward_nodes(tok, h, level, None)  # a chain: causal over the cache
             if self.flash is not None:
                 cands.append(self._cands())
-        tree = DraftTree.chain(torch.cat(tokens), torch.cat(logq).exp())
+        tree = DraftTree.chain(torch.cat(tokens), torch.cat(logq).exp(), chain_dists(dists) if dists else None)
         tree.cands = torch.cat(cands) if cands else None
         return tree
 
-    def _tree(self, depth: int) -> DraftTree:
+    def _tree(self, depth: int, sampling: Sampling | None = None, generator=None) -> DraftTree:
         """EAGLE-2 dynamic tree (speclab.core.tree.dynamic_tree): each depth's frontier is one drafter call under a tree
         mask over its ancestors' cache slots; a node's state is (its parent's output, its parent's slot)."""
         k, dev = self.tree_topk, self.device
@@ -390,8 +401,10 @@ class Eagle3Drafter:
         logp0 = torch.log_softmax(self.root_logits[0].float(), -1)
         f0 = min(k, logp0.numel())
         root_state = (self.root_h.expand(f0, -1), torch.full((f0,), -1, device=dev))
+        drawn = None if sampling is None else TreeDraw(lambda lp: draft_probs(lp, sampling, self.draft_temp),
+                                                       self.scheme, generator, self.target.vocab_size)
         return dynamic_tree(logp0, expand, depth, k, self.total_tokens, root_state, self.to_target,
-                            None if self.flash is None else self.root_cands[0])
+                            None if self.flash is None else self.root_cands[0], drawn)
 
     def commit(self, tree: DraftTree, accepted: torch.Tensor) -> None:
         """Drop the draft nodes' keys and values: the accepted tokens come back in the next catch-up paired with
@@ -442,7 +455,7 @@ ENTRY = DrafterEntry(
                      "forward", "backlogs", "--backlog", "1,2,4,8,16,32,64", 1, "backlog", ("kv_only_ms", "full_ms"),
                      "catch-up", "EAGLE-3 catch-up: KV-only prefill vs a full forward of the backlog",
                      "ms per catch-up after a {context}-token drafter cache (lower is better)", "backlog tokens"),),
-    params=PARAMS + HEAD_PARAMS, check=_check, same_decode=head_same_decode(_same_decode),
+    params=PARAMS + sampling_params() + HEAD_PARAMS, check=_check, same_decode=head_same_decode(_same_decode),
     build=with_head(lambda target, model, **params: Eagle3Drafter(model, target, **params), "eagle3",
                     lambda model, target: model.lm_head.weight),
     methods={"eagle3": "EAGLE-3: one-layer drafter on the target's features; dynamic tree (depth, tree_topk, "

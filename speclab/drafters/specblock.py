@@ -23,8 +23,11 @@ produces a *block* of K dependent positions; the draft tree grows by further blo
   token x_j with the target's feature f_{j-1}, at position j - 1, as EAGLE-3 pairs them). Catch-up computes those
   rows for the backlog in one call; the last committed token is the next round's root and waits.
 
-The tree is deterministic (top-w tokens), so rejection sampling verifies it as point masses: lossless under
-greedy decoding and sampling. Each node carries its block and bucket for the trace (`DraftTree.extra`).
+At T = 0 the tree is deterministic (top-w tokens; verification treats them as point masses). At T > 0 a position's
+w tokens are drawn from its row's q instead (`draft_temp` times the target's temperature; `scheme`: without
+replacement or i.i.d.; topk keeps the greedy tree), and a later block starts only from a node that has no children
+in its own block, so every node's children come from one row, whose q verification uses.
+Each node carries its block and bucket for the trace (`DraftTree.extra`).
 Training (valid-prefix mask, rank head after a warm-up, cross-block cuts) is `speclab.train.specblock`; it uses
 this module's `SpecBlockModel` pieces, so drafting and training compute the same function.
 """
@@ -40,12 +43,12 @@ import torch.nn.functional as F
 from speclab.checks import MAX_TREE_NODES, Bound
 from speclab.core.layers import DecoderLayer, causal_mask, rope_inv_freq, rope_tables
 from speclab.core.lean import KVCache
-from speclab.core.sampling import Sampling
+from speclab.core.sampling import Sampling, draft_probs, draw
 from speclab.core.target import forward_clock
 from speclab.core.tree import DraftTree
 from speclab.drafters.checkpoint import check_fits, load_strict, place, read_checkpoint, save_checkpoint
 from speclab.drafters.flashhead import HEAD_PARAMS, head_same_decode, with_head
-from speclab.drafters.registry import DrafterEntry, ModelRole, Param, Shape, TrainEntry
+from speclab.drafters.registry import DrafterEntry, ModelRole, Param, Shape, TrainEntry, sampling_params
 from speclab.errors import InvalidInput, ModelNotFound
 
 BUCKETS = ("rank 1", "rank 2-4", "rank 5-10", "rank > 10")  # b0..b3 (paper §3.3)
@@ -243,8 +246,10 @@ class SpecBlockDrafter:
     flash = None  # a FlashHead (speclab.drafters.flashhead), or None: the dense LM head
 
     def __init__(self, model: SpecBlockModel, target, *, blocks: int, starts: int, width_b0: int, width_b1: int,
-                 width_b2: int, width_b3: int, rank: int, total_tokens: int):
+                 width_b2: int, width_b3: int, rank: int, total_tokens: int, draft_temp: float = 1.0,
+                 scheme: str = "wor"):
         self.m, self.target = model, target
+        self.draft_temp, self.scheme = draft_temp, scheme
         self.blocks, self.starts, self.rank, self.total_tokens = blocks, starts, bool(rank), total_tokens
         self.widths = torch.tensor([width_b0, width_b1, width_b2, width_b3])
         c = model.config
@@ -350,6 +355,7 @@ class SpecBlockDrafter:
         if max_depth <= 0 or self.pending_ids is None or self.pending_ids.numel() != 1:
             return DraftTree.empty(self.device)
         root = _Start(self.m.cond(self.pending_feats[-1]), int(self.pending_ids[-1]), -1, 0, [])
+        drawn = not sampling.greedy and self.scheme != "topk"
         tokens, parents, probs, block_of, bucket_of, cands = [], [], [], [], [], []
         self.row_probs = {}
         starts, budget = [root], min(self.total_tokens, MAX_TREE_NODES)
@@ -360,7 +366,7 @@ class SpecBlockDrafter:
                     break
                 h, logits, buckets, slot0 = self.block_forward(starts)
                 rows_cands = self.flash.last_candidates if self.flash is not None else None  # [S, K, C]
-                p = torch.softmax(logits, -1)
+                p = draft_probs(logits, sampling, self.draft_temp) if drawn else torch.softmax(logits, -1)
                 buckets = buckets.tolist()
                 chains = []  # (depth, node, cond, token, path) of the path's nodes that may start a block
                 for j, s in enumerate(starts):
@@ -369,15 +375,23 @@ class SpecBlockDrafter:
                         w = min(widths[buckets[j][k]] if self.rank else widths[0], budget)
                         if w <= 0 or depth >= max_depth:
                             break
-                        top = p[j, k].topk(w)
+                        if drawn:  # w children drawn from the row's q, in the order drawn
+                            ids = draw(p[j, k][None], w, self.scheme, generator)[0]
+                            ids = ids[ids >= 0]
+                            top = ids.tolist(), p[j, k][ids].tolist()
+                            if chains and chains[-1][1] == parent:  # its children come from this row alone
+                                chains.pop()
+                        else:
+                            t = p[j, k].topk(w)
+                            top = t.indices.tolist(), t.values.tolist()
                         self.row_probs.setdefault(parent, p[j, k])
                         first = len(tokens)
-                        for tok, q in zip(top.indices.tolist(), top.values.tolist()):
+                        for tok, q in zip(*top):
                             tokens.append(tok), parents.append(parent), probs.append(q)
                             block_of.append(b), bucket_of.append(buckets[j][k] if self.rank else -1)
                             if rows_cands is not None:
                                 cands.append(rows_cands[j, k])
-                        budget -= w
+                        budget -= len(top[0])
                         parent, depth = first, depth + 1
                         path = path + [slot0 + j * self.K + k]
                         if not self.rank or buckets[j][k] == 0:
@@ -386,10 +400,16 @@ class SpecBlockDrafter:
                 starts = [_Start(c[2], c[3], c[1], c[0], c[4]) for c in chains[: self.starts]]
         if not tokens:
             return DraftTree.empty(self.device)
-        return DraftTree(torch.tensor(tokens, device=self.device), torch.tensor(parents, device=self.device),
+        tree = DraftTree(torch.tensor(tokens, device=self.device), torch.tensor(parents, device=self.device),
                          torch.tensor(probs, device=self.device),
                          extra={"block": torch.tensor(block_of), "bucket": torch.tensor(bucket_of)},
                          cands=torch.stack(cands) if cands else None)
+        if drawn:  # each node's children came from one row: its q
+            tree.draft_dists = torch.zeros(len(tokens) + 1, logits.shape[-1], device=self.device)
+            for node, q in self.row_probs.items():
+                tree.draft_dists[node + 1] = q
+            tree.scheme = self.scheme
+        return tree
 
     def history(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Every committed token seen so far [n] and the target's features f_0..f_{n-2} [n-1, F] (x_j pairs with
@@ -449,7 +469,7 @@ ENTRY = DrafterEntry(
                      "the frozen target (blocks of K, rank head)", init_from="SpecBlock drafter"),
     build=with_head(lambda target, model, **params: SpecBlockDrafter(model, target, **params), "specblock",
                     lambda model, target: model.lm_head.weight),
-    params=PARAMS + HEAD_PARAMS, check=_check, same_decode=head_same_decode(_same_decode),
+    params=PARAMS + sampling_params() + HEAD_PARAMS, check=_check, same_decode=head_same_decode(_same_decode),
     methods={"specblock": "SpecBlock: blocks of K dependent positions per drafter call (layer-wise shift); the "
                           "rank head sets each position's width (width_b0..b3) and which positions start the "
                           "next of `blocks` blocks"},

@@ -15,11 +15,11 @@ from __future__ import annotations
 import torch
 
 from speclab.checks import MAX_TREE_NODES, Bound
-from speclab.core.sampling import Sampling, logits_to_probs, sample
+from speclab.core.sampling import Sampling, chain_dists, draft_probs, draw, sample
 from speclab.core.target import Target, keep_cache
 from speclab.core.tree import DraftTree
 from speclab.drafters.flashhead import HEAD_PARAMS, head_same_decode, with_head
-from speclab.drafters.registry import DrafterEntry, ModelRole, Param, Shape
+from speclab.drafters.registry import DrafterEntry, ModelRole, Param, Shape, sampling_params
 from speclab.errors import InvalidInput
 
 
@@ -29,11 +29,13 @@ class StandaloneDraft:
     flash = None  # a FlashHead over the draft model's head (speclab.drafters.flashhead), or None: its dense head
     root_cands = None  # with a FlashHead: the root row's candidates [1, C] (from the catch-up)
 
-    def __init__(self, model: Target, *, k: int, tree_topk: int, stop_prob: float):
+    def __init__(self, model: Target, *, k: int, tree_topk: int, stop_prob: float, draft_temp: float = 1.0,
+                 scheme: str = "wor"):
         if k < 1 or tree_topk < 1 or not 0 <= stop_prob < 1:
             raise ValueError(f"sps needs k >= 1, tree_topk >= 1 and 0 <= stop_prob < 1 "
                              f"(got k={k}, tree_topk={tree_topk}, stop_prob={stop_prob})")
         self.model, self.k, self.tree_topk, self.stop_prob = model, k, tree_topk, stop_prob
+        self.draft_temp, self.scheme = draft_temp, scheme
         self.cache = None
         self.backlog = torch.zeros(0, dtype=torch.long)
         self.root_logits = None  # [1, V]: the draft's distribution after the last committed token
@@ -69,9 +71,11 @@ class StandaloneDraft:
             self.flash.generator = generator
         if depth <= 0:
             return DraftTree.empty()
+        if self.scheme == "topk":  # deterministic drafts at T > 0 too (the comparison)
+            sampling = Sampling()
         if self.tree_topk == 1:
             return self._chain(self.root_logits, depth, sampling, generator)
-        return self._tree(self.root_logits, depth, self.known)
+        return self._tree(self.root_logits, depth, self.known, None if sampling.greedy else sampling, generator)
 
     def _chain(self, logits, depth, sampling, generator) -> DraftTree:
         """Up to k tokens, one draft call each: argmax (greedy) or sampled from q (kept for verification);
@@ -82,44 +86,56 @@ class StandaloneDraft:
             if sampling.greedy:
                 tok = logits.argmax(-1)
             else:
-                q = logits_to_probs(logits, sampling)
+                q = draft_probs(logits, sampling, self.draft_temp)
                 dists.append(q)
                 tok = sample(q, generator)
             tokens.append(tok)
             if row_cands is not None:
                 cands.append(row_cands)
-            dprobs.append((logits[0, tok] - logits[0].logsumexp(-1)).exp())
+            dprobs.append((logits[0, tok] - logits[0].logsumexp(-1)).exp() if sampling.greedy else q[0, tok])
             if level == depth - 1 or (self.stop_prob > 0 and float(dprobs[-1]) < self.stop_prob):
                 break
             logits = self.model.forward(tok, self.cache, head=self.flash).logits
             row_cands = self.flash.last_candidates if self.flash is not None else None
             self.n_forwarded += 1
-        draft_dists = None
-        if dists:
-            draft_dists = torch.cat(dists + [torch.zeros_like(dists[0])])  # the last node has no children
-        tree = DraftTree.chain(torch.cat(tokens), torch.cat(dprobs), draft_dists)
+        tree = DraftTree.chain(torch.cat(tokens), torch.cat(dprobs), chain_dists(dists) if dists else None)
         tree.cands = torch.cat(cands) if cands else None
         return tree
 
-    def _tree(self, logits, depth, committed) -> DraftTree:
+    def _tree(self, logits, depth, committed, sampling: Sampling | None = None, generator=None) -> DraftTree:
         """Top-k tree: each level expands the frontier by its top-k children and keeps the best `topk` by
         cumulative log-prob; the whole level is one draft call under a tree mask. Deterministic, so
-        verification treats the children as point masses (lossless under sampling too)."""
+        verification treats the children as point masses. At T > 0 (`sampling`) each level draws `topk` children of
+        the frontier's best node (cumulative log q) from its q instead (`scheme`: without replacement or i.i.d.),
+        all kept: which children a node has never depends on what they are (`speclab.core.tree.dynamic_tree`)."""
         m, dev, k = self.model, self.model.device, self.tree_topk
         n_max = depth * k
         tokens = torch.zeros(n_max, dtype=torch.long, device=dev)
         parents = torch.zeros(n_max, dtype=torch.long, device=dev)
         dprobs = torch.zeros(n_max, device=dev)
+        dists = None if sampling is None else torch.zeros(n_max + 1, logits.shape[-1], device=dev)
         anc = torch.zeros(n_max, n_max, dtype=torch.bool, device=dev)
         frontier = torch.tensor([-1], device=dev)
         score = torch.zeros(1, device=dev)
         n = 0
         rows_cands, cands = self.root_cands, []  # FlashHead: the frontier rows' candidates, each node's
         for level in range(1, depth + 1):
-            logp = torch.log_softmax(logits, -1)  # [f, V]
-            vals, idx = logp.topk(k, -1)  # [f, k]
-            cand = (score[:, None] + vals).flatten()
-            best = cand.topk(min(k, cand.numel())).indices
+            if sampling is None:
+                logp = torch.log_softmax(logits, -1)  # [f, V]
+                vals, idx = logp.topk(k, -1)  # [f, k]
+                cand = (score[:, None] + vals).flatten()
+                best = cand.topk(min(k, cand.numel())).indices
+            else:  # the best frontier node's children, drawn from its q (-1: fewer than k tokens have mass)
+                j = int(score.argmax())
+                q = draft_probs(logits[j : j + 1], sampling, self.draft_temp)
+                dists[int(frontier[j]) + 1] = q[0]
+                drawn = draw(q, k, self.scheme, generator)[0]
+                drawn = drawn[drawn >= 0]
+                idx = torch.zeros(score.numel(), k, dtype=torch.long, device=dev)
+                vals = torch.full((score.numel(), k), float("-inf"), device=dev)
+                idx[j, : drawn.numel()], vals[j, : drawn.numel()] = drawn, q[0, drawn].log()
+                cand = (score[:, None] + vals).flatten()
+                best = j * k + torch.arange(drawn.numel(), device=dev)
             par_j, new_tok = best // k, idx.flatten()[best]
             new = torch.arange(n, n + new_tok.numel(), device=dev)
             par = frontier[par_j]
@@ -139,7 +155,10 @@ class StandaloneDraft:
             rows_cands = self.flash.last_candidates if self.flash is not None else None
             self.n_forwarded = n
             frontier, score = new, cand[best]
-        return DraftTree(tokens[:n], parents[:n], dprobs[:n], cands=torch.cat(cands) if cands else None)
+        tree = DraftTree(tokens[:n], parents[:n], dprobs[:n], None if dists is None else dists[: n + 1],
+                         cands=torch.cat(cands) if cands else None)
+        tree.scheme = self.scheme
+        return tree
 
     def commit(self, tree: DraftTree, accepted: torch.Tensor) -> None:
         """Keep the KV of the accepted nodes that were forwarded (a prefix of the path: every level but the last
@@ -192,7 +211,7 @@ ENTRY = DrafterEntry(
             Param("tree_topk", 1, lambda t: Bound(1, t.vocab_size), help="children per level (1 = a chain)"),
             Param("stop_prob", 0.0, lambda t: Bound(0.0, 1.0, hi_open=True),
                   help="end a chain after a draft token below this probability (0 = always k tokens)"))
-    + HEAD_PARAMS)
+    + sampling_params() + HEAD_PARAMS)
 
 
 # ---- random drafters: `ModelRole.random` (the conformance suite's and the smoke tests' models, no files) ------------

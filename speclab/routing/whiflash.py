@@ -43,7 +43,8 @@ def build(policy: str):
     def build_routed(target, models, threshold=None, eager=0, category=None, **p):
         eagle3 = {q.name for q in drafters()["eagle3"].params}
         built = {"eagle3": build_drafter("eagle3", target, models, **{k: v for k, v in p.items() if k in eagle3}),
-                 "dflash": build_drafter("dflash", target, models, **{k: p[k] for k in DFLASH_ROUTED})}
+                 "dflash": build_drafter("dflash", target, models,  # and EAGLE-3's draft_temp: one for both
+                                         **{k: p[k] for k in (*DFLASH_ROUTED, "draft_temp")})}
         mlp = models.get("router") if policy == "neural" else None
         if threshold is None:
             threshold = default_threshold(policy, category, target.fingerprint, mlp)
