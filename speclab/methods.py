@@ -162,6 +162,28 @@ def method_params(spec: str, given: dict, target) -> dict:
     return out
 
 
+def check_before_loading(spec: str, given: dict, target_dir=None) -> None:
+    """The method's parameters checked before any weights load (InvalidInput, one line): against the shape the
+    target's config.json gives (its vocabulary and context, what the bounds read; `target_dir` None: the zoo's). A
+    check that needs more of the loaded target is left to `method_params` after loading, and so is a target without
+    a readable config.json (the loader names the missing model)."""
+    import contextlib
+    import json
+    from pathlib import Path
+    from types import SimpleNamespace
+
+    from speclab import zoo
+    from speclab.errors import ModelNotFound
+    try:
+        c = json.loads((Path(target_dir or zoo.default_target()) / "config.json").read_text())
+        shape = SimpleNamespace(vocab_size=int(c["vocab_size"]), device=SimpleNamespace(type="cpu"),
+                                max_context=int(c.get("max_position_embeddings", 2048)))
+    except (OSError, ValueError, KeyError, TypeError, ModelNotFound):
+        return
+    with contextlib.suppress(AttributeError, TypeError):  # a bound or check reading more of the target than its shape
+        method_params(spec, given, shape)
+
+
 def _param(p: Param, value, default, target):
     """One parameter: the given value (or the default), checked. A None default is an optional float (a router's
     threshold: None = calibrated)."""

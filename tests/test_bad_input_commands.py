@@ -158,6 +158,13 @@ CASES = [
     ("costs", ["forward", "--n", "0,1"], "--n must be positive integers"),
     ("costs", ["contemplate", "--nodes", "0,2"], "--nodes must be positive integers"),
     ("bench", ["--methods", "ar,confu:schedule=fast"], "schedule must be one of wide, after (got 'fast')"),
+    # sampled drafting's parameters, before any model loads (checked against the target's config.json alone)
+    ("bench", ["--methods", "ar,eagle3:draft_temp=0"], "draft_temp must be a finite number from 0.05 to 4 (got 0)"),
+    ("bench", ["--methods", "ar,sps:scheme=beam"], "scheme must be one of wor, iid, topk (got 'beam')"),
+    ("bench", ["--methods", "ar,pld:scheme=wor"], "'scheme=wor' is not param=value with a parameter of pld"),
+    ("grid", ["--method", "dflash", "--grid", "draft_temp=0.5,9"], "draft_temp must be a finite number from 0.05"),
+    ("generate", ["--method", "specblock", "--prompt", "hi", "--draft-temp", "-1"], "draft_temp must be a finite"),
+    ("generate", ["--method", "eagle3", "--prompt", "hi", "--depth", "0"], "depth must be an integer from 1 to"),
     ("train", ["confu", "--out", "run", "--minutes", "5"], "train confu starts from a trained EAGLE-3 drafter"),
     ("train", ["confu", "--out", "run", "--minutes", "5", "--init-from", "data/zoo/eagle3", "--experts", "0"],
      "argument --experts: '0' is not an integer from 1 to 4096"),

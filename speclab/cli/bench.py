@@ -33,6 +33,9 @@ def cmd_bench(a: argparse.Namespace) -> int:
     check_trace(a.db)  # the trace file is made once the models loaded (a refused model leaves none behind)
     paths = ModelPaths.from_args(a)
     paths.check()
+    from speclab.methods import check_before_loading
+    for m in methods:  # a spec's parameter out of range: one line, no model loaded
+        check_before_loading(m, {}, paths.target)
     target, models, sets = load_bench_sets(cfg, paths)
     with TraceStore(a.db) as store:
         bench_id = run_bench(cfg, target, models, store, log=lambda s: print(s, file=sys.stderr), sets=sets)
@@ -96,7 +99,12 @@ def cmd_grid(a: argparse.Namespace) -> int:
                 raise SpeclabError(f"--grid {key}={v!r}: the values of {key} are numbers") from None
     from speclab.bench.suites import load_suite
     load_suite(a.suite, 1)  # an unknown suite, before any model is loaded
-    target, models = load_models(ModelPaths.from_args(a), roles=get_method(name).needs)
+    from speclab.methods import check_before_loading
+    paths = ModelPaths.from_args(a)
+    for key, values in grid.items():  # each value in its range, as far as the target's config tells
+        for v in values:
+            check_before_loading(name, {key: v}, paths.target)
+    target, models = load_models(paths, roles=get_method(name).needs)
     df = param_grid(target, models, name, grid, suite=a.suite, limit=a.limit, max_new_tokens=a.max_new_tokens,
                     extra=extra, log=lambda s: print(s, file=sys.stderr))
     write_report(grid_report(df, name, grid, a.x, a.suite, a.limit, a.max_new_tokens), a.report)

@@ -50,10 +50,11 @@ def cmd_generate(a: argparse.Namespace) -> int:
     from speclab.methods import split_dtype
     pinned = split_dtype(a.method)[1]  # 'eagle3@bf16' decodes in bf16 whatever --dtype says
     paths = ModelPaths.from_args(a)
+    from speclab.methods import all_params, check_before_loading
+    params = {name: getattr(a, name) for name in all_params()}
+    check_before_loading(a.method, params, paths.target)  # no model loads for a bad value
     target, models = load_models(replace(paths, dtype=pinned) if pinned else paths, roles=method.needs,
                                  fam=family(a.method))
-    from speclab.methods import all_params
-    params = {name: getattr(a, name) for name in all_params()}
     for p in prompts:  # every prompt and parameter checked against the models before anything is decoded
         try:
             check_generation(target, p["prompt"], a.method, models, a.max_new_tokens, a.temperature, a.top_k,
