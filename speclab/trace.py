@@ -599,7 +599,7 @@ def _cat(xs) -> np.ndarray:
     return torch.cat(xs).cpu().numpy()
 
 
-def token_columns(evs, text: np.ndarray) -> dict[str, np.ndarray]:
+def token_columns(evs, text: np.ndarray, sampled: tuple[np.ndarray, np.ndarray] | None = None) -> dict[str, np.ndarray]:
     """Per committed token of these RoundEvents: pos, round, token_id, text, source (drafter or 'target'),
     depth, draft_prob, target_prob, entropy, accept_prob (a drafted token under sampling: min(1, p(x) / q(x)), the
     probability it passed its test as its node's first candidate; NaN otherwise). Vectorised over rounds (one host
@@ -630,7 +630,7 @@ def token_columns(evs, text: np.ndarray) -> dict[str, np.ndarray]:
     ent[~drafted] = entropy[bonus_row]
     draft_prob[drafted] = _cat([e.tree.draft_probs.float() for e in evs])[acc]
     accept_prob = np.full(m.sum(), np.nan)
-    p, q = _node_sampled(evs)
+    p, q = sampled if sampled is not None else _node_sampled(evs)  # the writer passes what it read for the nodes
     accept_prob[drafted] = np.minimum(1.0, p[acc] / q[acc])
     return {
         "pos": (np.repeat([e.pos0 for e in evs], m) + within).astype(np.int32),
@@ -714,6 +714,7 @@ class RunWriter:
         node_off = np.repeat(np.cumsum(n) - n, [e.accepted.numel() for e in evs])
         accepted = np.zeros(n.sum(), dtype=bool)
         accepted[_cat([e.accepted for e in evs]).astype(np.int64) + node_off] = True
+        sampled = _node_sampled(evs)
         nodes = pa.table({
             "run_id": np.full(n.sum(), self.run_id, np.int64), "round": np.repeat(rnd, n),
             "node": (np.arange(n.sum()) - np.repeat(np.cumsum(n) - n, n)).astype(np.int32),
@@ -723,8 +724,8 @@ class RunWriter:
             "draft_prob": _nullable(_cat([e.tree.draft_probs.float() for e in evs]).astype(np.float64)),
             "target_prob": np.exp(_cat([e.node_logp for e in evs]).astype(np.float64)), "accepted": accepted,
             **{key: _node_extra(evs, key) for key in NODE_EXTRAS},
-            **{k: _nullable(v) for k, v in zip(("sampled_p", "sampled_q"), _node_sampled(evs))}})
-        cols = token_columns(evs, self.text)
+            **{k: _nullable(v) for k, v in zip(("sampled_p", "sampled_q"), sampled)}})
+        cols = token_columns(evs, self.text, sampled)
         tokens = pa.table({"run_id": np.full(len(cols["pos"]), self.run_id, np.int64),
                            **{k: _nullable(v) if k in ("draft_prob", "accept_prob") else v for k, v in cols.items()}})
         t = {k: np.array([e.timings_ms[k] for e in evs]) for k in PHASES}

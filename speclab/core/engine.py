@@ -44,7 +44,7 @@ from kernels import ops as kernel_ops
 from speclab.core.lean import ConRows
 from speclab.core.pool import Committed, DrafterPool, feature_columns, feature_layers
 from speclab.core.protocol import Decision, Drafter, ExtraRows, FixedRouter, RoundView, Router, Signals
-from speclab.core.sampling import Sampling, logits_to_probs
+from speclab.core.sampling import Sampling
 from speclab.core.target import Target, forward_clock, keep_cache
 from speclab.core.tree import DraftTree, tree_attention_mask, tree_position_ids, tree_rows
 from speclab.core.verify import verify
@@ -260,7 +260,7 @@ def decode_rounds(target: Target, prompt_ids: torch.Tensor, drafters: dict[str, 
         if record:  # the RoundEvent for the listeners (only when someone listens)
             with clock.phase("record"):
                 ev = round_event(rnd, name, tree, accepted, new, v.logits, v.bonus, clock.ms, calls, backlog, pos0,
-                                 decision, sampling)
+                                 decision, v.probs)
                 ev.logits = v.logits if keep_logits else None
                 for fn in listeners:
                     fn(ev)
@@ -357,6 +357,7 @@ class Verified:
     past: int  # KV cache length before the batch
     lead: int  # forwarded rows before the tree's: 1 = the pending root (deferred), 0 = none
     extra: torch.Tensor | None = None  # [n + 1, d]: final-norm states of the extra rows (one after each row)
+    probs: torch.Tensor | None = None  # [n + 1, V] under sampling: the distributions verification tested against
 
 
 def verify_batch(target: Target, cache, seq: Committed, tree: DraftTree, root: Row | None, layers: tuple[int, ...],
@@ -388,7 +389,7 @@ def verify_batch(target: Target, cache, seq: Committed, tree: DraftTree, root: R
     else:
         logits, hid, feats = root.logits, root.hidden, None
     verdict = verify(tree, logits, sampling, gen)
-    return Verified(verdict.accepted, verdict.bonus, logits, hid, feats, past, int(with_root), states)
+    return Verified(verdict.accepted, verdict.bonus, logits, hid, feats, past, int(with_root), states, verdict.probs)
 
 
 def cut(new: torch.Tensor, accepted: torch.Tensor, room: int, eos: torch.Tensor,
@@ -428,17 +429,18 @@ def forward_root(target: Target, cache, seq: Committed, layers: tuple[int, ...],
 
 
 def round_event(rnd, name, tree, accepted, new, logits, bonus, timings, calls, backlog, pos0, decision,
-                sampling: Sampling | None = None) -> RoundEvent:
+                probs: torch.Tensor | None = None) -> RoundEvent:
     """What the listeners need, in five tensor ops over the verification logits (no host sync, no per-token
-    work; two more under sampling); `token_columns` derives the per-token figures from it, in batches."""
+    work; under sampling one more over `probs`, the distributions verification tested against); `token_columns`
+    derives the per-token figures from it, in batches."""
     lse, ent = kernel_ops.softmax_entropy(logits)  # one pass over the vocabulary (a Triton kernel on CUDA)
     rows = tree.parents + 1
     if tree.cands is not None:  # FlashHead: was the target's token (its argmax at the parent) retrieved?
         tree.extra["in_cands"] = (tree.cands == logits[rows].argmax(-1)[:, None]).any(-1).long()
     ev = RoundEvent(rnd, name, tree, accepted, new, logits[rows, tree.tokens].float() - lse[rows], ent,
                     logits[:, bonus].float() - lse, timings, calls, backlog, pos0, decision)
-    if sampling is not None and not sampling.greedy:  # p(x) and q(x) as verification tested them
-        ev.node_p = logits_to_probs(logits, sampling)[rows, tree.tokens]
+    if probs is not None:  # p(x) and q(x) as verification tested them
+        ev.node_p = probs[rows, tree.tokens]
         ev.node_q = tree.draft_probs.float() if tree.sampled else torch.ones_like(ev.node_p)
     return ev
 

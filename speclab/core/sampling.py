@@ -75,7 +75,13 @@ def draw_one(logits: torch.Tensor, s: Sampling, draft_temp: float, generator: to
     qx = q.gather(-1, idx[..., None])[..., 0]
     if to_target is None:
         return idx, qx, q
-    return to_target[idx], qx, torch.zeros(q.shape[:-1] + (vocab,), device=q.device).index_add_(-1, to_target, q)
+    return to_target[idx], qx, spread(q, to_target, vocab)
+
+
+def spread(q: torch.Tensor, to_target: torch.Tensor, vocab: int) -> torch.Tensor:
+    """Rows of q over a reduced draft vocabulary [f, Vd] as rows over the target's `vocab` ids (`to_target` [Vd]: the
+    target id of each draft id; zero elsewhere)."""
+    return torch.zeros(q.shape[:-1] + (vocab,), device=q.device).index_add_(-1, to_target, q.float())
 
 
 def chain_dists(rows: list[torch.Tensor]) -> torch.Tensor:

@@ -12,6 +12,7 @@ import torch
 
 from kernels.reference import ancestor_mask
 from speclab.core.sampling import draw as draw_children
+from speclab.core.sampling import spread
 
 
 @dataclass
@@ -255,10 +256,7 @@ def _node_dists(q_l, remap: torch.Tensor, n: int, vocab: int, to_target: torch.T
         rows = torch.where(nodes >= 0, remap[nodes.clamp(min=0)] + 1, 0)
         kept = (nodes < 0) | (rows > 0)
         q, rows = q[kept], rows[kept]
-        if to_target is None:
-            out[rows] = q.float()
-        else:
-            out[rows] = torch.zeros(rows.numel(), vocab, device=out.device).index_add_(1, to_target, q.float())
+        out[rows] = q.float() if to_target is None else spread(q, to_target, vocab)
     return out
 
 

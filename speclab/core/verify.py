@@ -24,13 +24,17 @@ from speclab.core.tree import DraftTree
 class Verdict:
     accepted: torch.Tensor  # [a] node indices of the accepted path, root side first
     bonus: int  # the target's token after the accepted path (correction or bonus)
+    probs: torch.Tensor | None = None  # [n + 1, V] under sampling: the target's distributions it tested against
 
 
 def verify(tree: DraftTree, target_logits: torch.Tensor, sampling: Sampling,
            generator: torch.Generator | None = None) -> Verdict:
     if sampling.greedy:
         return verify_greedy(tree, target_logits)
-    return verify_sampling(tree, logits_to_probs(target_logits, sampling), generator)
+    probs = logits_to_probs(target_logits, sampling)
+    verdict = verify_sampling(tree, probs, generator)
+    verdict.probs = probs
+    return verdict
 
 
 def verify_greedy(tree: DraftTree, target_logits: torch.Tensor) -> Verdict:

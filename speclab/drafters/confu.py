@@ -34,7 +34,7 @@ from speclab.drafters.checkpoint import load_strict, place, read_checkpoint
 from speclab.drafters.contemplate import contemplate, last_token_rows
 from speclab.drafters.eagle3 import Eagle3Config, Eagle3Drafter, Eagle3Model, _check_against
 from speclab.drafters.flashhead import HEAD_PARAMS, head_same_decode, with_head
-from speclab.drafters.registry import CostBench, DrafterEntry, ModelRole, Param, Shape, TrainEntry, sampling_params
+from speclab.drafters.registry import SAMPLING_PARAMS, CostBench, DrafterEntry, ModelRole, Param, Shape, TrainEntry
 from speclab.errors import ModelNotFound
 
 
@@ -263,7 +263,7 @@ ENTRY = DrafterEntry(
                      ("plain_ms", "wide_ms", "after_ms"), "verification",
                      "ConFu: what the contemplate rows add to a verification (plain, wide, after)",
                      "ms per verification of the root and n chain nodes after a {context}-token context (lower is "
-                     "better)", "draft nodes"),), params=eagle3.PARAMS + sampling_params() + PARAMS + HEAD_PARAMS,
+                     "better)", "draft nodes"),), params=eagle3.PARAMS + SAMPLING_PARAMS + PARAMS + HEAD_PARAMS,
     check=eagle3._check,
     same_decode=head_same_decode(eagle3._same_decode),
     build=with_head(lambda target, model, **params: ConFuDrafter(model, target, **params), "confu",

@@ -53,7 +53,7 @@ from speclab.drafters.checkpoint import (
     save_checkpoint,
 )
 from speclab.drafters.flashhead import HEAD_PARAMS, head_same_decode, with_head
-from speclab.drafters.registry import CostBench, DrafterEntry, ModelRole, Param, Shape, TrainEntry, sampling_params
+from speclab.drafters.registry import SAMPLING_PARAMS, CostBench, DrafterEntry, ModelRole, Param, Shape, TrainEntry
 from speclab.errors import InvalidInput, ModelNotFound
 
 
@@ -414,7 +414,7 @@ ENTRY = DrafterEntry(
                      "DFlash: what a block costs (drafter call, Markov head, verification)",
                      "ms per block after a {context}-token context (lower is better)", "block size (rows)",
                      low_why="a block is the root and at least one mask"),),
-    params=PARAMS + sampling_params() + HEAD_PARAMS, check=_check, same_decode=head_same_decode(_same_decode),
+    params=PARAMS + SAMPLING_PARAMS + HEAD_PARAMS, check=_check, same_decode=head_same_decode(_same_decode),
     build=with_head(lambda target, model, markov, **params: DFlashDrafter(model, target, markov=bool(markov), **params),
                     "dflash", lambda model, target: target.head_weight,
                     scale=lambda model: model.config.output_multiplier),

@@ -54,7 +54,7 @@ from speclab.drafters.checkpoint import (
     save_checkpoint,
 )
 from speclab.drafters.flashhead import HEAD_PARAMS, head_same_decode, with_head
-from speclab.drafters.registry import CostBench, DrafterEntry, ModelRole, Param, Shape, TrainEntry, sampling_params
+from speclab.drafters.registry import SAMPLING_PARAMS, CostBench, DrafterEntry, ModelRole, Param, Shape, TrainEntry
 from speclab.errors import ModelNotFound
 
 
@@ -455,7 +455,7 @@ ENTRY = DrafterEntry(
                      "forward", "backlogs", "--backlog", "1,2,4,8,16,32,64", 1, "backlog", ("kv_only_ms", "full_ms"),
                      "catch-up", "EAGLE-3 catch-up: KV-only prefill vs a full forward of the backlog",
                      "ms per catch-up after a {context}-token drafter cache (lower is better)", "backlog tokens"),),
-    params=PARAMS + sampling_params() + HEAD_PARAMS, check=_check, same_decode=head_same_decode(_same_decode),
+    params=PARAMS + SAMPLING_PARAMS + HEAD_PARAMS, check=_check, same_decode=head_same_decode(_same_decode),
     build=with_head(lambda target, model, **params: Eagle3Drafter(model, target, **params), "eagle3",
                     lambda model, target: model.lm_head.weight),
     methods={"eagle3": "EAGLE-3: one-layer drafter on the target's features; dynamic tree (depth, tree_topk, "

@@ -56,19 +56,16 @@ class Param:
 SCHEMES = ("wor", "iid", "topk")  # how a tree's children are drawn at T > 0 (speclab.core.sampling.draw)
 
 
-def sampling_params(tree: bool = True, draft_temp: float = 1.0) -> tuple[Param, ...]:
-    """The parameters of a model drafter that samples its drafts at T > 0 (none changes a greedy decode): its
-    temperature as a factor of the target's (`speclab.core.sampling.draft_probs`; the CPU default measured per
-    drafter on the zoo) and, for a drafter with trees, how siblings are drawn: without replacement ("wor",
-    verified by recursive rejection without replacement), i.i.d. ("iid", SpecInfer) or the deterministic top-k
-    ("topk": point masses, the drafts of a greedy decode, kept for comparison)."""
-    temp = Param("draft_temp", draft_temp, lambda t: Bound(0.05, 4.0),
-                 help="the drafter's temperature at T > 0, times the target's (its top-k / top-p too)")
-    if not tree:
-        return (temp,)
-    return (temp, Param("scheme", "wor", choices=SCHEMES,
-                        help="a tree's children at T > 0: wor (drawn without replacement), iid (SpecInfer) or "
-                             "topk (deterministic, as at T = 0)"))
+# The parameters of every model drafter that samples its drafts at T > 0 (neither changes a greedy decode): its
+# temperature as a factor of the target's (`speclab.core.sampling.draft_probs`; 1 measured best on the zoo) and how
+# a tree's siblings are drawn: without replacement ("wor", verified by recursive rejection without replacement),
+# i.i.d. ("iid", SpecInfer) or the deterministic top-k ("topk": point masses, the drafts of a greedy decode, kept
+# for comparison)
+SAMPLING_PARAMS = (
+    Param("draft_temp", 1.0, lambda t: Bound(0.05, 4.0),
+          help="the drafter's temperature at T > 0, times the target's (its top-k / top-p too)"),
+    Param("scheme", "wor", choices=SCHEMES, help="a tree's children at T > 0: wor (drawn without replacement), iid "
+          "(SpecInfer) or topk (deterministic, as at T = 0)"))
 
 
 @dataclass(frozen=True)

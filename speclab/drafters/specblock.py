@@ -48,7 +48,7 @@ from speclab.core.target import forward_clock
 from speclab.core.tree import DraftTree
 from speclab.drafters.checkpoint import check_fits, load_strict, place, read_checkpoint, save_checkpoint
 from speclab.drafters.flashhead import HEAD_PARAMS, head_same_decode, with_head
-from speclab.drafters.registry import DrafterEntry, ModelRole, Param, Shape, TrainEntry, sampling_params
+from speclab.drafters.registry import SAMPLING_PARAMS, DrafterEntry, ModelRole, Param, Shape, TrainEntry
 from speclab.errors import InvalidInput, ModelNotFound
 
 BUCKETS = ("rank 1", "rank 2-4", "rank 5-10", "rank > 10")  # b0..b3 (paper §3.3)
@@ -469,7 +469,7 @@ ENTRY = DrafterEntry(
                      "the frozen target (blocks of K, rank head)", init_from="SpecBlock drafter"),
     build=with_head(lambda target, model, **params: SpecBlockDrafter(model, target, **params), "specblock",
                     lambda model, target: model.lm_head.weight),
-    params=PARAMS + sampling_params() + HEAD_PARAMS, check=_check, same_decode=head_same_decode(_same_decode),
+    params=PARAMS + SAMPLING_PARAMS + HEAD_PARAMS, check=_check, same_decode=head_same_decode(_same_decode),
     methods={"specblock": "SpecBlock: blocks of K dependent positions per drafter call (layer-wise shift); the "
                           "rank head sets each position's width (width_b0..b3) and which positions start the "
                           "next of `blocks` blocks"},

@@ -19,7 +19,7 @@ from speclab.core.sampling import Sampling, chain_dists, draft_probs, draw, samp
 from speclab.core.target import Target, keep_cache
 from speclab.core.tree import DraftTree
 from speclab.drafters.flashhead import HEAD_PARAMS, head_same_decode, with_head
-from speclab.drafters.registry import DrafterEntry, ModelRole, Param, Shape, sampling_params
+from speclab.drafters.registry import SAMPLING_PARAMS, DrafterEntry, ModelRole, Param, Shape
 from speclab.errors import InvalidInput
 
 
@@ -211,7 +211,7 @@ ENTRY = DrafterEntry(
             Param("tree_topk", 1, lambda t: Bound(1, t.vocab_size), help="children per level (1 = a chain)"),
             Param("stop_prob", 0.0, lambda t: Bound(0.0, 1.0, hi_open=True),
                   help="end a chain after a draft token below this probability (0 = always k tokens)"))
-    + sampling_params() + HEAD_PARAMS)
+    + SAMPLING_PARAMS + HEAD_PARAMS)
 
 
 # ---- random drafters: `ModelRole.random` (the conformance suite's and the smoke tests' models, no files) ------------
