@@ -65,7 +65,7 @@ def _kernels():
         # the path: walk up from best (at most n steps), marking each node
         tl.store(path_ptr + i, tl.zeros((BLOCK,), tl.int32), mask=ok)
         tl.debug_barrier()
-        node = best
+        node = best.to(tl.int64)  # a loop-carried variable keeps one type: the parents it walks are int64
         for _ in range(0, n):
             tl.store(path_ptr + node, 1, mask=node >= 0)
             node = tl.where(node >= 0, tl.load(par_ptr + node, mask=node >= 0, other=-1), -1)

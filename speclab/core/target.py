@@ -155,6 +155,11 @@ class Target:
         self.config = model.config
         self.device = next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype
+        if self.device.type == "cuda":
+            # cuDNN's attention (PyTorch's first choice for bf16 on Hopper) builds a plan for every new sequence
+            # length: 35 ms per decoded token against 2.4 ms without it (zoo target, bf16, H200). A decode meets a
+            # new length every step, so attention runs on the flash / memory-efficient kernels instead.
+            torch.backends.cuda.enable_cudnn_sdp(False)
         self.vocab_size = model.get_output_embeddings().weight.shape[0]
         self.hidden_size = int(self.config.hidden_size)
         self.max_context = int(getattr(self.config, "max_position_embeddings", 2048))
