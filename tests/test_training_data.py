@@ -146,6 +146,11 @@ def test_topk_loss_equals_the_full_loss_when_k_is_the_vocabulary(deep):
     logits = ttt_forward(small, embed, ids, feats, 2)
     a, b = ttt_loss(logits, full, small, 0.8), ttt_loss(logits, top, small, 0.8)
     assert torch.allclose(a[0], b[0], rtol=1e-4) and a[2] == b[2]
+    # the acceptance term (DSpark's L_tv): the same in both forms, and per step 1 - sum min(p, q), the alpha above
+    c, d = ttt_loss(logits, full, small, 0.8, tv=0.5), ttt_loss(logits, top, small, 0.8, tv=0.5)
+    assert torch.allclose(c[0], d[0], rtol=1e-4)
+    by_step = [lc - la for lc, la in zip(c[1], a[1])]
+    assert by_step == pytest.approx([0.5 * (1 - alpha) for alpha in a[4]], rel=1e-4)
 
 
 def test_topk_loss_keeps_a_bucket_for_the_rest():

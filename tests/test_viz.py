@@ -32,6 +32,24 @@ def test_token_spans_shade_by_source_with_details(traced):
     assert "sps: accepted draft" in viz.legend_html(["sps"])
 
 
+def test_sampled_acceptances_are_underlined_with_their_probability(qwen3, qwen3_draft, traced):
+    """A sampled run's accepted drafts carry min(1, p/q) from the trace: underlined, darker the less likely, with
+    the probability in the tip; the target's own tokens and every token of a greedy run carry none."""
+    store, runs = traced
+    run = generate(qwen3, PROMPTS[0], "sps", models={"draft": qwen3_draft}, k=3, max_new_tokens=24, temperature=1.0,
+                   seed=3, trace=store).run_id
+    for rid, sampled in ((run, True), (runs["sps"], False)):
+        toks = store.tokens(rid)
+        spans = viz.token_spans({c: toks[c].tolist() for c in (*viz.TOKEN_COLUMNS, "accept_prob")})
+        drafted = (toks.source == "sps").to_numpy()
+        marked = ["accepted with probability" in s for s in spans]
+        assert marked == list(drafted & sampled) and (not sampled or any(marked))
+        for s, ap in zip(spans, toks.accept_prob):
+            if "border-bottom" in s:
+                assert f"rgba(0,0,0,{0.9 * (1 - ap):.2f})" in s and f"probability {ap:.2f}" in s
+    assert "underline" in viz.legend_html(["sps"], sampled=True) and "underline" not in viz.legend_html(["sps"])
+
+
 def test_live_event_columns_equal_the_trace(qwen3, qwen3_draft, traced):
     """What the app renders live is what the trace stores."""
     store, _ = traced

@@ -51,6 +51,9 @@ class Eagle3TrainConfig(lm.OnlineSchedule):
     ttt_steps: int = lm.option(3, "training-time-test steps (unrolled on its own outputs, step 0 included)", lo=1)
     loss_topk: int = lm.option(  # 0: the target's full distribution; k: its k most likely tokens + a rest bucket
         32, "the loss against the target's k most likely tokens, renormalised (0: its full distribution)", lo=0)
+    loss_tv: float = lm.option(  # DSpark's L_tv: the expected acceptance of a sampled draft, trained directly
+        0.0, "weight of the acceptance term 1 - sum min(p, q) per step, added to the loss (DSpark's L_tv; over the "
+        "target's --loss-topk tokens, or its full distribution): trains for sampled decoding (0: off)", lo=0.0)
     step_weight: float = 0.8
 
 
@@ -153,11 +156,13 @@ def ttt_forward(m: Eagle3Model, embed: torch.nn.Embedding, ids: torch.Tensor, fe
 
 
 def ttt_loss(logits: list[torch.Tensor], target: tuple, m: Eagle3Model, weight: float,
-             rows: torch.Tensor | None = None):
+             rows: torch.Tensor | None = None, tv: float = 0.0):
     """(weighted loss, per-step loss, per-step accuracy, implied greedy tau, per-step sampling acceptance) against
     the target's distributions: `target` is `target_features`' (log-probs [B, T, V], None) or (top probabilities
     [B, T, k], their ids); the sampling acceptance sum(min(p, q)) needs the full distributions (else []). `rows`
-    [B, T-1] bool: the rows the loss and the figures cover (default all)."""
+    [B, T-1] bool: the rows the loss and the figures cover (default all). `tv` > 0 adds tv * (1 - sum min(p, q))
+    per step (DSpark's L_tv, the acceptance of a token drawn from q), over the target's top tokens when only those
+    are known: a lower bound of the acceptance, which the tail can only raise."""
     first, idx = target
     t2d, d2t = m.t2d, m.d2t
     reduced = not bool(t2d.all())
@@ -175,17 +180,23 @@ def ttt_loss(logits: list[torch.Tensor], target: tuple, m: Eagle3Model, weight: 
         n = R - s  # rows whose prediction lies inside the window
         lg = lg[:, :n].float()
         sel = torch.ones(lg.shape[:2], dtype=torch.bool, device=lg.device) if rows is None else rows[:, :n]
+        sl = slice(1 + s, 1 + s + n)
         if idx is None:
-            loss = (lg.logsumexp(-1) - (p[:, 1 + s : 1 + s + n] * lg).sum(-1))[sel].mean()
+            loss = (lg.logsumexp(-1) - (p[:, sl] * lg).sum(-1))[sel].mean()
         else:
-            sl = slice(1 + s, 1 + s + n)
             loss = lm.topk_soft_ce(lg, p[:, sl], idx[:, sl], None if keep is None else keep[:, sl])[sel].mean()
+        accept = None  # sum min(p, q): the acceptance of a token drawn from q, over what is known of p
+        if idx is None:
+            pt = first[:, sl].exp()
+            q = torch.softmax(lg if tv else lg.detach(), -1)
+            accept = torch.minimum(pt[..., t2d] if reduced else pt, q).sum(-1)
+            alphas.append(float(accept.detach()[sel].mean()))
+        elif tv:
+            accept = lm.topk_acceptance(lg, p[:, sl], idx[:, sl], None if keep is None else keep[:, sl])
+        if tv:
+            loss = loss + tv * (1.0 - accept)[sel].mean()
         draft = lg.detach().argmax(-1)
-        match = (draft + d2t[draft]) == p_top[:, 1 + s : 1 + s + n]
-        if target[1] is None:  # the acceptance probability of one sampled draft token: sum min(p, q)
-            pt = first[:, 1 + s : 1 + s + n].exp()
-            alphas.append(float(torch.minimum(pt[..., t2d] if reduced else pt, torch.softmax(lg.detach(), -1))
-                                .sum(-1)[sel].mean()))
+        match = (draft + d2t[draft]) == p_top[:, sl]
         total = total + weight ** s * loss
         losses.append(float(loss.detach()))
         accs.append(float(match[sel].float().mean()))
@@ -212,7 +223,7 @@ def train_step(m: Eagle3Model, embed, target, ids: torch.Tensor, cfg: Eagle3Trai
     feats, tgt = target_features(target, ids, m.config.layer_ids, cfg.loss_topk)
     with lm.autocast(cfg.precision):
         logits = ttt_forward(m, embed, ids, feats, cfg.ttt_steps)
-    return ttt_loss(logits, tgt, m, cfg.step_weight)
+    return ttt_loss(logits, tgt, m, cfg.step_weight, tv=cfg.loss_tv)
 
 
 @torch.no_grad()
@@ -223,7 +234,7 @@ def evaluate(m, embed, target, data, cfg: Eagle3TrainConfig) -> dict:
     res = {}
     for d in DOMAINS:
         ids = lm.val_windows(data, d, cfg.eval_windows, cfg.seq_len)
-        _, losses, accs, tau, alphas = train_step(m, embed, target, ids, replace(cfg, loss_topk=0))
+        _, losses, accs, tau, alphas = train_step(m, embed, target, ids, replace(cfg, loss_topk=0, loss_tv=0.0))
         res[d] = {"loss": losses, "acc": accs, "tau": tau, "alpha": alphas, "tau_sampled": implied_tau(alphas)}
     m.train()
     return res

@@ -171,6 +171,16 @@ def topk_soft_ce(lg: torch.Tensor, p: torch.Tensor, idx: torch.Tensor, keep: tor
     return -(p * (top - lse[..., None]).masked_fill(p == 0, 0.0)).sum(-1) - p_rest * log_rest
 
 
+def topk_acceptance(lg: torch.Tensor, p: torch.Tensor, idx: torch.Tensor, keep: torch.Tensor | None = None):
+    """Per row, sum_i min(p_i, q_i) over a distribution's top tokens (probabilities p [..., k], ids idx into the
+    logits lg [..., V]; `keep` [..., k] drops those lg cannot express): the part of the acceptance of a token drawn
+    from q = softmax(lg) that the top tokens account for, a lower bound of the whole (DSpark's L_tv is one minus
+    the whole)."""
+    if keep is not None:
+        p = p * keep
+    return torch.minimum(p, torch.softmax(lg.float(), -1).gather(-1, idx)).sum(-1)
+
+
 def snapshot(out: Path, tokens: int) -> None:
     """Keep a copy of the checkpoint just saved (out/model) as out/checkpoints/<tokens>, so every validation point
     of the curve can later be decoded on the zoo prompts (`speclab train curve`)."""
