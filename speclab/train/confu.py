@@ -57,6 +57,7 @@ class ConFuTrainConfig(lm.OnlineSchedule):
                              lo=0, hi=1 << 20)
     ttt_steps: int = lm.option(3, "training-time-test steps (unrolled on its own outputs)", lo=1)
     loss_topk: int = lm.option(32, "the loss against the target's k most likely tokens, renormalised (0: all)", lo=0)
+    loss_tv: float = lm.loss_tv_option()
     step_weight: float = 0.8
 
 
@@ -116,7 +117,7 @@ def train_step(m: ConFuModel, dec, embed, target, ids: torch.Tensor, cfg: ConFuT
     anchors = pick_anchors(ids.shape[0], ids.shape[1] - 1, cfg, rng)
     with lm.autocast(cfg.precision):
         logits, covered = confu_forward(m, dec, embed, ids, feats, keys, values, anchors, cfg)
-    return ttt_loss(logits, dist, m, cfg.step_weight, rows=covered)
+    return ttt_loss(logits, dist, m, cfg.step_weight, rows=covered, tv=cfg.loss_tv)
 
 
 @torch.no_grad()
@@ -127,7 +128,7 @@ def evaluate(m, dec, embed, target, data, cfg: ConFuTrainConfig) -> dict:
     res = {}
     for d in DOMAINS:
         ids = lm.val_windows(data, d, cfg.eval_windows, cfg.seq_len)
-        _, losses, accs, tau, alphas = train_step(m, dec, embed, target, ids, replace(cfg, loss_topk=0),
+        _, losses, accs, tau, alphas = train_step(m, dec, embed, target, ids, replace(cfg, loss_topk=0, loss_tv=0.0),
                                                   np.random.default_rng(0))
         res[d] = {"loss": losses, "acc": accs, "tau": tau, "alpha": alphas, "tau_sampled": implied_tau(alphas)}
     m.train()

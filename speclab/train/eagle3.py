@@ -51,9 +51,7 @@ class Eagle3TrainConfig(lm.OnlineSchedule):
     ttt_steps: int = lm.option(3, "training-time-test steps (unrolled on its own outputs, step 0 included)", lo=1)
     loss_topk: int = lm.option(  # 0: the target's full distribution; k: its k most likely tokens + a rest bucket
         32, "the loss against the target's k most likely tokens, renormalised (0: its full distribution)", lo=0)
-    loss_tv: float = lm.option(  # DSpark's L_tv: the expected acceptance of a sampled draft, trained directly
-        0.0, "weight of the acceptance term 1 - sum min(p, q) per step, added to the loss (DSpark's L_tv; over the "
-        "target's --loss-topk tokens, or its full distribution): trains for sampled decoding (0: off)", lo=0.0)
+    loss_tv: float = lm.loss_tv_option()
     step_weight: float = 0.8
 
 

@@ -45,6 +45,14 @@ def option(default, help: str, *, lo=None, hi=None, flag: str = ""):
     return field(default=default, metadata={"help": help, "lo": lo, "hi": hi, "flag": flag})
 
 
+def loss_tv_option():
+    """The `loss_tv` field of a training config whose loss is `train.eagle3.ttt_loss`: DSpark's L_tv, the expected
+    acceptance of a sampled draft trained directly (`topk_acceptance`)."""
+    return option(0.0, "weight of the acceptance term 1 - sum min(p, q) per step, added to the loss (DSpark's L_tv; "
+                  "over the target's --loss-topk tokens, or its full distribution): trains for sampled decoding "
+                  "(0: off)", lo=0.0)
+
+
 @dataclass(kw_only=True)
 class Schedule:
     """The batches and the LR schedule (`lr_at`) of a training run: the fields every training config shares,
