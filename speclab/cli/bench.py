@@ -54,7 +54,8 @@ def load_bench_sets(cfg, paths: ModelPaths):
     from speclab.bench.run import plan_dtypes
     from speclab.models import resolve_dtype
 
-    _, decision = resolve_dtype(paths)
+    every = {r for m in cfg.methods for r in get_method(m).needs} | ({"draft"} if cfg.peers else set())
+    _, decision = resolve_dtype(paths, roles=tuple(every))  # a model that cannot load fails before any timing
     cfg.methods, cfg.dtypes = plan_dtypes(cfg.methods, lambda f: decision.dtype(f) if decision else paths.dtype)
     ar = next(m for m in cfg.methods if family(m) == "ar")
     sets = {}
