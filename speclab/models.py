@@ -161,10 +161,6 @@ def resolve_dtype(paths: ModelPaths, fam: str = "speculative", log=None, remeasu
             except (SpeclabError, ValueError, RuntimeError, OSError):
                 if r in roles:
                     raise
-        if dt == "fp32":  # the command's other models (a router, ...) load once too: one that cannot fails in its
-            for r in roles:  # one line before anything is timed
-                if r not in models and r in ROLES:
-                    ROLES[r].load(paths.model_path(r), t, p)
         return t, models
 
     from speclab.bench.costs import dtype_decision

@@ -54,8 +54,7 @@ def load_bench_sets(cfg, paths: ModelPaths):
     from speclab.bench.run import plan_dtypes
     from speclab.models import resolve_dtype
 
-    every = {r for m in cfg.methods for r in get_method(m).needs} | ({"draft"} if cfg.peers else set())
-    _, decision = resolve_dtype(paths, roles=tuple(every))  # a model that cannot load fails before any timing
+    _, decision = resolve_dtype(paths)
     cfg.methods, cfg.dtypes = plan_dtypes(cfg.methods, lambda f: decision.dtype(f) if decision else paths.dtype)
     ar = next(m for m in cfg.methods if family(m) == "ar")
     sets = {}
