@@ -7,13 +7,13 @@ scalars, here maximising alpha_d instead of minimising calibration error). Usage
 
     python scripts/draft_temperature.py [DRAFTER_DIR]      (default: the zoo's EAGLE-3)
 """
-import math
 import sys
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from speclab.drafters.eagle3 import load_eagle3
+from speclab.metrics import implied_tau
 from speclab.train.corpus import DOMAINS
 from speclab.train.eagle3 import target_features, ttt_forward
 from speclab.train.lm import val_windows
@@ -50,12 +50,10 @@ print("|---|---|---|---|---|---|")
 for T in TEMPS:
     for t in GRID:
         a = alpha[(T, t)]
-        tau = 1 + a[0] + a[0] * a[1] + a[0] * a[1] * a[2]
-        print(f"| {T} | {t} | {a[0]:.3f} | {a[1]:.3f} | {a[2]:.3f} | {tau:.3f} |")
+        print(f"| {T} | {t} | {a[0]:.3f} | {a[1]:.3f} | {a[2]:.3f} | {implied_tau(a):.3f} |")
 print("\nper-depth temperatures (left to right, the best alpha at each depth):")
 for T in TEMPS:
     best = [max(GRID, key=lambda t: alpha[(T, t)][s]) for s in range(3)]
     a = [alpha[(T, t)][s] for s, t in enumerate(best)]
-    print(f"T={T}: draft_temp per depth {best}; alpha {[round(x, 3) for x in a]}; chain tau "
-          f"{1 + a[0] + a[0] * a[1] + a[0] * a[1] * a[2]:.3f} (one draft_temp 1.0: "
-          f"{1 + sum(math.prod(alpha[(T, 1.0)][:k + 1]) for k in range(3)):.3f})")
+    print(f"T={T}: draft_temp per depth {best}; alpha {[round(x, 3) for x in a]}; chain tau {implied_tau(a):.3f} "
+          f"(one draft_temp 1.0: {implied_tau(alpha[(T, 1.0)]):.3f})")
