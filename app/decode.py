@@ -225,8 +225,14 @@ class SideBySide:
 
     def _decode(self, prompt, methods, max_new, temperature, seed, deferred, shade, params):
         lab = self.lab
-        gens = {m: Generation(lab.target, prompt, m, models=lab.models, max_new_tokens=max_new, temperature=temperature,
-                              seed=seed, deferred=bool(deferred), trace=lab.store, **params[m]) for m in methods}
+        gens = {}
+        for m in methods:  # every column built (its drafter too) before any decode starts and writes a run row
+            try:
+                gens[m] = Generation(lab.target, prompt, m, models=lab.models, max_new_tokens=max_new,
+                                     temperature=temperature, seed=seed, deferred=bool(deferred), trace=lab.store,
+                                     **params[m])
+            except SpeclabError as e:
+                raise InvalidInput(f"{m}: {e}") from e
         cols = {m: Column(g) for m, g in gens.items()}
         iters = {m: iter(g) for m, g in gens.items()}
         drafters = list(dict.fromkeys(d for g in gens.values() for d in g.drafters))

@@ -12,6 +12,7 @@ import torch
 from app.lab import Lab, answers, run_id_of
 from speclab import export, viz
 from speclab.bench.routing import router_rounds
+from speclab.checks import Bound, check_number
 from speclab.errors import InvalidInput, SpeclabError
 from speclab.generate import encode_prompt
 from speclab.methods import METHODS, build_method, get_method, method_params
@@ -191,6 +192,8 @@ class Runs:
     @answers(1)
     def tree(self, run_id, rnd, color_by: str = "accepted"):
         rid = run_id_of(run_id)
+        last = int(self.lab.store.query("SELECT count(*) AS n FROM rounds WHERE run_id = ?", [rid]).n[0]) - 1
+        rnd = check_number("round", rnd, int, Bound(0, max(1, last)))  # a typed round: in the slider's range
         nodes = self.lab.store.draft_nodes(rid, int(rnd))
         # an imported run's nodes have no tokens (engines report counts): shown as "?"
         nodes["text"] = [self.lab.text[int(t)] if pd.notna(t) else "?" for t in nodes.token_id]
@@ -273,7 +276,9 @@ def build_rounds(lab: Lab, runs: Runs, shade) -> dict:
     compare.change(runs.view, [run_pick, shade, compare], shown)
     compare.focus(lambda: gr.update(choices=[""] + lab.run_choices()), None, compare)
     shade.change(runs.reshade, [run_pick, shade], run_html)
+    # a drag ends on release; a typed round (Enter) or the arrow keys are inputs (always the last one drawn)
     rnd.release(runs.tree, [run_pick, rnd, tree_color], tree_plot)
+    rnd.input(runs.tree, [run_pick, rnd, tree_color], tree_plot, trigger_mode="always_last")
     tree_color.change(runs.tree, [run_pick, rnd, tree_color], tree_plot)
     return {"run_pick": run_pick, "none": none, "compare": compare}
 

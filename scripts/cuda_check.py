@@ -4,7 +4,7 @@ the zoo target with sps, pld and EAGLE-3 (chain and tree) against AR on the zoo 
 speedup (geometric mean over prompts of AR's time / the method's, each decode timed between CUDA syncs). On a
 machine without a GPU it runs on the CPU. Usage:
 
-    python scripts/cuda_check.py [PROMPTS_PER_DOMAIN=8] [TOKENS=128] [OUT_JSON=cuda_check.json]
+    python scripts/cuda_check.py [PROMPTS_PER_DOMAIN=8] [TOKENS=128] [OUT_JSON=cuda_check.json] [DTYPES=fp32,bf16]
 """
 import json
 import math
@@ -22,6 +22,7 @@ from speclab.models import ModelPaths, load_models
 LIMIT = int(sys.argv[1]) if len(sys.argv) > 1 else 8
 TOK = int(sys.argv[2]) if len(sys.argv) > 2 else 128
 OUT = sys.argv[3] if len(sys.argv) > 3 else "cuda_check.json"
+DTYPES = sys.argv[4].split(",") if len(sys.argv) > 4 else ["fp32", "bf16"]
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 METHODS = ["ar", "sps", "pld", "eagle3", "eagle3:tree_topk=4+total_tokens=12"]
 prompts = load_suite("zoo", limit=LIMIT)
@@ -39,7 +40,7 @@ def run(target, models, spec, ids, temp, seed):
     return r, time.perf_counter() - t0
 
 
-for dtype in ("fp32", "bf16"):
+for dtype in DTYPES:
     target, models = load_models(ModelPaths(device=DEV, dtype=dtype), roles=("draft", "eagle3"))
     print("device", target.device, "dtype", target.dtype, torch.cuda.get_device_name() if DEV == "cuda" else "")
     enc = [encode_prompt(target, p["prompt"]) for p in prompts]
@@ -63,11 +64,14 @@ for dtype in ("fp32", "bf16"):
                     if r.token_ids == ar_out[i]:
                         same += 1
                     else:
-                        div.append((i, first_divergence(ar_out[i], r.token_ids)))
+                        d = first_divergence(target, ids, ar_out[i], r.token_ids)
+                        div.append({"prompt": i, **vars(d), "near_tie": d.near_tie} if d is not None else {"prompt": i})
             ratio = [a / b for a, b in zip(ar_t, t_all)]
             gm = math.exp(sum(math.log(x) for x in ratio) / len(ratio))
             row = {"dtype": dtype, "T": temp, "method": spec, "n": len(enc), "tau": sum(taus) / len(taus),
                    "tok_s": TOK * len(enc) / sum(t_all), "speedup_gm": gm, "same_as_ar": same if temp == 0 else None,
+                   "near_tie": sum(bool(x.get("near_tie")) for x in div),
+                   "bug": sum(not x.get("near_tie", True) for x in div),
                    "diverged": div}
             rows.append(row)
             print(json.dumps(row), flush=True)

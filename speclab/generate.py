@@ -91,9 +91,11 @@ class Generation:
 
     `for ev in Generation(...)` drives it round by round (several can be interleaved, as the app's
     side-by-side view does); `.result` holds the GenerationResult at the end. With `trace`, the run row is
-    `running` until the end, `failed` on an exception, `interrupted` on Ctrl-C, `cancelled` if the consumer
-    stops early. Every parameter is checked before any model work (`speclab.checks`). `keep_logits` keeps each
-    round's verification logits on its RoundEvent (for inspecting rounds).
+    written as the decode starts (building a Generation writes nothing: the app builds all its columns, every check
+    and every drafter, before any row exists) and is `running` until the end, `failed` on an exception,
+    `interrupted` on Ctrl-C, `cancelled` if the consumer stops early. Every parameter is checked before any model
+    work (`speclab.checks`). `keep_logits` keeps each round's verification logits on its RoundEvent (for inspecting
+    rounds).
     """
 
     def __init__(self, target: Target, prompt: str | torch.Tensor, method: str = "ar", *, models: dict | None = None,
@@ -109,8 +111,10 @@ class Generation:
         self.kw = dict(max_new_tokens=req.max_new_tokens, sampling=sampling, deferred=deferred, keep_logits=keep_logits)
         self.result: GenerationResult | None = None
         self.run_id, self.writer = None, None
-        if trace is not None:
-            self.run_id = trace.start_run(
+        self._run_row: dict = {}
+        if trace is not None:  # written when the decode starts (`_open_run`): several Generations built side by side
+            # (the app's columns) are all checked and built before any of them leaves a row
+            self._run_row = dict(
                 method=method, target=target.name, drafters=",".join(self.drafters) or None,
                 router=self.router.policy if self.router else None,
                 params={**self.params, "max_new_tokens": req.max_new_tokens, **asdict(sampling),
@@ -120,15 +124,21 @@ class Generation:
                 prompt_text=prompt if isinstance(prompt, str) else None,
                 prompt_tokens=self.prompt_ids.numel(), bench_id=bench_id,
                 eager=bool(getattr(self.router, "eager", False)))
-            self.writer = trace.writer(self.run_id, target.tokenizer)
+
+    def _open_run(self) -> None:
+        """The run row (status `running`) and its writer, once, as the decode starts."""
+        if self.trace is not None and self.run_id is None:
+            self.run_id = self.trace.start_run(**self._run_row)
+            self.writer = self.trace.writer(self.run_id, self.target.tokenizer)
 
     @property
     def record(self) -> bool:
         """Whether RoundEvents are built (traced, watched or kept for inspection); otherwise the engine's fast path
         yields None."""
-        return self.writer is not None or self.on_round is not None or self.kw["keep_logits"]
+        return self.trace is not None or self.on_round is not None or self.kw["keep_logits"]
 
     def __iter__(self) -> Iterator[RoundEvent | None]:
+        self._open_run()
         rounds = decode_rounds(self.target, self.prompt_ids, self.drafters, self.router,
                                listeners=(self.writer,) if self.writer is not None else (), record=self.record,
                                **self.kw)

@@ -253,6 +253,18 @@ def test_bad_input_gets_one_clear_message_and_starts_no_run(page):
     page.click("#run")
     error_toast(page, "temperature must be a finite number from 0 to 10")
     page.fill("#temperature input", "0")
+    page.keyboard.press("Tab")
+    # a value refused only as its column's drafter is built (no FlashHead index of 123 clusters beside the zoo's
+    # EAGLE-3) is refused before any column starts: no run of ar or pld is left behind as `running` (app v4, item 1)
+    choose_methods(page, ["ar", "pld", "eagle3"])
+    page.locator("#p-eagle3-head input").fill("flash")  # the dropdown's filter, then its one match
+    page.locator("#p-eagle3-head input").press("Enter")
+    page.fill("#p-eagle3-clusters input", "123")
+    page.keyboard.press("Tab")
+    page.click("#run")
+    error_toast(page, "eagle3: no FlashHead index of 123 clusters")
+    page.locator("#p-eagle3-head input").fill("dense")
+    page.locator("#p-eagle3-head input").press("Enter")
     choose_methods(page, ["ar"])
     # the earlier decode is still on the page: bad input blanks nothing
     assert page.locator("#col3 .tok").count() > 0 and page.locator("#status").inner_text().startswith("done")
@@ -332,6 +344,21 @@ def test_reopened_routed_run_shows_tokens_tree_router_and_counterfactuals(page):
     page.wait_for_selector("#run_router .js-plotly-plot", timeout=60000)
     page.wait_for_selector("#tree .js-plotly-plot", timeout=60000)
     assert re.search(r"round \d+: (eagle3|dflash)'s draft|no draft", svg_texts(page, "#tree .gtitle")[0])
+    # a round typed into the slider's box (Enter) redraws the tree, and so do the arrow keys; a round the run does
+    # not have gets one message and the tree stays (app v4, item 2)
+    box = page.locator("#round input[type=number]")
+    box.fill("3")
+    box.press("Enter")
+    wait_title = ("n => [...document.querySelectorAll('#tree .gtitle')].some(e => e.textContent.includes("
+                  "`round ${n}:`))")
+    page.wait_for_function(wait_title, arg=3, timeout=30000)
+    page.locator("#round input[type=range]").press("ArrowRight")
+    page.wait_for_function(wait_title, arg=4, timeout=30000)
+    for bad, says in (("999", "Value 999 is greater than maximum value"), ("-3", "Value -3 is less than minimum")):
+        box.fill(bad)  # Gradio refuses it against the slider's range, before the handler (which checks it too)
+        box.press("Enter")
+        error_toast(page, says)
+    assert "round 4:" in svg_texts(page, "#tree .gtitle")[0]
     assert page.locator("#run_html .tok[data-src=dflash]").count() > 0
     assert "router chose" in page.locator("#run_html .tok[data-src=eagle3]").first.get_attribute("title")
     assert "catch-up" in page.locator("#run_html .speclab-timebar").inner_text()  # where its time went, too

@@ -79,6 +79,37 @@ def test_pld_proposes_repeated_ngrams():
     assert d.propose(10, Sampling()).tokens.tolist() == [9, 1, 2]
 
 
+def test_pld_adaptive_length_follows_the_heuristic_schedule():
+    """`adaptive`: a proposal accepted whole lengthens the next by 2 (at most k), a rejection shortens it by 1
+    (at least 1), a round without a proposal changes nothing, and a reset starts again at k; "sampled" adapts at
+    T > 0 only; "off": always k."""
+    from speclab.core.sampling import Sampling
+    from speclab.core.tree import DraftTree
+
+    ids = torch.tensor([1, 2, 3, 4, 5, 6, 7, 8, 9, 1])  # "1" matches: continuation 2, 3, 4, ...
+    d = PromptLookup(k=5, max_ngram=1, min_ngram=1, adaptive="always")
+    d.reset(ids, None)
+    lengths = []
+    for accept_whole in (False, False, False, False, False, True, True, True):
+        tree = d.propose(10, Sampling())
+        lengths.append(len(tree))
+        d.commit(tree, torch.arange(len(tree) if accept_whole else 0))
+    assert lengths == [5, 4, 3, 2, 1, 1, 3, 5]
+    d.commit(DraftTree.empty(), torch.arange(0))
+    assert len(d.propose(10, Sampling())) == 5
+    d.commit(d.propose(10, Sampling()), torch.arange(1))
+    d.reset(ids, None)
+    assert len(d.propose(10, Sampling())) == 5
+    fixed = PromptLookup(k=5, max_ngram=1, min_ngram=1)
+    fixed.reset(ids, None)
+    fixed.commit(fixed.propose(10, Sampling()), torch.arange(0))
+    assert len(fixed.propose(10, Sampling())) == 5
+    hot = PromptLookup(k=5, max_ngram=1, min_ngram=1, adaptive="sampled")
+    hot.reset(ids, None)
+    hot.commit(hot.propose(10, Sampling(temperature=1.0)), torch.arange(0))
+    assert len(hot.propose(10, Sampling())) == 5 and len(hot.propose(10, Sampling(temperature=1.0))) == 4
+
+
 @pytest.mark.parametrize("k", [2, 4])
 def test_draft_equal_to_target_accepts_everything(qwen3, model_dir, k):
     """With the draft == the target every draft token is accepted: tau = k + 1, one target call per round."""

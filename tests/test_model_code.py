@@ -197,3 +197,31 @@ def test_projections_keep_the_checkpoints_order():
         for g, w in zip(got, (want_q, want_k, want_v)):
             assert torch.equal(g, w)
         assert torch.equal(layer.finish(x, attn), want)
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_linear_is_f_linear_bit_for_bit_and_repacks_a_changed_weight(bias):
+    """`linear` (bf16 on a CPU through a prepacked weight) returns F.linear's bits at every row count a decode uses,
+    in 2-D and 3-D; a weight changed in place is packed again (no stale copy); autograd and fp32 take F.linear."""
+    from speclab.core import layers
+
+    torch.manual_seed(0)
+    w = torch.randn(96, 80).bfloat16()
+    b = torch.randn(96).bfloat16() if bias else None
+    with torch.inference_mode():
+        for rows in (1, 2, 5, 9, 16, 64):
+            x = torch.randn(rows, 80).bfloat16()
+            assert torch.equal(layers.linear(x, w, b), F.linear(x, w, b)), rows
+        x3 = torch.randn(2, 7, 80).bfloat16()
+        assert torch.equal(layers.linear(x3, w, b), F.linear(x3, w, b))
+    from speclab.core.precision import cpu_info
+
+    if cpu_info()[1]:  # a CPU with native bf16 (the machines whose decodes run in bf16): the fast path was taken
+        assert w._speclab_packed[1] is not None
+    w.mul_(-1)
+    with torch.inference_mode():
+        assert torch.equal(layers.linear(x3, w, b), F.linear(x3, w, b))
+    wg = w.float().requires_grad_(True)
+    y = layers.linear(x3.float(), wg)
+    y.sum().backward()
+    assert wg.grad is not None

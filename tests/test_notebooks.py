@@ -35,7 +35,40 @@ def _kernel_in(folder: str):
         def __init__(self, **kw):
             super().__init__(transport="ipc", ip=str(Path(folder) / "k"),
                              connection_file=str(Path(folder) / "kernel.json"), **kw)
+            self.client_factory = _sliced_client()
     return Kernel
+
+
+POLL_SLICE_S = 5.0  # the longest one wait for a kernel's message lasts before its socket is polled afresh
+
+
+def _sliced_client():
+    """nbclient's kernel client, whose waits for a message (shell and iopub) poll the socket afresh every
+    `POLL_SLICE_S` instead of once for a whole cell's timeout. A reply that arrived without waking the one long poll
+    (seen here about one run in three of notebook 05, after its widget cell: the kernel idle, its execute_reply never
+    read; nbclient issue #312) is then read within seconds instead of hanging the cell until its deadline."""
+    import time as _time
+    from queue import Empty
+
+    from jupyter_client.asynchronous import AsyncKernelClient
+    from jupyter_client.channels import AsyncZMQSocketChannel
+    from traitlets import Type
+
+    class Sliced(AsyncZMQSocketChannel):
+        async def get_msg(self, timeout=None):
+            end = None if timeout is None else _time.monotonic() + timeout
+            while True:
+                left = None if end is None else max(0.0, end - _time.monotonic())
+                try:
+                    return await super().get_msg(timeout=POLL_SLICE_S if left is None else min(POLL_SLICE_S, left))
+                except Empty:
+                    if left is not None and left <= POLL_SLICE_S:
+                        raise
+
+    class Client(AsyncKernelClient):
+        shell_channel_class = Type(Sliced)
+        iopub_channel_class = Type(Sliced)
+    return Client
 
 
 def _cell_name(nb, index: int) -> str:

@@ -189,6 +189,25 @@ def test_eos_inside_accepted_drafts_cuts_the_accepted_nodes_too(qwen3, model_dir
     assert pa.acceptance.tolist() == [1.0] * (cut + 1) + [0.0] * (3 - cut)
 
 
+def test_a_generation_writes_its_run_row_only_when_it_starts(qwen3, store):
+    """Building Generations side by side writes nothing: a column refused while it is built (here its drafter's
+    model is missing) leaves no row of the columns built before it; the row appears with the decode's first step."""
+    from speclab.errors import SpeclabError
+    from speclab.generate import Generation
+    before = len(store.query("SELECT run_id FROM runs"))
+    first = Generation(qwen3, PROMPTS[0], "ar", max_new_tokens=4, trace=store)
+    with pytest.raises(SpeclabError):
+        Generation(qwen3, PROMPTS[0], "sps", max_new_tokens=4, trace=store)  # no draft model given
+    assert first.run_id is None and len(store.query("SELECT run_id FROM runs")) == before
+    it = iter(first)
+    next(it)
+    assert first.run_id is not None
+    assert store.query("SELECT status FROM runs WHERE run_id = ?", [first.run_id]).status[0] == "running"
+    for _ in it:
+        pass
+    assert store.query("SELECT status FROM runs WHERE run_id = ?", [first.run_id]).status[0] == "done"
+
+
 def test_interleaved_runs_count_only_their_own_time(qwen3, qwen3_draft, store):
     """Two runs decoded round by round in turn, with the consumer holding each round for 30 ms (as the app
     does while it renders): each run's decode time is its prefill + its own phases (+ the final trace flush),

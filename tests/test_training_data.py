@@ -153,6 +153,31 @@ def test_topk_loss_equals_the_full_loss_when_k_is_the_vocabulary(deep):
     assert by_step == pytest.approx([0.5 * (1 - alpha) for alpha in a[4]], rel=1e-4)
 
 
+def test_dflash_acceptance_term_is_one_minus_sum_min_p_q_per_block_row(deep):
+    """DFlash's --loss-tv adds tv x (1 - sum min(p, q)) per block row under the rows' weights, on each readout (base
+    and Markov); the per-row acceptance it reports is that same sum, in (0, 1], and the term carries a gradient."""
+    from speclab.drafters.dflash import DFlashModel, config_for
+    from speclab.train.dflash import block_forward, block_loss, pick_blocks, target_features
+
+    torch.manual_seed(0)
+    m = DFlashModel(config_for(deep, markov_rank=8))
+    ids = torch.randint(3, deep.vocab_size, (2, 40), generator=torch.Generator().manual_seed(0))
+    embed_w, head_w = deep.model.get_input_embeddings().weight, deep.model.get_output_embeddings().weight
+    feats, top = target_features(deep.model, ids, m.config.target_layer_ids)
+    size = 5
+    anchors = pick_blocks(ids.shape[1], size, 16, np.random.default_rng(0))
+    logits = block_forward(m, embed_w, head_w, ids, feats, anchors, size)
+    a, ma = block_loss(m, logits, ids, top, anchors, 4.0)
+    c, _ = block_loss(m, logits, ids, top, anchors, 4.0, tv=0.5)
+    w = torch.exp(-torch.arange(size - 1).float() / 4.0)
+    expect = sum(0.5 * float(((1 - torch.tensor(r["alpha"])) * w).sum() / w.sum()) for r in ma.values())
+    assert set(ma) == {"base", "markov"} and float(c - a) == pytest.approx(expect, rel=1e-4)
+    assert all(0 < x <= 1 for r in ma.values() for x in r["alpha"]) and all(r["tau_sampled"] >= 1 for r in ma.values())
+    m.zero_grad()
+    (c - a).backward()
+    assert m.fc.weight.grad is not None and m.fc.weight.grad.abs().sum() > 0
+
+
 def test_topk_loss_keeps_a_bucket_for_the_rest():
     """The top-k loss is the cross-entropy against the top tokens plus one bucket for the rest of the mass, so its
     minimum puts exactly the target's rest mass on the drafter's other tokens (renormalising the top tokens would

@@ -23,9 +23,74 @@ its own way (a fused matmul is not bitwise the split ones, so each keeps the one
 """
 from __future__ import annotations
 
+import os
+from typing import Any
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+
+# -- the matmul -----------------------------------------------------------------------------------------------------
+
+# bf16 weights on a CPU through oneDNN's prepacked layout (`linear`); False (or SPECLAB_PACKED=0 in the environment,
+# to compare): F.linear everywhere
+PACKED = os.environ.get("SPECLAB_PACKED", "1") != "0"
+
+
+def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
+    """`F.linear(x, w, b)`, bitwise. A bf16 call on a CPU outside autograd runs on a copy of w prepacked once into
+    oneDNN's blocked layout: F.linear reorders the weight into it on every call, which on the zoo's shapes (1-16
+    rows) is a third to half of the call (measured: docs/ARCHITECTURE.md "Prepacked weights"). The copy is checked
+    against F.linear when it is made, and a weight whose packed product differs in any bit (or a torch without the
+    op) keeps F.linear."""
+    if PACKED and w.dtype is torch.bfloat16 and x.dtype is torch.bfloat16 and w.device.type == "cpu" \
+            and not torch.is_grad_enabled():
+        packed = _packed(w, b)
+        if packed is not None:
+            return _PACKED_LINEAR(x, packed, b, "none", [], "")
+    return F.linear(x, w, b)
+
+
+def _packed(w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor | None:
+    """w's prepacked copy, made on first use and kept on w itself (so it lives and dies with w; a weight changed in
+    place since is packed again); None where packing is not bitwise F.linear."""
+    version = w._version if not w.is_inference() else -1
+    held = getattr(w, "_speclab_packed", None)
+    if held is not None and held[0] == version:
+        return held[1]
+    packed = None
+    try:
+        cand = torch.ops.mkldnn._reorder_linear_weight(w, PACK_ROWS)
+        if _PACKED_LINEAR is None:
+            raise AttributeError("no mkldnn._linear_pointwise")
+        gen = torch.Generator().manual_seed(0)
+        for rows in (1, 5, 37):  # a decode step, a verification, a prefill
+            x = torch.randn(rows, w.shape[1], generator=gen).to(w.dtype)
+            if not torch.equal(_PACKED_LINEAR(x, cand, b, "none", [], ""), F.linear(x, w, b)):
+                break
+        else:
+            packed = cand
+    except (RuntimeError, AttributeError):  # a torch built without oneDNN, a shape it refuses
+        packed = None
+    w._speclab_packed = (version, packed)  # type: ignore[attr-defined]  # kept on the weight itself
+    return packed
+
+
+_PACKED_LINEAR: Any
+try:
+    _PACKED_LINEAR = torch.ops.mkldnn._linear_pointwise
+except (AttributeError, RuntimeError):  # a torch built without oneDNN
+    _PACKED_LINEAR = None
+PACK_ROWS = 8  # the batch size the layout is chosen for (a packing chosen for 1 row differs in the last bit from
+# F.linear from about 40 rows on; 8 matched F.linear at 1 to 200 rows here)
+
+
+class Linear(nn.Linear):
+    """nn.Linear through `linear` (same parameters, same state-dict keys)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return linear(x, self.weight, self.bias)
+
 
 # -- the rotary embedding -------------------------------------------------------------------------------------------
 
@@ -72,6 +137,10 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
     kv_heads < heads) under `mask` ([.., n, slots]: bool, True = seen, or additive; None: every slot), through
     torch's fused kernel. A 3-D call runs as a batch of one: the fused CPU kernel takes 4-D inputs only."""
     gqa = q.shape[-3] != k.shape[-3]
+    if gqa and mask is not None and q.is_cuda:  # CUDA's kernels take a mask or enable_gqa, not both (the math
+        # fallback then: a dozen kernels per call, measured on an H200), so the kv heads are repeated instead
+        rep = q.shape[-3] // k.shape[-3]
+        k, v, gqa = k.repeat_interleave(rep, -3), v.repeat_interleave(rep, -3), False
     if q.dim() == 3:
         return F.scaled_dot_product_attention(q[None], k[None], v[None], attn_mask=mask, scale=scale,
                                               enable_gqa=gqa)[0]
@@ -134,7 +203,7 @@ class FusedLayer(Layer):
     def qkv(self, h, cos, sin):
         H, KV, D = self.H, self.KV, self.D
         x = F.rms_norm(h, h.shape[-1:], self.in_norm, self.eps)
-        qkv = F.linear(x, self.qkv_w, self.qkv_b).unflatten(-1, (H + 2 * KV, D))
+        qkv = linear(x, self.qkv_w, self.qkv_b).unflatten(-1, (H + 2 * KV, D))
         qk, v = qkv[..., : H + KV, :], qkv[..., H + KV :, :]
         if self.qk_norm is not None:  # Qwen3: RMSNorm per head, q and k in one call
             qk = F.rms_norm(qk, (D,), None, self.eps) * self.qk_norm
@@ -142,14 +211,14 @@ class FusedLayer(Layer):
         return qk[..., :H, :, :], qk[..., H:, :, :], v.transpose(-2, -3)
 
     def attn_out(self, a):
-        return F.linear(a, self.o, self.o_bias)
+        return linear(a, self.o, self.o_bias)
 
     def post_norm(self, h):
         return F.rms_norm(h, h.shape[-1:], self.post, self.eps)
 
     def ffn(self, x):
-        gate, up = F.linear(x, self.gate_up).chunk(2, -1)
-        return F.linear(F.silu(gate) * up, self.down)
+        gate, up = linear(x, self.gate_up).chunk(2, -1)
+        return linear(F.silu(gate) * up, self.down)
 
 
 def _fuse(params) -> torch.Tensor:
@@ -172,10 +241,10 @@ class Attention(nn.Module):
                  qk_norm_eps: float | None = None):
         super().__init__()
         self.heads, self.kv_heads, self.head_dim = heads, kv_heads, head_dim
-        self.q_proj = nn.Linear(d_in, heads * head_dim, bias=bias)
-        self.k_proj = nn.Linear(d_in, kv_heads * head_dim, bias=bias)
-        self.v_proj = nn.Linear(d_in, kv_heads * head_dim, bias=bias)
-        self.o_proj = nn.Linear(heads * head_dim, d_model, bias=bias)
+        self.q_proj = Linear(d_in, heads * head_dim, bias=bias)
+        self.k_proj = Linear(d_in, kv_heads * head_dim, bias=bias)
+        self.v_proj = Linear(d_in, kv_heads * head_dim, bias=bias)
+        self.o_proj = Linear(heads * head_dim, d_model, bias=bias)
         self.qk_norm = qk_norm_eps is not None
         if self.qk_norm:
             self.q_norm = nn.RMSNorm(head_dim, eps=qk_norm_eps)
@@ -206,9 +275,9 @@ class MLP(nn.Module):
 
     def __init__(self, d_model: int, intermediate: int):
         super().__init__()
-        self.gate_proj = nn.Linear(d_model, intermediate, bias=False)
-        self.up_proj = nn.Linear(d_model, intermediate, bias=False)
-        self.down_proj = nn.Linear(intermediate, d_model, bias=False)
+        self.gate_proj = Linear(d_model, intermediate, bias=False)
+        self.up_proj = Linear(d_model, intermediate, bias=False)
+        self.down_proj = Linear(intermediate, d_model, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))

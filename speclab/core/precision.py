@@ -27,6 +27,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from speclab.core import layers
+from speclab.core.layers import linear
 from speclab.errors import InvalidInput
 
 DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
@@ -118,13 +120,14 @@ def family(method: str) -> str:
 
 
 def machine() -> dict:
-    """What the decision depends on besides the models: CPU model, a hash of all its flags, cores, threads, torch."""
+    """What the decision depends on besides the models: CPU model, a hash of all its flags, cores, threads, torch, and
+    how bf16 matmuls run (`speclab.core.layers.linear`)."""
     import hashlib
     import os
     name, flags = _cpu()
     return {"cpu": name, "flags": hashlib.sha1(" ".join(sorted(flags)).encode()).hexdigest()[:12],
             "bf16": list(cpu_info()[1]), "cores": os.cpu_count(), "threads": torch.get_num_threads(),
-            "torch": torch.__version__}
+            "torch": torch.__version__, "linear": "prepacked" if layers.PACKED else "F.linear"}
 
 
 def other_load(window_s: float = 0.3) -> float:
@@ -325,7 +328,7 @@ class Head:
     def __call__(self, h: torch.Tensor) -> torch.Tensor:
         """float32 logits [..., V] of hidden states h [..., d] (fp32 from `rms_norm32`, or the model's dtype)."""
         w = self.weight
-        low = F.linear(h.to(w.dtype), w).float()
+        low = linear(h.to(w.dtype), w).float()
         if not self.refine:
             return low
         shape = low.shape

@@ -28,6 +28,7 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 
+from speclab.core.layers import Linear
 from speclab.core.protocol import ExtraRows, RoundView
 from speclab.drafters import eagle3
 from speclab.drafters.checkpoint import load_strict, place, read_checkpoint
@@ -62,7 +63,7 @@ class ExpertMix(nn.Module):
     def __init__(self, d_in: int, d_out: int, experts: int, topk: int):
         super().__init__()
         self.topk = min(topk, experts)
-        self.router = nn.Linear(d_in, experts, bias=False)
+        self.router = Linear(d_in, experts, bias=False)
         self.experts = nn.Parameter(torch.zeros(experts, d_out))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

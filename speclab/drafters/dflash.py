@@ -37,10 +37,9 @@ from pathlib import Path
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
 from speclab.checks import MAX_TREE_NODES, Bound
-from speclab.core.layers import DecoderLayer, rope_inv_freq, rope_tables
+from speclab.core.layers import DecoderLayer, Linear, linear, rope_inv_freq, rope_tables
 from speclab.core.lean import KVCache
 from speclab.core.sampling import Sampling, chain_dists, draft_probs, sample
 from speclab.core.target import forward_clock
@@ -152,11 +151,11 @@ class DFlashModel(nn.Module):
                                                  c.num_key_value_heads, c.head_dim, c.rms_norm_eps, c.attention_bias)
                                     for _ in range(c.num_hidden_layers))
         self.norm = nn.RMSNorm(c.hidden_size, eps=c.rms_norm_eps)
-        self.fc = nn.Linear(len(c.target_layer_ids) * c.hidden_size, c.hidden_size, bias=False)
+        self.fc = Linear(len(c.target_layer_ids) * c.hidden_size, c.hidden_size, bias=False)
         self.hidden_norm = nn.RMSNorm(c.hidden_size, eps=c.rms_norm_eps)
         if c.markov_rank > 0:
             self.markov_w1 = nn.Embedding(c.vocab_size, c.markov_rank)
-            self.markov_w2 = nn.Linear(c.markov_rank, c.vocab_size, bias=False)
+            self.markov_w2 = Linear(c.markov_rank, c.vocab_size, bias=False)
         self.inv_freq, self.rope_scale = rope_inv_freq(c)  # fp32 on CPU, not a buffer: `.to(bf16)` leaves it
 
     # -- the forward, in pieces -------------------------------------------------------------------------------
@@ -305,7 +304,7 @@ class DFlashDrafter:
         # (`speclab.core.precision.Head`; measured: it cost 7% of DFlash's tokens/s here)
         if self.flash is not None:  # FlashHead: exact logits on the probed clusters' tokens, -inf elsewhere
             return self.flash(self.m.norm(x[1:]))
-        return F.linear(self.m.norm(x[1:]), self.head_weight).float() * self.m.config.output_multiplier
+        return linear(self.m.norm(x[1:]), self.head_weight).float() * self.m.config.output_multiplier
 
     @torch.inference_mode()
     def propose(self, max_depth: int, sampling: Sampling, generator: torch.Generator | None = None) -> DraftTree:

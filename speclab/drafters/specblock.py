@@ -41,7 +41,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from speclab.checks import MAX_TREE_NODES, Bound
-from speclab.core.layers import DecoderLayer, causal_mask, rope_inv_freq, rope_tables
+from speclab.core.layers import DecoderLayer, Linear, causal_mask, rope_inv_freq, rope_tables
 from speclab.core.lean import KVCache
 from speclab.core.sampling import Sampling, draft_probs, draw
 from speclab.core.target import forward_clock
@@ -128,21 +128,21 @@ class SpecBlockModel(nn.Module):
         super().__init__()
         c = self.config = config
         H = c.hidden_size
-        self.cond = nn.Linear(len(c.target_layers) * c.target_hidden_size, H, bias=False)  # W_cond
+        self.cond = Linear(len(c.target_layers) * c.target_hidden_size, H, bias=False)  # W_cond
         self.cond_norm, self.embed_norm, self.query_norm = (nn.RMSNorm(H, eps=c.rms_norm_eps) for _ in range(3))
         self.queries = nn.Parameter(torch.randn(c.block_size, H) * 0.02)  # q_1..q_K
-        self.fuse = nn.Linear(3 * H, H, bias=False)  # W_fuse
+        self.fuse = Linear(3 * H, H, bias=False)  # W_fuse
         self.layers = nn.ModuleList(DecoderLayer(H, c.intermediate_size, c.num_attention_heads, c.num_key_value_heads,
                                                  c.head_dim, c.rms_norm_eps) for _ in range(c.num_hidden_layers))
         if c.layer_shift:  # W_shift per layer, starting as the identity on row k's own state
-            self.shift = nn.ModuleList(nn.Linear(2 * H, H, bias=False) for _ in range(c.num_hidden_layers))
+            self.shift = nn.ModuleList(Linear(2 * H, H, bias=False) for _ in range(c.num_hidden_layers))
             for s in self.shift:
                 with torch.no_grad():
                     s.weight.normal_(0.0, 0.02).narrow(1, 0, H).add_(torch.eye(H))
         self.norm = nn.RMSNorm(H, eps=c.rms_norm_eps)
-        self.lm_head = nn.Linear(H, c.vocab_size, bias=False)
-        self.rank_head = nn.Sequential(nn.Linear(H + PSI_DIM, c.rank_hidden), nn.GELU(),
-                                       nn.Linear(c.rank_hidden, len(BUCKETS)))
+        self.lm_head = Linear(H, c.vocab_size, bias=False)
+        self.rank_head = nn.Sequential(Linear(H + PSI_DIM, c.rank_hidden), nn.GELU(),
+                                       Linear(c.rank_hidden, len(BUCKETS)))
         self.inv_freq, self.rope_scale = rope_inv_freq(c)  # fp32 on CPU, not a buffer: `.to(bf16)` leaves it
 
     # -- the forward, in pieces -------------------------------------------------------------------------------

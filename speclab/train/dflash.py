@@ -50,6 +50,7 @@ class DFlashTrainConfig(lm.OnlineSchedule):
     block_size: int = lm.option(  # the largest block trained (and the config's default)
         16, "the largest block trained (each step draws its block size from 2..this)", lo=2, hi=64)
     markov_rank: int = lm.option(64, "rank of DSpark's Markov head (0: none)", lo=0)
+    loss_tv: float = lm.loss_tv_option("over the target's top 32 tokens, a lower bound")
     gamma: float = 4.0  # loss weight exp(-(k - 1) / gamma) of block row k
     rows: int = 512  # block rows per window (anchors = rows // block size of the step; blocks may overlap)
 
@@ -115,10 +116,12 @@ def block_forward(m: DFlashModel, embed_w: torch.Tensor, head_w: torch.Tensor, i
 
 
 def block_loss(m: DFlashModel, logits: torch.Tensor, ids: torch.Tensor, target_top: tuple[torch.Tensor, torch.Tensor],
-               anchors: torch.Tensor, gamma: float) -> tuple[torch.Tensor, dict]:
+               anchors: torch.Tensor, gamma: float, tv: float = 0.0) -> tuple[torch.Tensor, dict]:
     """(loss, metrics): weighted soft cross-entropy of the base logits (and of base + Markov bias when the head is
-    there) against the target's distributions (their top tokens, `target_features`); per-row accuracy and the
-    greedy acceptance length implied by the leading matches of each block (bonus included), for each readout."""
+    there) against the target's distributions (their top tokens, `target_features`), plus `tv` times DSpark's L_tv
+    (1 - sum min(p, q) over those top tokens, `lm.topk_acceptance`: the acceptance of a sampled draft token, a lower
+    bound); per-row accuracy, per-row sampling acceptance (`alpha`, the same sum) and the greedy acceptance length
+    implied by the leading matches of each block (bonus included), for each readout."""
     size = logits.shape[2] + 1
     k = torch.arange(1, size)
     prev_pos = anchors[:, None] + k[None] - 1  # [nb, size - 1]: the position whose distribution row k must match
@@ -132,10 +135,12 @@ def block_loss(m: DFlashModel, logits: torch.Tensor, ids: torch.Tensor, target_t
     for name, lg in readouts.items():
         lg = lg.float()
         ce = lm.topk_soft_ce(lg, p, idx)  # [Bw, nb, size - 1]
-        total = total + (ce * w).sum(-1).mean() / w.sum()
+        accept = lm.topk_acceptance(lg if tv else lg.detach(), p, idx)  # [Bw, nb, size - 1]
+        total = total + ((ce + tv * (1.0 - accept)) * w).sum(-1).mean() / w.sum()
         match = (lg.detach().argmax(-1) == top).float()
         metrics[name] = {"loss": float(ce.detach().mean()), "acc": match.mean((0, 1)).tolist(),
-                         "tau": implied_tau(match)}
+                         "alpha": accept.detach().mean((0, 1)).tolist(), "tau": implied_tau(match),
+                         "tau_sampled": implied_tau(accept.detach())}
     return total, metrics
 
 
@@ -185,13 +190,14 @@ def train_dflash(cfg: DFlashTrainConfig, log=print) -> dict:
         anchors = pick_blocks(ids.shape[1], size, cfg.rows, rng)
         with lm.autocast(cfg.precision):
             logits = block_forward(m, embed_w, head_w, ids, feats, anchors, size)
-        loss, metrics = block_loss(m, logits, ids, logp, anchors, cfg.gamma)
+        loss, metrics = block_loss(m, logits, ids, logp, anchors, cfg.gamma, cfg.loss_tv)
         last = metrics.get("markov", metrics["base"])
         return lm.Step(loss, ids.numel(), {"block": size, "metrics": metrics}, {"acc1": f"{last['acc'][0]:.2f}"})
 
     return lm.online_loop(
         "dflash", m, cfg, step, lambda: evaluate(m, embed_w, head_w, target, data, cfg),
-        lambda val: "val tau " + " ".join(f"{d}={v[k]['tau']:.2f}" for d, v in val.items() for k in v), log,
+        lambda val: "val tau (greedy/sampled, top-32 bound) " + " ".join(
+            f"{d}={v[k]['tau']:.2f}/{v[k]['tau_sampled']:.2f}" for d, v in val.items() for k in v), log,
         f", {m.config.num_hidden_layers} layers, target layers {m.config.target_layer_ids}, blocks up to "
         f"{cfg.block_size}, markov rank {m.config.markov_rank}")
 

@@ -45,12 +45,11 @@ def option(default, help: str, *, lo=None, hi=None, flag: str = ""):
     return field(default=default, metadata={"help": help, "lo": lo, "hi": hi, "flag": flag})
 
 
-def loss_tv_option():
-    """The `loss_tv` field of a training config whose loss is `train.eagle3.ttt_loss`: DSpark's L_tv, the expected
-    acceptance of a sampled draft trained directly (`topk_acceptance`)."""
-    return option(0.0, "weight of the acceptance term 1 - sum min(p, q) per step, added to the loss (DSpark's L_tv; "
-                  "over the target's --loss-topk tokens, or its full distribution): trains for sampled decoding "
-                  "(0: off)", lo=0.0)
+def loss_tv_option(over: str = "over the target's --loss-topk tokens, or its full distribution"):
+    """The `loss_tv` field of a training config: DSpark's L_tv, the expected acceptance of a sampled draft trained
+    directly (`topk_acceptance`), computed `over` what the trainer knows of the target's distribution."""
+    return option(0.0, f"weight of the acceptance term 1 - sum min(p, q) per step, added to the loss (DSpark's L_tv; "
+                  f"{over}): trains for sampled decoding (0: off)", lo=0.0)
 
 
 @dataclass(kw_only=True)
