@@ -214,10 +214,13 @@ def test_linear_is_f_linear_bit_for_bit_and_repacks_a_changed_weight(bias):
             assert torch.equal(layers.linear(x, w, b), F.linear(x, w, b)), rows
         x3 = torch.randn(2, 7, 80).bfloat16()
         assert torch.equal(layers.linear(x3, w, b), F.linear(x3, w, b))
-    from speclab.core.precision import cpu_info
-
-    if cpu_info()[1]:  # a CPU with native bf16 (the machines whose decodes run in bf16): the fast path was taken
-        assert w._speclab_packed[1] is not None
+    # the fast path is taken exactly where the packed product is F.linear's on this machine (checked here directly)
+    same = layers._PACKED_LINEAR is not None  # a torch built without oneDNN: never packed
+    if same:
+        packed = torch.ops.mkldnn._reorder_linear_weight(w, layers.PACK_ROWS)
+        same = all(torch.equal(layers._PACKED_LINEAR(x, packed, b, "none", [], ""), F.linear(x, w, b))
+                   for x in (torch.randn(r, 80).bfloat16() for r in (1, 5, 37)))
+    assert (w._speclab_packed[1] is not None) == same
     w.mul_(-1)
     with torch.inference_mode():
         assert torch.equal(layers.linear(x3, w, b), F.linear(x3, w, b))
