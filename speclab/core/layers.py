@@ -35,6 +35,13 @@ import torch.nn.functional as F
 # bf16 weights on a CPU through oneDNN's prepacked layout (`linear`); False (or SPECLAB_PACKED=0 in the environment,
 # to compare): F.linear everywhere
 PACKED = os.environ.get("SPECLAB_PACKED", "1") != "0"
+PACK_ROWS = 8  # the batch size the layout is chosen for (a packing chosen for 1 row differs in the last bit from
+# F.linear from about 40 rows on; 8 matched F.linear at 1 to 200 rows here)
+_PACKED_LINEAR: Any
+try:
+    _PACKED_LINEAR = torch.ops.mkldnn._linear_pointwise
+except (AttributeError, RuntimeError):  # a torch built without oneDNN: F.linear everywhere
+    _PACKED_LINEAR = None
 
 
 def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
@@ -43,8 +50,8 @@ def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> t
     rows) is a third to half of the call (measured: docs/ARCHITECTURE.md "Prepacked weights"). The copy is checked
     against F.linear when it is made, and a weight whose packed product differs in any bit (or a torch without the
     op) keeps F.linear."""
-    if PACKED and w.dtype is torch.bfloat16 and x.dtype is torch.bfloat16 and w.device.type == "cpu" \
-            and not torch.is_grad_enabled():
+    if PACKED and _PACKED_LINEAR is not None and w.dtype is torch.bfloat16 and x.dtype is torch.bfloat16 \
+            and w.device.type == "cpu" and not torch.is_grad_enabled():
         packed = _packed(w, b)
         if packed is not None:
             return _PACKED_LINEAR(x, packed, b, "none", [], "")
@@ -61,8 +68,6 @@ def _packed(w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor | None:
     packed = None
     try:
         cand = torch.ops.mkldnn._reorder_linear_weight(w, PACK_ROWS)
-        if _PACKED_LINEAR is None:
-            raise AttributeError("no mkldnn._linear_pointwise")
         gen = torch.Generator().manual_seed(0)
         for rows in (1, 5, 37):  # a decode step, a verification, a prefill
             x = torch.randn(rows, w.shape[1], generator=gen).to(w.dtype)
@@ -70,19 +75,11 @@ def _packed(w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor | None:
                 break
         else:
             packed = cand
-    except (RuntimeError, AttributeError):  # a torch built without oneDNN, a shape it refuses
+    except RuntimeError:  # a shape oneDNN refuses
         packed = None
     w._speclab_packed = (version, packed)  # type: ignore[attr-defined]  # kept on the weight itself
     return packed
 
-
-_PACKED_LINEAR: Any
-try:
-    _PACKED_LINEAR = torch.ops.mkldnn._linear_pointwise
-except (AttributeError, RuntimeError):  # a torch built without oneDNN
-    _PACKED_LINEAR = None
-PACK_ROWS = 8  # the batch size the layout is chosen for (a packing chosen for 1 row differs in the last bit from
-# F.linear from about 40 rows on; 8 matched F.linear at 1 to 200 rows here)
 
 
 class Linear(nn.Linear):

@@ -28,7 +28,6 @@ import torch
 import torch.nn.functional as F
 
 from speclab.core import layers
-from speclab.core.layers import linear
 from speclab.errors import InvalidInput
 
 DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
@@ -328,7 +327,7 @@ class Head:
     def __call__(self, h: torch.Tensor) -> torch.Tensor:
         """float32 logits [..., V] of hidden states h [..., d] (fp32 from `rms_norm32`, or the model's dtype)."""
         w = self.weight
-        low = linear(h.to(w.dtype), w).float()
+        low = layers.linear(h.to(w.dtype), w).float()
         if not self.refine:
             return low
         shape = low.shape
