@@ -119,7 +119,8 @@ class Generation:
                 router=self.router.policy if self.router else None,
                 params={**self.params, "max_new_tokens": req.max_new_tokens, **asdict(sampling),
                         "deferred": deferred, **{role: getattr(models.get(role), "name", None)
-                                                 for role in get_method(method).needs}},
+                                                 for role in get_method(method).needs},
+                        **_own_dtypes(target, models, get_method(method).needs)},
                 prompt_id=prompt_id, category=category, **run_device(target),
                 prompt_text=prompt if isinstance(prompt, str) else None,
                 prompt_tokens=self.prompt_ids.numel(), bench_id=bench_id,
@@ -181,6 +182,15 @@ class Generation:
                                   prefill_ms=res.prefill_ms, model_ms=model_ms(self.target, res),
                                   output_text=text, output_hash=output_hash(res.new_ids.tolist()))
         self.result = GenerationResult(text, res.new_ids.tolist(), self.method, self.run_id, res, elapsed)
+
+
+def _own_dtypes(target: Target, models: dict, roles) -> dict:
+    """`<role>_dtype` for each drafter model of `roles` that runs in another dtype than the target (--dtype auto's
+    own-dtype roles: `precision.DtypeDecision.roles`), for the run row's params."""
+    from speclab.core.precision import dtype_name
+    own = {role: getattr(models.get(role), "dtype", None) for role in roles}
+    return {f"{role}_dtype": dtype_name(dt) for role, dt in own.items()
+            if isinstance(dt, torch.dtype) and dt != target.dtype}
 
 
 def run_device(target: Target) -> dict:

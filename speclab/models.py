@@ -155,21 +155,30 @@ def resolve_dtype(paths: ModelPaths, fam: str = "speculative", log=None, remeasu
         p = replace(paths, dtype=dt, exact=False)
         t = Target.load(target_path, device=p.device, dtype=dt, backend=p.backend, logits=p.logits)
         models = {}
-        for r in sorted(measured, key=lambda r: r not in roles):  # the command's own first: their errors are its
+        own = [r for r in ROLES if r in roles]  # the command's own first, measured or not: their errors are its,
+        # before anything is timed
+        for r in own + [r for r in measured if r not in roles]:
             try:
-                models[r] = ROLES[r].load(paths.model_path(r), t, p)
+                m = ROLES[r].load(paths.model_path(r), t, p)
             except (SpeclabError, ValueError, RuntimeError, OSError):
                 if r in roles:
                     raise
+                continue
+            if r in measured:
+                models[r] = m
         return t, models
 
     from speclab.bench.costs import dtype_decision
     busy = P.other_load()
     costs, samples = dtype_decision(load)
     busy = max(busy, P.other_load())
-    d = P.DtypeDecision({f: c["dtype"] for f, c in costs.items()}, {f: _why(c) for f, c in costs.items()}, costs,
-                        key, keys, P.machine(), time.strftime("measured %Y-%m-%d %H:%M"), round(busy, 2),
-                        samples=samples)
+    fams = {f: c for f, c in costs.items() if f in P.FAMILIES}
+    roles = {r: c for r, c in costs.items() if r not in P.FAMILIES}  # the own-dtype drafter models: a tie keeps
+    # the speculative family's dtype (no reason to run apart from the target)
+    role_dt = {r: fams["speculative"]["dtype"] if c["verdict"] == "tie" else c["dtype"] for r, c in roles.items()}
+    d = P.DtypeDecision({f: c["dtype"] for f, c in fams.items()}, {f: _why(c) for f, c in fams.items()}, costs,
+                        role_dt, {r: _why(c, own=True) for r, c in roles.items()}, key, keys, P.machine(),
+                        time.strftime("measured %Y-%m-%d %H:%M"), round(busy, 2), samples=samples)
     P.store_decision(d, warn=log)
     _DECIDED[key] = d
     return d.dtype(fam), d
@@ -178,11 +187,12 @@ def resolve_dtype(paths: ModelPaths, fam: str = "speculative", log=None, remeasu
 _DECIDED: dict = {}  # key -> the decision this process resolved: one answer per process, even with a read-only cache
 
 
-def _why(c: dict) -> str:
+def _why(c: dict, own: bool = False) -> str:
     what = {"bf16": "bf16 faster", "fp32": "fp32 faster",
-            "tie": "a tie within 3%, so fp32 (the exact reference)"}[c["verdict"]]
-    return (f"{what}: a round {c['bf16_ms']:.2f} ms in bf16 vs {c['fp32_ms']:.2f} in fp32, ratio {c['ratio']:.2f} "
-            f"(95% CI {c['lo']:.2f}-{c['hi']:.2f}, {c['reps']} paired reps)")
+            "tie": "a tie within 3%, so " + ("the target's dtype" if own else "fp32 (the exact reference)")}
+    calls = "its calls of a round" if own else "a round"
+    return (f"{what[c['verdict']]}: {calls} {c['bf16_ms']:.2f} ms in bf16 vs {c['fp32_ms']:.2f} in fp32, ratio "
+            f"{c['ratio']:.2f} (95% CI {c['lo']:.2f}-{c['hi']:.2f}, {c['reps']} paired reps)")
 
 
 def load_models(paths: ModelPaths, roles=("draft", "eagle3", "dflash", "router"), log=None,
@@ -210,12 +220,15 @@ def load_models(paths: ModelPaths, roles=("draft", "eagle3", "dflash", "router")
     target.dtype_choice = decision.line(fam) if decision else None
     loaded = [f"target {zoo.display_path(path)}"]
     models = {}
+    own = decision.roles if decision is not None else {}  # --dtype auto: drafter models in their own dtype
     for role, r in ROLES.items():
         if role in roles:
             path = paths.model_path(role)
-            models[role] = r.load(path, target, paths)
-            loaded.append(f"{r.title} {zoo.display_path(path)}")
+            dt = own.get(role) if r.own_dtype else None
+            models[role] = r.load(path, target, replace(paths, dtype=dt) if dt else paths)
+            loaded.append(f"{r.title} {zoo.display_path(path)}" + (f" ({dt})" if dt and dt != dtype else ""))
     why = f"; {target.dtype_choice}" if target.dtype_choice else ""
+    why += "".join(f"; {line}" for line in (decision.role_lines(roles) if decision is not None else []))
     log(f"loaded {', '.join(loaded)} in {time.perf_counter() - t0:.1f} s; {target.device.type}, "
         f"{precision_label(target)}{why}")
     return target, models

@@ -364,6 +364,16 @@ def phase_breakdown(rounds) -> go.Figure:
     return fig
 
 
+def stacked_bars(df, x: str, part: str, y: str, title: str, y_title: str | None = None) -> go.Figure:
+    """One stacked bar per value of `x`, a segment per value of `part` (its `y`): a round's time by op."""
+    fig = go.Figure()
+    for name, g in df.groupby(part, sort=False):
+        fig.add_bar(name=str(name), x=g[x], y=g[y])
+    fig.update_layout(title=title, barmode="stack", template="plotly_white", height=460, yaxis_title=y_title or y,
+                      legend_title=part)
+    return fig
+
+
 def volatility_figure(prof, title: str = "") -> go.Figure:
     """WhiFlash's Figure 2 from a profile (rows: pos, drafter, accepted): how many draft tokens each drafter would
     get accepted by a round starting at every position of one sequence."""

@@ -26,13 +26,15 @@ PROMPTS = [row["prompt"] for row in demo_rows()]
 
 # ---- the dtype choice: --dtype auto, once per machine ---------------------------------------------------------
 
-def fake_costs(ar="fp32", spec="bf16"):
-    """What `speclab.bench.costs.dtype_decision` returns, with AR's and the speculative family's verdicts."""
+def fake_costs(ar="fp32", spec="bf16", draft=None):
+    """What `speclab.bench.costs.dtype_decision` returns, with AR's and the speculative family's verdicts (and, with
+    `draft`, the sps draft model's, measured alone)."""
     def one(v, fam):
         r = {"bf16": 0.8, "fp32": 1.2, "tie": 1.0}[v]
         return {"verdict": v, "dtype": "fp32" if v == "tie" else v, "fp32_ms": 5.0, "bf16_ms": 5.0 * r, "ratio": r,
                 "lo": r - 0.01, "hi": r + 0.01, "reps": 12, "methods": [fam]}
-    return {"ar": one(ar, "ar"), "speculative": one(spec, "pld")}, None
+    return {"ar": one(ar, "ar"), "speculative": one(spec, "pld"), **({"draft": one(draft, "sps")} if draft else {})}, \
+        None
 
 
 @pytest.fixture
@@ -154,18 +156,55 @@ def test_the_verdict_needs_a_resolved_interval():
     assert settle(x) == "bf16" and hi < 0 and abs(mid - np.log(0.85)) < 0.03
 
 
-def test_dtype_decision_times_the_decodes_own_calls(qwen3):
-    """On a tiny target (no drafter: AR's row and prompt lookup's verification), both families get a verdict
-    from interleaved repetitions, within the repetition bounds."""
-    from speclab.bench.costs import dtype_decision, round_programs
+def test_dtype_decision_times_the_decodes_own_calls(qwen3, model_dir):
+    """On a tiny target with a draft model, both families get a verdict from interleaved repetitions, within the
+    repetition bounds, and so does the draft model alone (it runs apart from the target: `ModelRole.own_dtype`)."""
+    from speclab.bench.costs import dtype_decision, role_programs, round_programs
     targets = {"fp32": qwen3, "bf16": Target.load(qwen3.name, dtype="bf16")}
-    costs, samples = dtype_decision(lambda dt: (targets[dt], {}), min_reps=4, max_reps=8, calls=2, context=16,
-                                    progress=False)
-    assert set(costs) == {"ar", "speculative"} and round_programs({})["speculative"] == {"pld": [("target", 9, 1)]}
+    drafts = {dt: Target.load(model_dir["qwen3_draft"], dtype=dt) for dt in targets}
+    costs, samples = dtype_decision(lambda dt: (targets[dt], {"draft": drafts[dt]}), min_reps=4, max_reps=8, calls=2,
+                                    context=16, progress=False)
+    assert set(costs) == {"ar", "speculative", "draft"}
+    assert round_programs({})["speculative"] == {"pld": [("target", 9, 1)]}
+    assert role_programs({}) == {} and role_programs({"draft": drafts["fp32"]}) == {
+        "draft": {"sps": [("draft", 1, METHODS["sps"].defaults["k"]), ("draft", 2, 1)]}}
     for c in costs.values():
         assert c["verdict"] in ("bf16", "fp32", "tie") and c["dtype"] in ("bf16", "fp32") and 4 <= c["reps"] <= 8
         assert c["fp32_ms"] > 0 and c["bf16_ms"] > 0 and c["lo"] <= c["ratio"] <= c["hi"]
-    assert set(samples.family) == {"ar", "speculative"} and (samples.rep.diff().fillna(0) >= 0).all()
+    assert set(samples.family) == {"ar", "speculative", "draft"} and (samples.rep.diff().fillna(0) >= 0).all()
+
+
+@pytest.mark.parametrize("draft", ["fp32", "tie"])
+def test_the_draft_model_runs_in_its_own_faster_dtype(auto, model_dir, tmp_path, capsys, draft):
+    """The sps draft computes apart from the target (token ids in, logits out): under --dtype auto it loads in the
+    dtype its own calls measured faster in (a tie: the target's), the load line and the run row say so, and the
+    decode is still the target's own (its dtype never changes an output: test_a_draft_in_another_dtype_...)."""
+    import json
+
+    from speclab.cli import main
+    auto.costs = fake_costs("bf16", "bf16", draft)
+    db = tmp_path / "t.duckdb"
+    assert main(["generate", "--model", str(model_dir["qwen3"]), "--draft", str(model_dir["qwen3_draft"]), "--db",
+                 str(db), "--prompt", "Hello", "--method", "sps", "--max-new-tokens", "6"]) == 0
+    err = capsys.readouterr().err
+    own = draft == "fp32"
+    assert ("qwen3_draft (fp32)" in err) == own
+    assert ("--dtype auto -> fp32 for the draft model: fp32 faster" in err) == own
+    entries = json.loads(precision.cache_path().read_text())["entries"]  # kept in the cache with its reason
+    assert [(e["roles"], bool(e["role_reason"]["draft"])) for e in entries.values()] == [
+        ({"draft": "fp32" if own else "bf16"}, True)]
+    with TraceStore(db, read_only=True) as s:
+        params = json.loads(s.query("SELECT params_json FROM runs").params_json[0])
+    assert params.get("draft_dtype") == ("float32" if own else None)
+
+
+def test_a_draft_in_another_dtype_never_changes_the_output(qwen3, model_dir):
+    """Greedy sps with the draft in bf16 and the target in fp32 equals AR token for token (the draft proposes,
+    the target decides)."""
+    draft = Target.load(model_dir["qwen3_draft"], dtype="bf16")
+    for prompt in PROMPTS[:3]:
+        ar = generate(qwen3, prompt, "ar", max_new_tokens=24).token_ids
+        assert generate(qwen3, prompt, "sps", models={"draft": draft}, max_new_tokens=24).token_ids == ar
 
 
 def test_a_method_spec_can_pin_its_dtype(qwen3, capsys):

@@ -12,7 +12,7 @@ import pandas as pd
 import torch
 
 from speclab.core.sampling import Sampling
-from speclab.core.target import Target, crop_cache
+from speclab.core.target import Target, crop_cache, row_call
 from speclab.metrics import latency_quantiles, speedup
 from speclab.progress import Progress
 from speclab.viz import Report, lines_figure
@@ -139,8 +139,8 @@ def contemplate_costs(target: Target, confu, nodes=(1, 2, 4, 8, 16), context: in
 def dtype_costs(load, dtypes=("fp32", "bf16"), ns=WIDTHS, context: int = 200, reps: int = 9,
                 calls: int = 5) -> pd.DataFrame:
     """Median milliseconds per call by width (rows per call) and dtype, for the target (fast and exact mode) and
-    every drafter: the sps draft model, EAGLE-3's drafter (one call for a frontier of n nodes) and DFlash's (one
-    block of n rows: the root and n - 1 masks). `load(dtype)` returns (target, exact target, drafter models by
+    every drafter model at hand (`drafter_calls`: the sps draft, EAGLE-3's drafter for a frontier of n nodes,
+    DFlash's block of n rows, ...). `load(dtype)` returns (target, exact target, drafter models by
     role) in that dtype. Per model and dtype the widths are interleaved over `reps`, each a median of `calls`."""
     from speclab.core.precision import cpu_label
     rows = []
@@ -149,8 +149,8 @@ def dtype_costs(load, dtypes=("fp32", "bf16"), ns=WIDTHS, context: int = 200, re
         target, exact, models = load(dt)
         g = torch.Generator().manual_seed(0)
         ids = torch.randint(3, target.vocab_size, (context + max(ns) + 1,), generator=g)
-        callers = {"target": _target_call(target, ids, context), "target (exact)": _target_call(exact, ids, context),
-                   **_drafter_calls(target, models, ids, context)}
+        callers = {"target": row_call(target, ids, context), "target (exact)": row_call(exact, ids, context),
+                   **drafter_calls(target, models, ids, context)}
         # every (model, width) that has a call (no DFlash block of 1 row), called once untimed on the way
         fns = {(name, n): (lambda call=call, n=n: call(n)) for name, call in callers.items() for n in ns
                if call(n) is not False}
@@ -171,13 +171,26 @@ def round_programs(models: dict) -> dict[str, dict[str, list[tuple[str, int, int
     d = {n: METHODS[n].defaults for n in ("sps", "pld", "eagle3", "dflash")}
     spec = {"pld": [("target", d["pld"]["k"] + 1, 1)]}
     if models.get("draft") is not None:
-        spec["sps"] = [("target", d["sps"]["k"] + 1, 1), ("sps draft", 1, d["sps"]["k"])]
+        spec["sps"] = [("target", d["sps"]["k"] + 1, 1), ("draft", 1, d["sps"]["k"])]
     if models.get("eagle3") is not None:
-        spec["eagle3"] = [("target", d["eagle3"]["depth"] + 1, 1), ("eagle3 drafter", 1, d["eagle3"]["depth"])]
+        spec["eagle3"] = [("target", d["eagle3"]["depth"] + 1, 1), ("eagle3", 1, d["eagle3"]["depth"])]
     if models.get("dflash") is not None:
         b = d["dflash"]["block_size"]
-        spec["dflash"] = [("target", b, 1), ("dflash drafter", b, 1)]
+        spec["dflash"] = [("target", b, 1), ("dflash", b, 1)]
     return {"ar": {"ar": [("target", 1, 1)]}, "speculative": spec}
+
+
+def role_programs(models: dict) -> dict[str, dict[str, list[tuple[str, int, int]]]]:
+    """The calls of one round made by each drafter model that runs in its own dtype (`ModelRole.own_dtype`), at
+    its method's defaults: the sps draft's k one-row calls and its catch-up of about two rows. By role."""
+    from speclab.methods import METHODS, ROLES
+    progs = {}
+    for role, r in ROLES.items():
+        if r.own_dtype and models.get(role) is not None:
+            users = [m for m in METHODS.values() if role in m.needs and "k" in m.defaults]
+            k = users[0].defaults["k"] if users else 4
+            progs[role] = {users[0].name if users else role: [(role, 1, k), (role, 2, 1)]}
+    return progs
 
 
 def median_ci(x) -> tuple[float, float, float]:
@@ -206,15 +219,17 @@ def dtype_decision(load, min_reps: int = 12, max_reps: int = 60, calls: int = 3,
     after `min_reps` the loop stops as soon as every family is settled: the 95% interval of the median ratio
     (`median_ci`) excludes 1 (the faster dtype wins) or lies within 1 +- `tie` (a tie: `precision.TIE_DTYPE`); at
     `max_reps`, or after `budget_s` seconds of timing (a busy machine), an unresolved family is a tie too.
-    `load(dtype)` returns (target, drafter models by role) in that dtype. Returns ({family: costs}, the samples)."""
+    `load(dtype)` returns (target, drafter models by role) in that dtype. The calls of each drafter model that runs
+    in its own dtype (`role_programs`) are settled the same way, keyed by role. Returns ({family or role: costs},
+    the samples)."""
     from speclab.core.precision import TIE_DTYPE
     sets = {dt: load(dt) for dt in ("fp32", "bf16")}
-    progs = round_programs(sets["fp32"][1])
+    progs = {**round_programs(sets["fp32"][1]), **role_programs(sets["fp32"][1])}
     fns = {}
     for dt, (target, models) in sets.items():
         g = torch.Generator().manual_seed(0)
         ids = torch.randint(3, target.vocab_size, (context + max(WIDTHS) + 1,), generator=g)
-        callers = {"target": _target_call(target, ids, context), **_drafter_calls(target, models, ids, context)}
+        callers = {"target": row_call(target, ids, context), **drafter_calls(target, models, ids, context)}
         needed = {(model, rows) for fam in progs.values() for calls_ in fam.values() for model, rows, _ in calls_}
         fns[dt] = {(model, rows): (lambda c=callers[model], n=rows: c(n)) for model, rows in sorted(needed)}
         for fn in fns[dt].values():  # warm-up: every call twice
@@ -262,56 +277,12 @@ def dtype_decision(load, min_reps: int = 12, max_reps: int = 60, calls: int = 3,
     return settled, pd.DataFrame(samples)
 
 
-def _drafter_calls(target: Target, models: dict, ids: torch.Tensor, context: int) -> dict:
-    """One call builder (`call(rows)`) per drafter model at hand: the sps draft, EAGLE-3's and DFlash's drafters."""
-    calls = {}
-    if models.get("draft") is not None:
-        calls["sps draft"] = _target_call(models["draft"], ids, context)
-    if models.get("eagle3") is not None:
-        calls["eagle3 drafter"] = _eagle3_call(target, models["eagle3"], ids, context)
-    if models.get("dflash") is not None:
-        calls["dflash drafter"] = _dflash_call(target, models["dflash"], ids, context)
-    return calls
-
-
-def _target_call(t: Target, ids: torch.Tensor, context: int):
-    """One forward of n rows after a `context`-token cache, rolled back after the call."""
-    cache = t.new_cache(context + max(WIDTHS) + 8)
-    t.forward(ids[:context], cache)
-
-    def call(n):
-        t.forward(ids[context : context + n], cache)
-        crop_cache(cache, context)
-    return call
-
-
-def _eagle3_call(target: Target, eagle, ids: torch.Tensor, context: int):
-    """One EAGLE-3 drafter call for a frontier of n nodes at depth 1 after a `context`-token drafter cache."""
-    from speclab.drafters.eagle3 import Eagle3Drafter
-    d = Eagle3Drafter(eagle, target, depth=4, tree_topk=1, total_tokens=8)
-    d.reset(ids[: context + 1], target.forward(ids[:context], target.new_cache(), layers=d.layers).features)
-    d.catch_up(ids[:0], None)
-
-    def call(n):
-        d._forward_nodes(ids[context : context + n], d.root_h.expand(n, -1), 1, None)
-        d.cache.crop(d.known)
-    return call
-
-
-def _dflash_call(target: Target, dflash, ids: torch.Tensor, context: int):
-    """One DFlash drafter call for a block of n rows (the root and n - 1 masks; no block of 1: returns False)."""
-    from speclab.drafters.dflash import DFlashDrafter
-    blocks = {}
-
-    def call(n):
-        if n < 2:
-            return False
-        if n not in blocks:
-            d = blocks[n] = DFlashDrafter(dflash, target, block_size=n, markov=False, tree_topk=1, total_tokens=16)
-            d.reset(ids[: context + 1], target.forward(ids[:context], target.new_cache(), layers=d.layers).features)
-            d.catch_up(ids[:0], None)
-        blocks[n].propose(n, Sampling(), None)
-    return call
+def drafter_calls(target: Target, models: dict, ids: torch.Tensor, context: int) -> dict:
+    """One call builder (`call(rows)`: `speclab.drafters.registry.ModelRole.call`) per drafter model at hand, by
+    role ("draft", "eagle3", "dflash", ...), for every role of the registry that declares one."""
+    from speclab.methods import ROLES
+    return {role: r.call(target, models[role], ids, context) for role, r in ROLES.items()
+            if r.call is not None and models.get(role) is not None}
 
 
 @torch.inference_mode()
@@ -460,8 +431,8 @@ def dtype_decision_report(d) -> Report:
     `precision.DtypeDecision`): each family's round in both dtypes, the ratio and its interval, and, when measured
     now, the ratio of every paired repetition."""
     from speclab.core.precision import FAMILIES, cache_path, cpu_label
-    rows = [{"family": f, "dtype": d.dtypes[f], **{k: c.get(k) for k in ("verdict", "fp32_ms", "bf16_ms", "ratio", "lo",
-                                                                          "hi", "reps")},
+    rows = [{"family": f if f in d.dtypes else f"{f} model", "dtype": d.dtypes.get(f) or d.roles.get(f),
+             **{k: c.get(k) for k in ("verdict", "fp32_ms", "bf16_ms", "ratio", "lo", "hi", "reps")},
              "methods": ", ".join(c.get("methods", []))} for f, c in d.costs.items()]
     table = pd.DataFrame(rows).to_markdown(index=False, floatfmt=".3f") if rows else "(no measurement needed)"
     lines = [f"--dtype auto on {cpu_label()}, {d.source}" + (f" ({d.measured_at})" if d.measured_at and
@@ -469,8 +440,11 @@ def dtype_decision_report(d) -> Report:
              f"cache: {cache_path()} (key {d.key or '-'})", "",
              "ms of one round of each family at its methods' default settings (medians of paired repetitions); "
              "ratio = bf16 / fp32 (< 1: bf16 faster) with the 95% interval of its median; a tie (interval within "
-             "+-3%, or unresolved) picks fp32, the exact reference.", "", table, ""]
+             "+-3%, or unresolved) picks fp32, the exact reference. A drafter model that computes apart from the "
+             "target (the sps draft) is timed alone, its calls of a round, and runs in its own faster dtype (a tie: "
+             "the speculative family's).", "", table, ""]
     lines += [f"- {f} ({FAMILIES[f]}): {d.line(f)}" for f in d.dtypes]
+    lines += [f"- {r} model: --dtype auto -> {dt}: {d.role_reason[r]}" for r, dt in d.roles.items()]
     figs = []
     if d.samples is not None and len(d.samples):
         sm = d.samples.assign(ratio=np.exp(d.samples.log_ratio))
@@ -529,7 +503,7 @@ def measure_profile(target: Target, models: dict, name: str, widths=(1, 2, 4, 8,
     n_ids = context + max(max(widths), max(backlogs), max(prompts)) + 2
     ids = torch.randint(3, target.vocab_size, (n_ids,), generator=g)
     bar = _Bar(reps * (4 + len(DRAFTERS)), "measuring costs")
-    fw = _target_call(target, ids, context)
+    fw = row_call(target, ids, context)
     bar.info = {"table": "target forward"}
     forward = timeit_interleaved({n: (lambda n=n: fw(n)) for n in widths}, reps, calls, each=True, on_rep=bar)
     bar.info = {"table": "prefill"}

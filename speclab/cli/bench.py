@@ -65,6 +65,7 @@ def load_bench_sets(cfg, paths: ModelPaths):
                 and any(family(m) == f and "@" not in m for m in on)]
         if fams:  # the auto choice of these methods' family: its load line says why
             cfg.dtype_why.update({f: decision.line(f) for f in fams})
+            cfg.dtype_why.update({f"{r} model": line for r in sorted(roles) for line in decision.role_lines([r])})
             sets[dt] = load_models(paths, roles=roles, fam=fams[0])
         else:
             sets[dt] = load_models(replace(paths, dtype=dt), roles=roles)

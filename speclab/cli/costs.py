@@ -132,6 +132,70 @@ def cmd_measure(a: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_roofline(a: argparse.Namespace) -> int:
+    """`speclab costs roofline`: the target and every drafter model at hand by rows, against the bandwidth bound."""
+    import json
+
+    from speclab.bench.roofline import bandwidths, records, roofline, roofline_report
+    from speclab.methods import ROLES
+
+    rows = _positive_ints(a.rows, "--rows")
+    for opt in ("large_mb", "small_mb"):
+        v = getattr(a, opt)
+        if v is not None and not 0 < v <= 65536:
+            raise SpeclabError(f"--{opt.replace('_', '-')} {v:g}: a size in MB, above 0 and at most 65536")
+    check_model_args(a)
+    roles = tuple(r for r, role in ROLES.items() if role.call is not None)
+    target, models = load_models(ModelPaths.from_args(a), roles=roles)
+    if max(rows) + a.context + 1 > target.max_context:
+        raise SpeclabError(f"--context {a.context} with {max(rows)} rows does not fit the target's context of "
+                           f"{target.max_context}")
+    bw = bandwidths(a.large_mb, a.small_mb)
+    df = roofline(target, models, rows=rows, context=a.context, reps=a.reps, bw=bw)
+    if a.json:
+        for r in records(df):
+            print(json.dumps(r), flush=True)
+        return 0
+    write_report(roofline_report(df), a.report)
+    return 0
+
+
+def cmd_step(a: argparse.Namespace) -> int:
+    """`speclab costs step`: where one decode step's time goes, by op, per method (`speclab.bench.steps`)."""
+    from speclab.bench.steps import step_profile, steps_report
+    from speclab.checks import Bound, check_number, check_sampling
+    from speclab.core.precision import cpu_label, dtype_name
+    from speclab.generate import check_generation, check_text, generate
+    from speclab.methods import check_before_loading, get_method
+
+    specs = [m.strip() for m in a.methods.split(",") if m.strip()]
+    if not specs:
+        raise SpeclabError("--methods: name at least one method, e.g. ar,eagle3")
+    check_text(a.prompt)
+    check_sampling(a.temperature, 0, 1.0, 0)
+    check_number("tokens", a.tokens, int, Bound(1, 4096))
+    check_model_args(a)
+    paths = ModelPaths.from_args(a)
+    roles: list[str] = []
+    for m in specs:
+        check_before_loading(m, {}, paths.target)
+        roles += [r for r in get_method(m).needs if r not in roles]
+    target, models = load_models(paths, roles=tuple(roles))
+    for m in specs:
+        check_generation(target, a.prompt, m, models, a.tokens, a.temperature, 0, 1.0, 0, {})
+    summaries, ops = [], []
+    for m in specs:
+        print(f"profiling {m} ...", flush=True)
+        s, o = step_profile(lambda m=m: generate(target, a.prompt, m, models=models, max_new_tokens=a.tokens,
+                                                 temperature=a.temperature, seed=0), m, lambda r: r.decode.rounds)
+        summaries.append(s)
+        ops.append(o)
+    import pandas as pd
+    what = f"{a.tokens} new tokens of one prompt at T = {a.temperature:g}"
+    write_report(steps_report(summaries, pd.concat(ops), cpu_label(), dtype_name(target.dtype), what), a.report)
+    return 0
+
+
 def add_parsers(sub) -> None:
     """`costs` and its commands."""
     c = sub.add_parser("costs", help="cost micro-benchmarks: ms per model call (forward), EAGLE-3 catch-up, switch "
@@ -189,6 +253,31 @@ def add_parsers(sub) -> None:
     me.add_argument("--reps", type=_positive_int, default=9, help="interleaved repetitions; the median is kept")
     me.add_argument("--report", help="also write the profile's tables (.md or .html)")
     me.set_defaults(fn=cmd_measure)
+
+    rl = cs.add_parser("roofline", help="every model call (the target and each drafter model) by rows against its "
+                       "bandwidth bound: the machine's read bandwidth, bytes read per call, ms, ratio, fixed part")
+    add_model_args(rl)
+    rl.add_argument("--rows", default="1,2,4,8,16,64", help="rows per call (comma-separated)")
+    rl.add_argument("--context", type=_positive_int, default=200, help="tokens already in the caches")
+    rl.add_argument("--reps", type=_positive_int, default=9, help="interleaved repetitions; the median is kept")
+    rl.add_argument("--large-mb", type=float, help="working set of the DRAM bandwidth (default: 4 x the last-level "
+                    "cache, at least 512 MB)")
+    rl.add_argument("--small-mb", type=float, help="working set of the in-cache bandwidth (default: half a core's "
+                    "L2, at most 1 MB)")
+    rl.add_argument("--json", action="store_true", help="print one JSON object per (model, rows) instead of the "
+                    "report")
+    rl.add_argument("--report", default="reports/roofline.html")
+    rl.set_defaults(fn=cmd_roofline)
+
+    st = cs.add_parser("step", help="where a decode step's time goes: each method's round under torch's profiler, "
+                       "by op, and the time outside ops")
+    add_model_args(st)
+    st.add_argument("--methods", default="ar,eagle3", help="method specs (comma-separated)")
+    st.add_argument("--prompt", default="The history of the printing press begins in", help="the prompt decoded")
+    st.add_argument("--tokens", type=int, default=64, help="new tokens per decode")
+    st.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (seed 0 otherwise)")
+    st.add_argument("--report", default="reports/step_profile.html")
+    st.set_defaults(fn=cmd_step)
 
     kb = cs.add_parser("kernels", help="the small hot ops: torch twin vs Triton kernel per op and size "
                        "(Triton timed only on CUDA)")

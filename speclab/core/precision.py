@@ -110,7 +110,7 @@ FAMILIES = {"ar": "AR (one target row per token)",
 TIE_DTYPE = "fp32"  # a tie (neither dtype measurably faster) picks the exact reference: output equal to AR, no ties
 TIE_MARGIN = 0.03  # a difference under 3% either way, resolved as such, is a tie
 BUSY_CORES = 0.3  # other processes using more CPU than this while measuring: the decision is provisional
-CACHE_FORMAT, CACHE_VERSION = "speclab-dtype-auto", 1
+CACHE_FORMAT, CACHE_VERSION = "speclab-dtype-auto", 2  # 2: role dtypes (`DtypeDecision.roles`)
 
 
 def family(method: str) -> str:
@@ -178,10 +178,14 @@ class DtypeDecision:
     """What `--dtype auto` means on this machine for these models, per method family, and the measurement behind it.
 
     `costs[family]`: ms of the family's calls per round in each dtype (medians), the bf16 / fp32 ratio and its 95%
-    interval over paired repetitions, how many, and the verdict ('bf16', 'fp32' or 'tie')."""
+    interval over paired repetitions, how many, and the verdict ('bf16', 'fp32' or 'tie'). `roles`: the dtype of each
+    drafter model that computes apart from the target (`ModelRole.own_dtype`: the sps draft), decided the same way
+    from its own calls (`costs[role]`); a tie leaves it in the speculative family's dtype."""
     dtypes: dict  # family -> 'fp32' | 'bf16'
     reason: dict  # family -> one line: why
     costs: dict = field(default_factory=dict)
+    roles: dict = field(default_factory=dict)  # role -> 'fp32' | 'bf16'
+    role_reason: dict = field(default_factory=dict)  # role -> one line: why
     key: str = ""
     models: dict = field(default_factory=dict)  # role -> model key, what was measured
     machine: dict = field(default_factory=dict)
@@ -205,9 +209,17 @@ class DtypeDecision:
         kept = f", kept in {cache_path()}" if self.source == "measured now" else ""
         return f"--dtype auto -> {self.dtypes[fam]} for {fam}: {self.reason[fam]} ({self.source}{kept}{when}{busy})"
 
+    def role_lines(self, roles=None) -> list[str]:
+        """One line per own-dtype role (of `roles`; None: all) whose dtype differs from the speculative family's:
+        which and why."""
+        return [f"--dtype auto -> {dt} for the {role} model: {self.role_reason[role]}"
+                for role, dt in self.roles.items()
+                if dt != self.dtypes.get("speculative") and (roles is None or role in roles)]
+
     def to_json(self) -> dict:
-        return {"dtypes": self.dtypes, "reason": self.reason, "costs": self.costs, "key": self.key,
-                "models": self.models, "machine": self.machine, "measured_at": self.measured_at, "busy": self.busy}
+        return {"dtypes": self.dtypes, "reason": self.reason, "costs": self.costs, "roles": self.roles,
+                "role_reason": self.role_reason, "key": self.key, "models": self.models, "machine": self.machine,
+                "measured_at": self.measured_at, "busy": self.busy}
 
 
 def fixed_decision(dtype: str, why: str) -> DtypeDecision:
@@ -251,6 +263,10 @@ def _valid_entry(e, key: str) -> str | None:
         return "its entry names no fp32/bf16 choice for every method family"
     if not (isinstance(r, dict) and set(r) == set(FAMILIES) and all(isinstance(v, str) for v in r.values())):
         return "its entry has no reason for every family"
+    ro, rr = e.get("roles"), e.get("role_reason")
+    if not (isinstance(ro, dict) and isinstance(rr, dict) and set(ro) == set(rr)
+            and all(v in ("fp32", "bf16") for v in ro.values()) and all(isinstance(v, str) for v in rr.values())):
+        return "its entry names no fp32/bf16 choice and reason for its drafter models"
     if not isinstance(e.get("costs", {}), dict) or not isinstance(e.get("measured_at", ""), str) or \
             not isinstance(e.get("busy", 0.0), (int, float)) or isinstance(e.get("busy", 0.0), bool):
         return "its measurements are malformed"
@@ -266,9 +282,9 @@ def cached_decision(key: str, warn=None) -> DtypeDecision | None:
         bad = _valid_entry(entries[key], key)
         if bad is None:
             e = entries[key]
-            return DtypeDecision(e["dtypes"], e["reason"], e.get("costs", {}), key, e.get("models", {}),
-                                 e["machine"], e.get("measured_at", ""), float(e.get("busy", 0.0)),
-                                 source=f"read from {path}")
+            return DtypeDecision(e["dtypes"], e["reason"], e.get("costs", {}), e["roles"], e["role_reason"], key,
+                                 e.get("models", {}), e["machine"], e.get("measured_at", ""),
+                                 float(e.get("busy", 0.0)), source=f"read from {path}")
     if bad is not None and warn is not None:
         warn(f"ignoring the dtype cache {path}: {bad}; measuring again")
     return None

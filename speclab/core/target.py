@@ -315,6 +315,18 @@ def crop_cache(cache, length: int) -> None:
         cache.crop(-n)
 
 
+def row_call(t: Target, ids: torch.Tensor, context: int):
+    """`call(n)`: one forward of `ids[context : context + n]` after a `context`-token cache of `ids`, rolled back
+    after the call (what `speclab costs` times; a model role's `ModelRole.call` for a target-shaped draft model)."""
+    cache = t.new_cache(ids.numel() + 8)
+    t.forward(ids[:context], cache)
+
+    def call(n: int) -> None:
+        t.forward(ids[context : context + n], cache)
+        crop_cache(cache, context)
+    return call
+
+
 def keep_cache(cache, start: int, keep: torch.Tensor) -> None:
     """Keep positions [0, start) plus `start + keep` (indices relative to start, ascending): an accepted tree path."""
     if keep.numel() == 0 or int(keep[-1]) == keep.numel() - 1:  # ascending and unique, so a prefix: crop

@@ -274,7 +274,9 @@ ENTRY = DrafterEntry(
     model=ModelRole("confu", "--confu", "ConFu", "a ConFu drafter",
                     lambda path, target, paths: load_confu(path, target), zoo="confu", card="data/zoo/confu/README.md",
                     help="ConFu drafter directory for confu (EAGLE-3 layout plus `confu`; default: the zoo's)",
-                    random=lambda target, seed, **kw: random_confu(target, seed, **kw)),
+                    random=lambda target, seed, **kw: random_confu(target, seed, **kw),
+                    call=eagle3.row_call),  # its drafter's calls are EAGLE-3's (its contemplate rows ride in the
+    # target's verification: `speclab costs contemplate`)
     shapes=SHAPES)
 
 

@@ -403,6 +403,23 @@ SHAPES = (Shape("chain", dict(block_size=4, markov=1), dict(markov_rank=8)),
           Shape("flash-markov", dict(markov=1, head="flash", clusters=64, probes=1), dict(markov_rank=8)),
           Shape("flash-tree", dict(tree_topk=2, head="flash", clusters=64, probes=1), dict(markov_rank=8)))
 
+def row_call(target, model: DFlashModel, ids: torch.Tensor, context: int):
+    """`ModelRole.call`: one drafter call over a block of n rows (the root and n - 1 masks) after a `context`-token
+    context; False for n < 2 (a block is the root and at least one mask)."""
+    blocks: dict[int, DFlashDrafter] = {}
+
+    def call(n: int) -> bool | None:
+        if n < 2:
+            return False
+        if n not in blocks:
+            d = blocks[n] = DFlashDrafter(model, target, block_size=n, markov=False, tree_topk=1, total_tokens=16)
+            d.reset(ids[: context + 1], target.forward(ids[:context], target.new_cache(), layers=d.layers).features)
+            d.catch_up(ids[:0], None)
+        blocks[n].propose(n, Sampling(), None)
+        return None
+    return call
+
+
 ENTRY = DrafterEntry(
     name="dflash", label="DFlash", color="#d62728",
     train=TrainEntry("speclab.train.dflash", "DFlashTrainConfig", "train_dflash", "DFlash (with DSpark's Markov "
@@ -424,7 +441,7 @@ ENTRY = DrafterEntry(
                     lambda path, target, paths: load_dflash(path, target),
                     zoo="dflash", card="data/zoo/dflash/README.md",
                     help="DFlash drafter directory for dflash (public layout; default: the zoo's)",
-                    random=lambda target, seed, **kw: random_dflash(target, seed, **kw)),
+                    random=lambda target, seed, **kw: random_dflash(target, seed, **kw), call=row_call),
     shapes=SHAPES)
 
 

@@ -447,6 +447,19 @@ SHAPES = (Shape("chain", dict(depth=4, tree_topk=1, total_tokens=4)),
           Shape("flash-tree", dict(depth=4, tree_topk=3, head="flash", clusters=64, probes=4, margin=2.0),
                 dict(draft_vocab="half")))
 
+def row_call(target, model: Eagle3Model, ids: torch.Tensor, context: int):
+    """`ModelRole.call`: one drafter call for a frontier of n nodes at depth 1 after a `context`-token drafter cache
+    (what a round's drafting calls are: `Eagle3Drafter._forward_nodes`)."""
+    d = Eagle3Drafter(model, target, depth=4, tree_topk=1, total_tokens=8)
+    d.reset(ids[: context + 1], target.forward(ids[:context], target.new_cache(), layers=d.layers).features)
+    d.catch_up(ids[:0], None)
+
+    def call(n: int) -> None:
+        d._forward_nodes(ids[context : context + n], d.root_h.expand(n, -1), 1, None)
+        d.cache.crop(d.known)
+    return call
+
+
 ENTRY = DrafterEntry(
     name="eagle3", label="EAGLE-3", color="#9467bd",
     train=TrainEntry("speclab.train.eagle3", "Eagle3TrainConfig", "train_eagle3", "EAGLE-3 online from the frozen "
@@ -464,7 +477,7 @@ ENTRY = DrafterEntry(
                     lambda path, target, paths: load_eagle3(path, target),
                     zoo="eagle3", card="data/zoo/eagle3/README.md",
                     help="EAGLE-3 drafter directory for eagle3 (public layout; default: the zoo's)",
-                    random=lambda target, seed, **kw: random_eagle3(target, seed, **kw)),
+                    random=lambda target, seed, **kw: random_eagle3(target, seed, **kw), call=row_call),
     shapes=SHAPES)
 
 

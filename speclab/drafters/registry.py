@@ -82,6 +82,11 @@ class ModelRole:
     help: str = ""
     random: Callable | None = None  # (target, seed, **kw) -> a random model of this role shaped for `target`, in
     # its dtype and on its device (what the conformance suite and smoke tests build; kw: a `Shape`'s `model`)
+    call: Callable | None = None  # (target, model, ids, context) -> call(n): one drafter forward of n rows after a
+    # `context`-token cache of `ids`, undone after the call, or False where no call has n rows (what
+    # `speclab costs roofline | forward --by-dtype` and --dtype auto time: `speclab.bench.costs.drafter_calls`)
+    own_dtype: bool = False  # its model computes apart from the target's (token ids in, logits out), so under
+    # --dtype auto it runs in whichever dtype its own calls measure faster in (`precision.DtypeDecision.roles`)
 
     @property
     def dest(self) -> str:

@@ -463,6 +463,23 @@ SHAPES = (Shape("chain", dict(blocks=1, starts=1, width_b0=1, width_b1=1, width_
           Shape("flash", dict(blocks=2, head="flash", clusters=64, probes=1)),
           Shape("flash-adaptive", dict(blocks=2, head="flash", clusters=64, probes=4, margin=2.0)))
 
+def row_call(target, model: SpecBlockModel, ids: torch.Tensor, context: int):
+    """`ModelRole.call`: one drafter call of n rows after a `context`-token drafter cache: n / K blocks from the root
+    (`SpecBlockDrafter.block_forward`, batched as further blocks are); False where K does not divide n."""
+    d = SpecBlockDrafter(model, target, **{p.name: p.default for p in PARAMS})
+    d.reset(ids[: context + 1], target.forward(ids[:context], target.new_cache(), layers=d.layers).features)
+    d.catch_up(ids[:0], None)
+    root = _Start(model.cond(d.pending_feats[-1]), int(d.pending_ids[-1]), -1, 0, [])
+
+    def call(n: int) -> bool | None:
+        if n % d.K:
+            return False
+        d.block_forward([root] * (n // d.K))
+        d.cache.crop(d.known)
+        return None
+    return call
+
+
 ENTRY = DrafterEntry(
     name="specblock", label="SpecBlock", color="#8c6d31",
     train=TrainEntry("speclab.train.specblock", "SpecBlockTrainConfig", "train_specblock", "SpecBlock online from "
@@ -477,7 +494,7 @@ ENTRY = DrafterEntry(
                     lambda path, target, paths: load_specblock(path, target), zoo="specblock",
                     card="data/zoo/specblock/README.md",
                     help="SpecBlock drafter directory for specblock (default: the zoo's)",
-                    random=lambda target, seed, **kw: random_specblock(target, seed, **kw)),
+                    random=lambda target, seed, **kw: random_specblock(target, seed, **kw), call=row_call),
     shapes=SHAPES)
 
 

@@ -16,7 +16,7 @@ import torch
 
 from speclab.checks import MAX_TREE_NODES, Bound
 from speclab.core.sampling import Sampling, chain_dists, draft_probs, draw, sample
-from speclab.core.target import Target, keep_cache
+from speclab.core.target import Target, keep_cache, row_call
 from speclab.core.tree import DraftTree
 from speclab.drafters.flashhead import HEAD_PARAMS, head_same_decode, with_head
 from speclab.drafters.registry import SAMPLING_PARAMS, DrafterEntry, ModelRole, Param, Shape
@@ -205,7 +205,8 @@ ENTRY = DrafterEntry(
     methods={"sps": "standalone draft model (SpS): chain of k, or a top-k tree"},
     model=ModelRole("draft", "--draft", "draft", "a draft model", _load, zoo="draft", card="data/zoo/README.md",
                     help="draft model for sps (default: the zoo draft)",
-                    random=lambda target, seed, **kw: random_draft(target, seed, **kw)),
+                    random=lambda target, seed, **kw: random_draft(target, seed, **kw),
+                    call=lambda target, model, ids, context: row_call(model, ids, context), own_dtype=True),
     shapes=SHAPES,
     params=(Param("k", 4, lambda t: Bound(1, t.max_context), help="draft length (a chain) or depth (a tree)"),
             Param("tree_topk", 1, lambda t: Bound(1, t.vocab_size), help="children per level (1 = a chain)"),

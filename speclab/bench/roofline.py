@@ -1,0 +1,190 @@
+"""The roofline of every model call (`speclab costs roofline`): what a call reads, what reading it costs at the
+machine's bandwidth, and how far each call is from that bound.
+
+On a CPU a decode step reads every weight once per call (1 row or 64), plus the KV cache it attends over, so a
+call's floor is bytes / read bandwidth. This module measures the two bandwidths (a working set larger than the
+last-level cache, and one inside a core's L2), counts the bytes each call reads (`call_bytes`: the inputs of its
+matrix products and attention, counted from the ops the call dispatches, so every drafter is covered without
+being named), times the target and every drafter model at hand by rows (`speclab.bench.costs.drafter_calls`,
+interleaved), and fits each model's fixed part: the intercept of ms against rows (what a call costs before its
+rows), and across models, at one row, the intercept of ms against bytes (the per-call cost no byte explains).
+"""
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from speclab.bench.costs import _Bar, drafter_calls, timeit_interleaved
+from speclab.core.target import Target, row_call
+from speclab.viz import Report, lines_figure
+
+ROWS = (1, 2, 4, 8, 16, 64)
+
+# the ops whose inputs a call reads from memory: matrix products (weights) and attention (the KV cache)
+_READS = ("linear", "mm", "addmm", "bmm", "mv", "matmul", "_linear_pointwise", "embedding")
+_ATTENTION = ("scaled_dot_product", "_scaled_dot_product")  # the public op and the kernels it dispatches to
+
+
+def cache_bytes(level: int) -> int | None:
+    """The size of cpu0's cache at `level` (2: L2, 3: the last level) from sysfs, or None where it is not told."""
+    base = Path("/sys/devices/system/cpu/cpu0/cache")
+    for d in sorted(base.glob("index*")):
+        try:
+            if int((d / "level").read_text()) == level and (d / "type").read_text().strip() != "Instruction":
+                size = (d / "size").read_text().strip()
+                mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(size[-1], 1)
+                return int(size.rstrip("KMG")) * mult
+        except (OSError, ValueError):
+            continue
+    return None
+
+
+def read_bandwidth(nbytes: int, reps: int = 7) -> float:
+    """GB/s of reading an fp32 tensor of `nbytes` once (a sum over it, on torch's threads), the median of `reps`
+    after one untimed pass."""
+    x = torch.ones(max(nbytes // 4, 1024))
+    x.sum()
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        x.sum()
+        times.append(time.perf_counter() - t0)
+    return x.numel() * 4 / float(np.median(times)) / 1e9
+
+
+def bandwidths(large_mb: float | None = None, small_mb: float | None = None, reps: int = 7) -> dict:
+    """The machine's read bandwidth (GB/s) for a working set larger than the caches (default: 4 x the last-level
+    cache, at least 512 MB) and for one that fits in a core's L2 (default: half of it, at most 1 MB)."""
+    llc, l2 = cache_bytes(3) or cache_bytes(2) or (32 << 20), cache_bytes(2) or (1 << 20)
+    large = int(large_mb * 2**20) if large_mb else max(4 * llc, 512 << 20)
+    small = int(small_mb * 2**20) if small_mb else min(l2 // 2, 1 << 20)
+    return {"dram_gbs": read_bandwidth(large, reps), "cache_gbs": read_bandwidth(small, max(reps, 50)),
+            "large_mb": large / 2**20, "small_mb": small / 2**20, "llc_mb": llc / 2**20}
+
+
+class _Reads(TorchDispatchMode):
+    """Counts the bytes of every tensor input of the ops in `_READS` (each distinct tensor view once per op)."""
+
+    def __init__(self):
+        super().__init__()
+        self.bytes = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.__name__.split(".")[0]
+        if name in _READS or name.startswith(_ATTENTION):
+            seen = set()
+            for a in (*args, *(kwargs or {}).values()):
+                if isinstance(a, torch.Tensor) and id(a) not in seen:
+                    seen.add(id(a))
+                    if a.is_mkldnn:  # a prepacked weight (`layers.linear`): as many elements as the weight
+                        self.bytes += a.numel() * a.element_size()
+                    elif func.__name__.startswith("embedding"):  # a lookup reads its rows, not the table
+                        self.bytes += 0 if a.is_floating_point() else a.numel() * args[0].shape[-1] * \
+                            args[0].element_size()
+                    else:
+                        self.bytes += a.numel() * a.element_size()
+        return func(*args, **(kwargs or {}))
+
+
+def call_bytes(fn: Callable[[], object]) -> int:
+    """Bytes one call of `fn` reads: the inputs of its matrix products (weights and activations) and of its
+    attention (queries, the cached keys and values, masks), counted from the ops it dispatches."""
+    with _Reads() as r:
+        fn()
+    return r.bytes
+
+
+@torch.inference_mode()
+def roofline(target: Target, models: dict, rows=ROWS, context: int = 200, reps: int = 9, calls: int = 5,
+             bw: dict | None = None) -> pd.DataFrame:
+    """One row per (model, rows): median ms per call after a `context`-token cache (every (model, rows) interleaved
+    over `reps`, each the median of `calls`), the bytes the call reads, the bandwidth bound (bytes / the DRAM read
+    bandwidth), the same bound at the in-cache bandwidth, and their ratio to ms. `bw`: `bandwidths()` (measured
+    here when None). Models: the target and every drafter model at hand (`drafter_calls`)."""
+    from speclab.core.precision import cpu_label, dtype_name
+    bw = bw or bandwidths()
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(3, target.vocab_size, (context + max(rows) + 1,), generator=g, device=target.device)
+    callers = {"target": row_call(target, ids, context), **drafter_calls(target, models, ids, context)}
+    fns, nbytes = {}, {}
+    for name, call in callers.items():
+        for n in rows:
+            if call(n) is False:  # no call of n rows (a DFlash block of 1); called once untimed on the way
+                continue
+            fns[name, n] = lambda call=call, n=n: call(n)
+            nbytes[name, n] = call_bytes(fns[name, n])
+    bar = _Bar(reps, "roofline")
+    med = timeit_interleaved(fns, reps, calls, each=True, on_rep=bar)
+    out = []
+    for (name, n), ms in med.items():
+        b = nbytes[name, n]
+        bound = b / (bw["dram_gbs"] * 1e9) * 1e3
+        out.append({"model": name, "rows": n, "ms": ms, "mb": b / 1e6, "bound_ms": bound,
+                    "cache_bound_ms": b / (bw["cache_gbs"] * 1e9) * 1e3, "ratio": ms / bound})
+    df = pd.DataFrame(out)
+    df.attrs.update(cpu=cpu_label(), dtype=dtype_name(target.dtype), context=context, device=str(target.device),
+                    threads=torch.get_num_threads(), **bw)
+    return df
+
+
+def fits(df: pd.DataFrame) -> tuple[pd.DataFrame, dict | None]:
+    """Per model, the least-squares line of ms against rows: `fixed_ms` (its intercept: a call before its rows)
+    and `per_row_ms` (its slope); and across models at one row, the line of ms against MB read: `overhead_ms` (the
+    intercept: what a call costs that no byte explains) and the effective GB/s of its slope (None with fewer than
+    two models)."""
+    per = []
+    for name, f in df.groupby("model", sort=False):
+        if len(f) >= 2:
+            slope, icpt = np.polyfit(f["rows"], f["ms"], 1)
+        else:
+            slope, icpt = float("nan"), float(f["ms"].iloc[0])
+        one = f[f.rows == f.rows.min()].iloc[0]
+        per.append({"model": name, "mb": one["mb"], "ms_1row": one["ms"], "bound_ms": one["bound_ms"],
+                    "fixed_ms": icpt, "per_row_ms": slope, "above_bound_ms": one["ms"] - one["bound_ms"]})
+    one = df[df.rows == 1]
+    across = None
+    if one["model"].nunique() >= 2:
+        slope, icpt = np.polyfit(one["mb"], one["ms"], 1)
+        across = {"overhead_ms": float(icpt), "gbs": float(1 / slope) if slope > 0 else float("inf"),
+                  "models": int(one["model"].nunique())}
+    return pd.DataFrame(per), across
+
+
+def roofline_report(df: pd.DataFrame) -> Report:
+    """The table (one row per model and rows), the per-model fits and the plot: ms per call by rows, each model's
+    bound dashed."""
+    a = df.attrs
+    per, across = fits(df)
+    head = (f"{a['cpu']}, {a['threads']} threads; {a['device']}, {a['dtype']}; read bandwidth "
+            f"{a['dram_gbs']:.1f} GB/s for "
+            f"{a['large_mb']:.0f} MB (beyond the {a['llc_mb']:.0f} MB last-level cache), {a['cache_gbs']:.1f} GB/s "
+            f"for {a['small_mb']:.2f} MB (in a core's cache); calls after a {a['context']}-token cache. bound_ms = "
+            "MB read / the first bandwidth; ratio = ms / bound_ms.")
+    table = df.to_markdown(index=False, floatfmt=".3g")
+    fit = per.to_markdown(index=False, floatfmt=".3g")
+    text = (f"{head}\n\n{table}\n\nPer model: fixed_ms and per_row_ms are the intercept and slope of ms against "
+            f"rows; above_bound_ms is the 1-row call's time beyond its bound.\n\n{fit}\n")
+    if across:
+        text += (f"\nAcross the {across['models']} models at one row, ms against MB read: {across['overhead_ms']:.3f} "
+                 f"ms per call that no byte explains, and {across['gbs']:.1f} GB/s for the bytes.\n")
+    curves = pd.concat([df.assign(series=df["model"]),
+                        df.assign(series=df["model"] + " (bound)", ms=df["bound_ms"])])
+    fig = lines_figure(curves, "rows", "ms", "series", f"ms per call against its bandwidth bound ({a['cpu']}, "
+                       f"{a['dtype']})", "rows per call", "ms per call")
+    for tr in fig.data:
+        if tr.name.endswith("(bound)"):
+            tr.line.dash = "dash"
+    fig.update_xaxes(type="log")
+    return Report(f"Roofline of every model call ({a['cpu']}, {a['dtype']})", text, [fig], summary=text)
+
+
+def records(df: pd.DataFrame) -> list[dict]:
+    """`--json`: one object per (model, rows), with the machine's figures on each."""
+    machine = {k: df.attrs[k] for k in ("cpu", "threads", "dtype", "dram_gbs", "cache_gbs", "context")}
+    return [{**r, **machine} for r in df.to_dict("records")]
