@@ -100,5 +100,5 @@ def main(argv: list[str] | None = None) -> int:
     lab.warm_up()
     demo = build_app(lab)
     demo.queue(default_concurrency_limit=4)
-    demo.launch(server_name=a.host, server_port=a.port, css=decode.CSS, show_error=True)
+    demo.launch(server_name=a.host, server_port=a.port, css=decode.CSS, js=calibrate.THRESHOLD_JS, show_error=True)
     return 0

@@ -42,6 +42,25 @@ ThresholdSlider = abc.ABCMeta.__new__(type(gr.Slider), "ThresholdSlider", (gr.Sl
     "__module__": __name__, "preprocess": _preprocess, "get_block_name": lambda self: "slider"})
 
 
+# Gradio's slider says `release` on a drag's end and on its number box's blur, `input` on every keystroke and arrow
+# key. So that a typed threshold is committed by Enter too, and one moved with the arrow keys when the key comes up,
+# both end in a release (delegated from the document: the slider's elements are redrawn on updates).
+THRESHOLD_JS = """
+() => {
+  const inSlider = (t) => t && t.closest && t.closest('#cal_threshold');
+  document.addEventListener('keydown', (e) => {
+    if (e.key === 'Enter' && inSlider(e.target) && e.target.type === 'number') { e.preventDefault(); e.target.blur(); }
+  }, true);
+  const keys = ['ArrowLeft', 'ArrowRight', 'ArrowUp', 'ArrowDown', 'PageUp', 'PageDown', 'Home', 'End'];
+  document.addEventListener('keyup', (e) => {
+    if (keys.includes(e.key) && inSlider(e.target) && e.target.type === 'range') {
+      e.target.dispatchEvent(new PointerEvent('pointerup', {bubbles: true}));
+    }
+  }, true);
+}
+"""
+
+
 def bound(router: str, target):
     """The router's thresholds: its method's own bound (the registry's `threshold` parameter)."""
     return METHODS[f"whiflash-{router}"].bounds(target)["threshold"]
@@ -127,9 +146,10 @@ class Calibration:
         return fig, text
 
     @answers(1)
-    def save(self, bench_id, router, category, threshold):
+    def save(self, bench_id, router, category, shown):
+        """Save the threshold the figure shows (`shown`: the last one committed and accepted)."""
         cal = self._cal(bench_id)
-        t = check_threshold(router, threshold, self.lab.target.vocab_size)
+        t = check_threshold(router, shown, self.lab.target.vocab_size)
         cal.check_category(category)
         costs = self.lab.costs
         saved = save_thresholds(router, {category: t}, self.lab.target.fingerprint,
@@ -195,7 +215,10 @@ def build(lab: Lab) -> None:
              concurrency_limit=None)
     router.change(c.switch, [bench, router, category], [threshold, plot, point, shown])
     category.input(c.switch, [bench, router, category], [threshold, plot, point, shown])
-    threshold.change(c.moved, [bench, router, category, threshold, shown], [plot, point, threshold, shown],
-                     trigger_mode="always_last", show_progress="hidden")
-    save.click(c.save, [bench, router, category, threshold], saved)
+    # a threshold is taken when the user commits it: the end of a drag, the number box's blur or Enter, the arrow
+    # keys' release (`THRESHOLD_JS`), and checked once; a half-typed value ("4" of "45") is never replayed, and Save
+    # writes the threshold the figure shows (`shown`), never a refused or unfinished one
+    threshold.release(c.moved, [bench, router, category, threshold, shown], [plot, point, threshold, shown],
+                      trigger_mode="always_last", show_progress="hidden")
+    save.click(c.save, [bench, router, category, shown], saved)
     confirm.click(c.confirm, [bench, router, category, threshold, n_live], [live, live_msg], concurrency_limit=None)

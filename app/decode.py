@@ -11,6 +11,7 @@ plots refresh at most every ROUTER_EVERY_S.
 from __future__ import annotations
 
 import time
+import uuid
 
 import gradio as gr
 import torch
@@ -226,11 +227,12 @@ class SideBySide:
     def _decode(self, prompt, methods, max_new, temperature, seed, deferred, shade, params):
         lab = self.lab
         gens = {}
+        group = f"app-{uuid.uuid4().hex[:12]}"  # this press's runs: the runs decoded beside each other
         for m in methods:  # every column built (its drafter too) before any decode starts and writes a run row
             try:
                 gens[m] = Generation(lab.target, prompt, m, models=lab.models, max_new_tokens=max_new,
                                      temperature=temperature, seed=seed, deferred=bool(deferred), trace=lab.store,
-                                     **params[m])
+                                     group=group, **params[m])
             except SpeclabError as e:
                 raise InvalidInput(f"{m}: {e}") from e
         cols = {m: Column(g) for m, g in gens.items()}

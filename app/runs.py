@@ -44,8 +44,13 @@ class Runs:
         if run_id in (None, ""):
             return ("", gr.update(maximum=1, value=0), None, None, None, None, None,
                     gr.update(visible=False, value=None), NO_RUNS if not self.lab.run_choices() else "")
-        rid = run_id_of(run_id)
-        r = self.run_row(rid)
+        try:
+            r = self.run_row(run_id)
+        except InvalidInput as e:  # one message (the follow-up events stay quiet), and the run shown before is not
+            gr.Warning(str(e))  # left under an id that is not its own
+            return ("", gr.update(maximum=1, value=0), None, None, None, None, None,
+                    gr.update(visible=False, value=None), f"{e}: pick a run from the list")
+        rid = int(r.run_id)
         charts, n_rounds = self.charts(r, compare)
         return (self.tokens_html(r, shade), gr.update(maximum=max(1, n_rounds), value=0), *charts.values(),
                 self.tree(rid, 0), self.router(r), "")
@@ -116,6 +121,7 @@ class Runs:
         return viz.router_figure(rr, f"run {r.run_id} · {r.method}: router per round{why}")
 
     def run_row(self, run_id):
+        """The run's row; InvalidInput for an id that is not one or not in the trace."""
         r = self.lab.store.run(run_id_of(run_id))
         if r is None:
             raise InvalidInput(f"no run {run_id} in the trace")
@@ -174,7 +180,10 @@ class Runs:
         turn for the models) and kept for the session; the router figure redrawn with it."""
         if run_id in (None, ""):
             return gr.skip()
-        r = self.run_row(run_id)
+        try:
+            r = self.run_row(run_id)
+        except InvalidInput:  # `view` has said so
+            return gr.skip()
         rid = int(r.run_id)
         if not routed_run(r) or self.known_profile(r) is not None or self.on_demand(r):
             return gr.skip()
@@ -235,8 +244,8 @@ class Runs:
     def sql(self, query):
         try:
             df, truncated = self.lab.store.safe_query(query, max_rows=1000, timeout_s=5.0)
-        except SpeclabError as e:
-            return pd.DataFrame(), f"**Refused:** {e}"
+        except SpeclabError as e:  # the result table says so too (an empty frame would show Gradio's "1 2 3")
+            return pd.DataFrame({"refused: nothing ran (see the message above)": []}), f"**Refused:** {e}"
         ran = " ".join(str(query).split())
         ran = (ran[:100] + " ...") if len(ran) > 100 else ran
         shown = " (first 1000 shown)" if truncated else ""

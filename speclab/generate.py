@@ -102,7 +102,8 @@ class Generation:
                  max_new_tokens: int = 128, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
                  seed: int | None = None, deferred: bool = True, trace: TraceStore | None = None,
                  on_round: Callable[[RoundEvent], None] | None = None, prompt_id: str | None = None,
-                 category: str | None = None, bench_id: str | None = None, keep_logits: bool = False, **params):
+                 category: str | None = None, bench_id: str | None = None, keep_logits: bool = False,
+                 group: str | None = None, **params):
         models = models or {}
         req = check_generation(target, prompt, method, models, max_new_tokens, temperature, top_k, top_p, seed, params)
         self.target, self.method, self.trace, self.on_round = target, method, trace, on_round
@@ -123,7 +124,7 @@ class Generation:
                         **_own_dtypes(target, models, get_method(method).needs)},
                 prompt_id=prompt_id, category=category, **run_device(target),
                 prompt_text=prompt if isinstance(prompt, str) else None,
-                prompt_tokens=self.prompt_ids.numel(), bench_id=bench_id,
+                prompt_tokens=self.prompt_ids.numel(), bench_id=bench_id, decode_group=group,
                 eager=bool(getattr(self.router, "eager", False)))
 
     def _open_run(self) -> None:
@@ -209,7 +210,8 @@ def generate(target: Target, prompt: str | torch.Tensor, method: str = "ar", **k
 
     Keyword arguments are those of `Generation`: models (by role: speclab.methods.ROLES), max_new_tokens,
     temperature (0 = greedy), top_k, top_p, seed, deferred, trace (a TraceStore), on_round (sees each RoundEvent
-    live), prompt_id, category, bench_id, and the method's parameters (k, tree_topk, ...).
+    live), prompt_id, category, bench_id, group (the decode group of runs decoded together: the app's Decode
+    press, a bench's prompt), and the method's parameters (k, tree_topk, ...).
     """
     g = Generation(target, prompt, method, **kw)
     for _ in g:

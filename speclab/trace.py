@@ -41,7 +41,7 @@ from speclab.core.engine import PHASES
 from speclab.errors import TraceError
 from speclab.files import check_writable
 
-SCHEMA_VERSION = 9
+SCHEMA_VERSION = 10
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS meta (key VARCHAR PRIMARY KEY, value VARCHAR);
@@ -53,7 +53,8 @@ CREATE TABLE IF NOT EXISTS runs (
     new_tokens INTEGER, rounds INTEGER, target_calls INTEGER, elapsed_s DOUBLE, output_text VARCHAR,
     error VARCHAR, bench_id VARCHAR, output_hash VARCHAR, peak_mem_mb DOUBLE, prefill_ms DOUBLE, wall_s DOUBLE,
     model_ms DOUBLE, diverges_at INTEGER, top2_gap DOUBLE, tie_tolerance DOUBLE, logits_dtype VARCHAR,
-    exact BOOLEAN, cpu VARCHAR, eager BOOLEAN, engine VARCHAR, engine_version VARCHAR, source VARCHAR);
+    exact BOOLEAN, cpu VARCHAR, eager BOOLEAN, engine VARCHAR, engine_version VARCHAR, source VARCHAR,
+    decode_group VARCHAR);
 CREATE TABLE IF NOT EXISTS benches (
     bench_id VARCHAR PRIMARY KEY, started_at TIMESTAMP, suite VARCHAR, methods VARCHAR, config_json VARCHAR,
     device VARCHAR, trace_overhead DOUBLE, peak_rss_mb DOUBLE, status VARCHAR);
@@ -117,7 +118,10 @@ MIGRATIONS = {2: ["ALTER TABLE runs ADD COLUMN IF NOT EXISTS prefill_ms DOUBLE",
               # acceptance probability min(1, p / q) (NULL at T = 0)
               9: ["ALTER TABLE draft_nodes ADD COLUMN IF NOT EXISTS sampled_p DOUBLE",
                   "ALTER TABLE draft_nodes ADD COLUMN IF NOT EXISTS sampled_q DOUBLE",
-                  "ALTER TABLE tokens ADD COLUMN IF NOT EXISTS accept_prob DOUBLE"]}
+                  "ALTER TABLE tokens ADD COLUMN IF NOT EXISTS accept_prob DOUBLE"],
+              # the decode that made the run (the app's Decode press, a bench's prompt): the runs decoded beside it
+              # (`TraceStore.decoded_with`); NULL for older runs and single decodes (a run alone)
+              10: ["ALTER TABLE runs ADD COLUMN IF NOT EXISTS decode_group VARCHAR"]}
 # the trace explorer's run list (`TraceStore.run_list`): the newest runs with their `run_metrics` figures
 RUN_LIST_SQL = """
 SELECT r.run_id, strftime(r.started_at, '%Y-%m-%d %H:%M:%S') AS started, r.method,
@@ -538,10 +542,10 @@ class TraceStore:
                           [*params, limit])
 
     def decoded_with(self, run_id: int) -> list[int]:
-        """The runs decoded with `run_id` (the same prompt, started within a minute of it), itself included, in
-        order; [run_id] when the trace cannot tell (no start time)."""
-        return self.query("""SELECT o.run_id FROM runs r JOIN runs o ON o.prompt_text IS NOT DISTINCT FROM r.prompt_text
-                             AND abs(epoch(o.started_at) - epoch(r.started_at)) < 60
+        """The runs decoded with `run_id`: those of its decode group (`runs.decode_group`: one Decode press of the
+        app, one prompt of a bench), itself included, in order; [run_id] for a run decoded alone (no group: a
+        single decode, or a trace from before groups), never guessed from prompts or times."""
+        return self.query("""SELECT o.run_id FROM runs r JOIN runs o ON o.decode_group = r.decode_group
                              WHERE r.run_id = ? ORDER BY o.run_id""", [run_id]).run_id.tolist() or [run_id]
 
     def rounds_of(self, run_ids: list[int]):

@@ -288,6 +288,9 @@ def test_explorer_lists_new_runs_without_a_click_and_keeps_sql_read_only(page):
     assert "tau" in table and "tok_s" in table and not re.search(r"\d\.\d{4,}", table), table  # rounded
     sql(page, "SELECT method, count(*) AS n FROM runs GROUP BY method ORDER BY method", "4 row(s)")
     assert "single read-only SELECT" in sql(page, "DELETE FROM runs", "Refused")
+    # a refused query leaves no table of another query's or Gradio's "1 2 3" headers: it says so there (app v4, 7)
+    assert "refused: nothing ran" in page.locator("#sql_out").inner_text()
+    assert not re.search(r"^\s*1\s+2\s+3", page.locator("#sql_out").inner_text())
     sql(page, "SELECT * FROM read_csv('/etc/passwd')", "disabled")
     page.screenshot(path=str(ART / "trace_explorer.png"), full_page=True)
 
@@ -379,6 +382,18 @@ def test_reopened_routed_run_shows_tokens_tree_router_and_counterfactuals(page):
     html = download(page, "#run_files", f"run-{rid}-figures.html").decode()
     assert "would accept" in html and html.count("Plotly.newPlot") >= 4
     page.screenshot(path=str(ART / "rounds_and_trees_routed.png"), full_page=True)
+    # an id that is no run: one message (not one per event), and nothing of the run shown before under it (item 9)
+    page.fill("#run_pick input", "99999")
+    page.keyboard.press("Enter")
+    error_toast(page, "no run 99999 in the trace")
+    wait_text(page, "#run_none", "no run 99999 in the trace: pick a run from the list")
+    page.wait_for_timeout(1500)
+    assert page.locator(".toast-body").filter(has_text="no run 99999").count() == 0  # the one toast was closed
+    assert page.locator("#run_html").inner_text().strip() == ""
+    page.fill("#run_pick input", str(rid))
+    page.keyboard.press("Enter")
+    page.wait_for_selector("#tree .js-plotly-plot", timeout=60000)
+    wait_text(page, "#run_html", f"run {rid}")
 
 
 def test_specblock_tree_coloured_by_block_and_bucket(page):
@@ -467,6 +482,47 @@ def test_calibration_replays_saves_and_confirms_live(page, app):
     assert page.locator("#cal_plot .js-plotly-plot").count() == 1  # what was shown stays
     assert "profiled" in page.locator("#cal_status").inner_text()
     page.screenshot(path=str(ART / "calibration_confirmed.png"), full_page=True)
+    page.get_by_role("tab", name="Side by side").click()
+
+
+def test_a_typed_threshold_is_taken_once_when_committed(page, app):
+    """App v4 item 3: typing 4, 5 replays nothing until Enter, then 45 is checked once and refused (the threshold
+    stays at the one shown, not at 4); 7, 7 and leaving the box does the same; Save writes the threshold shown,
+    never a half-typed or refused one; a valid value typed and entered replays once; an arrow key on the slider
+    replays when it comes up. (After test_calibration_replays_saves_and_confirms_live: a profiled suite at 2.5.)"""
+    page.get_by_role("tab", name="Calibration").click()
+    box = page.locator("#cal_threshold input[type=number]")
+    wait_text(page, "#cal_point", "threshold 2.50")
+
+    def typed(keys: str) -> None:
+        box.click()
+        box.press("Control+a")
+        for k in keys:  # keystroke by keystroke, as a person types
+            box.press(k)
+            page.wait_for_timeout(700)
+            assert "threshold 2.50" in page.locator("#cal_point").inner_text(), k  # nothing taken yet
+    typed("45")
+    box.press("Enter")
+    assert "(got 45); the threshold stays at 2.5" in error_toast(page, "must be a finite number from 0")
+    page.wait_for_function("document.querySelector('#cal_threshold input[type=number]').value === '2.5'",
+                           timeout=30000)
+    typed("77")
+    page.keyboard.press("Tab")  # leaving the box commits it too
+    assert "(got 77); the threshold stays at 2.5" in error_toast(page, "must be a finite number from 0")
+    page.wait_for_timeout(1000)
+    assert page.locator(".toast-body").filter(has_text="stays at 4").count() == 0  # no half-typed value was taken
+    assert page.locator(".toast-body").filter(has_text="stays at 7").count() == 0
+    page.click("#cal_save")
+    wait_text(page, "#cal_saved", "saved")
+    assert json.loads(app["calibration"].read_text())["thresholds"]["entropy"]["*"] == 2.5
+    typed("3")
+    box.press("Enter")
+    wait_text(page, "#cal_point", "threshold 3.00")
+    rng = page.locator("#cal_threshold input[type=range]")
+    step = float(rng.get_attribute("step"))
+    rng.focus()
+    page.keyboard.press("ArrowRight")
+    wait_text(page, "#cal_point", f"threshold {3 + step:.2f}")
     page.get_by_role("tab", name="Side by side").click()
 
 

@@ -77,6 +77,11 @@ def test_a_sampled_bench_samples_every_method_and_compares_none_with_ar(qwen3, q
               .params_json]
     assert {p["temperature"] for p in params} == {0.7} and min(p["seed"] for p in params) == 5
     assert store.query("SELECT count(*) AS n FROM runs WHERE diverges_at IS NOT NULL").n[0] == 0
+    # one decode group per prompt: every run of it (traced and untraced) is decoded beside the others
+    ran = store.query("SELECT run_id, prompt_id FROM runs WHERE bench_id = ? ORDER BY run_id", [bench_id])
+    for _, of_prompt in ran.groupby("prompt_id"):
+        rids = of_prompt.run_id.tolist()
+        assert len(rids) == 4 and all(store.decoded_with(r) == rids for r in rids)
     greedy = run_bench(BenchConfig(suite="demo", methods=["ar", "sps"], limit=1, max_new_tokens=12, peers=False),
                        qwen3, {"draft": qwen3_draft}, store, log=lambda s: None)
     assert (bench_table(store, greedy).equal_to_ar == 1.0).all()  # greedy benches still compare

@@ -196,6 +196,14 @@ def test_the_draft_model_runs_in_its_own_faster_dtype(auto, model_dir, tmp_path,
     with TraceStore(db, read_only=True) as s:
         params = json.loads(s.query("SELECT params_json FROM runs").params_json[0])
     assert params.get("draft_dtype") == ("float32" if own else None)
+    if own:  # a bench of sps beside sps@bf16: the pinned spec runs every model in bf16, on a model set of its own
+        assert main(["bench", "--model", str(model_dir["qwen3"]), "--draft", str(model_dir["qwen3_draft"]), "--db",
+                     str(db), "--suite", "demo", "--methods", "ar,sps,sps@bf16", "--limit", "1", "--max-new-tokens",
+                     "6", "--no-peers", "--no-untraced", "--report", str(tmp_path / "b.md")]) == 0
+        with TraceStore(db, read_only=True) as s:
+            ran = s.query("SELECT method, params_json FROM runs WHERE bench_id IS NOT NULL")
+        drafts = {m: json.loads(p).get("draft_dtype") for m, p in zip(ran.method, ran.params_json)}
+        assert drafts == {"ar": None, "sps": "float32", "sps@bf16": None}
 
 
 def test_a_draft_in_another_dtype_never_changes_the_output(qwen3, model_dir):

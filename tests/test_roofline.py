@@ -33,7 +33,7 @@ def test_roofline_covers_the_target_and_every_drafter_model_with_a_call(deep):
     models = {role: r.random(deep, seed=3) for role, r in ROLES.items() if r.call is not None and r.random}
     bw = {"dram_gbs": 10.0, "cache_gbs": 100.0, "large_mb": 1.0, "small_mb": 0.1, "llc_mb": 1.0}
     df = roofline(deep, models, rows=(1, 2, 4), context=16, reps=1, calls=1, bw=bw)
-    assert set(df.model) == {"target", *models}
+    assert set(df.model) == {"target", *models} and set(df.dtype) == {"float32"}
     assert set(df[df.model == "dflash"].rows) == {2, 4}  # a block is the root and at least one mask
     assert set(df[df.model == "specblock"].rows) <= {4}  # whole blocks of K only
     assert (df.ms > 0).all() and (df.mb > 0).all()
@@ -70,4 +70,5 @@ def test_roofline_json_is_one_object_per_model_and_rows():
     assert r.returncode == 0, r.stderr
     recs = [json.loads(line) for line in r.stdout.splitlines()]
     assert {(x["model"], x["rows"]) for x in recs} >= {("target", 1), ("target", 4), ("eagle3", 1), ("dflash", 4)}
-    assert all({"model", "rows", "ms", "bound_ms", "ratio", "cpu"} <= set(x) and x["ratio"] > 0 for x in recs)
+    assert all({"model", "dtype", "rows", "ms", "bound_ms", "ratio", "cpu"} <= set(x) and x["ratio"] > 0 for x in recs)
+    assert {x["dtype"] for x in recs} == {"float32"}  # --dtype fp32: every model in it

@@ -11,15 +11,16 @@ from speclab.trace import TraceStore
 
 @pytest.fixture(scope="module")
 def trace(qwen3, qwen3_draft, tmp_path_factory):
-    """Four runs: AR and sps decoded together on one prompt, pld on another (category `code`), sps on a third
-    with a method spec; their results by name."""
+    """Four runs: AR and sps decoded together on one prompt (one decode group, as the app's Decode press makes),
+    pld on another (category `code`), and sps with a method spec decoded alone on the first prompt right after
+    (the same prompt within the minute, but another decode); their results by name."""
     store = TraceStore(tmp_path_factory.mktemp("queries") / "x.duckdb")
-    runs = {"ar": generate(qwen3, PROMPTS[0], "ar", max_new_tokens=12, trace=store),
+    runs = {"ar": generate(qwen3, PROMPTS[0], "ar", max_new_tokens=12, trace=store, group="press-1"),
             "sps": generate(qwen3, PROMPTS[0], "sps", models={"draft": qwen3_draft}, max_new_tokens=12, trace=store,
-                            k=3),
+                            k=3, group="press-1"),
             "pld": generate(qwen3, PROMPTS[1], "pld", max_new_tokens=12, trace=store, category="code"),
-            "sps2": generate(qwen3, PROMPTS[2], "sps:k=2", models={"draft": qwen3_draft}, max_new_tokens=12,
-                             trace=store)}
+            "sps2": generate(qwen3, PROMPTS[0], "sps:k=2", models={"draft": qwen3_draft}, max_new_tokens=12,
+                             trace=store, group="press-2")}
     yield store, runs
     store.close()
 
@@ -48,12 +49,15 @@ def test_run_list_filters_by_method_spec_and_category(trace):
     assert store.run_list(method="pld", category="nope").empty and len(store.run_list(limit=1)) == 1
 
 
-def test_decoded_with_is_the_same_prompt_within_a_minute(trace):
+def test_decoded_with_is_the_runs_decode_group_never_its_prompt_or_time(trace):
     store, runs = trace
     pair = [runs["ar"].run_id, runs["sps"].run_id]
     assert store.decoded_with(runs["ar"].run_id) == pair == store.decoded_with(runs["sps"].run_id)
-    assert store.decoded_with(runs["pld"].run_id) == [runs["pld"].run_id]
+    assert store.decoded_with(runs["sps2"].run_id) == [runs["sps2"].run_id]  # same prompt, same minute: not beside
+    assert store.decoded_with(runs["pld"].run_id) == [runs["pld"].run_id]  # no group: decoded alone
     assert store.decoded_with(10_000) == [10_000]  # no such run: itself
+    groups = store.query("SELECT coalesce(decode_group, '-') AS g FROM runs ORDER BY run_id").g.tolist()
+    assert groups == ["press-1", "press-1", "-", "press-2"]
 
 
 def test_rounds_of_several_runs(trace):

@@ -360,6 +360,7 @@ def test_eager_is_a_column_written_by_the_run_and_migrated(qwen3, tmp_path):
         con.execute(f"ALTER TABLE runs DROP COLUMN {col}")
     for table, col in (("draft_nodes", "sampled_p"), ("draft_nodes", "sampled_q"), ("tokens", "accept_prob")):
         con.execute(f"ALTER TABLE {table} DROP COLUMN {col}")  # and schema 9's (sampled decoding)
+    con.execute("ALTER TABLE runs DROP COLUMN decode_group")  # and schema 10's
     con.execute("UPDATE meta SET value = '4' WHERE key = 'schema_version'")
     con.close()
     with pytest.raises(TraceError, match="older than this speclab's"):
@@ -369,8 +370,11 @@ def test_eager_is_a_column_written_by_the_run_and_migrated(qwen3, tmp_path):
         nodes = s.query("SELECT block, bucket, in_cands, sampled_p, sampled_q FROM draft_nodes")  # back (empty)
         engines = s.query("SELECT engine, engine_version, source FROM runs")
         s.query("SELECT accept_prob FROM tokens")
-    assert runs.eager.tolist() == [True, False, False] and SCHEMA_VERSION == 9 and list(nodes.columns) == [
+        groups = s.query("SELECT decode_group FROM runs")  # older runs: each decoded alone
+        assert s.decoded_with(1) == [1]
+    assert runs.eager.tolist() == [True, False, False] and SCHEMA_VERSION == 10 and list(nodes.columns) == [
         "block", "bucket", "in_cands", "sampled_p", "sampled_q"] and engines.engine.isna().all()
+    assert groups.decode_group.isna().all()
 
 
 @pytest.mark.parametrize("tree_topk", [1, 2])

@@ -112,6 +112,7 @@ def roofline(target: Target, models: dict, rows=ROWS, context: int = 200, reps: 
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(3, target.vocab_size, (context + max(rows) + 1,), generator=g, device=target.device)
     callers = {"target": row_call(target, ids, context), **drafter_calls(target, models, ids, context)}
+    dtypes = {name: dtype_name(_dtype_of(target if name == "target" else models[name])) for name in callers}
     fns, nbytes = {}, {}
     for name, call in callers.items():
         for n in rows:
@@ -125,12 +126,18 @@ def roofline(target: Target, models: dict, rows=ROWS, context: int = 200, reps: 
     for (name, n), ms in med.items():
         b = nbytes[name, n]
         bound = b / (bw["dram_gbs"] * 1e9) * 1e3
-        out.append({"model": name, "rows": n, "ms": ms, "mb": b / 1e6, "bound_ms": bound,
+        out.append({"model": name, "dtype": dtypes[name], "rows": n, "ms": ms, "mb": b / 1e6, "bound_ms": bound,
                     "cache_bound_ms": b / (bw["cache_gbs"] * 1e9) * 1e3, "ratio": ms / bound})
     df = pd.DataFrame(out)
     df.attrs.update(cpu=cpu_label(), dtype=dtype_name(target.dtype), context=context, device=str(target.device),
                     threads=torch.get_num_threads(), **bw)
     return df
+
+
+def _dtype_of(model) -> torch.dtype:
+    """The dtype a model computes in (a Target says; an nn.Module by its first parameter)."""
+    dt = getattr(model, "dtype", None)
+    return dt if isinstance(dt, torch.dtype) else next(model.parameters()).dtype
 
 
 def fits(df: pd.DataFrame) -> tuple[pd.DataFrame, dict | None]:
@@ -161,7 +168,8 @@ def roofline_report(df: pd.DataFrame) -> Report:
     bound dashed."""
     a = df.attrs
     per, across = fits(df)
-    head = (f"{a['cpu']}, {a['threads']} threads; {a['device']}, {a['dtype']}; read bandwidth "
+    head = (f"{a['cpu']}, {a['threads']} threads; {a['device']}, the target in {a['dtype']} (each model's dtype in "
+            f"the table); read bandwidth "
             f"{a['dram_gbs']:.1f} GB/s for "
             f"{a['large_mb']:.0f} MB (beyond the {a['llc_mb']:.0f} MB last-level cache), {a['cache_gbs']:.1f} GB/s "
             f"for {a['small_mb']:.2f} MB (in a core's cache); calls after a {a['context']}-token cache. bound_ms = "
@@ -186,5 +194,5 @@ def roofline_report(df: pd.DataFrame) -> Report:
 
 def records(df: pd.DataFrame) -> list[dict]:
     """`--json`: one object per (model, rows), with the machine's figures on each."""
-    machine = {k: df.attrs[k] for k in ("cpu", "threads", "dtype", "dram_gbs", "cache_gbs", "context")}
+    machine = {k: df.attrs[k] for k in ("cpu", "threads", "dram_gbs", "cache_gbs", "context")}  # each row: its dtype
     return [{**r, **machine} for r in df.to_dict("records")]

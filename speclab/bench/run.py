@@ -53,6 +53,8 @@ class BenchConfig:
     seed: int = 0
     dtypes: dict = field(default_factory=dict)  # method -> the dtype it runs in (`plan_dtypes`); absent: the target's
     dtype_why: dict = field(default_factory=dict)  # method family -> why (`DtypeDecision.line`), for the report
+    model_sets: dict = field(default_factory=dict)  # method -> the key of its model set when not its dtype (a spec
+    # pinned to a dtype whose auto set runs a drafter model in its own dtype: `speclab.cli.bench.load_bench_sets`)
 
 
 def plan_dtypes(methods: list[str], resolve) -> tuple[list[str], dict[str, str]]:
@@ -112,7 +114,7 @@ def run_bench(cfg: BenchConfig, target: Target, models: dict, store: TraceStore,
 
     def on(m):
         """(target, models) of method m."""
-        return sets.get(cfg.dtypes.get(m), (target, models))
+        return sets.get(cfg.model_sets.get(m, cfg.dtypes.get(m)), (target, models))
     for m in cfg.methods:
         get_method(m)
     if not any(family(m) == "ar" for m in cfg.methods):
@@ -146,11 +148,15 @@ def run_bench(cfg: BenchConfig, target: Target, models: dict, store: TraceStore,
     def sampling(i):
         return {"temperature": cfg.temperature, "seed": cfg.seed + i} if cfg.temperature > 0 else {}
 
+    def group(i):
+        """The decode group of prompt i's runs: every method and peer decoded on it in this bench."""
+        return f"{bench_id}/{i}"
+
     def run_method(m, r, ids, trace, i):
         t, ms = on(m)
         res = generate(t, ids, m, models=ms, max_new_tokens=cfg.max_new_tokens, trace=trace,
-                       prompt_id=r["prompt_id"], category=r["category"], bench_id=bench_id, **params(m),
-                       **sampling(i))
+                       prompt_id=r["prompt_id"], category=r["category"], bench_id=bench_id, group=group(i),
+                       **params(m), **sampling(i))
         return res.run_id, res.token_ids
 
     def run_untraced(m, r, ids, i):
@@ -159,13 +165,13 @@ def run_bench(cfg: BenchConfig, target: Target, models: dict, store: TraceStore,
         rid = store.start_run(method=f"{m}-untraced", target=t.name, params={**params(m), **sampling(i)},
                               prompt_id=r["prompt_id"],
                               category=r["category"], **run_device(t), bench_id=bench_id,
-                              prompt_tokens=ids.numel())
+                              prompt_tokens=ids.numel(), decode_group=group(i))
         store.finish_run(rid, "done", new_tokens=len(res.token_ids), elapsed_s=res.elapsed_s, wall_s=res.decode.wall_s,
                          prefill_ms=res.decode.prefill_ms, model_ms=model_ms(t, res.decode),
                          target_calls=res.decode.target_calls, output_hash=output_hash(res.token_ids))
         return rid, res.token_ids
 
-    def run_peer(p, r, ids):
+    def run_peer(p, r, ids, i):
         beside = next(n for n, e in drafters().items() if e.peer == p)  # the drafter it runs beside: its k
         k = cfg.drafter_params.get(beside, {}).get("k", 4)
         out, secs = peer_generate(p, target, draft, ids, cfg.max_new_tokens, k, cfg.stop_prob)
@@ -174,7 +180,7 @@ def run_bench(cfg: BenchConfig, target: Target, models: dict, store: TraceStore,
                               params=peer_params, prompt_id=r["prompt_id"], category=r["category"],
                               **{**run_device(target), "logits_dtype": dtype_name(target.dtype),
                                  "exact": False},  # transformers' own forward and head
-                              bench_id=bench_id, prompt_tokens=ids.numel())
+                              bench_id=bench_id, prompt_tokens=ids.numel(), decode_group=group(i))
         store.finish_run(rid, "done", new_tokens=out.numel(), elapsed_s=secs, output_hash=output_hash(out.tolist()),
                          output_text=target.tokenizer.decode(out.tolist(), skip_special_tokens=True))
         return rid, out.tolist()
@@ -199,7 +205,7 @@ def run_bench(cfg: BenchConfig, target: Target, models: dict, store: TraceStore,
                 if target.device.type == "cuda":
                     torch.cuda.reset_peak_memory_stats()
                 if m in peers:
-                    outputs[m] = run_peer(m, r, ids)
+                    outputs[m] = run_peer(m, r, ids, i)
                 elif m in untraced:
                     outputs[m] = run_untraced(m.removesuffix("-untraced"), r, ids, i)
                 else:

@@ -67,6 +67,13 @@ def load_bench_sets(cfg, paths: ModelPaths):
             cfg.dtype_why.update({f: decision.line(f) for f in fams})
             cfg.dtype_why.update({f"{r} model": line for r in sorted(roles) for line in decision.role_lines([r])})
             sets[dt] = load_models(paths, roles=roles, fam=fams[0])
+            # a spec pinned to this dtype runs every model in it: its own set where auto put a drafter model in
+            # another dtype (sps@bf16 beside sps with an fp32 draft)
+            pinned = [m for m in on if "@" in m and any(decision.roles.get(r, dt) != dt for r in get_method(m).needs)]
+            if pinned:
+                sets[f"{dt}@"] = load_models(replace(paths, dtype=dt), roles={r for m in pinned
+                                                                             for r in get_method(m).needs})
+                cfg.model_sets.update(dict.fromkeys(pinned, f"{dt}@"))
         else:
             sets[dt] = load_models(replace(paths, dtype=dt), roles=roles)
     return (*sets[cfg.dtypes[ar]], sets)
