@@ -80,7 +80,8 @@ class Column:
         streams, the bare figures: the header is re-sent whole with every update)."""
         if not final:
             return viz.stats_header(method, self.stats(ar_tps), explain=False)
-        return viz.stats_header(method, self.stats(ar_tps), time_split(self.phase_ms, self.s * 1e3))
+        return viz.stats_header(method, self.stats(ar_tps), time_split(self.phase_ms, self.s * 1e3,
+                                                                       drafted=bool(self.gen.drafters)))
 
     def stats(self, ar_tps: float | None) -> dict:
         tps = tokens_per_s(self.tokens, self.s) if self.s else 0.0

@@ -86,7 +86,8 @@ class Runs:
                       "target calls": int(x.target_calls) if x.target_calls == x.target_calls else "-",
                       "tau": f"{x.tau:.2f}", "tok/s": f"{x.tokens_per_s:.1f}" if pd.notna(x.tokens_per_s) else "-"}
         phases = store.phase_ms(rid)
-        split = time_split(phases, 1e3 * r.elapsed_s) if r.elapsed_s == r.elapsed_s and r.elapsed_s else None
+        split = time_split(phases, 1e3 * r.elapsed_s, drafted=bool(r.drafters)) \
+            if r.elapsed_s == r.elapsed_s and r.elapsed_s else None
         header = viz.stats_header(f"run {rid} · {r.method}", stats, split)
         if isinstance(getattr(r, "engine", None), str):  # an imported run: where it came from, how it was converted
             card = {"engine": r.engine, "version": r.engine_version or "unknown", "source": r.source,
@@ -314,5 +315,8 @@ def build_explorer(lab: Lab, runs: Runs) -> dict:
     sql_file = gr.File(label="Exported result", elem_id="sql_file", interactive=False)
     sql_export.click(runs.export_sql, [sql_box, sql_fmt], sql_file)
     refresh.click(runs.table, [f_method, f_cat], runs_df)
+    # the filters act as they change (a method picked or typed, a category as it is typed), not only on Refresh
+    f_method.change(runs.table, [f_method, f_cat], runs_df, trigger_mode="always_last", show_progress="hidden")
+    f_cat.change(runs.table, [f_method, f_cat], runs_df, trigger_mode="always_last", show_progress="hidden")
     sql_run.click(runs.sql, sql_box, [sql_out, sql_msg])
     return {"runs_df": runs_df, "f_method": f_method, "f_cat": f_cat}

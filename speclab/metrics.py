@@ -52,10 +52,13 @@ METRIC_HELP = {
 TIME_PARTS = {"draft": ("draft",), "verify": ("verify",), "catch-up": ("catchup",)}  # the rest is "other"
 
 
-def time_split(phase_ms: dict, decode_ms: float) -> dict[str, float]:
+def time_split(phase_ms: dict, decode_ms: float, drafted: bool = True) -> dict[str, float]:
     """A run's decode time in ms as draft, verify, catch-up and other (prefill, routing, commit, tracing: the rest
-    of the decode time), from its per-phase sums (`RoundEvent.timings_ms` summed; `rounds.t_*_ms` in SQL)."""
-    out = {part: sum(phase_ms.get(p, 0.0) for p in phases) for part, phases in TIME_PARTS.items()}
+    of the decode time), from its per-phase sums (`RoundEvent.timings_ms` summed; `rounds.t_*_ms` in SQL). A run
+    that drafted nothing (`drafted` False: AR) has no draft or catch-up part: the engine's bookkeeping in those
+    phases (no drafter to ask) is its other time."""
+    parts = TIME_PARTS if drafted else {"verify": TIME_PARTS["verify"]}
+    out = {part: sum(phase_ms.get(p, 0.0) for p in phases) for part, phases in parts.items()}
     out["other"] = max(0.0, decode_ms - sum(out.values()))
     return out
 

@@ -126,4 +126,8 @@ def test_column_header_defines_its_metrics_and_splits_the_decode_time():
     assert f'title="{METRIC_HELP["tau"]}"' in head and "Below 1x" in head
     assert "draft 25%" in head and "verify 33%" in head and "catch-up 17%" in head and "other 25%" in head
     assert "speclab-timebar" not in viz.stats_header("ar", {"tau": "1.00"})
+    # a run without a drafter (AR) shows no draft or catch-up share: that bookkeeping is its other time (v4, 15)
+    ar = time_split({"route": 1.0, "catchup": 0.2, "draft": 0.3, "verify": 8.0, "commit": 0.5}, 12.0, drafted=False)
+    assert ar == {"verify": 8.0, "other": 4.0}
+    assert "draft" not in viz.stats_header("ar", {"tau": "1.00"}, ar)
     assert "title=" not in viz.stats_header("ar", {"tau": "1.00"}, explain=False)  # while streaming: bare figures
