@@ -20,9 +20,10 @@ from app.lab import Lab, answers, waiting
 from speclab import viz
 from speclab.bench.routing import event_rounds, with_counterfactual
 from speclab.bench.suites import SUITES, load_suite
+from speclab.checks import MAX_TEMPERATURE, Bound, check_number
 from speclab.equality import first_divergence, kind_of
 from speclab.errors import InvalidInput, SpeclabError
-from speclab.generate import Generation, check_generation
+from speclab.generate import Generation, check_generation, encode_prompt
 from speclab.methods import METHODS, method_params
 from speclab.metrics import speedup, tau, time_split, tokens_per_s
 from speclab.routing import replay
@@ -187,6 +188,14 @@ class SideBySide:
             raise InvalidInput("the prompt is empty")
         if len(prompt) > MAX_PROMPT_CHARS:
             raise InvalidInput(f"the prompt is too long ({len(prompt)} characters; at most {MAX_PROMPT_CHARS})")
+        # the shared boxes first, named as the page labels them (an empty box says so)
+        max_new = check_number("max new tokens", max_new, int, Bound(1, self.lab.target.max_context))
+        check_number("temperature", temperature, float, Bound(0.0, MAX_TEMPERATURE))
+        check_number("seed", seed, int, Bound(0, 2**63 - 1))
+        n = encode_prompt(self.lab.target, prompt).numel()
+        if n + max_new > self.lab.target.max_context:
+            raise InvalidInput(f"the prompt has {n} tokens: with {max_new} max new tokens that exceeds the model's "
+                               f"context of {self.lab.target.max_context} tokens")
         params = {m: {} for m in methods}
         for (m, p), v in zip(self.keys, values):
             if m in params:
@@ -259,10 +268,10 @@ class SideBySide:
                     if iters:
                         status = "decoding: " + ", ".join(f"{m} {cols[m].tokens} tokens" for m in methods)
                     else:
-                        done = (", ".join(f"{m} run {g.run_id}" for m, g in gens.items())
-                                + self._equality_note(gens, temperature))
+                        note = self._equality_note(gens, temperature)  # last: one line per method
+                        done = ", ".join(f"{m} run {g.run_id}" for m, g in gens.items())
                         status = (f"decoded: {done} · computing counterfactual accept lengths of {', '.join(late)} ..."
-                                  if late else f"done: {done}")
+                                  f"{note}" if late else f"done: {done}{note}")
                     shown = gr.skip() if iters else {"methods": methods, "drafters": drafters, "sampled": not greedy,
                                                       "cols": {m: c.token_cols for m, c in cols.items()}}
                     yield [*self._update(methods, cols, status, legend if first else gr.skip(), plots, first,
@@ -278,7 +287,7 @@ class SideBySide:
                     lab.target, g.drafters, g.prompt_ids, torch.tensor(g.result.token_ids), int(max_new),
                     positions=[ev.pos0 for ev in cols[m].events])
                 lab.profiles[g.run_id] = cols[m].profile  # the run reopened in 'Rounds & trees' reuses it
-            yield [*self._update(methods, cols, f"done: {done}", gr.skip(), True, False, True), gr.skip()]
+            yield [*self._update(methods, cols, f"done: {done}{note}", gr.skip(), True, False, True), gr.skip()]
 
     def _update(self, methods, cols, status, legend, plots: bool, first: bool, final: bool) -> list:
         ar = cols.get("ar")
@@ -310,9 +319,9 @@ class SideBySide:
             if m == "ar":
                 continue
             div = first_divergence(self.lab.target, g.prompt_ids, ar.result.token_ids, g.result.token_ids)
-            notes.append(f"{m} equals AR" if div is None else f"{m} {div.describe()}")
+            notes.append(f"{m} equals AR" if div is None else f"{m} {div.describe(self.lab.target.tokenizer)}")
             groups.append(kind_of(div))
             if div is not None and g.run_id is not None:  # kept on the run row, as the bench does
                 self.lab.store.record_divergence(g.run_id, div)
         summary = ", ".join(f"{groups.count(k)} {k}" for k in ("equal", "near-tie", "bug") if groups.count(k))
-        return f" · vs AR: {summary}: " + "; ".join(notes) if notes else ""
+        return f" · vs AR: {summary}:\n" + "".join(f"\n- {n}" for n in notes) if notes else ""  # a line each

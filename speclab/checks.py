@@ -54,8 +54,10 @@ def check_number(name: str, value, kind: type = float, bound: Bound = Bound()):
 
 
 def _shown(value) -> str:
-    """A value as the user typed it: finite numbers given as text (options, method specs) bare, anything else
-    quoted."""
+    """A value as the user typed it: finite numbers given as text (options, method specs) bare, an empty box
+    (None or blank text) as "nothing", anything else quoted."""
+    if value is None or (isinstance(value, str) and not value.strip()):
+        return "nothing"
     try:
         return value if isinstance(value, str) and math.isfinite(float(value)) else repr(value)
     except ValueError:

@@ -31,6 +31,8 @@ class Divergence:
     token: int  # the other output's token there
     top2_gap: float  # target's top-1 minus top-2 logit after the common prefix
     tolerance: float  # the gap below which this is a numerical near-tie for the target's dtype
+    ref_prob: float = float("nan")  # the target's probability (softmax, T = 1) of the AR token there
+    prob: float = float("nan")  # and of the other output's token
 
     @property
     def near_tie(self) -> bool:
@@ -41,10 +43,24 @@ class Divergence:
         """'near-tie' (rounding) or 'bug' (anything else); an equal output has no Divergence (`kind_of`)."""
         return "near-tie" if self.near_tie else "bug"
 
-    def describe(self) -> str:
+    def describe(self, tokenizer=None) -> str:
+        """One line: where, the two tokens (their text and the target's probabilities when a tokenizer is given,
+        else their ids), the top-2 logit gap and the verdict."""
         kind = "a numerical near-tie" if self.near_tie else "NOT a near-tie: a bug until proven otherwise"
-        return (f"differs from AR at token {self.pos} ({self.ref_token} vs {self.token}): top-2 logit gap "
-                f"{self.top2_gap:.3g} (tolerance {self.tolerance:.2g}), {kind}")
+        if tokenizer is None:
+            which = f"({self.ref_token} vs {self.token})"
+        else:
+            which = f"(AR {self._token(tokenizer, self.ref_token, self.ref_prob)} vs " \
+                    f"{self._token(tokenizer, self.token, self.prob)})"
+        return (f"differs from AR at token {self.pos} {which}: top-2 logit gap {self.top2_gap:.3g} (tolerance "
+                f"{self.tolerance:.2g}), {kind}")
+
+    @staticmethod
+    def _token(tokenizer, token: int, prob: float) -> str:
+        if token < 0:
+            return "the end of the output"
+        p = "" if prob != prob else f", p {prob:.3g}"
+        return f"{tokenizer.decode([token])!r}{p}"
 
 
 def kind_of(div: Divergence | None) -> str:
@@ -63,9 +79,11 @@ def first_divergence(target, prompt_ids: torch.Tensor, ref_ids: list[int], ids: 
     pos = diff[0] if diff else n
     if pos >= n:  # one is a strict prefix of the other (an EOS on one side): no logit comparison to make
         return Divergence(pos, ref_ids[pos] if pos < len(ref_ids) else -1, ids[pos] if pos < len(ids) else -1,
-                          float("nan"), 0.0)
+                          float("nan"), 0.0)  # no probabilities: one side has no token there
     prefix = torch.cat([prompt_ids.flatten().cpu().long(), torch.tensor(ref_ids[:pos], dtype=torch.long)])
     logits = target.forward(prefix, target.new_cache(), last=1).logits[0]
     top = logits.topk(2).values
     tol = TIE_EPS * torch.finfo(target.dtype).eps * max(1.0, abs(float(top[0])))
-    return Divergence(pos, ref_ids[pos], ids[pos], float(top[0] - top[1]), tol)
+    probs = torch.softmax(logits.float(), -1)
+    return Divergence(pos, ref_ids[pos], ids[pos], float(top[0] - top[1]), tol, float(probs[ref_ids[pos]]),
+                      float(probs[ids[pos]]))

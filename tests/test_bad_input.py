@@ -1,5 +1,6 @@
 """Bad input gets a clear error and loses nothing."""
 import json
+import re
 import shutil
 
 import duckdb
@@ -44,6 +45,17 @@ def test_max_new_tokens_must_be_positive(qwen3, n, tmp_path):
         generate(qwen3, PROMPTS[0], "ar", max_new_tokens=n, trace=s)
     assert len(s.runs()) == 0  # bad input leaves no run behind
     s.close()
+
+
+def test_a_number_check_names_what_it_got_as_typed():
+    """`checks.check_number`: a refused value is shown as typed; an empty box (None, blank text) as "nothing", never
+    "None" (app v4, item 10)."""
+    from speclab.checks import Bound, check_number
+    for value, shown in ((None, "nothing"), ("", "nothing"), ("  ", "nothing"), ("2.5", "2.5"), ("abc", "'abc'"),
+                         (0, "0")):
+        with pytest.raises(InvalidInput, match=re.escape(f"max new tokens must be an integer from 1 to 64 (got "
+                                                          f"{shown})")):
+            check_number("max new tokens", value, int, Bound(1, 64))
 
 
 def test_bad_method_and_parameters(qwen3):

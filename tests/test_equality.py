@@ -28,3 +28,10 @@ def test_divergence_reports_position_and_the_targets_top2_gap(qwen3):
     div.tolerance = div.top2_gap  # within rounding of the top logit: a near-tie
     assert div.near_tie and "near-tie" in div.describe()
     assert first_divergence(qwen3, ids, ref, ref[:5]).pos == 5  # one output stopped early
+    # with the tokenizer: the two tokens' text and the target's probabilities of them (the app's note, v4 item 6)
+    probs = torch.softmax(logits.float(), -1)
+    assert (div.ref_prob, div.prob) == pytest.approx((float(probs[ref[7]]), float(probs[other[7]])), abs=1e-6)
+    text = div.describe(qwen3.tokenizer)
+    assert f"AR {qwen3.tokenizer.decode([ref[7]])!r}, p {div.ref_prob:.3g} vs" in text
+    assert f"{qwen3.tokenizer.decode([other[7]])!r}, p {div.prob:.3g})" in text and f"({ref[7]} vs" not in text
+    assert "the end of the output" in first_divergence(qwen3, ids, ref, ref[:5]).describe(qwen3.tokenizer)
