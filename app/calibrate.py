@@ -142,7 +142,9 @@ class Calibration:
                 f"{int(point['switches'])} switches · optimum {best['threshold']:.2f} "
                 f"({best['tokens_per_s']:.1f} tokens/s"
                 + (", at the grid's edge: the best threshold may lie beyond it" if edge else "")
-                + f") · replayed and drawn in {ms:.0f} ms")
+                + ")" + (f" · **AR is faster here** ({ar:.1f} tokens/s): at these settings no threshold beats plain "
+                         f"decoding" if (ar := cal.ar_faster(router, category)) is not None else "")
+                + f" · replayed and drawn in {ms:.0f} ms")
         return fig, text
 
     @answers(1)

@@ -25,7 +25,7 @@ from speclab.equality import first_divergence, kind_of
 from speclab.errors import InvalidInput, SpeclabError
 from speclab.generate import Generation, check_generation, encode_prompt
 from speclab.methods import METHODS, method_params
-from speclab.metrics import speedup, tau, time_split, tokens_per_s
+from speclab.metrics import acceptance_rate, speedup, tau, time_split, tokens_per_s
 from speclab.routing import replay
 from speclab.trace import decision_columns, token_columns
 
@@ -49,7 +49,7 @@ class Column:
 
     def __init__(self, gen: Generation):
         self.gen, self.spans, self.events, self.token_cols = gen, [], [], []
-        self.tokens = self.rounds = self.calls = self.switches = self.eagle3_rounds = 0
+        self.tokens = self.rounds = self.calls = self.switches = self.eagle3_rounds = self.drafted = self.accepted = 0
         self.s, self.last_round, self.profile = 0.0, None, None
         self.phase_ms: dict[str, float] = {}
 
@@ -64,6 +64,8 @@ class Column:
         self.events.append(ev)
         self.last_round = ev.round
         self.tokens += ev.committed.numel()
+        self.drafted += len(ev.tree)
+        self.accepted += ev.n_accepted
         self.rounds += 1
         self.calls = ev.run_calls  # prefill included, as the run row counts
         self.s = ev.elapsed_ms / 1e3
@@ -90,6 +92,8 @@ class Column:
                "rounds": self.rounds, "target calls": self.calls}
         if ar_tps:
             out["speedup"] = f"{speedup(tps, ar_tps):.2f}x"
+        if self.drafted:  # beside the speedup: how much of what was drafted was kept
+            out["acceptance"] = f"{acceptance_rate(self.accepted, self.drafted):.0%}"
         if routed(self.gen) and self.rounds:  # counted as rounds arrive: no table rebuilt per update
             out["switches"] = self.switches
             out["EAGLE-3 rounds"] = f"{self.eagle3_rounds / self.rounds:.0%}"
@@ -310,9 +314,20 @@ class SideBySide:
         return [status, legend, *heads, *toks, *figs]
 
     def _equality_note(self, gens, temperature) -> str:
-        """Greedy runs beside AR: where an output differs, the first position and the target's top-2 logit gap."""
+        """Greedy runs beside AR: where an output differs, the first position and the target's top-2 logit gap.
+        Sampled runs: that no output is compared with AR's (each samples its own continuation), and where the
+        columns stopped at different lengths, each one's length and why it stopped."""
+        if temperature and float(temperature) > 0:
+            note = (f" · sampled at T = {float(temperature):g}: outputs are not compared with AR's (each column "
+                    "samples its own continuation; the target's distribution is what is kept)")
+            ends = {m: (len(g.result.token_ids), g.result.decode.stopped) for m, g in gens.items() if g.result}
+            if len({n for n, _ in ends.values()}) > 1:
+                note += "; the columns stopped at different lengths: " + ", ".join(
+                    f"{m} {n} tokens ({'an end-of-text token' if why == 'eos' else 'max new tokens'})"
+                    for m, (n, why) in ends.items())
+            return note
         ar = gens.get("ar")
-        if ar is None or (temperature and float(temperature) > 0) or ar.result is None:
+        if ar is None or ar.result is None:
             return ""
         notes, groups = [], []
         for m, g in gens.items():

@@ -68,6 +68,11 @@ def tau(committed: int, rounds: int) -> float:
     return committed / rounds if rounds else math.nan
 
 
+def acceptance_rate(accepted: int, drafted: int) -> float:
+    """Accepted draft tokens over drafted tokens (SQL: the `acceptance_rate` of `RATIOS`); nan with no drafts."""
+    return accepted / drafted if drafted else math.nan
+
+
 def implied_tau(accept, rows=None) -> float:
     """The tau a chain of S drafted steps implies, bonus token included: 1 + the mean over rows of
     sum_{s=1..S} prod_{j<=s} a_j, i.e. 1 + the mean number of leading steps accepted.

@@ -417,11 +417,12 @@ def router_figure(rr, title: str = "") -> go.Figure:
                                     symbol=["diamond" if s else "circle" for s in g["switch"]]),
                         hovertemplate="round %{x}: %{y:.3f} %{text}", row=1, col=1)
     fig.add_bar(x=rr["round"], y=rr["n_accepted"], name="accepted (chosen)", marker_color="#cfcfcf", row=2, col=1)
-    for name in ("eagle3", "dflash"):
+    # where both would accept the same, DFlash's dashes lie on EAGLE-3's wider solid line: both stay visible
+    for name, style in (("eagle3", dict(width=4)), ("dflash", dict(width=2, dash="dash"))):
         col = f"{name}_would_accept"
         if col in rr and rr[col].notna().any():
-            fig.add_scatter(x=rr["round"], y=rr[col], mode="lines", line_shape="hvh", line_color=method_color(name),
-                            name=f"{name} would accept", row=2, col=1)
+            fig.add_scatter(x=rr["round"], y=rr[col], mode="lines", line_shape="hvh",
+                            line=dict(color=method_color(name), **style), name=f"{name} would accept", row=2, col=1)
     fig.update_yaxes(title_text="signal", row=1, col=1)
     fig.update_yaxes(title_text="accepted drafts", row=2, col=1)
     fig.update_xaxes(title_text="round", row=2, col=1)

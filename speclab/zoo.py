@@ -48,12 +48,12 @@ def tokenizer_dir() -> Path:
 
 
 def display_path(p) -> str:
-    """A model or trace path as people should see it: relative to the repository when inside it, else its last
-    two parts (no absolute paths in pages and reports); hub names stay as they are."""
+    """A model or trace path as people should see it: relative to the repository when inside it, else whole (a
+    trace in a temporary folder is not shown as if it lay in the repository); hub names stay as they are."""
     path = Path(str(p))
     if not path.is_absolute():
         return str(p)
     try:
         return str(path.resolve().relative_to(REPO_ROOT))
     except ValueError:
-        return str(Path(*path.parts[-2:]))
+        return str(path.resolve())

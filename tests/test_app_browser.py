@@ -113,6 +113,17 @@ def error_toast(page, says: str) -> str:
     return text
 
 
+def pick_option(page, selector: str, option: str) -> None:
+    """Choose `option` in a dropdown by clicking it in its open list (typing a filter and Enter picked nothing now
+    and then), and wait until the box shows it."""
+    box = page.locator(f"{selector} input")
+    box.click()
+    page.get_by_role("option", name=option, exact=True).first.click()
+    page.wait_for_function(f"document.querySelector({json.dumps(selector + ' input')}).value === {json.dumps(option)}",
+                           timeout=30000)
+    page.keyboard.press("Tab")
+
+
 def tick(page, order: list[str]) -> None:
     """Tick exactly `order` in the method list, clicking in that order."""
     choose_methods(page, [])
@@ -267,14 +278,12 @@ def test_bad_input_gets_one_clear_message_and_starts_no_run(page):
     # a value refused only as its column's drafter is built (no FlashHead index of 123 clusters beside the zoo's
     # EAGLE-3) is refused before any column starts: no run of ar or pld is left behind as `running` (app v4, item 1)
     choose_methods(page, ["ar", "pld", "eagle3"])
-    page.locator("#p-eagle3-head input").fill("flash")  # the dropdown's filter, then its one match
-    page.locator("#p-eagle3-head input").press("Enter")
+    pick_option(page, "#p-eagle3-head", "flash")
     page.fill("#p-eagle3-clusters input", "123")
     page.keyboard.press("Tab")
     page.click("#run")
     error_toast(page, "eagle3: no FlashHead index of 123 clusters")
-    page.locator("#p-eagle3-head input").fill("dense")
-    page.locator("#p-eagle3-head input").press("Enter")
+    pick_option(page, "#p-eagle3-head", "dense")
     choose_methods(page, ["ar"])
     # the earlier decode is still on the page: bad input blanks nothing
     assert page.locator("#col3 .tok").count() > 0 and page.locator("#status").inner_text().startswith("done")
@@ -553,6 +562,23 @@ def test_run_list_filter_matches_specs_and_a_click_opens_the_run(page):
     wait_text(page, "#run_html", f"run {rid} · whiflash-entropy:threshold=2.5", 60)
     assert page.locator("#run_html").is_visible()  # the click switched to 'Rounds & trees'
     page.get_by_role("tab", name="Side by side").click()
+
+
+def test_a_sampled_decode_says_what_is_not_compared_and_shows_acceptance(page):
+    """App v4 item 5: at T > 0 the status line says outputs are not compared with AR's (and, where the columns
+    stopped at different lengths, each one's length and why); a speculative column shows its acceptance rate
+    beside its speedup, AR's none."""
+    page.get_by_role("tab", name="Side by side").click()
+    page.fill("#temperature input", "1")
+    page.keyboard.press("Tab")
+    status = decode(page, STORY, ["ar", "eagle3"], 24)
+    assert "sampled at T = 1: outputs are not compared with AR's" in status and "equals AR" not in status, status
+    if "stopped at different lengths" in status:
+        assert re.search(r"ar \d+ tokens \((an end-of-text token|max new tokens)\)", status), status
+    assert "acceptance" in page.locator("#head1").inner_text() and "speedup" in page.locator("#head1").inner_text()
+    assert "acceptance" not in page.locator("#head0").inner_text()  # AR drafts nothing
+    page.fill("#temperature input", "0")
+    page.keyboard.press("Tab")
 
 
 def test_two_sessions_decode_at_once(browser, app):

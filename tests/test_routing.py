@@ -392,6 +392,9 @@ def test_bench_pipeline_profiles_replays_calibrates(deep, models, thresholds, tm
         assert chosen == rr.n_accepted.tolist() and rr.pos.iloc[0] == 0 and not rr.switch.iloc[0]
         fig = viz.router_figure(rr)
         assert {t.name for t in fig.data} >= {"signal", "threshold", "eagle3 would accept", "dflash would accept"}
+        would = {t.name: t.line for t in fig.data if t.name.endswith("would accept")}  # equal values stay visible:
+        assert would["dflash would accept"].dash == "dash" and would["eagle3 would accept"].dash is None  # dashes on
+        assert would["eagle3 would accept"].width > would["dflash would accept"].width  # a wider line (v4, 14)
         # the reports `speclab routing`, `sweep` and `calibrate` write, built by the library
         from speclab.bench.calibration import Calibrator, calibrate
         from speclab.bench.routing import live_specs, routing_report, run_live, sweep_report
@@ -472,6 +475,9 @@ def test_calibrator_replays_saves_and_confirms_live(deep, models, thresholds, tm
         ids = store.query(f"SELECT run_id FROM runs WHERE bench_id = '{cal.bench_id}' AND method = 'ar'").run_id
         assert (ar.tau == 1).all() and set(ar.index) == set(cal.categories)
         assert ar.tokens_per_s["all"] == pytest.approx(run_summary(store, ids.tolist()).tokens_per_s[0])
+        for c in cal.categories:  # AR named as faster exactly where it beats the router's optimum (app v4, 17)
+            faster = ar.tokens_per_s[c] > cal.best("entropy", c)["tokens_per_s"]
+            assert cal.ar_faster("entropy", c) == (pytest.approx(ar.tokens_per_s[c]) if faster else None)
         fig = viz.calibration_figure(cal.curve("entropy"), refs, t, point, best, "entropy", "code")
         assert {"whiflash-entropy", "calibrated optimum", "chosen threshold", "eagle3", "oracle-token", "ar"} <= \
             {d.name for d in fig.data}

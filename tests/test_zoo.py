@@ -89,3 +89,12 @@ def test_zoo_dflash_greedy_equals_ar(zoo_models, zoo_dflash, row):
         res = generate(target, row["prompt"], spec, models={"dflash": zoo_dflash}, max_new_tokens=40, deferred=deferred)
         assert res.token_ids == ar.token_ids, spec
         assert res.decode.rounds < len(ar.token_ids)  # drafts are accepted
+
+
+def test_paths_show_relative_to_the_repository_only_when_inside_it(tmp_path):
+    """`zoo.display_path`: a path inside the repository relative to it; one outside whole (a trace in a temporary
+    folder is not shown as if it lay in the repository: app v4, item 11); a relative path or hub name as given."""
+    assert zoo.display_path(zoo.REPO_ROOT / "data" / "zoo" / "target") == "data/zoo/target"
+    outside = tmp_path / "traces" / "app.duckdb"
+    assert zoo.display_path(outside) == str(outside.resolve())
+    assert zoo.display_path("Qwen/Qwen3-8B") == "Qwen/Qwen3-8B"

@@ -153,6 +153,16 @@ class Calibrator:
             self.curves["refs"] = pd.concat([orc[orc.policy.isin(REFERENCES)], ar], ignore_index=True)
         return self.curves["refs"]
 
+    def ar_faster(self, router: str, category: str) -> float | None:
+        """AR's tokens/s for the category where it beats the router's best modeled tokens/s (at these settings no
+        threshold pays); None where the router's optimum is faster or AR has no runs."""
+        refs = self.references()
+        ar = refs[(refs.policy == "ar") & (refs.category == self.check_category(category))].tokens_per_s
+        if ar.empty or pd.isna(ar.iloc[0]):
+            return None
+        best = float(self.best(router, category)["tokens_per_s"])
+        return float(ar.iloc[0]) if float(ar.iloc[0]) > best else None
+
     def at_edge(self, router: str, category: str) -> bool:
         """Whether the optimum sits at an end of the swept grid (the best threshold may lie beyond it)."""
         g = self.grids.get(router) or grid(router)
