@@ -123,20 +123,28 @@ def build(lab: Lab) -> dict:
             defaults = method_params(name, {}, lab.target)
             with gr.Group(visible=name in DEFAULT_METHODS, elem_id=f"params-{name}") as groups[name]:
                 gr.Markdown(f"**{name}**: {m.description}", elem_classes=["speclab-params"])
+                mine = {}
                 with gr.Row():
                     for p in m.params:  # the registry's declarations: default, bounds, help
                         info = f"{p.help} ({_range(p.bound(lab.target))})"  # one line under the name
+                        shows = p.when is None or defaults[p.when[0]] == p.when[1]  # shown only where it applies
                         if p.choices:  # a named choice (FlashHead's head)
                             w = gr.Dropdown(list(p.choices), value=defaults[p.name], label=p.name,
-                                            elem_id=f"p-{name}-{p.name}", min_width=110, info=p.help)
+                                            elem_id=f"p-{name}-{p.name}", min_width=110, info=p.help, visible=shows)
                         elif p.default is None:  # an optional float (a router's threshold): empty = calibrated
                             w = gr.Textbox("", label=p.name, elem_id=f"p-{name}-{p.name}", min_width=160,
-                                           info=f"{info}; empty = calibrated", placeholder="calibrated")
+                                           info=f"{info}; empty = calibrated", placeholder="calibrated", visible=shows)
                         else:  # no precision: 2.5 reaches the check, not rounded
                             w = gr.Number(defaults[p.name], label=p.name, elem_id=f"p-{name}-{p.name}", min_width=110,
-                                          info=info)
+                                          info=info, visible=shows)
                         widgets.append(w)
                         keys.append((name, p.name))
+                        mine[p.name] = w
+                for key, ctrl in mine.items():  # a parameter that governs others (head) shows them as it changes
+                    deps = [(p, mine[p.name]) for p in m.params if p.when is not None and p.when[0] == key]
+                    if deps:
+                        ctrl.change(lambda v, deps=deps: [gr.update(visible=v == p.when[1]) for p, _ in deps],
+                                    ctrl, [w for _, w in deps], show_progress="hidden")
     with gr.Row():
         deferred = gr.Checkbox(True, label="deferred bonus token")
         max_new = gr.Number(96, label="max new tokens", elem_id="max_new")
@@ -162,6 +170,8 @@ def build(lab: Lab) -> dict:
     # no Gradio concurrency limit: decodes wait their turn for the models in `lab.line`, saying how many are ahead
     event = run.click(decoder.decode, [prompt, chosen, max_new, temperature, seed, deferred, shade, *widgets],
                       [status, legend, *heads, *toks, *plots, shown], concurrency_limit=None, api_name="decode")
+    # the results in view once Decode is pressed (the parameter panels above can fill the screen)
+    run.click(None, None, None, js="() => { document.querySelector('#status')?.scrollIntoView({block: 'start'}); }")
     shade.change(decoder.reshade, [shown, shade], [legend, *toks])
     return {"run": event, "suite": suite, "pick": pick, "prompts": _prompts}
 

@@ -93,8 +93,7 @@ class Runs:
             card = {"engine": r.engine, "version": r.engine_version or "unknown", "source": r.source,
                     "scope": json.loads(r.params_json or "{}").get("scope"), "model": r.target or "-"}
             return header + viz.engine_card(card, view.conversions(store, [rid]), r.output_text)
-        base = r.method.split(":")[0]
-        drafters = (r.drafters or "").split(",") if base in METHODS and METHODS[base].build else []
+        drafters = (r.drafters or "").split(",")  # every drafter of the run (a single one's too), whatever its status
         sampled = bool(pd.notna(pd.Series(cols.get("accept_prob", []), dtype=float)).any())
         return viz.legend_html([d for d in drafters if d], shade, sampled) + viz.tokens_html(
             viz.token_spans(cols, None, shade), header)

@@ -133,6 +133,12 @@ class Generation:
             self.run_id = self.trace.start_run(**self._run_row)
             self.writer = self.trace.writer(self.run_id, self.target.tokenizer)
 
+    def _so_far(self, committed: list[torch.Tensor]) -> dict:
+        """The run row's figures of a decode that ended early: the tokens and rounds it committed, its text."""
+        ids = torch.cat(committed) if committed else torch.zeros(0, dtype=torch.long)
+        return {"new_tokens": ids.numel(), "rounds": len(committed),
+                "output_text": self.target.tokenizer.decode(ids.tolist(), skip_special_tokens=True)}
+
     @property
     def record(self) -> bool:
         """Whether RoundEvents are built (traced, watched or kept for inspection); otherwise the engine's fast path
@@ -145,6 +151,7 @@ class Generation:
                                listeners=(self.writer,) if self.writer is not None else (), record=self.record,
                                **self.kw)
         status = "failed"
+        committed: list[torch.Tensor] = []  # what a run that ends early had committed (its row says so)
         try:
             while True:
                 try:
@@ -152,6 +159,8 @@ class Generation:
                 except StopIteration as end:
                     res = end.value
                     break
+                if ev is not None:
+                    committed.append(ev.committed)
                 if self.on_round is not None:
                     self.on_round(ev)
                 yield ev
@@ -163,14 +172,15 @@ class Generation:
             if self.trace is not None:  # Ctrl-C is the user's choice, not a failure
                 self.writer.flush()
                 if isinstance(e, KeyboardInterrupt):
-                    self.trace.finish_run(self.run_id, "interrupted")
+                    self.trace.finish_run(self.run_id, "interrupted", **self._so_far(committed))
                 else:
-                    self.trace.finish_run(self.run_id, "failed", error=f"{type(e).__name__}: {e}")
+                    self.trace.finish_run(self.run_id, "failed", error=f"{type(e).__name__}: {e}",
+                                          **self._so_far(committed))
             raise
         finally:
             if self.trace is not None and status == "cancelled":
                 self.writer.flush()
-                self.trace.finish_run(self.run_id, "cancelled")
+                self.trace.finish_run(self.run_id, "cancelled", **self._so_far(committed))
         text = self.target.tokenizer.decode(res.new_ids.tolist(), skip_special_tokens=True)
         elapsed = res.elapsed_s
         if self.trace is not None:

@@ -104,8 +104,9 @@ def svg_texts(page, selector: str) -> list[str]:
     return page.locator(selector).evaluate_all("els => els.map(e => e.textContent)")
 
 
-def error_toast(page, says: str) -> str:
-    """Bad input is answered in a toast: wait for one saying `says`, return its text, close it."""
+def error_toast(page, says: str | re.Pattern) -> str:
+    """Bad input is answered in a toast: wait for one saying `says` (text, or a pattern), return its text, close
+    it."""
     toast = page.locator(".toast-body").filter(has_text=says).first
     toast.wait_for(timeout=30000)
     text = toast.inner_text()
@@ -142,8 +143,15 @@ def test_routed_side_by_side_colours_drafters_and_plots_the_router(page):
     tick(page, ["whiflash-entropy", "dflash", "eagle3", "ar"])  # clicked in reverse: columns follow the method list
     page.fill("#max_new input", "48")
     page.keyboard.press("Tab")
+    size = page.viewport_size
+    page.set_viewport_size({"width": size["width"], "height": 480})  # a laptop's screen: the panels fill it
+    page.evaluate("window.scrollTo(0, 0)")
     page.click("#run")
     status = wait_done(page)
+    # Decode brings the results into view: the token columns start on screen, not below the fold (item 12)
+    assert page.evaluate("(() => { const r = document.querySelector('#col0').getBoundingClientRect(); "
+                         "return r.top >= 0 && r.top < window.innerHeight; })()")
+    page.set_viewport_size(size)
     assert [page.locator(f"#head{i} b").first.inner_text() for i in range(4)] == [
         "ar", "eagle3", "dflash", "whiflash-entropy"]
     # greedy: lossless, checked and reported in three groups (in bf16 an output may part from AR at a near-tie)
@@ -222,6 +230,14 @@ def test_method_parameters_show_only_for_chosen_methods(page):
     choose_methods(page, ["ar", "sps"])
     page.locator("#params-sps").first.wait_for(state="visible", timeout=10000)
     assert not visible(page, "#params-whiflash-entropy")
+    # FlashHead's fields only with the flash head (app v4, item 12): hidden while the head is dense
+    assert visible(page, "#p-sps-head") and not any(visible(page, f"#p-sps-{f}") for f in ("clusters", "probes",
+                                                                                              "margin"))
+    pick_option(page, "#p-sps-head", "flash")
+    page.locator("#p-sps-probes").first.wait_for(state="visible", timeout=10000)
+    assert all(visible(page, f"#p-sps-{f}") for f in ("clusters", "probes", "margin"))
+    pick_option(page, "#p-sps-head", "dense")
+    page.locator("#p-sps-probes").first.wait_for(state="hidden", timeout=10000)
 
 
 def test_bad_input_gets_one_clear_message_and_starts_no_run(page):
@@ -259,7 +275,7 @@ def test_bad_input_gets_one_clear_message_and_starts_no_run(page):
         page.fill(f"{box} input", "")  # an empty box: it says so, not "None"
         page.keyboard.press("Tab")
         page.click("#run")
-        assert "(got nothing)" in error_toast(page, f"{label} must be")
+        error_toast(page, re.compile(re.escape(label) + r" must be .*\(got nothing\)"))  # this box's message only
         page.fill(f"{box} input", {"#max_new": "16", "#seed": "0", "#temperature": "0"}[box])
         page.keyboard.press("Tab")
     page.fill("#max_new input", "16")
@@ -426,6 +442,8 @@ def test_specblock_tree_coloured_by_block_and_bucket(page):
     page.fill("#run_pick input", rid)
     page.keyboard.press("Enter")
     wait_text(page, "#run_html", f"run {rid} · specblock", 60)
+    assert "specblock: accepted draft" in page.locator("#run_html .speclab-legend").inner_text()  # its drafter in
+    # the legend, as a routed run's (app v4, item 16)
     page.locator("#tree_color").get_by_text("block", exact=True).click()
     page.wait_for_function("[...document.querySelectorAll('#tree .legendtext')].some(e => e.textContent === "
                            "'block 0')", timeout=30000)

@@ -232,6 +232,20 @@ def test_cli_json_prints_only_json_lines(model_dir, tmp_path, capsys):
     assert rc == 0 and len(rows) == 2 and all(r["tokens"] == 6 and isinstance(r["text"], str) for r in rows)
 
 
+def test_a_decode_closed_mid_way_is_cancelled_with_what_it_committed(qwen3, tmp_path):
+    """A page closed mid-decode (the generator closed): the run is `cancelled`, and its row counts the tokens and
+    rounds it committed and keeps their text (app v4, item 16: not "tokens -" beside tokens shown)."""
+    from speclab.generate import Generation
+    s = TraceStore(tmp_path / "c.duckdb")
+    it = iter(Generation(qwen3, PROMPTS[0], "ar", max_new_tokens=10, trace=s))
+    next(it), next(it)
+    it.close()
+    r = s.runs().iloc[0]
+    assert (r.status, r.new_tokens, r.rounds) == ("cancelled", 2, 2) and len(s.tokens(int(r.run_id))) == 2
+    assert r.output_text == qwen3.tokenizer.decode(s.tokens(int(r.run_id)).token_id.tolist(), skip_special_tokens=True)
+    s.close()
+
+
 def test_ctrl_c_marks_the_run_interrupted(qwen3, tmp_path):
     s = TraceStore(tmp_path / "i.duckdb")
 
@@ -242,4 +256,7 @@ def test_ctrl_c_marks_the_run_interrupted(qwen3, tmp_path):
         generate(qwen3, PROMPTS[0], "ar", max_new_tokens=10, trace=s, on_round=press_ctrl_c)
     runs = s.runs()
     assert runs.status.tolist() == ["interrupted"] and runs.error.isna().all() and len(s.tokens(1)) == 3
+    # its row counts what it committed, as its tokens show (app v4, item 16: no "tokens -" beside shown tokens)
+    assert runs.new_tokens.tolist() == [3] and runs.rounds.tolist() == [3]
+    assert runs.output_text[0] == qwen3.tokenizer.decode(s.tokens(1).token_id.tolist(), skip_special_tokens=True)
     s.close()

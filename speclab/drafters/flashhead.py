@@ -264,11 +264,11 @@ class FlashHead:
 HEAD_PARAMS = (
     Param("head", "dense", choices=("dense", "flash"),
           help="the draft LM head: dense, or FlashHead (clustered; `speclab flashhead build` first)"),
-    Param("clusters", 0, lambda t: Bound(0, 1 << 24),
+    Param("clusters", 0, lambda t: Bound(0, 1 << 24), when=("head", "flash"),
           help="FlashHead: the index to use, by its clusters (0 = the one built beside the drafter)"),
-    Param("probes", 8, lambda t: Bound(1, 1 << 24), grid=(1, 2, 4, 8, 16),
+    Param("probes", 8, lambda t: Bound(1, 1 << 24), grid=(1, 2, 4, 8, 16), when=("head", "flash"),
           help="FlashHead: clusters whose tokens are scored exactly, per row (at most, with margin)"),
-    Param("margin", 0.0, lambda t: Bound(0.0, 1e6),
+    Param("margin", 0.0, lambda t: Bound(0.0, 1e6), when=("head", "flash"),
           help="FlashHead: adaptive probes, the clusters within this many logits of the best (0 = always probes)"),
 )
 HEAD_NAMES = tuple(p.name for p in HEAD_PARAMS)

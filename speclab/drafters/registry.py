@@ -42,6 +42,8 @@ class Param:
     grid: tuple = ()  # the values `speclab grid` sweeps by default
     help: str = ""
     choices: tuple[str, ...] = ()  # a named choice (FlashHead's `head`: dense | flash) instead of a number
+    when: tuple[str, str] | None = None  # (parameter, value): it applies only while that parameter has that value
+    # (FlashHead's clusters, probes and margin: with head = flash); the app shows it only then
 
     @property
     def kind(self) -> type:
