@@ -110,8 +110,10 @@ def error_toast(page, says: str | re.Pattern) -> str:
     toast = page.locator(".toast-body").filter(has_text=says).first
     toast.wait_for(timeout=30000)
     text = toast.inner_text()
+    shown = toast.element_handle()
     toast.locator(".toast-close").click()  # this toast, not whichever is first
-    return text
+    shown.wait_for_element_state("hidden", timeout=30000)  # gone before the next check: a closing toast is
+    return text  # still in the page, and a later wait for the same words must not find it
 
 
 def pick_option(page, selector: str, option: str) -> None:
