@@ -186,10 +186,9 @@ def role_programs(models: dict) -> dict[str, dict[str, list[tuple[str, int, int]
     from speclab.methods import METHODS, ROLES
     progs = {}
     for role, r in ROLES.items():
-        if r.own_dtype and models.get(role) is not None:
-            users = [m for m in METHODS.values() if role in m.needs and "k" in m.defaults]
-            k = users[0].defaults["k"] if users else 4
-            progs[role] = {users[0].name if users else role: [(role, 1, k), (role, 2, 1)]}
+        user = next((m for m in METHODS.values() if role in m.needs and "k" in m.defaults), None)
+        if r.own_dtype and models.get(role) is not None and user is not None:
+            progs[role] = {user.name: [(role, 1, user.defaults["k"]), (role, 2, 1)]}
     return progs
 
 

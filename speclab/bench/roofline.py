@@ -27,7 +27,7 @@ from speclab.viz import Report, lines_figure
 ROWS = (1, 2, 4, 8, 16, 64)
 
 # the ops whose inputs a call reads from memory: matrix products (weights) and attention (the KV cache)
-_READS = ("linear", "mm", "addmm", "bmm", "mv", "matmul", "_linear_pointwise", "embedding")
+_READS = ("linear", "mm", "addmm", "bmm", "mv", "matmul", "_linear_pointwise")
 _ATTENTION = ("scaled_dot_product", "_scaled_dot_product")  # the public op and the kernels it dispatches to
 
 
@@ -69,7 +69,8 @@ def bandwidths(large_mb: float | None = None, small_mb: float | None = None, rep
 
 
 class _Reads(TorchDispatchMode):
-    """Counts the bytes of every tensor input of the ops in `_READS` (each distinct tensor view once per op)."""
+    """Counts the bytes each matmul (`_READS`) and attention op reads: its tensor inputs, each once; an embedding
+    lookup, the rows it gathers."""
 
     def __init__(self):
         super().__init__()
@@ -77,18 +78,12 @@ class _Reads(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         name = func.__name__.split(".")[0]
-        if name in _READS or name.startswith(_ATTENTION):
-            seen = set()
-            for a in (*args, *(kwargs or {}).values()):
-                if isinstance(a, torch.Tensor) and id(a) not in seen:
-                    seen.add(id(a))
-                    if a.is_mkldnn:  # a prepacked weight (`layers.linear`): as many elements as the weight
-                        self.bytes += a.numel() * a.element_size()
-                    elif func.__name__.startswith("embedding"):  # a lookup reads its rows, not the table
-                        self.bytes += 0 if a.is_floating_point() else a.numel() * args[0].shape[-1] * \
-                            args[0].element_size()
-                    else:
-                        self.bytes += a.numel() * a.element_size()
+        if name == "embedding":  # a lookup reads its rows, not the table
+            table, ids = args[0], args[1]
+            self.bytes += ids.numel() * table.shape[-1] * table.element_size()
+        elif name in _READS or name.startswith(_ATTENTION):  # every input once (a prepacked weight included)
+            inputs = {id(a): a for a in (*args, *(kwargs or {}).values()) if isinstance(a, torch.Tensor)}
+            self.bytes += sum(a.numel() * a.element_size() for a in inputs.values())
         return func(*args, **(kwargs or {}))
 
 

@@ -81,7 +81,6 @@ def _packed(w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor | None:
     return packed
 
 
-
 class Linear(nn.Linear):
     """nn.Linear through `linear` (same parameters, same state-dict keys)."""
 
