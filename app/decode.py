@@ -35,9 +35,22 @@ ROUTER_EVERY_S = 2.0  # router plots are whole figures (~10 KB, and costly to dr
 MAX_COLUMNS = 4
 MAX_PROMPT_CHARS = 20000  # beyond this a prompt cannot fit any context speclab decodes in
 DEFAULT_METHODS = ("ar", "eagle3", "dflash", "whiflash-neural")
-CSS = (".speclab-head{min-height:124px}.speclab-metric{white-space:nowrap}.speclab-timebar span{white-space:nowrap}"
-       ".speclab-toks{white-space:pre-wrap;font-family:monospace;font-size:13px;"
-       "line-height:1.7;border:1px solid #ddd;border-radius:6px;padding:6px;min-height:80px}")
+# a column is one card: its header block on top of its token block, no gap between them (item 13 of app v4: Gradio
+# puts elem_classes on the block and on the HTML inside it, so the box is drawn on the block only). The cards share
+# one grid whose rows each card spans (subgrid): every header row is as tall as the tallest header, so the token
+# blocks start on one line
+CSS = (".speclab-metric{white-space:nowrap}.speclab-timebar span{white-space:nowrap}"
+       ".speclab-cards{display:grid !important;grid-template-columns:repeat(auto-fit,minmax(200px,1fr));"
+       "grid-template-rows:auto auto;column-gap:16px}"
+       ".speclab-card{display:grid !important;grid-row:span 2;grid-template-rows:subgrid;gap:0 !important}"
+       ".block.speclab-head,.block.speclab-toks{border:1px solid #ddd !important;box-shadow:none !important;"
+       "padding:6px 8px !important}"
+       ".block.speclab-head{border-bottom:none !important;border-radius:6px 6px 0 0 !important}"
+       ".block.speclab-toks{border-top:1px dashed #eee !important;border-radius:0 0 6px 6px !important;"
+       "min-height:80px}"
+       ".speclab-head .html-container,.speclab-toks .html-container{padding:0 !important}"
+       ".prose.speclab-toks{white-space:pre-wrap;overflow-wrap:anywhere;font-family:monospace;font-size:13px;"
+       "line-height:1.7}")
 
 
 def routed(gen: Generation) -> bool:
@@ -156,9 +169,9 @@ def build(lab: Lab) -> dict:
     status = gr.Markdown("", elem_id="status")
     legend = gr.HTML("", elem_id="legend")
     heads, toks = [], []
-    with gr.Row(equal_height=False):
+    with gr.Row(equal_height=False, elem_classes=["speclab-cards"]):
         for i in range(MAX_COLUMNS):
-            with gr.Column(min_width=200):
+            with gr.Column(min_width=200, elem_classes=["speclab-card"]):
                 heads.append(gr.HTML("", visible=False, elem_id=f"head{i}", elem_classes=["speclab-head"]))
                 toks.append(gr.HTML("", visible=False, elem_id=f"col{i}", elem_classes=["speclab-toks"]))
     plots = [gr.Plot(visible=False, elem_id=f"router{i}", label="Router") for i in range(MAX_COLUMNS)]

@@ -285,9 +285,15 @@ def build_rounds(lab: Lab, runs: Runs, shade) -> dict:
     compare.change(runs.view, [run_pick, shade, compare], shown)
     compare.focus(lambda: gr.update(choices=[""] + lab.run_choices()), None, compare)
     shade.change(runs.reshade, [run_pick, shade], run_html)
-    # a drag ends on release; a typed round (Enter) or the arrow keys are inputs (always the last one drawn)
-    rnd.release(runs.tree, [run_pick, rnd, tree_color], tree_plot)
-    rnd.input(runs.tree, [run_pick, rnd, tree_color], tree_plot, trigger_mode="always_last")
+    # a drag ends on release; a typed round (Enter) or the arrow keys are inputs (always the last one drawn). Gradio
+    # checks the round against the slider's range first, in a step with no output: a refused round is one toast,
+    # the tree stays as drawn (an error on the tree's own event would cover it with an "Error" box), and the box
+    # shows the drawn round again
+    drawn = "() => +((document.querySelector('#tree .gtitle')?.textContent.match(/round (\\d+)/) || [0, 0])[1])"
+    for moved in (rnd.release, rnd.input):
+        check = moved(lambda r: None, rnd, None, trigger_mode="always_last", show_progress="hidden")
+        check.success(runs.tree, [run_pick, rnd, tree_color], tree_plot)
+        check.failure(None, None, rnd, js=drawn)
     tree_color.change(runs.tree, [run_pick, rnd, tree_color], tree_plot)
     return {"run_pick": run_pick, "none": none, "compare": compare}
 
@@ -302,7 +308,7 @@ def build_explorer(lab: Lab, runs: Runs) -> dict:
                            interactive=False, elem_id="runs", max_height=420)
     sql_box = gr.Textbox(SQL_EXAMPLE, lines=4, elem_id="sql",
                          label="SQL (read-only; tables runs, rounds, tokens, draft_nodes, router_decisions, benches, "
-                               "profiles, engine_totals, engine_steps; views run_metrics, position_acceptance, "
+                               "profiles, engine_totals, engine_steps, steps; views run_metrics, position_acceptance, "
                                "accept_histogram)")
     sql_run = gr.Button("Run SQL", elem_id="sql_run")
     sql_msg = gr.Markdown("", elem_id="sql_msg")

@@ -180,6 +180,16 @@ def test_columns_align_and_count_as_the_trace_does(page):
     """Aligned columns; each header's tokens, rounds and target calls are the trace's (`run_metrics`)."""
     boxes = [page.locator(f"#col{i}").bounding_box() for i in range(4)]
     assert len({round(b["y"]) for b in boxes}) == 1, boxes  # token boxes start on one line
+    # each column is one card: the header sits on its tokens (the tallest header with no gap under it), and the
+    # tokens are in one box, not a box in a box (app v4, item 13)
+    gaps = page.evaluate("""() => [0, 1, 2, 3].map(i => {
+        const head = document.querySelector(`#head${i} .speclab-stats`).getBoundingClientRect();
+        const col = document.querySelector(`#col${i}`);
+        const inner = [...col.querySelectorAll('*')].filter(e => parseFloat(getComputedStyle(e).borderTopWidth) > 0
+                                                                   && !e.classList.contains('tok'));
+        return [col.getBoundingClientRect().top - head.bottom, inner.length]; })""")
+    assert min(g for g, _ in gaps) < 16 and max(g for g, _ in gaps) < 80, gaps
+    assert all(n == 0 for _, n in gaps), gaps
     ids = dict(re.findall(r"([\w-]+) run (\d+)", page.locator("#status").inner_text()))
     page.get_by_role("tab", name="Trace explorer").click()
     sql(page, "SELECT string_agg(concat('R', run_id, '=', new_tokens, '/', rounds, '/', target_calls), ' ') AS c "
@@ -399,6 +409,8 @@ def test_reopened_routed_run_shows_tokens_tree_router_and_counterfactuals(page):
         box.press("Enter")
         error_toast(page, says)
     assert "round 4:" in svg_texts(page, "#tree .gtitle")[0]
+    assert not page.locator("#tree .error").is_visible()  # the tree stays in view: no "Error" box over it
+    page.wait_for_function("document.querySelector('#round input[type=number]').value === '4'", timeout=10000)
     assert page.locator("#run_html .tok[data-src=dflash]").count() > 0
     assert "router chose" in page.locator("#run_html .tok[data-src=eagle3]").first.get_attribute("title")
     assert "catch-up" in page.locator("#run_html .speclab-timebar").inner_text()  # where its time went, too
@@ -599,6 +611,39 @@ def test_a_sampled_decode_says_what_is_not_compared_and_shows_acceptance(page):
     assert "acceptance" not in page.locator("#head0").inner_text()  # AR drafts nothing
     page.fill("#temperature input", "0")
     page.keyboard.press("Tab")
+
+
+def test_serving_tab_streams_the_steps_and_checks_its_inputs(page):
+    """Issue 45: the Serving tab decodes a closed loop of requests in a batch under the chosen policy, live: the
+    step-by-step slots plot, then the serving figures; every request is a run of one session in the trace. A bad
+    concurrency or policy is one toast and nothing runs."""
+    page.get_by_role("tab", name="Serving").click()
+    for field, bad, says in (("#serve_conc input", "0", "concurrency must be"),
+                             ("#serve_requests input", "65", "requests must be")):
+        page.fill(field, bad)
+        page.keyboard.press("Tab")
+        page.click("#serve_run")
+        error_toast(page, says)
+        page.fill(field, "2" if "conc" in field else "3")
+    page.fill("#serve_policy input", "nope")
+    page.keyboard.press("Enter")
+    page.click("#serve_run")
+    error_toast(page, "unknown policy 'nope'")
+    assert page.locator("#serve_status").inner_text().strip() == ""  # nothing ran
+    pick_option(page, "#serve_policy", "fixed:k=2")
+    page.fill("#serve_max_new input", "12")
+    page.keyboard.press("Tab")
+    page.click("#serve_run")
+    wait_text(page, "#serve_status", "done: 3 requests", 240)
+    page.wait_for_selector("#serve_slots .js-plotly-plot", timeout=30000)
+    assert "batched step" in " ".join(svg_texts(page, "#serve_slots .xtitle"))
+    figures = page.locator("#serve_figures").inner_text()
+    assert "throughput_tok_s" in figures and "ttft_p50_ms" in figures
+    session = page.locator("#serve_status code").first.inner_text()
+    page.screenshot(path=str(ART / "serving.png"), full_page=True)
+    page.get_by_role("tab", name="Trace explorer").click()
+    sql(page, f"SELECT count(*) AS n FROM runs WHERE decode_group = '{session}' AND status = 'done'", "1 row(s)")
+    assert page.locator("#sql_out").inner_text().split()[-1] == "3"
 
 
 def test_two_sessions_decode_at_once(browser, app):
