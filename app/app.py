@@ -2,7 +2,8 @@
 figure and HTML fragment). Run it with `make run` or `python -m app` (`speclab app` starts the same program).
 
 Tabs: side by side (every method, live, tokens coloured by drafter, router plots), rounds & trees (any run
-reopened), calibration (instant threshold replay, save, confirm live), trace explorer (runs, read-only SQL).
+reopened), calibration (instant threshold replay, save, confirm live), serving (a batch of requests under a
+draft-length policy, live), trace explorer (runs, read-only SQL).
 """
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from pathlib import Path
 
 import gradio as gr
 
-from app import calibrate, decode, runs
+from app import calibrate, decode, runs, serve
 from app.lab import Lab
 from speclab.errors import InvalidInput, SpeclabError
 from speclab.models import ModelPaths, add_model_args, available_roles, check_model_args, load_models
@@ -32,6 +33,8 @@ def build_app(lab: Lab) -> gr.Blocks:
                 rounds = runs.build_rounds(lab, r, shade)
             with gr.Tab("Calibration", id="calibration"):
                 calibrate.build(lab)
+            with gr.Tab("Serving", id="serving"):
+                served = serve.build(lab)
             with gr.Tab("Trace explorer", id="explorer") as explorer:
                 ex = runs.build_explorer(lab, r)
         listed = [ex["runs_df"], rounds["run_pick"], rounds["none"]]
@@ -39,6 +42,7 @@ def build_app(lab: Lab) -> gr.Blocks:
         # the run lists follow the trace: on every fresh page, after every decode, whenever the explorer opens
         demo.load(r.refresh, filters, listed)
         side["run"].then(r.refresh, filters, listed)
+        served["run"].then(r.refresh, filters, listed)
         explorer.select(r.refresh, [*filters, rounds["run_pick"]], listed)
         ex["runs_df"].select(r.opened, None, [rounds["run_pick"], tabs])  # a click on a run opens it
         demo.load(lambda s: gr.update(choices=side["prompts"](s)), side["suite"], side["pick"])

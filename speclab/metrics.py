@@ -133,7 +133,7 @@ EQUALITY_SQL = """CASE WHEN ar.output_hash IS NULL OR r.output_hash IS NULL THEN
 # per run: the sums every pooled metric is made of, then the ratios
 RUN_SUMS_SQL = f"""
 SELECT r.run_id, r.method, r.category, r.prompt_id, r.status, r.bench_id, r.dtype, r.output_hash, r.new_tokens,
-       r.target_calls,
+       r.target_calls, r.arrival_s, r.first_token_s, r.done_s,
        r.elapsed_s, r.model_ms, {EQUALITY_SQL} AS equality,
        count(x.round) + coalesce(any_value(z.steps), 0) AS verifications,
        coalesce(sum(x.committed), any_value(z.committed)) AS committed,
@@ -166,11 +166,22 @@ RATIOS = f"""
        count(*) FILTER (WHERE equality = 'near-tie') / nullif(count(equality), 0) AS near_tie,
        count(*) FILTER (WHERE equality = 'bug') / nullif(count(equality), 0)      AS bug"""
 
+# a served request's inter-token latency: per round after its first, the time since its previous round per token the
+# round committed (`SERVING_HELP`), from the rounds' commit times (NULL for single-stream runs)
+ITL_SQL = """
+SELECT run_id, median(itl) AS itl_p50_ms FROM (
+    SELECT run_id, 1000 * (t_s - lag(t_s) OVER (PARTITION BY run_id ORDER BY round)) / committed AS itl
+    FROM rounds WHERE t_s IS NOT NULL) WHERE itl IS NOT NULL GROUP BY run_id
+"""
+
 RUN_METRICS_SQL = f"""
 SELECT run_id, any_value(method) AS method, any_value(category) AS category, any_value(prompt_id) AS prompt_id,
        any_value(status) AS status, any_value(bench_id) AS bench_id, sum(new_tokens) AS new_tokens,
-       sum(verifications) AS rounds, sum(target_calls) AS target_calls, sum(elapsed_s) AS elapsed_s, {RATIOS}
-FROM ({RUN_SUMS_SQL}) GROUP BY run_id
+       sum(verifications) AS rounds, sum(target_calls) AS target_calls, sum(elapsed_s) AS elapsed_s, {RATIOS},
+       1000 * (any_value(first_token_s) - any_value(arrival_s)) AS ttft_ms,
+       1000 * (any_value(done_s) - any_value(first_token_s)) / nullif(sum(new_tokens) - 1, 0) AS tpot_ms,
+       any_value(itl_p50_ms) AS itl_p50_ms
+FROM ({RUN_SUMS_SQL}) LEFT JOIN ({ITL_SQL}) USING (run_id) GROUP BY run_id
 """
 
 
@@ -296,3 +307,66 @@ def latency_quantiles(ms) -> dict[str, float]:
     """Mean, median (P50) and P95 of times in ms, one per call or round: the FlashHead thesis's latency columns."""
     import numpy as np
     return {"mean": float(np.mean(ms)), "p50": float(np.median(ms)), "p95": float(np.percentile(ms, 95))}
+
+
+# ---- serving (batched decoding under load: `speclab serve-bench`), in the names vLLM and AIPerf use ----
+
+SERVING_HELP = {
+    "throughput_tok_s": "output tokens of every finished request / the wall time from the first arrival to the last "
+                        "completion (vLLM's output token throughput)",
+    "per_user_tok_s": "each request's output tokens per second after its first token, 1000 / TPOT, averaged over "
+                      "requests (AIPerf's output token throughput per user)",
+    "ttft_ms": "time to first token: arrival to the first committed token (queueing and prefill included)",
+    "tpot_ms": "time per output token after the first: (completion - first token) / (output tokens - 1)",
+    "itl_ms": "inter-token latency: the time between a request's consecutive rounds, per token committed in the "
+              "later one (a round commits several tokens at once)",
+}
+
+
+def serving_metrics(dones, makespan_s: float) -> dict[str, float]:
+    """Throughput, per-user tokens/s, TTFT, TPOT and ITL (P50 and P95) of finished requests (`speclab.core.batch.Done`:
+    times in seconds on one clock), as `SERVING_HELP` defines them."""
+    fin = [d for d in dones if d.stopped in ("eos", "max_new_tokens")]
+    toks = sum(d.new_ids.numel() for d in fin)
+    ttft = [1e3 * (d.first_s - d.arrival_s) for d in fin]
+    tpot = [1e3 * (d.done_s - d.first_s) / (d.new_ids.numel() - 1) for d in fin if d.new_ids.numel() > 1]
+    itl = [1e3 * (b - a) / n for d in fin for a, b, n in zip(d.round_s, d.round_s[1:], d.round_tokens[1:])]
+
+    def q(xs, p):
+        return float(np.percentile(xs, p)) if xs else math.nan
+    return {"requests": len(fin), "output_tokens": toks, "throughput_tok_s": tokens_per_s(toks, makespan_s),
+            "per_user_tok_s": float(np.mean([1e3 / t for t in tpot])) if tpot else math.nan,
+            "ttft_p50_ms": q(ttft, 50), "ttft_p95_ms": q(ttft, 95), "tpot_p50_ms": q(tpot, 50),
+            "tpot_p95_ms": q(tpot, 95), "itl_p50_ms": q(itl, 50), "itl_p95_ms": q(itl, 95)}
+
+
+# ---- calibration of a predicted probability against outcomes (DSpark's confidence head) ----
+
+def ece(prob, outcome, bins: int = 10) -> float:
+    """Expected calibration error: over `bins` equal-width bins of the predicted probability, the outcome rate's gap
+    to the mean prediction, weighted by the bin's share of the predictions."""
+    p, y = np.asarray(prob, float), np.asarray(outcome, float)
+    if p.size == 0:
+        return math.nan
+    idx = np.minimum((p * bins).astype(int), bins - 1)
+    n = np.bincount(idx, minlength=bins)
+    gap = np.abs(np.bincount(idx, y, bins) - np.bincount(idx, p, bins))
+    return float(gap.sum() / p.size) if n.sum() else math.nan
+
+
+def auroc(prob, outcome) -> float:
+    """Area under the ROC curve: the chance that a random positive outcome got a higher prediction than a random
+    negative one (ties count half); nan with only one kind of outcome."""
+    from scipy.stats import rankdata
+    p, y = np.asarray(prob, float), np.asarray(outcome, bool)
+    pos, neg = int(y.sum()), int((~y).sum())
+    if not pos or not neg:
+        return math.nan
+    r = rankdata(p)
+    return float((r[y].sum() - pos * (pos + 1) / 2) / (pos * neg))
+
+
+def brier(prob, outcome) -> float:
+    """Mean squared gap between the predicted probability and the 0/1 outcome."""
+    p, y = np.asarray(prob, float), np.asarray(outcome, float)
+    return float(np.mean((p - y) ** 2)) if p.size else math.nan

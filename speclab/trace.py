@@ -41,7 +41,7 @@ from speclab.core.engine import PHASES
 from speclab.errors import TraceError
 from speclab.files import check_writable
 
-SCHEMA_VERSION = 10
+SCHEMA_VERSION = 11
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS meta (key VARCHAR PRIMARY KEY, value VARCHAR);
@@ -54,14 +54,14 @@ CREATE TABLE IF NOT EXISTS runs (
     error VARCHAR, bench_id VARCHAR, output_hash VARCHAR, peak_mem_mb DOUBLE, prefill_ms DOUBLE, wall_s DOUBLE,
     model_ms DOUBLE, diverges_at INTEGER, top2_gap DOUBLE, tie_tolerance DOUBLE, logits_dtype VARCHAR,
     exact BOOLEAN, cpu VARCHAR, eager BOOLEAN, engine VARCHAR, engine_version VARCHAR, source VARCHAR,
-    decode_group VARCHAR);
+    decode_group VARCHAR, arrival_s DOUBLE, first_token_s DOUBLE, done_s DOUBLE);
 CREATE TABLE IF NOT EXISTS benches (
     bench_id VARCHAR PRIMARY KEY, started_at TIMESTAMP, suite VARCHAR, methods VARCHAR, config_json VARCHAR,
     device VARCHAR, trace_overhead DOUBLE, peak_rss_mb DOUBLE, status VARCHAR);
 CREATE TABLE IF NOT EXISTS rounds (
     run_id BIGINT, round INTEGER, drafter VARCHAR, n_drafted INTEGER, n_accepted INTEGER, committed INTEGER,
     entropy DOUBLE, t_route_ms DOUBLE, t_catchup_ms DOUBLE, t_draft_ms DOUBLE, t_verify_ms DOUBLE,
-    t_commit_ms DOUBLE, backlog INTEGER, target_calls INTEGER, t_record_ms DOUBLE);
+    t_commit_ms DOUBLE, backlog INTEGER, target_calls INTEGER, t_record_ms DOUBLE, step INTEGER, t_s DOUBLE);
 CREATE TABLE IF NOT EXISTS tokens (
     run_id BIGINT, pos INTEGER, round INTEGER, token_id INTEGER, text VARCHAR, source VARCHAR, depth INTEGER,
     draft_prob DOUBLE, target_prob DOUBLE, entropy DOUBLE, accept_prob DOUBLE);
@@ -85,6 +85,10 @@ CREATE TABLE IF NOT EXISTS profile_positions (
 CREATE TABLE IF NOT EXISTS engine_totals (
     run_id BIGINT, steps BIGINT, accepted BIGINT, drafted BIGINT, committed BIGINT, max_draft INTEGER);
 CREATE TABLE IF NOT EXISTS engine_steps (run_id BIGINT, drafted INTEGER, accepted INTEGER, steps BIGINT);
+CREATE TABLE IF NOT EXISTS steps (
+    session VARCHAR, step INTEGER, t_s DOUBLE, policy VARCHAR, requests INTEGER, rows INTEGER, drafted INTEGER,
+    accepted INTEGER, target_calls INTEGER, drafter_calls INTEGER, admitted INTEGER, t_prefill_ms DOUBLE,
+    t_policy_ms DOUBLE, t_draft_ms DOUBLE, t_verify_ms DOUBLE, t_commit_ms DOUBLE);
 """
 # columns added since schema 1 (a version-1 file opened for writing gets them; its old rows keep NULLs unless a
 # step fills them in)
@@ -121,7 +125,15 @@ MIGRATIONS = {2: ["ALTER TABLE runs ADD COLUMN IF NOT EXISTS prefill_ms DOUBLE",
                   "ALTER TABLE tokens ADD COLUMN IF NOT EXISTS accept_prob DOUBLE"],
               # the decode that made the run (the app's Decode press, a bench's prompt): the runs decoded beside it
               # (`TraceStore.decoded_with`); NULL for older runs and single decodes (a run alone)
-              10: ["ALTER TABLE runs ADD COLUMN IF NOT EXISTS decode_group VARCHAR"]}
+              10: ["ALTER TABLE runs ADD COLUMN IF NOT EXISTS decode_group VARCHAR"],
+              # batched serving (`speclab serve-bench`): a request's arrival, first token and completion on its
+              # session's clock (the session is its decode_group; NULL for single-stream runs), and per round the
+              # batched step it was part of and when it committed (the `steps` table comes with SCHEMA)
+              11: ["ALTER TABLE runs ADD COLUMN IF NOT EXISTS arrival_s DOUBLE",
+                   "ALTER TABLE runs ADD COLUMN IF NOT EXISTS first_token_s DOUBLE",
+                   "ALTER TABLE runs ADD COLUMN IF NOT EXISTS done_s DOUBLE",
+                   "ALTER TABLE rounds ADD COLUMN IF NOT EXISTS step INTEGER",
+                   "ALTER TABLE rounds ADD COLUMN IF NOT EXISTS t_s DOUBLE"]}
 # the trace explorer's run list (`TraceStore.run_list`): the newest runs with their `run_metrics` figures
 RUN_LIST_SQL = """
 SELECT r.run_id, strftime(r.started_at, '%Y-%m-%d %H:%M:%S') AS started, r.method,
@@ -740,7 +752,8 @@ class RunWriter:
             "entropy": _cat([e.row_entropy[:1] for e in evs]).astype(np.float64),
             **{f"t_{k}_ms": v for k, v in t.items()},
             "backlog": np.array([e.backlog for e in evs], np.int32),
-            "target_calls": np.array([e.target_calls for e in evs], np.int32)})
+            "target_calls": np.array([e.target_calls for e in evs], np.int32),
+            "step": pa.array([e.step for e in evs], pa.int32()), "t_s": pa.array([e.t_s for e in evs], pa.float64())})
         dec = [e for e in evs if e.decision is not None]
         decisions = pa.table({
             "run_id": np.full(len(dec), self.run_id, np.int64), "round": np.array([e.round for e in dec], np.int32),

@@ -541,3 +541,40 @@ def prediction_figure(sig, title: str = "") -> go.Figure:
     fig.update_layout(title=title or "Neural router: predicted vs true Delta AL", xaxis_title="true Delta AL "
                       "(AL_eagle3 - AL_dflash)", yaxis_title="predicted Delta AL", template="plotly_white", height=420)
     return fig
+
+
+# ---- batched serving ----
+
+def step_slots(steps, title: str = "") -> go.Figure:
+    """Each batched step's verification slots per request (`speclab.core.batch.StepEvent`s): x the step, y the
+    request, colour the rows it verified (its pending root and its draft); hover says the draft tokens accepted."""
+    xs, ys, rows, acc = [], [], [], []
+    for ev in steps:
+        for rid, d, a in zip(ev.rids, ev.drafted, ev.accepted):
+            xs.append(ev.step)
+            ys.append(f"request {rid}")
+            rows.append(1 + d)
+            acc.append(a)
+    fig = go.Figure(go.Scatter(x=xs, y=ys, mode="markers", customdata=acc,
+                               marker=dict(symbol="square", size=9, color=rows, colorscale="Viridis", showscale=True,
+                                           colorbar=dict(title="rows")),
+                               hovertemplate="step %{x}, %{y}: %{marker.color} rows, %{customdata} drafts accepted"
+                                             "<extra></extra>"))
+    fig.update_layout(title=title, xaxis_title="batched step (one target forward)", yaxis_title="request",
+                      template="plotly_white", height=max(260, 40 + 18 * len(set(ys))))
+    return fig
+
+
+def metrics_table(figures: dict, help: dict | None = None) -> str:
+    """Named figures as a small HTML table, each name with its definition as a tooltip (`help`, default
+    `speclab.metrics.SERVING_HELP` by the figure's name without its _p50_ms / _p95_ms / _tok_s suffix)."""
+    from speclab.metrics import SERVING_HELP
+    help = help if help is not None else SERVING_HELP
+
+    def tip(k: str) -> str:
+        base = next((h for h in help if k.startswith(h.removesuffix("_ms").removesuffix("_tok_s"))), k)
+        return html.escape(help.get(base, k))
+    rows = "".join(f"<tr><td title='{tip(k)}' style='padding-right:12px'>{html.escape(k)}</td>"
+                   f"<td style='text-align:right'>{html.escape(str(v) if isinstance(v, int) else _fmt(v))}</td></tr>"
+                   for k, v in figures.items())
+    return f"<table class='speclab-metrics' style='font-size:13px'>{rows}</table>"

@@ -92,6 +92,24 @@ def tiny_v8(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def tiny_vocab(tmp_path_factory):
+    """A tiny target and draft over an 8-token vocabulary (exact joint distributions are cheap): the end-to-end
+    sampling tests (test_sampling.py, the batched sampler in test_batch.py)."""
+    from transformers import AutoModelForCausalLM
+
+    from test_sampling import V
+
+    d = tmp_path_factory.mktemp("tiny_vocab")
+
+    def make(seed, name):
+        path = build_tiny("qwen3", d / name, seed=seed, vocab_size=V, tokenizer=False, hidden=32, init=0.08)
+        model = Target(AutoModelForCausalLM.from_pretrained(path).eval(), NoTok())
+        model.eos_ids = []
+        return model
+    return make(3, "target"), make(4, "draft")
+
+
+@pytest.fixture(scope="session")
 def trained_eagle3(deep):
     """The tiny EAGLE-3 drafter trained on `deep` (a few seconds), once for every module that decodes with it."""
     return train_tiny_eagle3(deep)

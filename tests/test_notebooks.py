@@ -11,8 +11,8 @@ from speclab.zoo import REPO_ROOT
 NOTEBOOKS = sorted((REPO_ROOT / "notebooks").glob("*.ipynb"))
 
 
-def test_there_are_five_walkthroughs():
-    assert [p.name[:2] for p in NOTEBOOKS] == ["01", "02", "03", "04", "05"]
+def test_there_are_six_walkthroughs():
+    assert [p.name[:2] for p in NOTEBOOKS] == ["01", "02", "03", "04", "05", "06"]
 
 
 # One notebook's budget, kernel start to last cell. The file took 87 s on a quiet 2-core machine and 687 s inside a

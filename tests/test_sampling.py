@@ -12,7 +12,6 @@ import torch
 from scipy.stats import chisquare
 
 from helpers import NoTok as _NoTok
-from helpers import build_tiny
 from speclab.core.engine import decode
 from speclab.core.sampling import Sampling, draw, logits_to_probs, sample
 from speclab.core.target import Target
@@ -191,20 +190,6 @@ def test_verify_deterministic_candidates_keep_p(pq):
 
 N_NEW = 3  # room for a depth-2 draft in the first round (the bonus token always fits), so both tested tokens
 # can be accepted drafts; a decode that ends in one round accepted two drafted levels
-
-
-@pytest.fixture(scope="module")
-def tiny_vocab(tmp_path_factory):
-    from transformers import AutoModelForCausalLM
-
-    d = tmp_path_factory.mktemp("tiny_vocab")
-
-    def make(seed, name):
-        path = build_tiny("qwen3", d / name, seed=seed, vocab_size=V, tokenizer=False, hidden=32, init=0.08)
-        model = Target(AutoModelForCausalLM.from_pretrained(path).eval(), _NoTok())
-        model.eos_ids = []
-        return model
-    return make(3, "target"), make(4, "draft")
 
 
 def exact_joint(target, prompt, s: Sampling, n=2) -> np.ndarray:

@@ -361,6 +361,10 @@ def test_eager_is_a_column_written_by_the_run_and_migrated(qwen3, tmp_path):
     for table, col in (("draft_nodes", "sampled_p"), ("draft_nodes", "sampled_q"), ("tokens", "accept_prob")):
         con.execute(f"ALTER TABLE {table} DROP COLUMN {col}")  # and schema 9's (sampled decoding)
     con.execute("ALTER TABLE runs DROP COLUMN decode_group")  # and schema 10's
+    for table, col in (("runs", "arrival_s"), ("runs", "first_token_s"), ("runs", "done_s"), ("rounds", "step"),
+                       ("rounds", "t_s")):
+        con.execute(f"ALTER TABLE {table} DROP COLUMN {col}")  # and schema 11's (batched serving)
+    con.execute("DROP TABLE steps")
     con.execute("UPDATE meta SET value = '4' WHERE key = 'schema_version'")
     con.close()
     with pytest.raises(TraceError, match="older than this speclab's"):
@@ -372,7 +376,10 @@ def test_eager_is_a_column_written_by_the_run_and_migrated(qwen3, tmp_path):
         s.query("SELECT accept_prob FROM tokens")
         groups = s.query("SELECT decode_group FROM runs")  # older runs: each decoded alone
         assert s.decoded_with(1) == [1]
-    assert runs.eager.tolist() == [True, False, False] and SCHEMA_VERSION == 10 and list(nodes.columns) == [
+        served = s.query("SELECT ttft_ms, tpot_ms, itl_p50_ms FROM run_metrics")  # not served: NULL
+        assert s.query("SELECT count(*) AS n FROM steps").n[0] == 0
+    assert served.isna().all().all()
+    assert runs.eager.tolist() == [True, False, False] and SCHEMA_VERSION == 11 and list(nodes.columns) == [
         "block", "bucket", "in_cands", "sampled_p", "sampled_q"] and engines.engine.isna().all()
     assert groups.decode_group.isna().all()
 

@@ -214,9 +214,13 @@ def cmd_train(a: argparse.Namespace) -> int:
 
 
 def trainings() -> dict:
-    """Drafter name -> its training (`registry.TrainEntry`), for every registered drafter that has one."""
+    """Drafter name -> its training (`registry.TrainEntry`), for every registered drafter that has one, and the
+    trainings of its model's parts (`DrafterEntry.trainings`: `dspark`)."""
     from speclab.drafters.registry import drafters
-    return {n: e.train for n, e in drafters().items() if e.train is not None}
+    out = {n: e.train for n, e in drafters().items() if e.train is not None}
+    for e in drafters().values():
+        out.update(e.trainings)
+    return out
 
 
 def _options(entry) -> list:

@@ -41,18 +41,19 @@ from typing import NamedTuple
 import torch
 
 from kernels import ops as kernel_ops
-from speclab.core.lean import ConRows
+from speclab.core.lean import ConRows, Segment
 from speclab.core.pool import Committed, DrafterPool, feature_columns, feature_layers
 from speclab.core.protocol import Decision, Drafter, ExtraRows, FixedRouter, RoundView, Router, Signals
 from speclab.core.sampling import Sampling
-from speclab.core.target import Target, forward_clock, keep_cache
+from speclab.core.target import ForwardOut, Target, forward_clock, keep_cache
 from speclab.core.tree import DraftTree, tree_attention_mask, tree_position_ids, tree_rows
 from speclab.core.verify import verify
 from speclab.errors import InvalidInput
 from speclab.metrics import tokens_per_s
 
 __all__ = ["PHASES", "HISTORY", "RoundEvent", "DecodeResult", "Committed", "Row", "PhaseClock", "Verified", "Hooks",
-           "decode", "decode_rounds", "prefill", "signals", "verify_batch", "cut", "commit_rows", "forward_root",
+           "decode", "decode_rounds", "prefill", "signals", "verify_batch", "round_segment", "settle", "cut",
+           "commit_rows", "forward_root",
            "round_event", "entropy", "check_request", "feature_layers", "feature_columns"]
 
 PHASES = ("route", "catchup", "draft", "verify", "commit", "record")
@@ -84,6 +85,8 @@ class RoundEvent:
     # a deterministic draft); its first test accepts it with min(1, p(x) / q(x)) (`speclab.core.verify`)
     node_p: torch.Tensor | None = None
     node_q: torch.Tensor | None = None
+    step: int | None = None  # in a batch (`speclab.core.batch`): the batched step the round was part of
+    t_s: float | None = None  # and when it committed, on the batch's clock
 
     @property
     def n_accepted(self) -> int:
@@ -370,26 +373,43 @@ def verify_batch(target: Target, cache, seq: Committed, tree: DraftTree, root: R
     row of the batch (the root's included), each seeing its row's path and the extra keys and values, forwarded in
     the same call (`Verified.extra`; `speclab.core.tree.tree_rows` places them)."""
     past = cache.get_seq_length()
-    with_root, chain = root is None, tree.is_chain
+    seg = round_segment(target, cache, seq, tree, root is None)
+    rows = None
+    if extra is not None and (root is None or len(tree)):  # one extra row per batch row (and the cached root's)
+        c_pos, visible = tree_rows(tree.ancestors, tree.depth, past, root is None)
+        rows = ConRows(extra.emb.expand(c_pos.numel(), -1), c_pos, visible, extra.keys, extra.values)
+    out = None
+    if root is None or len(tree):  # with the root's row known and no tree there is nothing to forward
+        out = target.forward(seg.ids, cache, seg.pos, seg.mask, layers=layers, hidden=hidden, con=rows)
+    return settle(tree, out, root, past, sampling, gen)
+
+
+def round_segment(target: Target, cache, seq: Committed, tree: DraftTree, with_root: bool) -> Segment:
+    """A round's rows as one sequence of a forward: the pending root (`with_root`: deferred) and the flattened tree,
+    under the tree's mask and positions (a chain: the forward's causal defaults)."""
+    past = cache.get_seq_length()
+    chain = tree.is_chain
     mask = None if chain else tree_attention_mask(tree.ancestors, past, target.dtype, with_root=with_root)
     pos = None if chain else tree_position_ids(tree.depth, past, with_root)
-    rows = None
-    if extra is not None and (with_root or len(tree)):  # one extra row per batch row (and the cached root's)
-        c_pos, visible = tree_rows(tree.ancestors, tree.depth, past, with_root)
-        rows = ConRows(extra.emb.expand(c_pos.numel(), -1), c_pos, visible, extra.keys, extra.values)
+    ids = torch.cat([seq.ids[seq.n - 1 : seq.n].to(target.device), tree.tokens]) if with_root else tree.tokens
+    return Segment(ids, cache, pos, mask)
+
+
+def settle(tree: DraftTree, out: ForwardOut | None, root: Row | None, past: int, sampling: Sampling,
+           gen: torch.Generator | None) -> Verified:
+    """The verdict over a round's rows: the forward's `out` (None: nothing was forwarded), after the root's own row
+    when it was known (`root`; None: the pending root led the forward)."""
     states = None
-    if root is None:  # deferred: the pending root leads the batch
-        inp = torch.cat([seq.ids[seq.n - 1 : seq.n].to(target.device), tree.tokens])
-        out = target.forward(inp, cache, pos, mask, layers=layers, hidden=hidden, con=rows)
+    if root is None:
+        assert out is not None
         logits, hid, feats, states = out.logits, out.hidden, out.features, out.future
-    elif len(tree):  # the root's row is known: the tree alone, after it
-        out = target.forward(tree.tokens, cache, pos, mask, layers=layers, hidden=hidden, con=rows)
+    elif out is not None:  # the tree alone, after the root's known row
         logits, feats, states = torch.cat([root.logits, out.logits]), out.features, out.future
         hid = None if root.hidden is None or out.hidden is None else torch.cat([root.hidden, out.hidden])
     else:
         logits, hid, feats = root.logits, root.hidden, None
     verdict = verify(tree, logits, sampling, gen)
-    return Verified(verdict.accepted, verdict.bonus, logits, hid, feats, past, int(with_root), states, verdict.probs)
+    return Verified(verdict.accepted, verdict.bonus, logits, hid, feats, past, int(root is None), states, verdict.probs)
 
 
 def cut(new: torch.Tensor, accepted: torch.Tensor, room: int, eos: torch.Tensor,

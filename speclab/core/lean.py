@@ -18,6 +18,8 @@ and `Target` falls back to the transformers forward.
 """
 from __future__ import annotations
 
+from typing import Any, NamedTuple
+
 import torch
 import torch.nn.functional as F
 
@@ -47,6 +49,16 @@ def supports(model) -> str | None:
     if getattr(cfg, "mlp_bias", False):
         return "MLP biases"
     return None
+
+
+class Segment(NamedTuple):
+    """One sequence's rows in a batched forward (`LeanDecoder.forward_many`, `Target.forward_many`): token ids [n]
+    after the tokens in its own cache, their positions (None: the cache's length on) and an additive tree mask
+    [1, 1, n, cache + n] (None: causal)."""
+    ids: torch.Tensor
+    cache: Any
+    pos: torch.Tensor | None = None
+    mask: torch.Tensor | None = None
 
 
 class ConRows:
@@ -124,6 +136,23 @@ class KVCache:
         self.length = start + m
 
 
+def mix_many(caches: list[KVCache], starts: list[int], ns: list[int], masks: list, scale: float):
+    """The attention step of a ragged batch (sequence j's ns[j] rows, in order, written at its cache's slots
+    starts[j]..): `mix(i, q, k, v)` writes each sequence's keys and values into its own cache and attends its queries
+    over that cache up to its last row under masks[j] ([n, end] bool or additive; None: every slot) -> [heads,
+    rows, D]. Every model with `KVCache`s batches its sequences through it (the target's `forward_many`, DFlash's
+    block forward)."""
+    bounds = [0, *torch.tensor(ns).cumsum(0).tolist()]
+
+    def mix(i, q, k, v):
+        out = []
+        for c, s0, n, mk, a, b in zip(caches, starts, ns, masks, bounds, bounds[1:]):
+            c.write(i, s0, k[:, a:b], v[:, a:b])
+            out.append(c.attend(i, q[:, a:b], s0 + n, mk, scale))
+        return torch.cat(out, 1)
+    return mix
+
+
 class LeanDecoder:
     """The forward pass of a Llama-family HF model, over that model's weights (shared, not copied; only the
     small q/k norm weights are concatenated into a copy, so build a new decoder after training the model)."""
@@ -195,7 +224,13 @@ class LeanDecoder:
             mask = causal_mask(n, end, self.device)
         elif mask is not None:
             mask = mask[0, 0]  # Target has cast it to the model's dtype
-        h, kept, h_con = self._layers(ids, cache, start, cos, sin, self._sdpa(cache, mask), layers, con)
+        h = self.embed[ids]
+        if con is not None:  # contemplate rows ride along in every matrix product
+            h = torch.cat([h, con.emb.to(h.dtype)])
+            cos = torch.cat([cos, self.cos[con.pos][:, None]])
+            sin = torch.cat([sin, self.sin[con.pos][:, None]])
+        h, kept = self._layers(h, cos, sin, self._mix(cache, start, n, self._sdpa(cache, mask), con), layers, n)
+        h, h_con = (h[:n], h[n:]) if con is not None else (h, None)
         cache.length = end
         feats = (kept[layers[0]] if len(layers) == 1 else torch.cat([kept[i] for i in layers], -1)) if layers else None
         if last is not None:
@@ -204,31 +239,61 @@ class LeanDecoder:
         future = None if h_con is None else F.rms_norm(h_con, h_con.shape[-1:], self.norm, self.eps)
         return (head or self.head)(h), feats, h if hidden else None, future
 
-    def _layers(self, ids, cache: KVCache, start: int, cos, sin, attend, layers, con: ConRows | None = None):
-        """The decoder layers (`speclab.core.layers.FusedLayer`) over rows `ids` written at cache slots
-        start..start+n; `attend(q, i, end)` is the attention of queries [heads, n, D] over layer i's cache up to slot
-        `end` (the fused kernel, or exact mode's fixed-shape one). Contemplate rows `con` ride along in every matrix
-        product; the plain rows' attention is the same call as without them, and theirs runs over [soft prompts ;
-        cache ; themselves] (`ConRows`). -> (the plain rows' last states, the kept layers' outputs, the contemplate
-        rows' last states or None)."""
-        n = ids.numel()
-        m = 0 if con is None else con.emb.shape[0]
-        h = self.embed[ids]
-        if con is not None:
-            h = torch.cat([h, con.emb.to(h.dtype)])
-            cos = torch.cat([cos, self.cos[con.pos][:, None]])
-            sin = torch.cat([sin, self.sin[con.pos][:, None]])
+    def forward_many(self, segs: list[Segment], layers: tuple[int, ...] = (),
+                     hidden: bool = False) -> list[tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]]:
+        """Several sequences' rows in ONE forward, each after its own cache (`Segment`: ids, cache, positions,
+        tree mask): every matrix product runs once over all rows (the weights are read once for the whole batch),
+        attention runs per sequence over its own cache. -> per segment (logits, features, hidden), as `forward`
+        returns them for that segment alone (to float rounding: the products' row count differs)."""
+        if self.exact:  # batch-invariance is per call: each sequence on its own
+            return [self.forward(s.ids, s.cache, s.pos, s.mask, layers, None, hidden)[:3] for s in segs]
+        ns = [s.ids.numel() for s in segs]
+        bounds = [0, *torch.tensor(ns).cumsum(0).tolist()]
+        pos = torch.cat([torch.arange(s.cache.length, s.cache.length + n, device=self.device) if s.pos is None
+                         else s.pos.to(self.device) for s, n in zip(segs, ns)])
+        if int(pos.max()) + 1 > self.cos.shape[0]:
+            self._rope_table(2 * (int(pos.max()) + 1))
+        masks = []
+        for s, n in zip(segs, ns):
+            s.cache.reserve(n)
+            end = s.cache.length + n
+            masks.append(s.mask[0, 0] if s.mask is not None else causal_mask(n, end, self.device) if n > 1 else None)
+        mix = mix_many([s.cache for s in segs], [s.cache.length for s in segs], ns, masks, self.scaling)
+        h, kept = self._layers(self.embed[torch.cat([s.ids for s in segs]).to(self.device)],
+                               self.cos[pos][:, None], self.sin[pos][:, None], mix, layers, bounds[-1])
+        h = self.final_norm(h)
+        logits = self.head(h)
+        out = []
+        for s, a, b in zip(segs, bounds, bounds[1:]):
+            s.cache.length += b - a
+            feats = torch.cat([kept[i][a:b] for i in layers], -1) if layers else None
+            out.append((logits[a:b], feats, h[a:b] if hidden else None))
+        return out
+
+    def _layers(self, h, cos, sin, mix, layers, n: int):
+        """The decoder layers (`speclab.core.layers.FusedLayer`) over rows h; `mix(i, q, k, v)` is layer i's attention
+        step for queries [heads, rows, D] and the rows' keys and values (it writes them to the cache and attends:
+        `_mix`, or a batch's per-sequence steps). -> (the last states, the kept layers' outputs of the first n rows)."""
         kept = {}
         for i, L in enumerate(self.layers):
-            q, k, v = L.qkv(h, cos, sin)  # [heads | kv_heads, n + m, D]
+            q, k, v = L.qkv(h, cos, sin)  # [heads | kv_heads, rows, D]
+            h = L.finish(h, mix(i, q, k, v))
+            if i in layers:
+                kept[i] = h[:n]
+        return h, kept
+
+    def _mix(self, cache: KVCache, start: int, n: int, attend, con: ConRows | None = None):
+        """The attention step of n plain rows written at cache slots start..start+n; `attend(q, i, end)` is the
+        attention of queries [heads, n, D] over layer i's cache up to slot `end` (the fused kernel, or exact mode's
+        fixed-shape one). Contemplate rows `con` (after the plain rows) attend over [soft prompts ; cache ;
+        themselves] (`ConRows`); the plain rows' attention is the same call as without them."""
+        def mix(i, q, k, v):
             cache.write(i, start, k[:, :n], v[:, :n])
             o = attend(q[:, :n], i, start + n)  # [heads, n, D]
             if con is not None:
                 o = torch.cat([o, con.attend(i, q[:, n:], k[:, n:], v[:, n:], cache, start + n, self.scaling)], 1)
-            h = L.finish(h, o)
-            if i in layers:
-                kept[i] = h[:n]
-        return (h[:n], kept, h[n:]) if m else (h, kept, None)
+            return o
+        return mix
 
     def _sdpa(self, cache: KVCache, mask):
         """Attention through torch's fused kernel over the first `end` cache slots (`KVCache.attend`)."""
@@ -264,8 +329,8 @@ class LeanDecoder:
             # ancestors sit at scattered slots; AR's at consecutive ones): slots it sees first, in slot order
             order = torch.where(ok, cols, cols + W).sort(-1).values % W
             bias = torch.zeros(T, W, device=self.device).masked_fill_(~ok.gather(-1, order), float("-inf"))
-            h, kept, _ = self._layers(tid, cache, start + r0, self.cos[tpos][:, None], self.sin[tpos][:, None],
-                                      self._fixed_attention(cache, order, bias), layers)
+            mix = self._mix(cache, start + r0, T, self._fixed_attention(cache, order, bias))
+            h, kept = self._layers(self.embed[tid], self.cos[tpos][:, None], self.sin[tpos][:, None], mix, layers, T)
             hs.append(h[:m])
             for i in layers:
                 kept_all[i].append(kept[i][:m])

@@ -100,10 +100,17 @@ class DrafterPool:
         for nm in list(self.drafters) if eager else [name]:
             if nm is None:
                 continue
-            s = self.seen[nm]
-            handed = seq.n - s + self.unread.pop(nm, 0)
-            self.drafters[nm].catch_up(seq.ids[s : seq.n], self.features(nm, seq, s - 1, seq.n - 1))
-            self.seen[nm] = seq.n
+            ids, feats, handed = self.hand(nm, seq)
+            self.drafters[nm].catch_up(ids, feats)
             if nm == name:
                 backlog = handed
         return backlog
+
+    def hand(self, name: str, seq: Committed) -> tuple[torch.Tensor, torch.Tensor | None, int]:
+        """What drafter `name` has not been handed yet, marked handed: (tokens, their features, the backlog count:
+        those tokens and, on its first turn, the prompt `reset` handed it). The caller makes it `catch_up` on them
+        (a batch of requests: several drafters in one call, `speclab.core.batch`)."""
+        s = self.seen[name]
+        handed = seq.n - s + self.unread.pop(name, 0)
+        self.seen[name] = seq.n
+        return seq.ids[s : seq.n], self.features(name, seq, s - 1, seq.n - 1), handed

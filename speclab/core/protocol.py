@@ -107,6 +107,20 @@ class RoundHooks(Protocol):
         tokens."""
 
 
+class BatchDrafting(Protocol):
+    """Optional: a drafter class that drafts for a batch of requests in one model call (`speclab.core.batch`), each
+    request with its own drafter instance of one model. Both are static: they take the instances."""
+
+    @staticmethod
+    def catch_up_many(drafters: list, ids: list[torch.Tensor], features: list) -> None:
+        """Each drafter's `catch_up(ids[j], features[j])`, in one call."""
+
+    @staticmethod
+    def propose_many(drafters: list, depths: list[int], sampling: Sampling,
+                     generators: list) -> list[DraftTree]:
+        """Each drafter's `propose(depths[j], sampling, generators[j])`, in one call."""
+
+
 @dataclass
 class Signals:
     """What a router sees at the start of a round (computed only when its `needs` ask for it)."""

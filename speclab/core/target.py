@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from speclab.core.lean import KVCache, LeanDecoder, supports
+from speclab.core.lean import KVCache, LeanDecoder, Segment, supports
 from speclab.core.precision import Head, check_logits, dtype_name, pick_dtype
 from speclab.errors import ModelNotFound
 
@@ -247,6 +247,21 @@ class Target:
             if con is not None:
                 raise ValueError("contemplate rows ride in the lean forward only (transformers': the after schedule)")
             return self._hf_forward(ids, cache, pos, mask, last, layers, hidden, head)
+
+    @torch.inference_mode()
+    def forward_many(self, segs: list[Segment], layers: tuple[int, ...] = (), hidden: bool = False) -> list[ForwardOut]:
+        """Several sequences' rows, each after its own cache (`speclab.core.lean.Segment`), in ONE forward of the lean
+        backend (its matrix products over all rows: `LeanDecoder.forward_many`); the hf backend and exact mode run
+        them one by one. Each ForwardOut is what `forward` returns for that segment alone (every row's logits)."""
+        segs = [s._replace(ids=s.ids.view(-1).to(self.device),
+                           mask=None if s.mask is None else s.mask.to(device=self.device, dtype=self.dtype))
+                for s in segs]
+        if self.lean is None or self.exact:
+            return [self.forward(s.ids, s.cache, s.pos, s.mask, layers=tuple(layers), hidden=hidden) for s in segs]
+        self.calls += 1
+        with forward_clock:
+            outs = self.lean.forward_many(segs, tuple(layers), hidden)
+        return [ForwardOut(lg.float(), f, h) for lg, f, h in outs]
 
     def _hf_forward(self, ids, cache, pos, mask, last, layers, hidden, head=None) -> ForwardOut:
         """The transformers forward; layer outputs come from forward hooks that live for this call only."""

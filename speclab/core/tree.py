@@ -81,6 +81,20 @@ class DraftTree:
     def __len__(self) -> int:
         return self.tokens.numel()
 
+    def head(self, n: int) -> DraftTree:
+        """A chain's first n nodes (their q rows and per-node extras with them): a draft cut before verification, as
+        a drafter that stopped there would have proposed it (DSpark's scheduler, `speclab.serve.policies`)."""
+        assert self.is_chain, "only a chain is cut to a prefix"
+        if n >= len(self):
+            return self
+        dists = None if self.draft_dists is None else torch.cat([self.draft_dists[:n],
+                                                                  torch.zeros_like(self.draft_dists[:1])])
+        tree = DraftTree.chain(self.tokens[:n], self.draft_probs[:n], dists)
+        tree.extra = {k: v[:n] for k, v in self.extra.items()}
+        tree.cands = None if self.cands is None else self.cands[:n]
+        tree.scheme = self.scheme
+        return tree
+
     @property
     def sampled(self) -> bool:
         return self.draft_dists is not None

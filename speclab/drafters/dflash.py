@@ -40,7 +40,7 @@ import torch.nn as nn
 
 from speclab.checks import MAX_TREE_NODES, Bound
 from speclab.core.layers import DecoderLayer, Linear, linear, rope_inv_freq, rope_tables
-from speclab.core.lean import KVCache
+from speclab.core.lean import KVCache, mix_many
 from speclab.core.sampling import Sampling, chain_dists, draft_probs, sample
 from speclab.core.target import forward_clock
 from speclab.core.tree import DraftTree, TreeDraw, check_dynamic_tree, dynamic_tree
@@ -90,6 +90,8 @@ class DFlashConfig:
     rope_scaling: dict | None = None
     attention_bias: bool = False
     markov_rank: int = 0  # DSpark's Markov head (0: none)
+    confidence: bool = False  # DSpark's confidence head (`dspark_config`)
+    confidence_temperatures: tuple[float, ...] = ()  # its sequential temperature scaling, one per block row (fitted)
     input_embedding_scale: float = 1.0
     output_multiplier: float = 1.0
     extra: dict = field(default_factory=dict)  # other keys of the file, written back unchanged
@@ -111,9 +113,10 @@ class DFlashConfig:
         if get("mask_token_id") is None:
             raise ValueError("no dflash_config.mask_token_id")
         rope = d.get("rope_parameters") or {}
+        ds = d.get("dspark_config") or {}
         known = {"hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
                  "vocab_size", "block_size", "num_target_layers", "head_dim", "rms_norm_eps", "max_position_embeddings",
-                 "rope_theta", "rope_scaling", "attention_bias", "markov_rank"}
+                 "rope_theta", "rope_scaling", "attention_bias", "markov_rank", "dspark_config"}
         return cls(hidden_size=d["hidden_size"], intermediate_size=d["intermediate_size"],
                    num_hidden_layers=d["num_hidden_layers"], num_attention_heads=d["num_attention_heads"],
                    num_key_value_heads=d.get("num_key_value_heads") or d["num_attention_heads"],
@@ -128,15 +131,21 @@ class DFlashConfig:
                    attention_bias=bool(d.get("attention_bias", False)), markov_rank=int(get("markov_rank", 0) or 0),
                    input_embedding_scale=float(get("input_embedding_scale", 1.0)),
                    output_multiplier=float(get("output_multiplier", 1.0)),
+                   confidence=bool(ds.get("confidence_head", False)),
+                   confidence_temperatures=tuple(float(t) for t in ds.get("confidence_temperatures") or ()),
                    extra={k: v for k, v in d.items() if k not in known})
 
     def to_dict(self) -> dict:
         d = {k: v for k, v in asdict(self).items()
-             if k not in ("extra", "target_layer_ids", "mask_token_id", "input_embedding_scale", "output_multiplier")}
+             if k not in ("extra", "target_layer_ids", "mask_token_id", "input_embedding_scale", "output_multiplier",
+                          "confidence", "confidence_temperatures")}
         out = {"architectures": ["DFlashDraftModel"], "model_type": "qwen3", "hidden_act": "silu",
                "tie_word_embeddings": False, **self.extra, **d}
         out["dflash_config"] = {**(self.extra.get("dflash_config") or {}),
                                 "target_layer_ids": list(self.target_layer_ids), "mask_token_id": self.mask_token_id}
+        if self.confidence:
+            out["dspark_config"] = {"confidence_head": True,
+                                    "confidence_temperatures": list(self.confidence_temperatures)}
         return out
 
 
@@ -156,6 +165,8 @@ class DFlashModel(nn.Module):
         if c.markov_rank > 0:
             self.markov_w1 = nn.Embedding(c.vocab_size, c.markov_rank)
             self.markov_w2 = Linear(c.markov_rank, c.vocab_size, bias=False)
+        if c.confidence:  # DSpark: c_k = sigmoid(w . [h_k ; W1[x_{k-1}]])
+            self.confidence_head = Linear(c.hidden_size + c.markov_rank, 1, bias=True)
         self.inv_freq, self.rope_scale = rope_inv_freq(c)  # fp32 on CPU, not a buffer: `.to(bf16)` leaves it
 
     # -- the forward, in pieces -------------------------------------------------------------------------------
@@ -179,6 +190,27 @@ class DFlashModel(nn.Module):
     def markov_bias(self, prev: torch.Tensor) -> torch.Tensor:
         """DSpark's bias W1[x_{k-1}] W2 [.., V] for previous tokens `prev` [..]."""
         return self.markov_w2(self.markov_w1(prev))
+
+    def confidence_logits(self, h: torch.Tensor, prev: torch.Tensor) -> torch.Tensor:
+        """DSpark's confidence head before its sigmoid: w . [h_k ; W1[x_{k-1}]] + b [..] of block rows' final-norm
+        states h [.., H] and the tokens before them `prev` [..] (W1: the Markov head's embedding, when there is one)."""
+        x = torch.cat([h, self.markov_w1(prev).to(h.dtype)], -1) if self.has_markov else h
+        return self.confidence_head(x)[..., 0]
+
+    def confidence(self, h: torch.Tensor, prev: torch.Tensor) -> torch.Tensor:
+        """c_k, each block row's probability of being accepted given the rows before it were, with the fitted
+        temperatures of the sequential scaling (row k's, the last one past them) applied: [.., rows] float32."""
+        z = self.confidence_logits(h, prev).float()
+        temps = self.config.confidence_temperatures
+        if temps:
+            k = min(z.shape[-1], len(temps))
+            t = torch.tensor(temps[:k] + (temps[-1],) * (z.shape[-1] - k), device=z.device)
+            z = z / t
+        return torch.sigmoid(z)
+
+    @property
+    def has_confidence(self) -> bool:
+        return self.config.confidence
 
     def rope(self, n: int, dtype) -> tuple[torch.Tensor, torch.Tensor]:
         return rope_tables(self.inv_freq.to(self.fc.weight.device), self.rope_scale, n, dtype)
@@ -226,6 +258,7 @@ class DFlashDrafter:
     """The DFlash drafter behind speclab's drafter protocol (speclab/core/protocol.py)."""
     name = "dflash"
     flash = None  # a FlashHead over the target's head (speclab.drafters.flashhead), or None: the dense head
+    confidence = False  # DSpark's c_k on each drafted row (`tree.extra["confidence"]`), when a scheduler asks for it
 
     def __init__(self, model: DFlashModel, target, *, block_size: int, markov: bool, tree_topk: int,
                  total_tokens: int, draft_temp: float = 1.0, scheme: str = "wor"):
@@ -248,6 +281,7 @@ class DFlashDrafter:
         self.known = 0  # context positions (features) in the cache
         self.root = None  # the last committed token (the block's first row)
         self.pending_feats = None
+        self.last_h: torch.Tensor | None = None  # the last block's mask rows, final-norm states
 
     def _rope(self, start: int, n: int):
         return self.cos[start : start + n][:, None], self.sin[start : start + n][:, None]  # [n, 1, D]
@@ -268,54 +302,147 @@ class DFlashDrafter:
     def catch_up(self, ids: torch.Tensor, features: torch.Tensor | None) -> None:
         """The backlog's context keys and values (feature f_{t-1} of token x_t, at position t - 1) into every
         layer's cache in one call: fc, hidden_norm and the k/v projections, nothing else."""
+        self._stash(ids, features)
+        if self.pending_feats.shape[0]:
+            with forward_clock:  # a drafter forward: counted in the model-call share like the target's
+                DFlashDrafter._absorb([self])
+
+    @staticmethod
+    def catch_up_many(drafters: list[DFlashDrafter], ids: list[torch.Tensor], features: list) -> None:
+        """Several drafters of one model catch up (a batch of requests, `speclab.core.batch`): their backlogs wait
+        for the `propose_many` that follows, whose one drafter call writes every backlog's context keys and values
+        before the blocks."""
+        for d, x, f in zip(drafters, ids, features):
+            d._stash(x, f)
+
+    def _stash(self, ids: torch.Tensor, features: torch.Tensor | None) -> None:
         if ids.numel():
             self.root = ids[-1:].to(self.device)
-            features = features.to(self.device, self.dtype)
-            self.pending_feats = torch.cat([self.pending_feats, features]) if len(self.pending_feats) else features
-        m = self.pending_feats.shape[0]
-        if m == 0:
+            f = features.to(self.device, self.dtype)
+            self.pending_feats = torch.cat([self.pending_feats, f]) if len(self.pending_feats) else f
+
+    @staticmethod
+    def _absorb(drafters: list[DFlashDrafter]) -> None:
+        """The drafters' stashed backlogs through fc, hidden_norm and each layer's k/v projections together, written
+        into each drafter's own cache."""
+        todo = [d for d in drafters if d.pending_feats.shape[0]]
+        if not todo:
             return
-        with forward_clock:  # a drafter forward: counted in the model-call share like the target's
-            ctx = self.m.context(self.pending_feats)
-            self.pending_feats = self.pending_feats[:0]
-            cos, sin = self._rope(self.known, m)
-            self.cache.reserve(m)
-            end = self.known + m
-            for i in range(len(self.m.layers)):
-                self.cache.write(i, self.known, *self.m.context_kv(i, ctx, cos, sin))
-            self.cache.length = self.known = end
+        m, ns = todo[0].m, [d.pending_feats.shape[0] for d in todo]
+        ctx = m.context(torch.cat([d.pending_feats for d in todo]))
+        cos = torch.cat([d._rope(d.known, n)[0] for d, n in zip(todo, ns)])
+        sin = torch.cat([d._rope(d.known, n)[1] for d, n in zip(todo, ns)])
+        bounds = [0, *torch.tensor(ns).cumsum(0).tolist()]
+        for d, n in zip(todo, ns):
+            d.pending_feats = d.pending_feats[:0]
+            d.cache.reserve(n)
+        for i in range(len(m.layers)):
+            k, v = m.context_kv(i, ctx, cos, sin)
+            for d, a, b in zip(todo, bounds, bounds[1:]):
+                d.cache.write(i, d.known, k[:, a:b], v[:, a:b])
+        for d, n in zip(todo, ns):
+            d.cache.length = d.known = d.known + n
 
     @torch.inference_mode()
     def block_logits(self, n_rows: int) -> torch.Tensor:
         """One drafter forward of the block [root, mask x (n_rows - 1)] at positions known..: logits [n_rows - 1, V]
         of the mask rows (before any Markov bias). Block keys and values go after the context and stay uncommitted."""
-        start = self.known
-        ids = torch.cat([self.root, self.mask_ids[: n_rows - 1]])
-        x = self.target.embed(ids).to(self.dtype) * self.m.config.input_embedding_scale
-        cos, sin = self._rope(start, n_rows)
-        self.cache.reserve(n_rows)
-        end = start + n_rows
-        for i in range(len(self.m.layers)):
-            q, k, v = self.m.block_qkv(i, x, cos, sin)
-            self.cache.write(i, start, k, v)
-            x = self.m.finish(i, x, self.cache.attend(i, q, end, None, self.scale))  # context and block, both ways
+        return DFlashDrafter.blocks_logits([self], [n_rows])[0]
+
+    @staticmethod
+    @torch.inference_mode()
+    def blocks_logits(drafters: list[DFlashDrafter], n_rows: list[int]) -> list[torch.Tensor]:
+        """The blocks of several drafters of one model in ONE forward: first the backlogs `catch_up_many` stashed
+        (`_absorb`), then every block's rows through each layer's projections and MLP together, each block attending
+        over its own drafter's context and itself (`mix_many`)."""
+        DFlashDrafter._absorb(drafters)
+        d0, m = drafters[0], drafters[0].m
+        ids = torch.cat([torch.cat([d.root, d.mask_ids[: n - 1]]) for d, n in zip(drafters, n_rows)])
+        x = d0.target.embed(ids).to(d0.dtype) * m.config.input_embedding_scale
+        cos = torch.cat([d._rope(d.known, n)[0] for d, n in zip(drafters, n_rows)])
+        sin = torch.cat([d._rope(d.known, n)[1] for d, n in zip(drafters, n_rows)])
+        for d, n in zip(drafters, n_rows):
+            d.cache.reserve(n)
+        mix = mix_many([d.cache for d in drafters], [d.known for d in drafters], n_rows, [None] * len(drafters),
+                       d0.scale)  # context and block, both ways
+        for i in range(len(m.layers)):
+            q, k, v = m.block_qkv(i, x, cos, sin)
+            x = m.finish(i, x, mix(i, q, k, v))
+        keep = torch.cat([torch.arange(a + 1, a + n) for a, n in
+                          zip([0, *torch.tensor(n_rows).cumsum(0).tolist()], n_rows)]).to(x.device)
+        h = m.norm(x[keep])  # the mask rows' final-norm states (DSpark's confidence head reads them)
         # the target's head weight after the drafter's own norm, in the drafter's dtype: draft logits only choose what
         # to propose (verification accepts by the target's), so they skip the fp32 refinement of the target's
         # (`speclab.core.precision.Head`; measured: it cost 7% of DFlash's tokens/s here)
-        if self.flash is not None:  # FlashHead: exact logits on the probed clusters' tokens, -inf elsewhere
-            return self.flash(self.m.norm(x[1:]))
-        return linear(self.m.norm(x[1:]), self.head_weight).float() * self.m.config.output_multiplier
+        logits = (d0.flash(h) if d0.flash is not None else
+                  linear(h, d0.head_weight).float() * m.config.output_multiplier)
+        out, a = [], 0
+        for d, n in zip(drafters, n_rows):
+            d.last_h = h[a : a + n - 1]
+            out.append(logits[a : a + n - 1])
+            a += n - 1
+        return out
 
     @torch.inference_mode()
     def propose(self, max_depth: int, sampling: Sampling, generator: torch.Generator | None = None) -> DraftTree:
-        n_rows = min(self.block_size, max_depth + 1)
-        if n_rows < 2 or self.root is None:
-            return DraftTree.empty(self.device)
-        if self.flash is not None:  # clusters drawn from the centroid softmax when the block is sampled
-            self.flash.temperature = 0.0 if self.tree_topk > 1 else sampling.temperature
-            self.flash.generator = generator
+        return DFlashDrafter.propose_many([self], [max_depth], sampling, [generator])[0]
+
+    @staticmethod
+    @torch.inference_mode()
+    def propose_many(drafters: list[DFlashDrafter], depths: list[int], sampling: Sampling,
+                     generators: list) -> list[DraftTree]:
+        """Several drafters of one model propose with ONE drafter forward (`blocks_logits`); each then builds its own
+        chain or tree from its rows (a FlashHead drafter proposes alone: its head keeps per-call state)."""
+        rows = [min(d.block_size, k + 1) if d.root is not None else 0 for d, k in zip(drafters, depths)]
+        go = [j for j, n in enumerate(rows) if n >= 2]
+        trees = [DraftTree.empty(d.device) for d in drafters]
+        if not go:
+            return trees
+        if any(drafters[j].flash is not None for j in go) and len(go) > 1:
+            for j in go:
+                trees[j] = drafters[j].propose(depths[j], sampling, generators[j])
+            return trees
+        for j in go:
+            d = drafters[j]
+            if d.flash is not None:  # clusters drawn from the centroid softmax when the block is sampled
+                d.flash.temperature = 0.0 if d.tree_topk > 1 else sampling.temperature
+                d.flash.generator = generators[j]
         with forward_clock:
-            logits = self.block_logits(n_rows)
+            logits = DFlashDrafter.blocks_logits([drafters[j] for j in go], [rows[j] for j in go])
+        greedy = [i for i, j in enumerate(go) if sampling.greedy and drafters[j].markov
+                  and drafters[j].tree_topk == 1 and drafters[j].flash is None]
+        if len(greedy) > 1:  # greedy Markov chains: each row's bias for every request in one op
+            chains = DFlashDrafter._markov_chains([drafters[go[i]] for i in greedy], [logits[i] for i in greedy])
+            for i, tree in zip(greedy, chains):
+                trees[go[i]] = drafters[go[i]]._finish(tree)
+        for i, (j, lg) in enumerate(zip(go, logits)):
+            if len(greedy) <= 1 or i not in greedy:
+                trees[j] = drafters[j].tree_of(lg, sampling, generators[j])
+        return trees
+
+    @staticmethod
+    def _markov_chains(drafters: list[DFlashDrafter], logits: list[torch.Tensor]) -> list[DraftTree]:
+        """`_left_to_right` at T = 0 for several drafters at once: row k of every block still drafting gets the Markov
+        bias of its previous token in one call, then its argmax (what each drafter picks alone)."""
+        m, n = drafters[0].m, [lg.shape[0] for lg in logits]
+        prev = torch.cat([d.root for d in drafters])
+        tokens = torch.zeros(len(drafters), max(n), dtype=torch.long, device=prev.device)
+        rows: list[list[torch.Tensor]] = [[] for _ in drafters]
+        for k in range(max(n)):
+            live = [j for j, nj in enumerate(n) if k < nj]
+            row = torch.stack([logits[j][k] for j in live]) + m.markov_bias(prev[live]).float()
+            pick = row.argmax(-1)
+            prev = prev.clone()
+            prev[live] = pick
+            tokens[live, k] = pick
+            for i, j in enumerate(live):
+                rows[j].append(row[i])
+        return [DraftTree.chain(tokens[j, : n[j]], torch.softmax(torch.stack(r), -1).gather(
+            1, tokens[j, : n[j], None])[:, 0]) for j, r in enumerate(rows)]
+
+    def tree_of(self, logits: torch.Tensor, sampling: Sampling, generator) -> DraftTree:
+        """The draft from this drafter's block logits: a tree of the rows' top-k, a greedy chain of independent rows
+        (one argmax), or left to right (the Markov head, or sampling); with DSpark's head, each row's c_k."""
         if self.scheme == "topk":  # deterministic drafts at T > 0 too (the comparison)
             sampling = Sampling()
         if self.tree_topk > 1:
@@ -326,8 +453,15 @@ class DFlashDrafter:
             tree = DraftTree.chain(tokens, lq.exp())
         else:
             tree = self._left_to_right(logits, sampling, generator)
+        return self._finish(tree)
+
+    def _finish(self, tree: DraftTree) -> DraftTree:
+        """A drafted tree with what the drafter adds to it: FlashHead's candidates, DSpark's c_k of each row."""
         if self.flash is not None and len(tree):  # a node at depth d was drafted from block row d
             tree.cands = self.flash.last_candidates[tree.depth - 1]
+        if self.confidence and self.m.has_confidence and tree.is_chain and len(tree):  # DSpark: c_k of each row
+            prev = torch.cat([self.root, tree.tokens[:-1]])
+            tree.extra["confidence"] = self.m.confidence(self.last_h[: len(tree)], prev)
         return tree
 
     def _left_to_right(self, logits: torch.Tensor, sampling: Sampling, generator) -> DraftTree:
@@ -424,6 +558,11 @@ ENTRY = DrafterEntry(
     name="dflash", label="DFlash", color="#d62728",
     train=TrainEntry("speclab.train.dflash", "DFlashTrainConfig", "train_dflash", "DFlash (with DSpark's Markov "
                      "head) online from the frozen target", init_from="DFlash drafter"),
+    trainings={"dspark": TrainEntry("speclab.train.dspark", "DSparkTrainConfig", "train_dspark", "DSpark's "
+                                    "confidence head on a DFlash drafter (frozen), then its sequential temperature "
+                                    "scaling on held-out greedy text", init_from="DFlash drafter",
+                                    needs_init="the head sits on a trained DFlash drafter (the zoo's: "
+                                    "data/zoo/dflash)")},
     costs=(CostBench("block", "block_costs", "what a DFlash block costs by block size (drafter call, Markov head, "
                      "verification)", "block_sizes", "--block-size", "2,3,4,6,8,12,16", 2, "block_size",
                      ("draft_ms", "draft_markov_ms", "verify_ms"), "part",

@@ -307,6 +307,115 @@ class Eagle3Drafter:
         self.root_h, self.root_logits = h[-1:], logits[-1:]
         self.root_cands = self._cands()[-1:] if self.flash is not None else None
 
+    # -- a batch of requests (`speclab.core.batch`): each request its own drafter, one model call per depth --------
+    @staticmethod
+    def catch_up_many(drafters: list[Eagle3Drafter], ids: list[torch.Tensor], features: list) -> None:
+        """Each drafter's backlog waits for the `propose_many` that follows, whose first call digests them all."""
+        for d, x, f in zip(drafters, ids, features):
+            if x.numel():
+                x, f = x.to(d.device), f.to(d.dtype)
+                if d.pending_ids.numel():
+                    x, f = torch.cat([d.pending_ids, x]), torch.cat([d.pending_feats, f])
+                d.pending_ids, d.pending_feats = x, f
+
+    @staticmethod
+    @torch.inference_mode()
+    def propose_many(drafters: list[Eagle3Drafter], depths: list[int], sampling: Sampling,
+                     generators: list) -> list[DraftTree]:
+        """Every drafter's backlog in ONE call (`_prefill` of each, rows together), then chains level by level, ONE
+        call per depth for all requests (`_chain` of each, the same picks from each request's own generator); a tree
+        or a FlashHead drafter proposes alone after the shared catch-up."""
+        todo = [d for d in drafters if d.pending_ids.numel()]
+        if todo:
+            with forward_clock:
+                Eagle3Drafter._prefill_many(todo)
+        trees: list[DraftTree | None] = [None] * len(drafters)
+        chains = []
+        for j, (d, k) in enumerate(zip(drafters, depths)):
+            depth = min(d.depth, k, d.total_tokens)
+            if depth <= 0 or d.root_logits is None:
+                trees[j] = DraftTree.empty(d.device)
+            elif d.tree_topk > 1 or d.flash is not None:
+                trees[j] = d.propose(k, sampling, generators[j])
+            else:
+                chains.append((j, depth))
+        if chains:
+            got = Eagle3Drafter._chains([drafters[j] for j, _ in chains], [n for _, n in chains], sampling,
+                                        [generators[j] for j, _ in chains])
+            for (j, _), tree in zip(chains, got):
+                trees[j] = tree
+        return trees  # type: ignore[return-value]
+
+    @staticmethod
+    def _prefill_many(drafters: list[Eagle3Drafter]) -> None:
+        """`_prefill` of several drafters of one model in one pass: the backlogs' rows through fc and the layer's
+        projections together; each drafter's rows written into its own cache; its last row (with `kv_only`; else
+        every row, causal) attends and runs the rest of the layer."""
+        d0, m = drafters[0], drafters[0].m
+        ns = [d.pending_ids.numel() for d in drafters]
+        bounds = [0, *torch.tensor(ns).cumsum(0).tolist()]
+        emb = torch.cat([d._embed(d.pending_ids) for d in drafters])
+        h = m.fc(torch.cat([d.pending_feats.to(d0.dtype) for d in drafters]))
+        cos, sin = d0._rope(torch.cat([torch.arange(d.known, d.known + n, device=d0.device)
+                                       for d, n in zip(drafters, ns)]))
+        kv_only = all(d.kv_only for d in drafters)
+        rows = torch.tensor(bounds[1:], device=d0.device) - 1 if kv_only else None
+        q, k, v = m.qkv(emb, h, cos, sin, q_rows=rows)
+        outs = []
+        for j, (d, a, b) in enumerate(zip(drafters, bounds, bounds[1:])):
+            d.pending_ids, d.pending_feats = d.pending_ids[:0], d.pending_feats[:0]
+            outs.append(d._attend(q[:, j : j + 1] if kv_only else q[:, a:b], k[:, a:b], v[:, a:b], d.known, None))
+            d.known = d.cache.length
+        h = m.finish(h[rows] if kv_only else h, torch.cat(outs, 1))
+        logits = d0._logits(h)
+        for j, (d, b) in enumerate(zip(drafters, bounds[1:])):
+            last = j if kv_only else b - 1
+            d.root_h, d.root_logits = h[last : last + 1], logits[last : last + 1]
+            d.root_cands = None
+
+    @staticmethod
+    def _chains(drafters: list[Eagle3Drafter], depths: list[int], sampling: Sampling,
+                generators: list) -> list[DraftTree]:
+        """`_chain` of several drafters, one call per depth for all of those still drafting (each request's own picks
+        and generator, in the same order as alone)."""
+        drawn = [not sampling.greedy and d.scheme != "topk" for d in drafters]
+        logp = [torch.log_softmax(d.root_logits.float(), -1) for d in drafters]
+        h = [d.root_h for d in drafters]
+        tokens: list[list] = [[] for _ in drafters]
+        logq: list[list] = [[] for _ in drafters]
+        dists: list[list] = [[] for _ in drafters]
+        for level in range(1, max(depths) + 1):
+            live = [j for j, n in enumerate(depths) if level <= n]
+            for j in live:
+                d = drafters[j]
+                if not drawn[j]:
+                    lq, idx = logp[j].max(-1)
+                    tok = d.to_target[idx]
+                else:
+                    tok, qx, q = draw_one(logp[j], sampling, d.draft_temp, generators[j], d.to_target,
+                                          d.target.vocab_size)
+                    lq = qx.log()
+                    dists[j].append(q)
+                tokens[j].append(tok)
+                logq[j].append(lq)
+            nxt = [j for j in live if level < depths[j]]
+            if not nxt:
+                break
+            with forward_clock:  # the next node of every chain still drafting: one call
+                d0, m = drafters[nxt[0]], drafters[nxt[0]].m
+                pos = torch.tensor([drafters[j].known - 1 + level for j in nxt], device=d0.device)
+                cos, sin = d0._rope(pos)
+                hp = torch.cat([h[j] for j in nxt])
+                q, k, v = m.qkv(torch.cat([drafters[j]._embed(tokens[j][-1]) for j in nxt]), hp, cos, sin)
+                o = torch.cat([drafters[j]._attend(q[:, i : i + 1], k[:, i : i + 1], v[:, i : i + 1],
+                                                   drafters[j].cache.length, None) for i, j in enumerate(nxt)], 1)
+                hn = m.finish(hp, o)
+                lg = d0._logits(hn)
+            for i, j in enumerate(nxt):
+                h[j], logp[j] = hn[i : i + 1], torch.log_softmax(lg[i : i + 1].float(), -1)
+        return [DraftTree.chain(torch.cat(t), torch.cat(lq).exp(), chain_dists(ds) if ds else None)
+                for t, lq, ds in zip(tokens, logq, dists)]
+
     def _logits(self, h: torch.Tensor) -> torch.Tensor:
         """The drafter's logits of pre-norm outputs h, computed in its dtype and returned as float32. Unlike the
         target's, they are not refined to fp32 (`speclab.core.precision.Head`): they only choose what to propose,

@@ -169,6 +169,8 @@ class DrafterEntry:
     label: str = ""  # its name in figures and tables ("EAGLE-3"); empty: `name`
     color: str = "#8c564b"  # its colour in every figure (`speclab.viz`)
     train: TrainEntry | None = None  # `speclab train NAME`; None: trained elsewhere, or nothing to train
+    trainings: dict[str, TrainEntry] = field(default_factory=dict)  # more `speclab train KEY` runs of its model's
+    # parts (DFlash: `dspark`, DSpark's confidence head)
     costs: tuple[CostBench, ...] = ()  # `speclab costs ...` micro-benchmarks of its own
     bench: dict = field(default_factory=dict)  # parameters its methods take in `speclab bench` (over the
     # defaults; a spec's own win), e.g. sps's chain length matched to its transformers peer's

@@ -85,9 +85,10 @@ def pick_blocks(T: int, size: int, rows: int, rng: np.random.Generator) -> torch
 
 
 def block_forward(m: DFlashModel, embed_w: torch.Tensor, head_w: torch.Tensor, ids: torch.Tensor, feats: torch.Tensor,
-                  anchors: torch.Tensor, size: int) -> torch.Tensor:
+                  anchors: torch.Tensor, size: int, states: bool = False):
     """Base logits [Bw, nb, size - 1, V] of every block's mask rows, for windows ids [Bw, T] with the target's
-    features [Bw, T, F] (row t: the feature of token t) and blocks of `size` rows at `anchors` [nb]."""
+    features [Bw, T, F] (row t: the feature of token t) and blocks of `size` rows at `anchors` [nb]; with `states`,
+    (logits, the rows' final-norm states [Bw, nb, size - 1, H]) (DSpark's confidence head reads them)."""
     Bw, T = ids.shape
     nb = anchors.numel()
     c = m.config
@@ -112,7 +113,8 @@ def block_forward(m: DFlashModel, embed_w: torch.Tensor, head_w: torch.Tensor, i
                                            enable_gqa=c.num_attention_heads != c.num_key_value_heads)
         x = m.finish(i, x, o)
     h = m.norm(x.view(Bw, nb, size, -1)[:, :, 1:])
-    return F.linear(h, head_w) * c.output_multiplier
+    logits = F.linear(h, head_w) * c.output_multiplier
+    return (logits, h) if states else logits
 
 
 def block_loss(m: DFlashModel, logits: torch.Tensor, ids: torch.Tensor, target_top: tuple[torch.Tensor, torch.Tensor],
@@ -155,20 +157,27 @@ def target_features(target, ids: torch.Tensor, layer_ids, top: int = 32):
     return feats, lm.top_tokens(out.logits, top)
 
 
+def val_blocks(m, embed_w, head_w, target, data, cfg, states: bool = False):
+    """Per domain, validation windows with blocks of the full size every `block_size` positions through the
+    drafter: (domain, ids, the target's top tokens, anchors, `block_forward`'s output (with `states`: and the rows'
+    states)). The validation of DFlash's training and of DSpark's head's."""
+    size = cfg.block_size
+    for d in DOMAINS:
+        ids = lm.val_windows(data, d, cfg.eval_windows, cfg.seq_len)
+        feats, top = target_features(target, ids, m.config.target_layer_ids)
+        anchors = torch.arange(1, cfg.seq_len - size + 1, size)
+        with lm.autocast(cfg.precision):
+            out = block_forward(m, embed_w, head_w, ids, feats, anchors, size, states=states)
+        yield d, ids, top, anchors, out
+
+
 @torch.no_grad()
 def evaluate(m, embed_w, head_w, target, data, cfg: DFlashTrainConfig) -> dict:
     """Per domain, on validation windows with blocks of the full size every `block_size` positions: per-readout
     loss, per-row accuracy and implied tau."""
     m.eval()
-    res = {}
-    size = cfg.block_size
-    for d in DOMAINS:
-        ids = lm.val_windows(data, d, cfg.eval_windows, cfg.seq_len)
-        feats, logp = target_features(target, ids, m.config.target_layer_ids)
-        anchors = torch.arange(1, cfg.seq_len - size + 1, size)
-        with lm.autocast(cfg.precision):
-            logits = block_forward(m, embed_w, head_w, ids, feats, anchors, size)
-        _, res[d] = block_loss(m, logits, ids, logp, anchors, cfg.gamma)
+    res = {d: block_loss(m, logits, ids, top, anchors, cfg.gamma)[1]
+           for d, ids, top, anchors, logits in val_blocks(m, embed_w, head_w, target, data, cfg)}
     m.train()
     return res
 

@@ -1,0 +1,272 @@
+"""Draft-length policies for batched serving: how many draft tokens each request gets in a step
+(`speclab.core.batch.Policy`), each registered with its parameters.
+
+- `none`: no speculation (every request one target row per step).
+- `fixed:k=K`: K draft tokens for every request at every batch size.
+- `table:1-4=4,5-16=2,17-64=0`: K by the number of active requests, as vLLM's
+  `num_speculative_tokens_per_batch_size` (PR 32374); a size outside every range gets 0.
+- `goodput:k=K,alpha0=A`: SmartSpec-style (arXiv 2406.14066): each request's moving-average acceptance rate
+  alpha_r (A until it has drafted) makes its j-th draft token survive with probability alpha_r^j; tokens are admitted
+  across the batch in descending survival while the expected goodput, expected tokens / modeled step time, rises
+  (`admit`: DSpark's admission rule, arXiv 2607.05147 §3.2.2, with acceptance in place of its confidence head).
+  The step time is a `StepCost` profiled at start on this machine.
+- `dspark:k=K`: DSpark's confidence scheduler (arXiv 2607.05147 §3.2.2, Algorithm 1): every request drafts a block
+  (one DFlash call for the batch) of at most K tokens, one more than its last step's admission kept (§5.2), its
+  confidence head gives each row c_k and the survival of the first j drafts a[r, j] = prod_{k<=j} c_k; `admit` then
+  keeps tokens in descending survival while the expected tokens per second rise, and each chain is cut to its kept
+  prefix before verification (the drafting is paid already: only the verification rows count). It needs a DFlash
+  drafter with the head (`speclab train dspark`). Cutting is lossless because c_k reads the token before row k,
+  never row k's own: whether a token is verified never depends on its own value (a confidence of the drafted token
+  itself, q(x_k), biases the output: tests/test_dspark.py catches it, and a rule that peeks at the target).
+
+A spec is `name` or `name:key=value,...`; `parse_policy` checks it before any model loads (one line).
+"""
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+
+import torch
+
+from speclab.checks import Bound, check_number
+from speclab.errors import InvalidInput
+
+POLICIES = ("none", "fixed", "table", "goodput", "dspark")
+MAX_K = 64
+DEFAULT_TABLE = "1-2=4,3-8=3,9-16=2,17-64=1"
+
+
+@dataclass
+class StepCost:
+    """Modeled ms of one batched step: verify0 + verify1 x rows + per_request x requests (the target forward over
+    all requests' rows, `Target.forward_many`), plus draft_ms per draft token (learned online from the steps)."""
+    verify0: float
+    verify1: float
+    per_request: float
+    draft_ms: float = 0.0
+
+    def ms(self, rows: int, requests: int, drafted: int = 0) -> float:
+        return self.verify0 + self.verify1 * rows + self.per_request * requests + self.draft_ms * drafted
+
+    def learn(self, ev) -> None:
+        """`draft_ms` from a step (`StepEvent`): its draft ms per draft token, a moving average over the steps that
+        drafted."""
+        n = sum(ev.drafted)
+        if n:
+            per = ev.ms["draft"] / n
+            self.draft_ms = per if self.draft_ms == 0 else 0.8 * self.draft_ms + 0.2 * per
+
+    @classmethod
+    def profile(cls, target, context: int = 128, requests=(1, 4, 16), rows=(1, 4), reps: int = 5) -> StepCost:
+        """Time the batched forward at a few (requests, rows per request) after `context` cached tokens each and fit
+        the three terms (least squares, none below 0)."""
+        import numpy as np
+
+        from speclab.core.lean import Segment
+        ids = torch.randint(0, target.vocab_size, (context + max(rows),), generator=torch.Generator().manual_seed(0))
+        X, y = [], []
+        for b in requests:
+            caches = []
+            for _ in range(b):
+                c = target.new_cache(context + max(rows))
+                target.forward(ids[:context], c)
+                caches.append(c)
+            for r in rows:
+                segs = [Segment(ids[context : context + r], c) for c in caches]
+                times = []
+                for _ in range(reps):
+                    t = time.perf_counter()
+                    target.forward_many(segs)
+                    times.append((time.perf_counter() - t) * 1e3)
+                    for c in caches:
+                        c.crop(context)
+                X.append([1.0, b * r, b])
+                y.append(float(np.median(times)))
+        coef = np.linalg.lstsq(np.array(X), np.array(y), rcond=None)[0]
+        return cls(*(float(max(c, 0.0)) for c in coef))
+
+
+def admit(survival: list[list[float]], cost: StepCost) -> list[int]:
+    """Draft lengths by DSpark's rule: every request starts at 0 drafts (its root row: 1 token expected); candidate
+    tokens (request r's j-th, surviving with probability survival[r][j - 1], non-increasing in j) are admitted in
+    descending survival while Theta = expected tokens x steps per second rises, stopping at the first that does not
+    raise it. The decision is made before verification (non-anticipating)."""
+    n = len(survival)
+    ks = [0] * n
+    tokens, rows, drafted = float(n), n, 0
+    best = tokens / cost.ms(rows, n)
+    order = sorted(((a, r, j) for r, surv in enumerate(survival) for j, a in enumerate(surv)), key=lambda t: -t[0])
+    for a, r, j in order:
+        if j != ks[r]:  # only a prefix of a request's draft can be accepted
+            continue
+        theta = (tokens + a) / cost.ms(rows + 1, n, drafted + 1)
+        if theta <= best:
+            break
+        tokens, rows, drafted, best, ks[r] = tokens + a, rows + 1, drafted + 1, theta, j + 1
+    return ks
+
+
+class NoDraft:
+    name = "none"
+
+    def lengths(self, streams) -> list[int]:
+        return [0] * len(streams)
+
+
+class Fixed:
+    name = "fixed"
+
+    def __init__(self, k: int = 4):
+        self.k = k
+
+    def lengths(self, streams) -> list[int]:
+        return [self.k] * len(streams)
+
+
+class Table:
+    name = "table"
+
+    def __init__(self, table: dict[tuple[int, int], int]):
+        self.table = table
+
+    def k_at(self, size: int) -> int:
+        return next((k for (lo, hi), k in self.table.items() if lo <= size <= hi), 0)
+
+    def lengths(self, streams) -> list[int]:
+        return [self.k_at(len(streams))] * len(streams)
+
+
+class Goodput:
+    name = "goodput"
+
+    def __init__(self, k: int = 8, alpha0: float = 0.6, cost: StepCost | None = None):
+        self.k, self.alpha0, self.cost = k, alpha0, cost
+
+    def lengths(self, streams) -> list[int]:
+        assert self.cost is not None, "goodput needs its StepCost (profiled at start)"
+        alphas = [self.alpha0 if math.isnan(s.accept_ema) else min(s.accept_ema, 0.99) for s in streams]
+        return admit([[a ** j for j in range(1, self.k + 1)] for a in alphas], self.cost)
+
+    def observe(self, ev) -> None:
+        if self.cost is not None:
+            self.cost.learn(ev)
+
+
+class DSpark:
+    name = "dspark"
+    confidence = True  # the batch asks each request's drafter for its rows' c_k
+    PROBE_EVERY = 8  # steps without drafting after which the batch drafts once more (fresh confidences)
+
+    def __init__(self, k: int = 8, cost: StepCost | None = None):
+        self.k = k
+        self.cost = None if cost is None else StepCost(cost.verify0, cost.verify1, cost.per_request)  # verify only
+        self.kept: dict[int, int] = {}  # request -> the drafts its last admission kept
+        self.surv: dict[int, list[float]] = {}  # request -> its last block's survival products
+        self.call_ms = 0.0  # a drafting step's drafter call (every request's block in one call): a moving average
+        self.idle = 0  # steps since the batch last drafted
+
+    def lengths(self, streams) -> list[int]:
+        """How long each block is, from the last step's confidences (the production variant's capacity from older
+        confidences, §5.2; past steps only, never this step's drafts): first whether drafting pays at all this step,
+        the admission of the last survivals against the verification rows plus one drafter call (on this CPU the
+        call costs about what a target step does); then a block as long as the request's last admission kept, plus
+        one (at most k; a new request: k)."""
+        old = [self.surv.get(s.req.rid) for s in streams]
+        if self.cost is not None and self.call_ms and all(o is not None for o in old) \
+                and self.idle < self.PROBE_EVERY:
+            n = len(streams)
+            ks = admit(old, self.cost)
+            gain = sum(o[k - 1] for o, k in zip(old, ks) if k) if any(ks) else 0.0
+            drafting = (n + gain) / (self.cost.ms(n + sum(ks), n) + self.call_ms)
+            if drafting <= n / self.cost.ms(n, n):
+                self.idle += 1
+                return [0] * n
+        self.idle = 0
+        return [min(self.k, self.kept.get(s.req.rid, self.k - 1) + 1) for s in streams]
+
+    def trim(self, streams, trees) -> list[int]:
+        """DSpark's admission over this step's drafts (the drafting is paid: only the verification rows count)."""
+        assert self.cost is not None, "dspark needs its StepCost (profiled at start)"
+        if any(len(t) and "confidence" not in t.extra for t in trees):
+            raise InvalidInput("dspark: the drafts carry no confidence (the DFlash drafter needs DSpark's confidence "
+                               "head: speclab train dspark)")
+        surv = [t.extra["confidence"].cumprod(0).tolist() if len(t) else [] for t in trees]
+        if not any(surv):
+            return [0] * len(trees)
+        ks = admit(surv, self.cost)
+        for s, a, k in zip(streams, surv, ks):
+            if a:
+                self.surv[s.req.rid], self.kept[s.req.rid] = a, k
+        return ks
+
+    def observe(self, ev) -> None:
+        if ev.drafter_calls:
+            self.call_ms = ev.ms["draft"] if not self.call_ms else 0.8 * self.call_ms + 0.2 * ev.ms["draft"]
+
+
+def parse_policy(spec: str) -> tuple[str, dict]:
+    """'name:key=value,...' checked (one line, InvalidInput) -> (name, params)."""
+    name, _, rest = spec.strip().partition(":")
+    if name not in POLICIES:
+        raise InvalidInput(f"--policy {spec!r}: unknown policy {name!r}; one of {', '.join(POLICIES)}")
+    items = [kv for kv in rest.split(",") if kv.strip()] if rest else []
+    pairs = []
+    for kv in items:
+        k, eq, v = kv.partition("=")
+        if not eq or not k.strip() or not v.strip():
+            raise InvalidInput(f"--policy {spec!r}: {kv!r} is not key=value")
+        pairs.append((k.strip(), v.strip()))
+    if name == "none":
+        if pairs:
+            raise InvalidInput(f"--policy {spec!r}: none takes no parameters")
+        return name, {}
+    if name == "table":
+        return name, {"table": parse_table(pairs or [tuple(kv.split("=")) for kv in DEFAULT_TABLE.split(",")], spec)}
+    known = {"fixed": {"k": (int, Bound(0, MAX_K))},
+             "goodput": {"k": (int, Bound(1, MAX_K)), "alpha0": (float, Bound(0.0, 0.99))},
+             "dspark": {"k": (int, Bound(1, MAX_K))}}[name]
+    params = {}
+    for k, v in pairs:
+        if k not in known:
+            raise InvalidInput(f"--policy {spec!r}: {name} has no parameter {k!r} (it has {', '.join(known)})")
+        kind, bound = known[k]
+        try:
+            params[k] = check_number(f"{name} {k}", v, kind, bound)
+        except InvalidInput as e:
+            raise InvalidInput(f"--policy {spec!r}: {e}") from None
+    return name, params
+
+
+def parse_table(pairs, spec: str) -> dict[tuple[int, int], int]:
+    """'lo-hi' = k pairs: ranges of batch sizes, none overlapping, k in 0..MAX_K."""
+    table: dict[tuple[int, int], int] = {}
+    for rng, k in pairs:
+        lo, dash, hi = str(rng).partition("-")
+        try:
+            lo_i, hi_i, k_i = int(lo), int(hi) if dash else int(lo), int(k)
+        except ValueError:
+            raise InvalidInput(f"--policy {spec!r}: {rng}={k} is not lo-hi=k (batch sizes, a draft length)") from None
+        if not 1 <= lo_i <= hi_i or not 0 <= k_i <= MAX_K:
+            raise InvalidInput(f"--policy {spec!r}: {rng}={k} needs 1 <= lo <= hi and 0 <= k <= {MAX_K}")
+        if any(lo_i <= h and l_ <= hi_i for l_, h in table):
+            raise InvalidInput(f"--policy {spec!r}: the range {rng} overlaps another")
+        table[(lo_i, hi_i)] = k_i
+    return table
+
+
+def build_policy(spec: str, cost: StepCost | None = None):
+    name, params = parse_policy(spec)
+    if name == "none":
+        return NoDraft()
+    if name == "fixed":
+        return Fixed(**params)
+    if name == "table":
+        return Table(params["table"])
+    if name == "dspark":
+        return DSpark(cost=cost, **params)
+    return Goodput(cost=cost, **params)
+
+
+def needs_cost(spec: str) -> bool:
+    return parse_policy(spec)[0] in ("goodput", "dspark")

@@ -1,0 +1,159 @@
+"""DSpark (`speclab.train.dspark`, `speclab.serve.policies.DSpark`): the calibration metrics, the sequential temperature
+scaling, the confidence head on a DFlash drafter (its c_k on every drafted row, trained and calibrated by `speclab
+train dspark`), the scheduler's cut drafts decoding exactly as alone, and its sampled outputs keeping the target's
+distribution where a retrospective rule (one that peeks at the target) is caught by the same test."""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from helpers import PROMPTS
+from speclab.core.batch import Batch, Request
+from speclab.core.engine import decode
+from speclab.core.protocol import FixedRouter
+from speclab.core.sampling import Sampling, logits_to_probs
+from speclab.core.tree import DraftTree
+from speclab.drafters.registry import build_drafter
+from speclab.metrics import auroc, brier, ece
+from speclab.serve.policies import DSpark, StepCost, admit
+from speclab.train.dspark import calibration_table, fit_temperatures, survival, with_head
+
+
+def test_calibration_metrics_follow_their_definitions():
+    p, y = np.array([0.1, 0.1, 0.9, 0.9]), np.array([0, 1, 1, 1])
+    assert math.isclose(ece(p, y), 0.5 * abs(0.5 - 0.1) + 0.5 * abs(1.0 - 0.9))
+    assert math.isclose(brier(p, y), (0.01 + 0.81 + 0.01 + 0.01) / 4)
+    assert math.isclose(auroc(p, y), (0.5 + 1 + 1) / 3)  # one positive ties the negative
+    assert math.isnan(auroc(p, np.ones(4)))
+
+
+def test_sequential_temperatures_undo_an_overconfident_head():
+    """Logits twice as sharp as the truth: row by row the fitted temperatures come out near 2 and the cumulative
+    product's ECE falls to a few hundredths at every row, with AUROC unchanged (scaling keeps the order)."""
+    g = torch.Generator().manual_seed(0)
+    true = torch.randn(20000, 4, generator=g) + 1.0
+    accepted = (torch.rand(20000, 4, generator=g) < torch.sigmoid(true)).long().cumprod(-1).bool()
+    temps = fit_temperatures(2 * true, accepted)
+    assert all(1.5 < t < 2.7 for t in temps), temps
+    table = calibration_table(2 * true, accepted, temps)
+    assert all(r["ece_after"] < 0.03 < r["ece_before"] for r in table[:2]), table
+    assert all(r["ece_after"] < 0.03 for r in table)
+    assert all(math.isclose(r["auroc_before"], r["auroc_after"], rel_tol=1e-6) for r in table[:1])
+    np.testing.assert_allclose(survival(2 * true[:3], temps)[:, 0], torch.sigmoid(2 * true[:3, 0] / temps[0]),
+                               rtol=1e-5)
+
+
+@pytest.fixture(scope="module")
+def dspark(deep, trained_dflash):
+    """The tiny trained DFlash drafter with a confidence head (random weights: what the head predicts does not
+    matter for losslessness, only that the scheduler cuts by it)."""
+    import copy
+    m = copy.deepcopy(trained_dflash)
+    with_head(m)
+    torch.nn.init.normal_(m.confidence_head.weight, std=0.5, generator=torch.Generator().manual_seed(1))
+    return m.requires_grad_(False)
+
+
+def test_the_head_gives_every_drafted_row_its_confidence(deep, dspark):
+    d = build_drafter("dflash", deep, {"dflash": dspark}, block_size=6, markov=1)
+    ids = torch.tensor(deep.tokenizer(PROMPTS[0])["input_ids"])
+    d.reset(ids, deep.forward(ids[:-1], deep.new_cache(), layers=d.layers).features)
+    d.catch_up(ids[:0], None)
+    assert "confidence" not in d.propose(5, Sampling(), None).extra  # nobody asked: not computed
+    d.commit(DraftTree.empty(), torch.zeros(0, dtype=torch.long))
+    d.confidence = True  # what the batch sets for a scheduler that reads it (DSpark's)
+    tree = d.propose(5, Sampling(), None)
+    c = tree.extra["confidence"]
+    assert c.shape == (5,) and ((c > 0) & (c < 1)).all()
+    prev = torch.cat([ids[-1:], tree.tokens[:-1]])
+    torch.testing.assert_close(c, torch.sigmoid(dspark.confidence_logits(d.last_h[:5], prev).float()))
+
+
+def test_dspark_cuts_drafts_and_each_request_decodes_as_alone(deep, dspark):
+    """Four requests under the scheduler: the drafts are cut to different lengths (by the survival products),
+    never longer than drafted, and every output is its single-stream decode's (greedy, fp32)."""
+    def make():
+        return {"dflash": build_drafter("dflash", deep, {"dflash": dspark}, block_size=6, markov=1)}
+    ids = [torch.tensor(deep.tokenizer(p)["input_ids"]) for p in PROMPTS]
+    batch = Batch(deep, make, DSpark(k=5, cost=StepCost(4.0, 0.5, 0.2)), Sampling(), max_batch=4)
+    for i, x in enumerate(ids):
+        batch.submit(Request(i, x, 24))
+    kept = []
+    while not batch.idle:
+        kept += batch.step().drafted
+    assert len(set(kept)) > 2 and max(kept) <= 5
+    for i, x in enumerate(ids):
+        ds = make()
+        assert torch.equal(batch.done[i].new_ids, decode(deep, x, ds, FixedRouter("dflash"), 24).new_ids), i
+
+
+class Retrospective(DSpark):
+    """A test-only rule that peeks at the target before verification: it keeps a request's first draft only where
+    the target likes it more than the drafter did (p(x) > q(x)). Its outputs are not the target's distribution."""
+
+    def __init__(self, target, sampling):
+        super().__init__(k=1, cost=StepCost(1.0, 0.0, 0.0))
+        self.target, self.sampling = target, sampling
+
+    def trim(self, streams, trees):
+        keep = []
+        for s, t in zip(streams, trees):
+            if not len(t):
+                keep.append(0)
+                continue
+            logits = self.target.forward(s.seq.ids[: s.seq.n], self.target.new_cache(), last=1).logits
+            p = logits_to_probs(logits, self.sampling)[0, t.tokens[0]]
+            keep.append(int(p > t.draft_probs[0]))
+        return keep
+
+
+def test_scheduled_sampling_keeps_the_target_distribution_and_biased_rules_are_caught(tiny_vocab):
+    """N_RUNS sampled requests of one prompt through the scheduler, 16 at a time. With confidences that, like the
+    head's c_k, depend only on the tokens before row k (here: the largest probability of the q row k was drawn from),
+    the first two tokens follow the target's exact joint (chi-square). The same test catches a confidence that reads
+    row k's own token (q(x_k): cutting a token by its own value biases it) and a rule that peeks at the target."""
+    from test_sampling import N_RUNS, PLAIN, PROMPT, V, chi2_p, exact_joint
+    target, draft = tiny_vocab
+
+    class WithConfidence:  # sps's sampled chain, with a stand-in for the head's c_k
+        def __init__(self, own_token):
+            self.d = build_drafter("sps", target, {"draft": draft}, k=3)
+            self.name, self.layers, self.own_token = "sps", (), own_token
+
+        def __getattr__(self, name):
+            return getattr(self.d, name)
+
+        def propose(self, k, s, g):
+            tree = self.d.propose(k, s, g)
+            if len(tree):
+                tree.extra["confidence"] = (tree.draft_probs.float() if self.own_token else
+                                            tree.draft_dists[: len(tree)].max(-1).values.float())
+            return tree
+
+    def counts(policy, own_token=False):
+        batch = Batch(target, lambda: {"sps": WithConfidence(own_token)}, policy, PLAIN, max_batch=16)
+        for i in range(N_RUNS):
+            batch.submit(Request(i, PROMPT, 3, seed=i))
+        while not batch.idle:
+            batch.step()
+        return np.bincount([int(d.new_ids[0]) * V + int(d.new_ids[1]) for d in batch.done.values()],
+                           minlength=V * V), batch
+    want = exact_joint(target, PROMPT, PLAIN)
+    cost = StepCost(10.0, 0.1, 0.0)
+    got, batch = counts(DSpark(k=3, cost=cost))
+    assert chi2_p(got, want) > 1e-3
+    drafted = [d.drafted for d in batch.done.values()]
+    assert sum(drafted) > N_RUNS // 2 and len(set(drafted)) >= 2  # drafts were scheduled, cut and verified
+    assert chi2_p(counts(DSpark(k=3, cost=cost), own_token=True)[0], want) < 1e-3
+    assert chi2_p(counts(Retrospective(target, PLAIN))[0], want) < 1e-3
+
+
+def test_admission_is_the_rule_not_a_threshold():
+    """Theta = tokens x steps per second decides: the same survival gets more tokens when rows are cheaper."""
+    surv = [[0.9, 0.6, 0.3]]
+    assert admit(surv, StepCost(10.0, 0.5, 0.0)) == [3]
+    assert admit(surv, StepCost(10.0, 4.0, 0.0)) == [2]
+    assert admit(surv, StepCost(10.0, 10.0, 0.0)) == [1]
