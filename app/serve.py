@@ -16,12 +16,12 @@ from speclab.checks import Bound, check_number
 from speclab.core.batch import Batch
 from speclab.core.sampling import Sampling
 from speclab.errors import InvalidInput
-from speclab.generate import encode_prompt, run_device
-from speclab.methods import build_method, method_params
+from speclab.generate import encode_prompt
+from speclab.methods import method_params
 from speclab.metrics import serving_metrics
-from speclab.serve.load import closed_steps
+from speclab.serve.load import closed_steps, drafters_for
 from speclab.serve.policies import StepCost, build_policy, needs_cost, parse_policy
-from speclab.serve.record import ServeRecorder
+from speclab.serve.record import ServeRecorder, served_row
 
 POLICIES = ["none", "fixed:k=2", "fixed:k=4", "fixed:k=8", "table", "goodput:k=8", "dspark:k=8"]
 STREAM_EVERY_S = 0.5
@@ -67,19 +67,12 @@ class Serving:
         if needs_cost(policy) and self.cost is None:
             yield "profiling the batched step once (the policy's step-time model) ...", gr.skip(), gr.skip()
             self.cost = StepCost.profile(lab.target)
-        plain = parse_policy(policy)[0] == "none"
         session = f"app-serve-{uuid.uuid4().hex[:8]} {policy} c={concurrency}"
 
-        def run_row(st):
-            return dict(method="ar" if plain else method, target=lab.target.name, drafters=None if plain else
-                        method.split(":")[0], router=None, params={**params, "policy": policy,
-                                                                  "concurrency": concurrency,
-                                                                  "max_new_tokens": max_new},
-                        prompt_id=rows[st.req.rid].get("prompt_id"), category=rows[st.req.rid].get("category"),
-                        prompt_text=rows[st.req.rid]["prompt"], prompt_tokens=st.req.prompt_ids.numel(),
-                        **run_device(lab.target))
-        recorder = ServeRecorder(lab.store, lab.target.tokenizer, session, policy, run_row)
-        make = dict if plain else (lambda: build_method(method, lab.target, lab.models, params)[0])
+        recorder = ServeRecorder(lab.store, lab.target.tokenizer, session, policy, lambda st: served_row(
+            lab.target, method, params, policy, st, rows[st.req.rid], concurrency=concurrency,
+            max_new_tokens=max_new))
+        make = drafters_for(policy, method, lab.target, lab.models, params)
         batch = Batch(lab.target, make, build_policy(policy, self.cost), Sampling(), recorder=recorder)
         steps, last, t0 = [], 0.0, batch.now()
         try:

@@ -26,11 +26,11 @@ def cmd_serve_bench(a: argparse.Namespace) -> int:
     from speclab.core.engine import decode
     from speclab.core.sampling import Sampling
     from speclab.equality import first_divergence, kind_of
-    from speclab.methods import build_method, check_before_loading, get_method, method_params
+    from speclab.methods import check_before_loading, get_method, method_params
     from speclab.progress import Progress
-    from speclab.serve.load import closed_loop, open_loop
+    from speclab.serve.load import closed_loop, drafters_for, open_loop
     from speclab.serve.policies import StepCost, build_policy, needs_cost, parse_policy
-    from speclab.serve.record import ServeRecorder
+    from speclab.serve.record import ServeRecorder, served_row
     from speclab.trace import TraceStore
 
     # every option checked before any model loads
@@ -69,24 +69,14 @@ def cmd_serve_bench(a: argparse.Namespace) -> int:
                            "head (`speclab train dspark --init-from` it adds one)")
     params = method_params(a.method, {}, target)
     prompts = [format_prompt(target, r) for r in rows]
-    from speclab.generate import run_device
 
     def run_row(st, spec, load, serve_id):
-        row = rows[st.req.rid]
-        plain = parse_policy(spec)[0] == "none"  # no drafter: AR in a batch (the runs' equality reference)
-        return dict(method="ar" if plain else a.method, target=target.name, drafters=None if plain else m.drafter,
-                    router=None, bench_id=serve_id,
-                    params={**params, "policy": spec, ("rate" if rates else "concurrency"): load,
-                            "max_new_tokens": a.max_new_tokens, "temperature": a.temperature,
-                            "seed": st.req.seed, "max_batch": a.max_batch},
-                    prompt_id=row.get("prompt_id"), category=row.get("category"), prompt_text=row["prompt"],
-                    prompt_tokens=st.req.prompt_ids.numel(), **run_device(target))
-    sampling = Sampling(temperature=a.temperature, seed=a.seed)
+        return dict(served_row(target, a.method, params, spec, st, rows[st.req.rid],
+                               **{("rate" if rates else "concurrency"): load, "max_new_tokens": a.max_new_tokens,
+                                  "temperature": a.temperature, "seed": st.req.seed, "max_batch": a.max_batch}),
+                    bench_id=serve_id)
 
-    def make(spec):
-        if parse_policy(spec)[0] == "none":
-            return dict
-        return lambda: build_method(a.method, target, models, params)[0]
+    sampling = Sampling(temperature=a.temperature, seed=a.seed)
 
     cost = None
     if any(needs_cost(p) for p in policies):
@@ -114,7 +104,8 @@ def cmd_serve_bench(a: argparse.Namespace) -> int:
                     recorder = None if store is None else ServeRecorder(
                         store, target.tokenizer, session, spec,
                         lambda st, spec=spec, load=load: run_row(st, spec, load, serve_id))
-                    batch = Batch(target, make(spec), policy, sampling, max_batch=a.max_batch, recorder=recorder)
+                    batch = Batch(target, drafters_for(spec, a.method, target, models, params), policy, sampling,
+                                  max_batch=a.max_batch, recorder=recorder)
 
                     def tick(n, base=done0):
                         bar.update(base + n)

@@ -280,11 +280,7 @@ class Eagle3Drafter:
     def catch_up(self, ids: torch.Tensor, features: torch.Tensor | None) -> None:
         """The backlog (token x_t with the target's feature f_{t-1}, at position t - 1) into the cache in one call:
         keys and values only for all rows but the last (`kv_only`), which alone runs the rest of the layer."""
-        if ids.numel():
-            ids, features = ids.to(self.device), features.to(self.dtype)
-            if self.pending_ids.numel():  # a backlog from reset (the prompt) still waits
-                ids, features = torch.cat([self.pending_ids, ids]), torch.cat([self.pending_feats, features])
-            self.pending_ids, self.pending_feats = ids, features
+        self._stash(ids, features)
         m = self.pending_ids.numel()
         if m == 0:
             return
@@ -312,11 +308,15 @@ class Eagle3Drafter:
     def catch_up_many(drafters: list[Eagle3Drafter], ids: list[torch.Tensor], features: list) -> None:
         """Each drafter's backlog waits for the `propose_many` that follows, whose first call digests them all."""
         for d, x, f in zip(drafters, ids, features):
-            if x.numel():
-                x, f = x.to(d.device), f.to(d.dtype)
-                if d.pending_ids.numel():
-                    x, f = torch.cat([d.pending_ids, x]), torch.cat([d.pending_feats, f])
-                d.pending_ids, d.pending_feats = x, f
+            d._stash(x, f)
+
+    def _stash(self, ids: torch.Tensor, features: torch.Tensor | None) -> None:
+        """The backlog after whatever still waits (a backlog from reset: the prompt), until a prefill digests it."""
+        if ids.numel():
+            ids, features = ids.to(self.device), features.to(self.dtype)
+            if self.pending_ids.numel():
+                ids, features = torch.cat([self.pending_ids, ids]), torch.cat([self.pending_feats, features])
+            self.pending_ids, self.pending_feats = ids, features
 
     @staticmethod
     @torch.inference_mode()

@@ -33,6 +33,15 @@ class Served:
         return serving_metrics(self.dones, self.makespan_s)
 
 
+def drafters_for(policy: str, method: str, target, models: dict, params: dict):
+    """One request's drafters under `policy` (`Batch`'s `make_drafters`): none under `none`, else the method's."""
+    from speclab.methods import build_method
+    from speclab.serve.policies import parse_policy
+    if parse_policy(policy)[0] == "none":
+        return dict
+    return lambda: build_method(method, target, models, params)[0]
+
+
 def seed_of(batch: Batch, rid: int) -> int | None:
     """Request `rid`'s sampling seed: the batch's seed + rid (each request its own draws; None stays None)."""
     return None if batch.sampling.seed is None else batch.sampling.seed + rid

@@ -14,9 +14,24 @@ import pyarrow as pa
 from speclab.core.batch import Done, StepEvent, Stream
 from speclab.core.engine import RoundEvent
 from speclab.equality import output_hash
+from speclab.generate import run_device
+from speclab.methods import get_method
+from speclab.serve.policies import parse_policy
 from speclab.trace import RunWriter, TraceStore
 
 STEP_PHASES = ("prefill", "policy", "draft", "verify", "commit")
+
+
+def served_row(target, method: str, params: dict, policy: str, st: Stream, prompt: dict, **more) -> dict:
+    """A served request's run row: its method (`ar` under the `none` policy: no drafter ran, and those runs are the
+    serve's equality reference), the method's parameters with the policy and `more` (the load, ...), its prompt
+    row and the device."""
+    plain = parse_policy(policy)[0] == "none"
+    return dict(method="ar" if plain else method, target=target.name,
+                drafters=None if plain else get_method(method).drafter, router=None,
+                params={**params, "policy": policy, **more}, prompt_id=prompt.get("prompt_id"),
+                category=prompt.get("category"), prompt_text=prompt["prompt"],
+                prompt_tokens=st.req.prompt_ids.numel(), **run_device(target))
 
 
 class ServeRecorder:
