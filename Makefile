@@ -3,7 +3,7 @@
 # Both create/reuse .venv and install what they need (scripts/setup.sh).
 PY := .venv/bin/python
 
-.PHONY: setup run demo test test-fast bench bench-sampled bench-quick whiflash app-probe lab
+.PHONY: setup run demo test test-fast bench bench-sampled bench-quick route whiflash app-probe lab
 
 setup:
 	@bash scripts/setup.sh
@@ -43,6 +43,12 @@ test-fast:
 # Benchmarks on the zoo (README "Benchmarks"): report in reports/bench.md + .html, rows in traces/bench.duckdb
 bench: setup
 	$(PY) -m speclab.cli bench --suite zoo --methods ar,sps,pld,eagle3,dflash,dflash:markov=0,whiflash-entropy,whiflash-neural --limit 8 --max-new-tokens 128
+
+# Routing v2 (README "Routing v2"): the route method beside its arms on the zoo (live, paired by prompt), then every
+# arm profiled and each policy and Oracle-Token replayed, with the model error against the live runs
+route: setup
+	$(PY) -m speclab.cli bench --suite zoo --methods ar,pld,eagle3,dflash,route,route:router=rule,route:arms=pld.eagle3 --limit 8 --max-new-tokens 128 --no-peers --no-untraced --db traces/route.duckdb --report reports/route_bench.md
+	$(PY) -m speclab.cli route-table --db traces/route.duckdb --bench latest --report reports/route_table.md
 
 # Sampled decoding on the zoo (README "Sampling"): every method at T = 0.7 and T = 1, fixed seeds (prompt i at seed i),
 # paired by prompt; reports in reports/bench_t0.7.md and reports/bench_t1.md

@@ -144,6 +144,9 @@ def build(lab: Lab) -> dict:
                         if p.choices:  # a named choice (FlashHead's head)
                             w = gr.Dropdown(list(p.choices), value=defaults[p.name], label=p.name,
                                             elem_id=f"p-{name}-{p.name}", min_width=110, info=p.help, visible=shows)
+                        elif p.many:  # a '+'-joined list (a route's arms), checked by the method on Decode
+                            w = gr.Textbox(defaults[p.name], label=p.name, elem_id=f"p-{name}-{p.name}", min_width=240,
+                                           info=p.help, visible=shows)
                         elif p.default is None:  # an optional float (a router's threshold): empty = calibrated
                             w = gr.Textbox("", label=p.name, elem_id=f"p-{name}-{p.name}", min_width=160,
                                            info=f"{info}; empty = calibrated", placeholder="calibrated", visible=shows)
@@ -279,7 +282,7 @@ class SideBySide:
         legend = viz.legend_html(drafters, shade, sampled=not greedy)
         last, last_plot = 0.0, time.perf_counter()
         first = True
-        late = [m for m in methods if routed(gens[m]) and greedy and set(replay.DRAFTERS) <= set(gens[m].drafters)]
+        late = [m for m in methods if routed(gens[m]) and greedy]
         try:
             while iters:
                 for m in list(iters):
@@ -312,7 +315,7 @@ class SideBySide:
                 g = gens[m]
                 cols[m].profile = replay.profile_sequence(  # at the run's round starts: what the plot shows
                     lab.target, g.drafters, g.prompt_ids, torch.tensor(g.result.token_ids), int(max_new),
-                    positions=[ev.pos0 for ev in cols[m].events])
+                    positions=[ev.pos0 for ev in cols[m].events], arms=tuple(g.drafters))  # each of its arms
                 lab.profiles[g.run_id] = cols[m].profile  # the run reopened in 'Rounds & trees' reuses it
             yield [*self._update(methods, cols, f"done: {done}{note}", gr.skip(), True, False, True), gr.skip()]
 

@@ -191,11 +191,11 @@ class Runs:
         toks = lab.store.tokens(rid)
         starts = toks.groupby("round").pos.min().tolist()
         with lab.line.hold(progress):
-            progress(0, desc=f"profiling EAGLE-3 and DFlash at the {len(starts)} round starts of run {rid} ...")
+            progress(0, desc=f"profiling its drafters at the {len(starts)} round starts of run {rid} ...")
             drafters, _ = build_method(r.method, lab.target, lab.models, method_params(r.method, params, lab.target))
             self.lab.profiles[rid] = replay.profile_sequence(
                 lab.target, drafters, encode_prompt(lab.target, r.prompt_text), torch.tensor(toks.token_id.to_numpy()),
-                int(params.get("max_new_tokens") or len(toks)), positions=starts)
+                int(params.get("max_new_tokens") or len(toks)), positions=starts, arms=tuple(drafters))
         return self.router(r)
 
     @answers(1)

@@ -31,6 +31,8 @@ class Method:
     build: Callable | None = None  # a routed method: (target, models, category=..., **params) -> (drafters, router)
     check: Callable | None = None  # (params, target) -> None: checks across parameters (raise InvalidInput)
     same_decode: Callable | None = None  # params -> the params that decode alike (parameter grids run each once)
+    needs_of: Callable | None = None  # the parameters a spec fixes -> the roles it needs, where they depend on them
+    # (a route's arms); `needs` holds the defaults'
 
     @property
     def defaults(self) -> dict:
@@ -53,12 +55,14 @@ class Method:
 
 @functools.lru_cache(maxsize=4)
 def _methods(registered: tuple[str, ...]) -> dict[str, Method]:
-    from speclab.routing import whiflash
+    from speclab.routing import arms, whiflash
     out = {"ar": Method("ar", "autoregressive baseline: one target call per token")}
     for e in drafters().values():
         for name, description in e.methods.items():
             out[name] = Method(name, description, e.params, (e.model.role,) if e.model else (), drafter=e.name,
                                check=e.check, same_decode=e.same_decode)
+    out["route"] = Method("route", arms.DESCRIPTION, arms.PARAMS, arms.needs({}), build=arms.build, check=arms.check,
+                          needs_of=arms.needs)
     for policy in ("entropy", "neural"):
         name = f"whiflash-{policy}"
         out[name] = Method(name, whiflash.DESCRIPTIONS[policy], whiflash.params(policy),
@@ -69,8 +73,10 @@ def _methods(registered: tuple[str, ...]) -> dict[str, Method]:
 
 @functools.lru_cache(maxsize=4)
 def _roles(registered: tuple[str, ...]) -> dict[str, ModelRole]:
+    from speclab.routing.arms import ROUTE_ROLE
     from speclab.routing.whiflash import ROUTER_ROLE
-    return {**{e.model.role: e.model for e in drafters().values() if e.model}, ROUTER_ROLE.role: ROUTER_ROLE}
+    return {**{e.model.role: e.model for e in drafters().values() if e.model}, ROUTER_ROLE.role: ROUTER_ROLE,
+            ROUTE_ROLE.role: ROUTE_ROLE}
 
 
 class _FromRegistry(Mapping):
@@ -131,21 +137,34 @@ def parse_spec(spec: str) -> tuple[str, dict]:
     name, _, rest = split_dtype(spec)[0].partition(":")
     if name not in METHODS:
         raise InvalidInput(f"unknown method '{name}'; registered: {', '.join(METHODS)}")
-    fixed = {}
+    fixed: dict[str, str] = {}
+    many = {p.name for p in METHODS[name].params if p.many}
+    key = ""
     for item in filter(None, (x.strip() for x in rest.split("+"))):
+        if "=" not in item and key in many:  # the next item of a '+'-joined list (`Param.many`)
+            fixed[key] += "+" + item
+            continue
         key, eq, value = item.partition("=")
         if not eq or key.strip() not in METHODS[name].defaults:
             raise InvalidInput(f"method spec '{spec}': '{item}' is not param=value with a parameter of {name} "
                                f"({', '.join(METHODS[name].defaults) or 'none'})")
-        fixed[key.strip()] = value.strip()
+        key = key.strip()
+        fixed[key] = value.strip()
     for p in METHODS[name].params:  # named choices need no target: checked here, before any model loads
         if p.choices and p.name in fixed:
             _choice(p, fixed[p.name])
     return name, fixed
 
 
-def get_method(spec: str) -> Method:
-    return METHODS[parse_spec(spec)[0]]
+def get_method(spec: str, given: dict | None = None) -> Method:
+    """The method of a spec; its `needs` those of the spec's parameters (and the `given` ones under them: a
+    command's options), where they depend on them (a route's arms)."""
+    name, fixed = parse_spec(spec)
+    m = METHODS[name]
+    if m.needs_of is None:
+        return m
+    from dataclasses import replace
+    return replace(m, needs=m.needs_of({**{k: v for k, v in (given or {}).items() if v is not None}, **fixed}))
 
 
 def method_params(spec: str, given: dict, target) -> dict:
@@ -189,6 +208,8 @@ def _param(p: Param, value, default, target):
     threshold: None = calibrated)."""
     if p.choices:
         return _choice(p, default if value is None else value)
+    if p.many:  # a list, checked by the method's own `check`
+        return str(default if value is None else value).strip()
     if default is None:
         return None if value is None or value == "" else check_number(p.name, value, float, p.bound(target))
     return check_number(p.name, default if value is None else value, type(default), p.bound(target))

@@ -1,6 +1,8 @@
 """WhiFlash routing: routed greedy output equals AR for every policy (lazy and eager), replay equals live, lazy and
 eager catch-up draft alike, the oracles are ordered, routed sampling keeps the target distribution, calibration is
 used by default, and the cost model recovers known costs."""
+import re
+
 import numpy as np
 import pytest
 import torch
@@ -582,3 +584,154 @@ def test_router_data_extends_and_refuses_other_settings(deep, models, tmp_path):
     assert len(collect(deep, models, small, cfg(2), cache, log=lambda s: None)["al"]) == 2
     with pytest.raises(SpeclabError, match="other settings \\(new_tokens\\)"):
         collect(deep, models, small, cfg(2, new_tokens=7), cache, log=lambda s: None)
+
+
+# ---- routing v2: arms, merged arms, none ----
+
+def test_merge_shares_point_mass_prefixes_and_accepts_the_longer_branch():
+    """Greedy merge: a looked-up chain that an EAGLE-3-like tree already holds in part costs rows only past the shared
+    prefix; each member's nodes map to merged ones; the merged tree accepts what the better member would."""
+    from speclab.core.tree import DraftTree, merge
+    from speclab.core.verify import verify_tokens
+    tree = DraftTree(torch.tensor([5, 6, 7, 8]), torch.tensor([-1, -1, 0, 2]), torch.full((4,), 0.5))  # 5-7-8, 6
+    chain = DraftTree.chain(torch.tensor([5, 7, 9, 4]), torch.full((4,), float("nan")))  # shares 5-7
+    merged, (mt, mc) = merge([tree, chain])
+    assert len(merged) == 6 and mt.tolist() == [0, 1, 2, 3] and mc.tolist() == [0, 2, 4, 5]
+    assert merged.parents.tolist() == [-1, -1, 0, 2, 2, 4] and merged.child_dists is None
+    for truth, best in (([5, 7, 9, 4, 1], 4), ([5, 7, 8, 0, 0], 3), ([6, 1, 0, 0, 0], 1), ([2, 0, 0, 0, 0], 0)):
+        rows = torch.tensor(truth)[torch.cat([torch.zeros(1, dtype=torch.long), merged.depth])]
+        got = verify_tokens(merged, rows).accepted
+        assert got.numel() == best == max(verify_tokens(t, torch.tensor(truth)[torch.cat(
+            [torch.zeros(1, dtype=torch.long), t.depth])]).accepted.numel() for t in (tree, chain))
+    alone, maps = merge([DraftTree.empty(), chain])
+    assert alone is chain and maps[0].numel() == 0 and maps[1].tolist() == [0, 1, 2, 3]
+
+
+ARM_SPECS = ["route:arms=pld.eagle3", "route:arms=eagle3+dflash+pld+none+router=rule+min_match=1",
+             "route:arms=pld+pld.dflash+router=rule", "route:arms=none",
+             "route:arms=pld.eagle3.dflash+pld+router=rule+min_match=2",
+             "route:arms=eagle3+dflash+pld+pld.eagle3+none+router=learned"]  # a random learned router here
+
+
+COSTS = {"arms": ["eagle3", "dflash", "pld", "pld.eagle3", "none"], "draft": [1.0] * 5, "catchup0": [0.0] * 5,
+         "catchup1": [0.0] * 5, "other": [0.0] * 5, "width": [4.0] * 5, "verify0": 1.0, "verify1": 0.0}  # alike
+
+
+@pytest.fixture(scope="module")
+def route_models(deep, models):
+    """The models fixture and a random learned route router over five arms, biased so that it switches."""
+    from speclab.routing.routers import ArmRouterConfig, ArmRouterMLP
+    torch.manual_seed(1)
+    arms = ["eagle3", "dflash", "pld", "pld.eagle3", "none"]
+    mlp = ArmRouterMLP(ArmRouterConfig(deep.hidden_size, arms, COSTS, 16, 0.0)).eval()
+    with torch.no_grad():
+        mlp.net[-1].weight.mul_(40.0)  # predictions that move with the hidden state: the router switches
+    return {**models, "route": mlp}
+
+
+def test_route_arms_greedy_equal_ar(deep, route_models):
+    """Every arm kind (a drafter, a merged arm of two or three drafters, none) and the rule and learned routers
+    switching among them: greedy output equals AR token for token (fp32), deferred or not, and the rounds use the
+    arms they name."""
+    used: set = set()
+    for p, deferred in zip(PROMPTS[:3], (True, False, True)):
+        ar = generate(deep, p, "ar", max_new_tokens=40)
+        for spec in ARM_SPECS:
+            evs = []
+            res = generate(deep, p, spec, models=route_models, deferred=deferred, max_new_tokens=40,
+                           on_round=evs.append)
+            assert res.token_ids == ar.token_ids, (spec, p)
+            used |= {(spec, ev.drafter) for ev in evs}
+    assert {("route:arms=eagle3+dflash+pld+none+router=rule+min_match=1", d) for d in ("pld", "eagle3")} <= used
+    assert ("route:arms=none", None) in used and ("route:arms=pld.eagle3", "pld.eagle3") in used
+    assert len({d for s, d in used if s == ARM_SPECS[-1]}) >= 2  # the learned router switched
+
+
+def test_route_refuses_bad_arms_in_one_line(deep):
+    for arms, says in (("", "joined by '+'"), ("eagle3+.pld", "empty member"), ("eagle4", "not a registered drafter"),
+                       ("pld.pld", "names a drafter twice"), ("pld+pld", "listed twice"),
+                       ("confu.pld", "cannot be merged"), ("eagle3+dflash", "no pld arm")):
+        with pytest.raises(InvalidInput, match=re.escape(says)):
+            method_params(f"route:arms={arms}", {}, deep)
+
+
+@pytest.mark.slow
+def test_merged_arm_sampling_keeps_target_distribution(tiny_v8):
+    """A merged arm under sampling (prompt lookup's point masses beside EAGLE-3's sampled tree, one verification):
+    the first two sampled tokens follow the target's exact joint; rounds did verify both kinds of node. Power: a
+    sample of the joint at temperature 0.7 is told apart."""
+    from helpers import random_eagle3
+    from speclab.core.tree import POINT
+    from speclab.drafters.eagle3 import Eagle3Drafter
+    from speclab.drafters.pld import PromptLookup
+    from speclab.routing.arms import Merged
+    from test_sampling import N_RUNS, V, chi2_p, exact_joint, told_apart
+
+    target = tiny_v8
+    prompt = torch.tensor([2, 5, 2])  # prompt lookup proposes [5, 2] in the first round
+    want = exact_joint(target, prompt, Sampling(1.0))
+    e = Eagle3Drafter(random_eagle3(target, 2), target, depth=2, tree_topk=2, total_tokens=6)
+    look = PromptLookup(k=2, max_ngram=1, min_ngram=1)
+    drafters = {"pld": look, "eagle3": e, "pld.eagle3": Merged("pld.eagle3", {"pld": look, "eagle3": e})}
+    counts, mixed = np.zeros(V * V), 0
+    for seed in range(N_RUNS):
+        def seen(ev):
+            nonlocal mixed
+            g = ev.tree.child_groups
+            mixed += g is not None and bool((g == POINT).any()) and bool((g != POINT).any())
+        res = decode(target, prompt, drafters, ScheduleRouter(["pld.eagle3"]), max_new_tokens=3, listeners=(seen,),
+                     sampling=Sampling(1.0, seed=seed))
+        a, b = res.new_ids.tolist()[:2]
+        counts[a * V + b] += 1
+    assert mixed > N_RUNS // 2, mixed
+    assert chi2_p(counts, want) > 1e-3
+    assert told_apart(exact_joint(target, prompt, Sampling(0.7)), want)
+
+
+def test_route_router_trains_saves_and_replays_as_live(deep, route_models, tmp_path):
+    """Routing v2's learned router end to end on the tiny target: N-arm profiles (a merged arm accepts what its best
+    member does, none nothing), training rows from replayed policies, a fit, a save / load round trip, and the
+    router replayed on the profiles choosing, round by round, the arms it chose live."""
+    from speclab.routing.replay import profile_sequence, router_choice, walk
+    from speclab.routing.routers import ArmRouter, load_arm_router
+    from speclab.train.route import RouteTrainConfig, fit, rows
+    arms = ("eagle3", "dflash", "pld", "pld.eagle3", "none")
+    spec = "route:arms=" + "+".join(arms)
+    rule = spec + "+router=rule"
+    drafters, _ = build_method(rule, deep, route_models, method_params(rule, {}, deep))
+    profs = []
+    for p in PROMPTS[:3]:
+        out = generate(deep, p, "ar", max_new_tokens=32)
+        profs.append(profile_sequence(deep, drafters, _ids(deep, p), torch.tensor(out.token_ids), 32, arms=arms))
+    for p in profs:
+        assert (p.accepted[3] == np.maximum(p.accepted[0], p.accepted[2])).all() and (p.accepted[4] == 0).all()
+        assert (p.width[3] <= p.width[0] + p.width[2]).all() and "pld_match" in p.probe
+    cfg = RouteTrainConfig("", str(tmp_path), "+".join(arms), epochs=3, random_walks=2, heldout=0.34, width=16)
+    data = rows(profs, cfg)
+    assert data["y"].shape[1] == 5 and len(data["y"]) == len(data["hidden"]) == len(data["extras"])
+    m, records, held = fit(data, cfg, deep.hidden_size, list(arms), COSTS)
+    assert len(records) == 3 and held["rows_heldout"] > 0
+    m.save(tmp_path / "r")
+    back = load_arm_router(tmp_path / "r", deep)
+    x = data["extras"][:5]
+    assert torch.allclose(back(data["hidden"][:5], x), m.eval()(data["hidden"][:5], x))
+    models = {**route_models, "route": back}
+    for prof, p in zip(profs, PROMPTS[:3]):
+        evs = []
+        generate(deep, p, spec + "+router=learned", models=models, max_new_tokens=32, on_round=evs.append)
+        w = walk(prof, router_choice(prof, ArmRouter(back, list(arms))))
+        assert [ev.drafter or "none" for ev in evs] == [arms[i] for i in w.drafter[w.start[:, 0] >= 0, 0]]
+
+
+@pytest.mark.slow
+def test_route_arms_greedy_equal_ar_in_bf16_exact(deep):
+    """bf16, the target in exact mode (a row's logits never depend on the rows beside it): a merged arm of three
+    drafters and the rule router over every arm kind give AR's tokens bit for bit (random drafter models in bf16)."""
+    from speclab.core.target import Target
+    from speclab.drafters.registry import drafters
+    t = Target.load(deep.name, dtype="bf16", exact=True)
+    models = {r: drafters()[r].model.random(t, 0) for r in ("eagle3", "dflash")}
+    for p in PROMPTS[:2]:
+        ar = generate(t, p, "ar", max_new_tokens=24)
+        for spec in ("route:arms=pld.eagle3.dflash", "route:arms=eagle3+dflash+pld+none+router=rule+min_match=1"):
+            assert generate(t, p, spec, models=models, max_new_tokens=24).token_ids == ar.token_ids, (spec, p)

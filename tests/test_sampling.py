@@ -383,3 +383,41 @@ def test_sampling_through_a_flash_sps_chain_keeps_target_distribution(tiny_vocab
     drafter = StandaloneDraft(draft, k=2, tree_topk=1, stop_prob=0.0)
     drafter.flash = FlashHead(draft.head_weight, build_index(draft.head_weight, 4), probes=3)
     assert_keeps_target_distribution(target, drafter, 40_000, N_RUNS // 100)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("scheme", ["wor", "iid"])
+def test_merged_trees_keep_the_joint(scheme):
+    """A merged arm's tree (`speclab.core.tree.merge`): a looked-up chain of point masses beside a sampled depth-3
+    tree (2 children per node), verified in one go, each candidate against its own drafter's q: the first three
+    tokens follow the target's exact joint, and rounds accept drafts through both branches and to depth 3. Power:
+    the drafter's own joint is told apart; for siblings drawn without replacement, verifying them as if i.i.d. is
+    caught."""
+    from speclab.core.tree import IID, POINT, merge
+    m = PathModels(4, seed=11)
+    want = m.joint(3)
+    g = torch.Generator().manual_seed(5)
+    look = DraftTree.chain(torch.tensor([1, 0, 2]), torch.full((3,), float("nan")))
+    counts, wrong, deep, through = np.zeros(64), np.zeros(64), 0, {POINT: 0, "q": 0}
+    trials = 6000 if scheme == "wor" else 3000  # wor's power check (siblings verified as if i.i.d.) needs 6000
+    for _ in range(trials):
+        tree, maps = merge([look, m.tree(2, 3, 10, scheme, g)])
+        assert (tree.child_groups == POINT).sum() == 3 and tree.child_dists.shape == (len(tree), 4)
+        cell, accepted = m.first_tokens(tree, 3, g, scheme)
+        counts[cell] += 1
+        deep += accepted == 3
+        if scheme == "wor":
+            bad = DraftTree(tree.tokens, tree.parents, tree.draft_probs, child_dists=tree.child_dists,
+                            child_groups=torch.where(tree.child_groups >= 0, IID, tree.child_groups))
+            wrong[m.first_tokens(bad, 3, g, scheme)[0]] += 1
+        rows = [m.dist("p", ())] + [m.dist("p", tuple(tree.tokens[tree.path_to(i)].tolist())) for i in range(len(tree))]
+        v = verify_sampling(tree, torch.stack(rows), torch.Generator().manual_seed(_))
+        if v.accepted.numel():
+            through[POINT if int(tree.child_groups[v.accepted[0]]) == POINT else "q"] += 1
+    assert chi2_p(counts, want) > 1e-3
+    q = m.joint(3, who="q")
+    drafted = np.bincount(np.random.default_rng(0).choice(64, size=trials, p=q / q.sum()), minlength=64)
+    assert chi2_p(drafted, want) < 1e-3
+    if scheme == "wor":
+        assert chi2_p(wrong, want) < 1e-3
+    assert deep > trials // 20 and min(through.values()) > trials // 20, (deep, through)

@@ -376,11 +376,11 @@ def event_rounds(evs) -> pd.DataFrame:
 
 
 def with_counterfactual(rr: pd.DataFrame, profile=None) -> pd.DataFrame:
-    """Add, per round, what each drafter would have had accepted in a round starting at its position (from the
-    sequence's greedy profile; the columns stay absent without one)."""
+    """Add, per round, what each of the profile's arms would have had accepted in a round starting at its position
+    (from the sequence's greedy profile; the columns stay absent without one)."""
     if profile is not None and len(rr):
         g = rr.pos.clip(upper=profile.n - 1).to_numpy()
-        for i, name in enumerate(replay.DRAFTERS):
+        for i, name in enumerate(profile.arms):
             rr[f"{name}_would_accept"] = np.minimum(profile.accepted[i][g], profile.n - g)
     return rr
 

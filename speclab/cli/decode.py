@@ -53,6 +53,7 @@ def cmd_generate(a: argparse.Namespace) -> int:
     from speclab.methods import all_params, check_before_loading
     params = {name: getattr(a, name) for name in all_params()}
     check_before_loading(a.method, params, paths.target)  # no model loads for a bad value
+    method = get_method(a.method, params)  # its models, as the options given make them (a route's --arms)
     target, models = load_models(replace(paths, dtype=pinned) if pinned else paths, roles=method.needs,
                                  fam=family(a.method))
     for p in prompts:  # every prompt and parameter checked against the models before anything is decoded

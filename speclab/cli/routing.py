@@ -7,7 +7,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from speclab.cli.common import write_report
+from speclab.cli.common import _num, _positive_int, write_report
 from speclab.errors import SpeclabError
 from speclab.models import ModelPaths, add_model_args, load_models
 from speclab.viz import Report
@@ -163,6 +163,63 @@ def cmd_routing(a: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_route_table(a: argparse.Namespace) -> int:
+    """`speclab route-table`: every arm profiled on a suite's prompts, each arm alone, the rule and learned routers
+    and the oracles replayed on the profiles (modeled at each arm's round time), and with --bench the model error
+    against that bench's live routed runs."""
+    from speclab.bench import arms as evaluation
+    from speclab.bench.suites import load_suite
+    from speclab.methods import build_method, get_method, method_params
+    from speclab.routing.arms import parse_arms
+
+    prompts = load_suite(a.suite, a.limit)
+    store = None
+    if a.bench:
+        from speclab.bench.routing import bench_info
+        from speclab.trace import TraceStore
+        if not Path(a.db).exists():
+            raise SpeclabError(f"no trace database at {a.db}")
+        store = TraceStore(a.db, read_only=True)
+        if a.bench == "latest":
+            from speclab.bench.routing import latest_bench
+            a.bench = latest_bench(store)
+        bench_info(store, a.bench)
+    paths = ModelPaths.from_args(a)
+    learned = f"route:arms={a.arms}" if a.arms else "route"
+    arms = [x.name for x in parse_arms(method_params(learned, {}, _shape())["arms"])] if a.arms else None
+    target, models = load_models(paths, roles=tuple(dict.fromkeys(get_method(learned).needs + ("route",))))
+    mlp = models["route"]
+    arms = arms or list(mlp.config.arms)
+    spec = f"route:arms={'+'.join(arms)}"
+    drafters, router = build_method(f"{spec}+router=learned", target, models,
+                                    method_params(f"{spec}+router=learned", {}, target))
+    rule_spec = f"{spec}+router=rule+min_match={a.min_match}"
+    routers = {"learned": router}
+    if "pld" in arms:
+        routers["rule"] = build_method(rule_spec, target, models, method_params(rule_spec, {}, target))[1]
+    profiles = evaluation.arm_profiles(target, drafters, prompts, tuple(arms), a.max_new_tokens)
+    import pandas as pd
+
+    from speclab.routing.routers import ArmCosts
+    full = ArmCosts(**mlp.config.costs)
+    at = [full.arms.index(x) for x in arms]
+    costs = ArmCosts(list(arms), *[[getattr(full, f)[i] for i in at] for f in ("draft", "catchup0", "catchup1",
+                                                                              "other", "width")],
+                     full.verify0, full.verify1, full.router_ms, full.rounds_fitted)
+    table = evaluation.arms_table(profiles, costs, evaluation.policy_choices(profiles, costs, routers),
+                                  routed=("learned",))
+    errors = evaluation.model_error_table(store, a.bench, full) if store is not None else pd.DataFrame()
+    report = evaluation.arms_report(table, errors, costs, f"suite {a.suite} ({len(prompts)} prompts, "
+                                    f"{a.max_new_tokens} tokens)", mlp.config.machine)
+    write_report(report, a.report)
+    return 0
+
+
+def _shape():
+    from types import SimpleNamespace
+    return SimpleNamespace(vocab_size=1 << 30, max_context=1 << 30, device=SimpleNamespace(type="cpu"))
+
+
 def add_parsers(sub) -> None:
     """`profile`, `sweep`, `calibrate` and `routing`."""
     def bench_args(p, report: str | None = None) -> None:
@@ -211,3 +268,18 @@ def add_parsers(sub) -> None:
     bench_args(ro, "reports/routing.html")
     costs_arg(ro)
     ro.set_defaults(fn=cmd_routing)
+
+    rt = sub.add_parser("route-table", help="routing v2 on a suite: every arm profiled, each arm alone, the rule and "
+                        "learned routers and Oracle-Token replayed (tau, modeled speedup per category); with --bench, "
+                        "the model error against its live routed runs")
+    rt.add_argument("--suite", default="zoo")
+    rt.add_argument("--limit", type=_positive_int, default=8, help="prompts per category")
+    rt.add_argument("--max-new-tokens", type=_num(int, 2, 4096), default=128)
+    rt.add_argument("--arms", default=None, help="the arms ('+'-joined; default: the learned router's)")
+    rt.add_argument("--min-match", type=_num(int, 1, 32), default=3, help="the rule router's prompt lookup match")
+    rt.add_argument("--bench", default=None, help="a bench in --db (or 'latest') whose live route runs the model "
+                    "error is computed against")
+    rt.add_argument("--db", default="traces/bench.duckdb")
+    rt.add_argument("--report", default="reports/route_table.md")
+    add_model_args(rt)
+    rt.set_defaults(fn=cmd_route_table)

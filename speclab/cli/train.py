@@ -150,6 +150,43 @@ def cmd_data(a: argparse.Namespace) -> int:
     return 0
 
 
+def router_args(r, roles: tuple[str, ...]) -> None:
+    """The options `train router` and `train route` share: the drafter models they profile, the corpus, the target,
+    the decodes' dtype, the learning rate and the seed."""
+    for role in roles:
+        r.add_argument(f"--{'eagle' if role == 'eagle3' else role}", help=f"the {role} model (default: the zoo's)")
+    r.add_argument("--corpus", help="folder of <domain>.train.txt / .val.txt (default: data/corpus)")
+    r.add_argument("--teacher", help="the target (default: the zoo target)")
+    r.add_argument("--precision", choices=["auto", "fp32", "bf16"], default="auto",
+                   help="the decodes' dtype (the router's profiles and round timings)")
+    r.add_argument("--lr", type=_num(float, 1e-8, 1.0), default=None, help="peak learning rate (default 1e-3)")
+    r.add_argument("--seed", type=_num(int, 0, 2**63 - 1), default=0)
+    r.set_defaults(fn=cmd_train)
+
+
+def _train_route(a: argparse.Namespace, corpus: str) -> int:
+    """`speclab train route`: the arms checked against the registry before any model loads, then the models they
+    need loaded, the N-arm profiles collected (resumable), each arm's round time measured and the router fitted."""
+    from speclab.methods import get_method, method_params
+    from speclab.models import ModelPaths, load_models
+    from speclab.train.route import DEFAULT_ARMS, RouteTrainConfig, train_route
+    arms = a.arms or DEFAULT_ARMS
+    spec = f"route:arms={arms}+router=rule"
+    from types import SimpleNamespace
+    method_params(spec, {}, SimpleNamespace(vocab_size=1 << 30, max_context=1 << 30, device=SimpleNamespace(
+        type="cpu")))  # the arms, checked by name before any model loads
+    if len(arms.split("+")) < 2:
+        raise SpeclabError("train route: give at least two arms to choose between")
+    paths = ModelPaths(a.teacher, {"eagle3": a.eagle, "dflash": a.dflash, "draft": a.draft},
+                       dtype="auto" if a.precision == "auto" else a.precision)
+    target, models = load_models(paths, roles=get_method(spec).needs, fam="speculative")
+    cfg = RouteTrainConfig(corpus_dir=corpus, out_dir=a.out, arms=arms, sequences=a.sequences, seed=a.seed,
+                           lr=a.lr or 1e-3, new_tokens=a.new_tokens, cost_prompts=a.cost_prompts, epochs=a.epochs)
+    s = train_route(cfg, target, models, log=lambda m: print(m, file=sys.stderr, flush=True))
+    print(json.dumps({k: s[k] for k in ("collect_minutes", "heldout", "al_profiled", "costs", "machine")}, indent=1))
+    return 0
+
+
 def cmd_train(a: argparse.Namespace) -> int:
     from speclab import zoo
     from speclab.core.target import check_model_dir, quiet_loads
@@ -158,7 +195,7 @@ def cmd_train(a: argparse.Namespace) -> int:
     quiet_loads()
     entry = trainings().get(a.what)  # a drafter's training (its registry entry), or None
     corpus = getattr(a, "corpus", None) or str(zoo.REPO_ROOT / "data" / "corpus")
-    if a.what not in ("router", "curve") or getattr(a, "corpus", None):
+    if a.what not in ("router", "route", "curve") or getattr(a, "corpus", None):
         check_data(corpus, regenerated_ok=entry is not None)
     check_out(a.out, "the run", "curve.json" if a.what == "curve" else "train_log.jsonl")
     if getattr(a, "teacher", None):
@@ -199,6 +236,8 @@ def cmd_train(a: argparse.Namespace) -> int:
               f"({json.dumps(summary['hardware_threshold'])})")
         print(curve_table(summary["curve"]))
         return 0
+    if a.what == "route":
+        return _train_route(a, corpus)
     if a.minutes is None:
         raise SpeclabError(f"train {a.what} needs --minutes (its wall-clock budget)")
     if a.what == "target":
@@ -275,7 +314,7 @@ def add_parsers(sub) -> None:
     from speclab.train.corpus import DOMAINS
     t = sub.add_parser("train", help="train the zoo target, distil the zoo draft, train a drafter online from the "
                        "frozen target, or WhiFlash's neural router from profiles (long)")
-    ts = t.add_subparsers(dest="what", required=True, metavar="{target,draft,<drafter>,router,curve}")
+    ts = t.add_subparsers(dest="what", required=True, metavar="{target,draft,<drafter>,router,route,curve}")
 
     def run_options(q, *, teacher: str, init_from: str, lr: str = "peak learning rate"):
         q.add_argument("--out", required=True, help="run directory (checkpoints in OUT/model, log in "
@@ -328,15 +367,19 @@ def add_parsers(sub) -> None:
                    "are collected once and reused from OUT/pairs.pt when the run is repeated)")
     r.add_argument("--cost-prompts", type=_positive_int, default=6, help="prompts decoded live to fit the "
                    "cost model of the hardware-aware threshold")
-    r.add_argument("--eagle", help="the EAGLE-3 drafter (default: the zoo's)")
-    r.add_argument("--dflash", help="the DFlash drafter (default: the zoo's)")
-    r.add_argument("--corpus", help="folder of <domain>.train.txt / .val.txt (default: data/corpus)")
-    r.add_argument("--teacher", help="the target (default: the zoo target)")
-    r.add_argument("--precision", choices=["auto", "fp32", "bf16"], default="auto",
-                   help="the decodes' dtype (the router's profiles and round timings)")
-    r.add_argument("--lr", type=_num(float, 1e-8, 1.0), default=None, help="peak learning rate (default 1e-3)")
-    r.add_argument("--seed", type=_num(int, 0, 2**63 - 1), default=0)
-    r.set_defaults(fn=cmd_train)
+    router_args(r, ("eagle3", "dflash"))
+
+    r = ts.add_parser("route", help="routing v2's learned router from N-arm profiles of corpus text")
+    r.add_argument("--out", required=True, help="run directory")
+    r.add_argument("--arms", default=None, help="the arms it learns, '+'-joined (default "
+                   "eagle3+dflash+pld+pld.eagle3+none)")
+    r.add_argument("--sequences", type=_positive_int, default=160, help="corpus prompts profiled (a fifth held out)")
+    r.add_argument("--new-tokens", type=_positive_int, default=96, help="tokens generated per prompt")
+    r.add_argument("--epochs", type=_positive_int, default=40, help="passes over the rows (the profiles are "
+                   "collected once and reused from OUT/profiles.pt when the run is repeated)")
+    r.add_argument("--cost-prompts", type=_positive_int, default=4, help="prompts decoded live per arm to measure "
+                   "its round time")
+    router_args(r, ("eagle3", "dflash", "draft"))
 
     c = ts.add_parser("curve", help="decode the zoo prompts with every checkpoint a drafter training (--out) kept")
     c.add_argument("--out", required=True, help="the training run's directory")

@@ -229,7 +229,8 @@ def decode_rounds(target: Target, prompt_ids: torch.Tensor, drafters: dict[str, 
         clock.start()
         calls0, model0 = target.calls, forward_clock.seconds
         with clock.phase("route"):  # the router picks this round's drafter from the row that drew the last token
-            decision = router.choose(signals(rnd, last, router.needs, history)) if drafters else None
+            decision = router.choose(signals(rnd, last, router.needs, history, lambda: pool.probe(seq),
+                                             seq.n - n_prompt)) if drafters else None
             name = decision.choice if decision is not None else None
         with clock.phase("catchup"):  # lazily: only the chosen drafter, everything since it last looked
             hooks = Hooks.of(target, cache, seq, pool, name)  # the chosen drafter's optional round hooks
@@ -341,12 +342,14 @@ class Hooks:
 Hooks.NONE = Hooks()
 
 
-def signals(rnd: int, last: Row | None, needs: frozenset[str], history: deque[tuple[int, str | None]]) -> Signals:
+def signals(rnd: int, last: Row | None, needs: frozenset[str], history: deque[tuple[int, str | None]],
+            probe: Callable[[], dict[str, float]] | None = None, generated: int = 0) -> Signals:
     """What the router asks for (`needs`), of the row that drew the last committed token (no row: nan / None),
-    and the recent rounds' accept lengths and drafters."""
+    the recent rounds' accept lengths and drafters, and (`probe`) the drafters' own round-start signals."""
     ent = float(entropy(last.logits)[0]) if "entropy" in needs and last is not None else math.nan
     hidden = last.hidden[0] if "hidden" in needs and last is not None and last.hidden is not None else None
-    return Signals(rnd, ent, hidden, [a for a, _ in history], [d for _, d in history])
+    probed = probe() if "probe" in needs and probe is not None else {}
+    return Signals(rnd, ent, hidden, [a for a, _ in history], [d for _, d in history], probed, generated)
 
 
 @dataclass
@@ -461,7 +464,7 @@ def round_event(rnd, name, tree, accepted, new, logits, bonus, timings, calls, b
                     logits[:, bonus].float() - lse, timings, calls, backlog, pos0, decision)
     if probs is not None:  # p(x) and q(x) as verification tested them
         ev.node_p = probs[rows, tree.tokens]
-        ev.node_q = tree.draft_probs.float() if tree.sampled else torch.ones_like(ev.node_p)
+        ev.node_q = tree.tested_q.to(ev.node_p.device)
     return ev
 
 

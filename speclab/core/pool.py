@@ -97,14 +97,29 @@ class DrafterPool:
         looked, x_t with f_{t-1}; `eager`: every drafter does, every round. Returns the chosen drafter's backlog:
         the tokens it was handed, and on its first turn the prompt `reset` handed it."""
         backlog = 0
-        for nm in list(self.drafters) if eager else [name]:
+        for nm in [n for n in self.drafters if not self.members(n)] if eager else [name]:
             if nm is None:
                 continue
-            ids, feats, handed = self.hand(nm, seq)
-            self.drafters[nm].catch_up(ids, feats)
-            if nm == name:
-                backlog = handed
+            for own in self.members(nm) or (nm,):
+                ids, feats, handed = self.hand(own, seq)
+                self.drafters[own].catch_up(ids, feats)
+                if nm == name:
+                    backlog += handed
         return backlog
+
+    def members(self, name: str) -> tuple[str, ...]:
+        """The drafters a composite drafter is made of (`speclab.core.protocol.Composite`); () for any other."""
+        return tuple(getattr(self.drafters[name], "members", ()))
+
+    def probe(self, seq: Committed) -> dict[str, float]:
+        """Every probing drafter's round-start signals (`speclab.core.protocol.Probing`), each caught up first."""
+        out: dict[str, float] = {}
+        for name, d in self.drafters.items():
+            if hasattr(d, "probe"):
+                ids, feats, _ = self.hand(name, seq)
+                d.catch_up(ids, feats)
+                out.update(d.probe())
+        return out
 
     def hand(self, name: str, seq: Committed) -> tuple[torch.Tensor, torch.Tensor | None, int]:
         """What drafter `name` has not been handed yet, marked handed: (tokens, their features, the backlog count:

@@ -107,6 +107,20 @@ class RoundHooks(Protocol):
         tokens."""
 
 
+class Probing(Protocol):
+    """Optional: a drafter that offers a router cheap signals of its own at round start (prompt lookup: how long
+    its current match is). The pool catches it up first (`speclab.core.pool.DrafterPool.probe`)."""
+
+    def probe(self) -> dict[str, float]:
+        """Named signals of the sequence it has caught up on (names prefixed with the drafter's)."""
+
+
+class Composite(Protocol):
+    """Optional: a drafter made of other drafters of the same decode (a merged arm, `speclab.routing.arms`), named
+    in `members`: the pool catches the members up, each as itself, and the composite's own `catch_up` does nothing."""
+    members: tuple[str, ...]
+
+
 class BatchDrafting(Protocol):
     """Optional: a drafter class that drafts for a batch of requests in one model call (`speclab.core.batch`), each
     request with its own drafter instance of one model. Both are static: they take the instances."""
@@ -129,6 +143,10 @@ class Signals:
     hidden: torch.Tensor | None = None  # [d] final-norm hidden state of that position (what the LM head saw)
     accepted: list[int] = field(default_factory=list)  # accepted draft tokens of the recent rounds, oldest first
     drafters: list[str | None] = field(default_factory=list)  # which drafter drafted each of those rounds
+    # (needs "probe") the drafters' own round-start signals, each caught up first (`Probing`; prompt lookup's
+    # current match length and proposal length)
+    probe: dict[str, float] = field(default_factory=dict)
+    generated: int = 0  # tokens committed since the prompt
 
 
 @dataclass
@@ -141,7 +159,7 @@ class Decision:
 
 class Router(Protocol):
     policy: str
-    needs: frozenset[str]  # of "entropy", "hidden": the signals the engine must compute for it
+    needs: frozenset[str]  # of "entropy", "hidden", "probe": the signals the engine must compute for it
     eager: bool  # keep every drafter caught up every round (False: only the chosen one, lazily)
 
     def choose(self, signals: Signals) -> Decision:

@@ -35,6 +35,12 @@ class DraftTree:
     # "wor" (without replacement: verification then also takes a rejected token out of q). A chain has one child
     # per node, where the two are the same test.
     scheme: str = "iid"
+    # A merged tree (`merge`: several drafters' proposals at one root, verified in one call) holds q per *node*
+    # instead of per parent: `child_dists` [n, V] the q node i was drawn from, and `child_groups` [n] how: POINT (a
+    # point mass: a zero row), IID (drawn i.i.d. from its row) or g >= 0 (drawn without replacement with the
+    # siblings of the same group g: verification takes a rejected sibling's token out of the group's q).
+    child_dists: torch.Tensor | None = None
+    child_groups: torch.Tensor | None = None
 
     def __post_init__(self):
         self._anc: torch.Tensor | None = None
@@ -72,9 +78,11 @@ class DraftTree:
     def to(self, device) -> DraftTree:
         if self.tokens.device == torch.device(device):
             return self
+        def to(t):
+            return None if t is None else t.to(device)
         tree = DraftTree(self.tokens.to(device), self.parents.to(device), self.draft_probs.to(device),
-                         None if self.draft_dists is None else self.draft_dists.to(device), self.extra,
-                         None if self.cands is None else self.cands.to(device), self.scheme)
+                         to(self.draft_dists), self.extra, to(self.cands), self.scheme, to(self.child_dists),
+                         to(self.child_groups))
         tree._chain = self._chain
         return tree
 
@@ -97,7 +105,16 @@ class DraftTree:
 
     @property
     def sampled(self) -> bool:
-        return self.draft_dists is not None
+        """Some node was drawn from a distribution q (not a point mass)."""
+        return self.draft_dists is not None or self.child_dists is not None
+
+    @property
+    def tested_q(self) -> torch.Tensor:
+        """[n] q(x) of every node as a sampled verification tests it (min(1, p(x) / q(x))): its draft probability
+        where it was drawn from q, 1 for a point mass."""
+        if self.child_groups is not None:
+            return torch.where(self.child_groups == POINT, 1.0, self.draft_probs.float())
+        return self.draft_probs.float() if self.draft_dists is not None else torch.ones_like(self.draft_probs.float())
 
     @property
     def is_chain(self) -> bool:
@@ -113,6 +130,66 @@ class DraftTree:
             path.append(node)
             node = parents[node]
         return path[::-1]
+
+
+POINT, IID = -2, -1  # `DraftTree.child_groups` of a point-mass node and of a node drawn i.i.d.
+
+
+def merge(trees: list[DraftTree]) -> tuple[DraftTree, list[torch.Tensor]]:
+    """One tree from several drafters' proposals at the same root (a merged arm, `speclab.routing.arms`), and for
+    each member the merged index of each of its nodes. Point-mass nodes with the same token under the same merged
+    parent become one node (shared prefixes merged: a looked-up continuation that an EAGLE-3 path already holds
+    costs no row); a sampled node never merges (it is a candidate of its own q). Members keep their order, and so
+    do siblings: verification tests the earlier member's candidates first. When any member sampled, every node
+    carries the q it was drawn from (`DraftTree.child_dists`), so the recursive verifier tests each candidate
+    against its own drafter's q, point masses and sampled nodes side by side (SpecInfer's multi-step speculative
+    sampling over several draft models; without replacement within one member's siblings, Jeon et al. 2024). A
+    merge of one non-empty tree is that tree."""
+    full = [i for i, t in enumerate(trees) if len(t)]
+    dev = trees[0].tokens.device
+    if len(full) <= 1:
+        keep = full[0] if full else 0
+        return trees[keep], [torch.arange(len(t), device=dev) if i == keep else torch.zeros(0, dtype=torch.long,
+                                                                                               device=dev)
+                             for i, t in enumerate(trees)]
+    tokens: list[int] = []
+    parents: list[int] = []
+    src: list[tuple[int, int]] = []  # (member, its node) of every merged node
+    index: dict[tuple[int, int], int] = {}  # (merged parent, token) -> merged node, over point masses
+    maps = []
+    for m, t in enumerate(trees):
+        point = not t.sampled
+        mine: list[int] = []
+        for x, par in zip(t.tokens.tolist(), t.parents.tolist()):
+            key = (mine[par] if par >= 0 else -1, x)
+            if point and key in index:
+                mine.append(index[key])
+                continue
+            if point:
+                index[key] = len(tokens)
+            mine.append(len(tokens))
+            tokens.append(x)
+            parents.append(key[0])
+            src.append((m, len(mine) - 1))
+        maps.append(torch.tensor(mine, dtype=torch.long, device=dev))
+    member = torch.tensor([m for m, _ in src])
+    node = torch.tensor([i for _, i in src])
+    probs = torch.cat([t.draft_probs.float().to(dev) for t in trees])
+    offsets = torch.tensor([0] + [len(t) for t in trees]).cumsum(0)[:-1]
+    tree = DraftTree(torch.tensor(tokens, dtype=torch.long, device=dev), torch.tensor(parents, dtype=torch.long,
+                                                                                       device=dev),
+                     probs[(offsets[member] + node).to(dev)])
+    if any(t.sampled for t in trees):
+        vocab = next(t.draft_dists.shape[-1] for t in trees if t.draft_dists is not None)
+        tree.child_dists = torch.zeros(len(tokens), vocab, device=dev)
+        tree.child_groups = torch.full((len(tokens),), POINT, dtype=torch.long, device=dev)
+        for m, t in enumerate(trees):
+            if t.draft_dists is None or not len(t):
+                continue
+            at = maps[m]  # a sampled member's nodes never merge: one merged node each
+            tree.child_dists[at] = t.draft_dists[t.parents + 1].float().to(dev)
+            tree.child_groups[at] = m if t.scheme == "wor" else IID
+    return tree, maps
 
 
 def depths(parents: torch.Tensor) -> torch.Tensor:

@@ -17,7 +17,7 @@ from kernels.reference import (
     residual,  # norm(max(p - q, 0)): one definition, the kernels' twin
 )
 from speclab.core.sampling import Sampling, logits_to_probs, sample
-from speclab.core.tree import DraftTree
+from speclab.core.tree import IID, POINT, DraftTree
 
 
 @dataclass
@@ -61,12 +61,16 @@ def verify_sampling(tree: DraftTree, target_probs: torch.Tensor, generator: torc
     without replacement, Jeon et al. 2024, "Recursive Speculative Decoding").
     Deterministic drafts: accept x with p(x), else p <- p with x removed, renormalised. A chain (one candidate
     per node) takes all its tests at once (`kernels.ops.sampling_accept`), with the same uniforms in the same
-    order as the recursion."""
-    if tree.is_chain:
+    order as the recursion. A merged tree (`speclab.core.tree.merge`) tests each candidate against the q it was
+    drawn from (`DraftTree.child_dists`): point masses and several drafters' samples side by side."""
+    if tree.is_chain and tree.child_dists is None:
         return _verify_sampled_chain(tree, target_probs, generator)
     parents = tree.parents.tolist()
     tokens = tree.tokens.tolist()
-    wor = tree.scheme == "wor"
+    # each candidate's sibling group: a merged tree's own (`DraftTree.child_groups`), else one group of all of a
+    # node's children, drawn without replacement ("wor") or i.i.d. from the node's q
+    groups = tree.child_groups.tolist() if tree.child_groups is not None else \
+        [0 if tree.scheme == "wor" else IID] * len(tree)
     children: dict[int, list[int]] = {}
     for i, par in enumerate(parents):
         children.setdefault(par, []).append(i)
@@ -76,10 +80,14 @@ def verify_sampling(tree: DraftTree, target_probs: torch.Tensor, generator: torc
     p = target_probs[0]
     while True:
         kids = children.get(node, [])
-        q = tree.draft_dists[node + 1].to(p.device) if tree.draft_dists is not None and kids else None
+        shared = tree.draft_dists[node + 1].to(p.device) if tree.draft_dists is not None and kids else None
+        left: dict[int, torch.Tensor] = {}  # per group drawn without replacement: q without its rejected tokens
         nxt = None
         for c in kids:
-            x = tokens[c]
+            x, g = tokens[c], groups[c]
+            q = shared if tree.child_dists is None else \
+                None if g == POINT else tree.child_dists[c].to(p.device)
+            q = left.get(g, q)
             px = float(p[x])
             ratio = min(1.0, px / max(float(q[x]), 1e-30)) if q is not None else px
             r, draws = u[draws], draws + 1  # a fresh uniform per candidate test (at most one test per node)
@@ -88,10 +96,10 @@ def verify_sampling(tree: DraftTree, target_probs: torch.Tensor, generator: torc
                 break
             if q is not None:
                 p = residual(p, q)
-                if wor:  # the next sibling was drawn from q without x (Jeon et al. 2024: RRSw)
+                if g >= 0:  # the group's next sibling was drawn from q without x (Jeon et al. 2024: RRSw)
                     q = q.clone()
                     q[x] = 0
-                    q = q / q.sum().clamp(min=1e-30)
+                    left[g] = q / q.sum().clamp(min=1e-30)
             else:
                 p = p.clone()
                 p[x] = 0

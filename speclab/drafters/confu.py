@@ -253,7 +253,7 @@ SHAPES = (Shape("chain", dict(depth=4, tree_topk=1, total_tokens=4)),
                 dict(draft_vocab="half")))
 
 ENTRY = DrafterEntry(
-    name="confu", label="ConFu", color="#c5b0d5",
+    name="confu", label="ConFu", color="#c5b0d5", hooks=True,
     train=TrainEntry("speclab.train.confu", "ConFuTrainConfig", "train_confu", "ConFu online from the frozen "
                      "target, from a trained EAGLE-3", init_from="EAGLE-3 or ConFu drafter",
                      needs_init="train confu starts from a trained EAGLE-3 drafter (the paper's start): give "

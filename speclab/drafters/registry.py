@@ -44,6 +44,8 @@ class Param:
     choices: tuple[str, ...] = ()  # a named choice (FlashHead's `head`: dense | flash) instead of a number
     when: tuple[str, str] | None = None  # (parameter, value): it applies only while that parameter has that value
     # (FlashHead's clusters, probes and margin: with head = flash); the app shows it only then
+    many: bool = False  # a '+'-joined list (a routed method's arms): in a method spec, items without '=' after it
+    # continue it (`route:arms=eagle3+pld+none`)
 
     @property
     def kind(self) -> type:
@@ -175,6 +177,8 @@ class DrafterEntry:
     bench: dict = field(default_factory=dict)  # parameters its methods take in `speclab bench` (over the
     # defaults; a spec's own win), e.g. sps's chain length matched to its transformers peer's
     peer: str = ""  # the transformers implementation `speclab bench` runs beside it ("hf_assisted"), if any
+    hooks: bool = False  # its drafter has round hooks (`speclab.core.protocol.RoundHooks`: target work of its own,
+    # rows riding in the verification): it drafts alone, never in a merged arm (`speclab.routing.arms`)
 
     @property
     def title(self) -> str:

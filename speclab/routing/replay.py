@@ -27,7 +27,7 @@ from __future__ import annotations
 import json
 import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import pandas as pd
@@ -36,10 +36,11 @@ import torch
 from speclab.core.engine import entropy, feature_columns, feature_layers
 from speclab.core.sampling import Sampling
 from speclab.core.target import Target
+from speclab.core.tree import merge
 from speclab.core.verify import verify_tokens
 from speclab.errors import InvalidInput
 from speclab.metrics import model_error, tau, tokens_per_s
-from speclab.routing.routers import DFLASH, EAGLE3, pick
+from speclab.routing.routers import DFLASH, EAGLE3, NONE, pick
 
 DRAFTERS = (EAGLE3, DFLASH)  # the order of drafter indices in choice arrays: 0 = EAGLE-3, 1 = DFlash
 
@@ -57,6 +58,8 @@ class Profile:
     draft_ms: np.ndarray  # [D, N] drafting time measured while profiling
     entropy: np.ndarray  # [N] nats: the entropy signal a round at g sees (nan: none, a one-token prompt's first)
     hidden: torch.Tensor | None = None  # [N, d] the final-norm hidden state signal (what the neural router reads)
+    arms: tuple[str, ...] = DRAFTERS  # what the rows of accepted / width / draft_ms are (routing v2: any arms)
+    probe: dict[str, np.ndarray] = field(default_factory=dict)  # [N] per probing drafter's signal (`Signals.probe`)
 
     @property
     def n(self) -> int:
@@ -73,15 +76,20 @@ def check_greedy(temperature: float) -> None:
 @torch.inference_mode()
 def profile_sequence(target: Target, drafters: dict, prompt_ids: torch.Tensor, tokens: torch.Tensor,
                      max_new_tokens: int, prompt_id: str = "", category: str | None = None,
-                     positions=None) -> Profile:
-    """Run every drafter (EAGLE-3 and DFlash, built by a whiflash method) at every position of the AR output
-    `tokens` of `prompt_ids`, exactly as a round starting there would (catch-up, propose with the room left).
-    With `positions`, only there (a run's round starts, for its router view): the drafters catch up on the
-    rest in one go, as lazily as a live run; `accepted` and `width` are -1 elsewhere (not for replay)."""
+                     positions=None, arms: tuple[str, ...] = DRAFTERS) -> Profile:
+    """Run every arm (by default EAGLE-3 and DFlash, built by a whiflash method; any names of `drafters`, merged arms
+    (`speclab.routing.arms.Merged`) and "none" among them) at every position of the AR output `tokens` of
+    `prompt_ids`, exactly as a round starting there would (catch-up, propose with the room left). Each drafter
+    proposes once a position; a merged arm verifies the merge of its members' proposals there (its accept length is
+    the best member's, its width the merged tree's); "none" accepts nothing. With `positions`, only there (a run's
+    round starts, for its router view): the drafters catch up on the rest in one go, as lazily as a live run;
+    `accepted` and `width` are -1 elsewhere (not for replay)."""
     prompt_ids, tokens = prompt_ids.cpu().long().flatten(), tokens.cpu().long().flatten()
     P, N = prompt_ids.numel(), tokens.numel()
     ids = torch.cat([prompt_ids, tokens])
-    layers = feature_layers(target, drafters)
+    own = list(dict.fromkeys(m for a in arms if a != NONE
+                             for m in getattr(drafters[a], "members", (a,))))  # the drafters that propose
+    layers = feature_layers(target, {m: drafters[m] for m in own})
     out = target.forward(ids[: P + N - 1].to(target.device), target.new_cache(), layers=layers, hidden=True)
     rows = torch.arange(P - 2, P + N - 2)  # row r drew token r + 1: a round at g sees the row that drew x_{P+g-1}
     ent = entropy(out.logits)[rows.clamp(min=0)].cpu().numpy().astype(np.float64)
@@ -91,32 +99,48 @@ def profile_sequence(target: Target, drafters: dict, prompt_ids: torch.Tensor, t
     truth = torch.full((max_new_tokens + 1,), -1, dtype=torch.long)
     truth[:N] = tokens  # the target's token at the row of depth j from a root at g: tokens[g + j] (-1 past the end)
     fill = 0 if positions is None else -1
-    acc = np.full((len(DRAFTERS), N), fill, np.int64)
-    width = np.full((len(DRAFTERS), N), fill, np.int64)
+    acc = np.full((len(arms), N), fill, np.int64)
+    width = np.full((len(arms), N), fill, np.int64)
     todo = np.ones(N, bool) if positions is None else np.isin(np.arange(N), np.asarray(list(positions), np.int64))
-    ms = np.zeros((len(DRAFTERS), N))
+    ms = np.zeros((len(arms), N))
     greedy = Sampling()
-    for i, name in enumerate(DRAFTERS):
-        d = drafters[name]
-        cols = _columns(d, layers, target.hidden_size, out.features)
-        d.reset(ids[:P], cols[: P - 1], capacity=ids.numel())
-        seen = P
-        for g in np.flatnonzero(todo).tolist():
-            n = P + g
-            d.catch_up(ids[seen:n], cols[seen - 1 : n - 1])
-            seen = n
-            room = max_new_tokens - g - 1
-            if room <= 0:  # no room to draft: a round there is the target's step alone
-                acc[i, g] = width[i, g] = 0
+    cols = {m: _columns(drafters[m], layers, target.hidden_size, out.features) for m in own}
+    for m in own:
+        drafters[m].reset(ids[:P], cols[m][: P - 1], capacity=ids.numel())
+    seen = P
+    probe: dict[str, np.ndarray] = {}
+
+    def verdict(tree):
+        depth = g + torch.cat([tree.depth.new_zeros(1), tree.depth]).cpu()
+        return verify_tokens(tree, truth[depth].to(tree.tokens.device)).accepted
+
+    for g in np.flatnonzero(todo).tolist():
+        n = P + g
+        room = max_new_tokens - g - 1
+        trees, took = {}, {}
+        for m in own:
+            d = drafters[m]
+            d.catch_up(ids[seen:n], cols[m][seen - 1 : n - 1])
+            if hasattr(d, "probe"):  # a router's view of it there (`Signals.probe`)
+                for k, v in d.probe().items():
+                    probe.setdefault(k, np.full(N, np.nan))[g] = v
+            if room <= 0:
                 continue
             t0 = time.perf_counter()
-            tree = d.propose(room, greedy, None)
-            ms[i, g] = (time.perf_counter() - t0) * 1e3
-            rows = g + torch.cat([tree.depth.new_zeros(1), tree.depth]).cpu()
-            path = verify_tokens(tree, truth[rows].to(tree.tokens.device)).accepted
-            acc[i, g], width[i, g] = path.numel(), len(tree)
-            d.commit(tree, path)
-    return Profile(prompt_id, category, P, tokens.numpy(), max_new_tokens, acc, width, ms, ent, hid)
+            trees[m] = d.propose(room, greedy, None)
+            took[m] = (time.perf_counter() - t0) * 1e3
+            drafters[m].commit(trees[m], verdict(trees[m]))
+        seen = n
+        for i, a in enumerate(arms):
+            members = getattr(drafters.get(a), "members", (a,)) if a != NONE else ()
+            if room <= 0 or not members:  # no room to draft, or none: a round there is the target's step alone
+                acc[i, g] = width[i, g] = 0
+                continue
+            tree = merge([trees[m] for m in members])[0] if len(members) > 1 else trees[members[0]]
+            acc[i, g], width[i, g] = verdict(tree).numel(), len(tree)
+            ms[i, g] = sum(took[m] for m in members)
+    return Profile(prompt_id, category, P, tokens.numpy(), max_new_tokens, acc, width, ms, ent, hid, tuple(arms),
+                   probe)
 
 
 def _columns(drafter, layers: tuple[int, ...], d: int, feats: torch.Tensor) -> torch.Tensor:
@@ -150,9 +174,10 @@ class Walk:
 
 
 def walk(p: Profile, choice: np.ndarray, eager: bool = False) -> Walk:
-    """Replay K policies at once. `choice` [K, N] (a drafter index per position) or [K, N, D + 1] (per position
-    and previous drafter, D = none yet)."""
-    K, N, D = choice.shape[0], p.n, len(DRAFTERS)
+    """Replay K policies at once. `choice` [K, N] (a drafter index per position: an index into `p.arms`) or
+    [K, N, D + 1] (per position and previous drafter, D = none yet)."""
+    K, N, D = choice.shape[0], p.n, p.accepted.shape[0]
+    assert not eager or D == 2, "the eager scheme catches up the other of two drafters"
     if choice.ndim == 2:
         choice = np.repeat(choice[:, :, None], D + 1, 2)
     g = np.zeros(K, np.int64)
@@ -358,6 +383,46 @@ def oracle_max_tau(p: Profile) -> np.ndarray:
         best[g] = int(np.lexsort((-p.accepted[:, g], r))[0])
         R[g] = r[best[g]]
     return best[None, :]
+
+
+def oracle_min_ms(p: Profile, ms: np.ndarray) -> np.ndarray:
+    """Oracle-Token over N arms (routing v2) on modeled round times `ms` [A, N] (each arm's round at each position):
+    the arm every round that minimises the modeled time to the end (DP over positions: T(g) = min_a ms[a, g] +
+    T(g + committed_a(g))). Choices [1, N]."""
+    N, ms = p.n, np.asarray(ms, np.float64)
+    T = np.zeros(N + 1)
+    best = np.zeros(N, np.int64)
+    for g in range(N - 1, -1, -1):
+        nxt = np.minimum(g + np.minimum(p.accepted[:, g] + 1, N - g), N)
+        t = ms[:, g] + T[nxt]
+        best[g] = int(t.argmin())
+        T[g] = t[best[g]]
+    return best[None, :]
+
+
+def router_choice(p: Profile, router) -> np.ndarray:
+    """A router replayed on an N-arm profile round by round, exactly as live under greedy decoding: at every round
+    start it sees what it would see live (the row's hidden state and entropy, the probing drafters' signals there,
+    the recent rounds, the position). Choices [1, N] (an arm index at each round start; the rest unused)."""
+    from collections import deque
+
+    from speclab.core.engine import HISTORY
+    from speclab.core.protocol import Signals
+    N = p.n
+    choice = np.zeros((1, N), np.int64)
+    history: deque = deque(maxlen=HISTORY)
+    g, rnd = 0, 0
+    while g < N:
+        ent = float(p.entropy[g])
+        hidden = p.hidden[g].float() if p.hidden is not None and not (p.prompt_tokens == 1 and g == 0) else None
+        probe = {k: float(v[g]) for k, v in p.probe.items()}
+        d = router.choose(Signals(rnd, ent, hidden, [a for a, _ in history], [n for _, n in history], probe, g))
+        c = p.arms.index(d.choice if d.choice is not None else NONE)
+        choice[0, g] = c
+        acc = int(min(p.accepted[c, g], N - g))
+        history.append((acc, d.choice))
+        g, rnd = g + min(int(p.accepted[c, g]) + 1, N - g), rnd + 1
+    return choice
 
 
 def oracle_min_time(p: Profile, cost: CostModel, switch_backlog: float) -> np.ndarray:

@@ -8,6 +8,8 @@ Policies (WhiFlash, ../shared/papers/whiflash.txt, section 3.3):
   token; the autoregressive drafter (EAGLE-3) when H_t > tau_entropy, else the parallel one (DFlash).
 - `neural` (WhiFlash-Neural): an MLP on the target's final-norm hidden state h_t predicts
   Delta AL_t = AL_eagle3 - AL_dflash; EAGLE-3 when the prediction > tau_neural.
+- `rule` (routing v2's baseline, `speclab.routing.arms`): prompt lookup's arm while its match is long enough, else
+  another arm.
 - `schedule`: a given drafter per round (what an oracle chose, replayed live: `speclab.routing.replay`).
 
 Thresholds come from `data/zoo/calibration.json` (`speclab calibrate`) when none is given: the category's when
@@ -25,6 +27,7 @@ import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -33,6 +36,7 @@ from speclab.errors import InvalidInput, ModelNotFound
 from speclab.files import write_atomic
 
 EAGLE3, DFLASH = "eagle3", "dflash"  # WhiFlash's m_a (autoregressive) and m_d (diffusion / parallel) drafters
+NONE = "none"  # routing v2's arm without a drafter: the target steps alone (`speclab.routing.arms`)
 ENTROPY_FALLBACK = 1.0  # nats: the entropy threshold when nothing is calibrated for the target
 
 
@@ -82,7 +86,7 @@ class RouterMLP(nn.Module):
         save_checkpoint(self, {**self.config.__dict__, **(extra or {})}, path, dtype=torch.float32)
 
 
-def load_router(path: str | Path, target=None) -> RouterMLP:
+def load_router(path: str | Path, target=None):
     """A trained router (config.json + model.safetensors), checked against the target's hidden size."""
     from speclab.drafters.checkpoint import load_strict, read_checkpoint
     where, cfg, state = read_checkpoint(path, "neural router")
@@ -91,15 +95,19 @@ def load_router(path: str | Path, target=None) -> RouterMLP:
         raise ModelNotFound(f"{path}: config.json is not a speclab neural router's (no hidden_size / width)")
     m = RouterMLP(RouterConfig(**known))
     load_strict(m, {k: v.float() for k, v in state.items()}, where, "neural router")
+    return _for_target(m, path, target, "neural router", "speclab train router")
+
+
+def _for_target(m: nn.Module, path, target, noun: str, command: str) -> nn.Module:
+    """A loaded router checked against the target it will route for (the fingerprint it was trained for, the size of
+    the hidden states it reads; InvalidInput naming `command` to train another), on its device, frozen."""
     if target is not None:
         if m.config.target and m.config.target != target.fingerprint:
-            raise InvalidInput(f"the neural router at {path} was trained for another target (fingerprint "
-                               f"{m.config.target}, this one's is {target.fingerprint}): train one for this target "
-                               "(speclab train router)")
+            raise InvalidInput(f"the {noun} at {path} was trained for another target (fingerprint {m.config.target}, "
+                               f"this one's is {target.fingerprint}): train one for this target ({command})")
         if target.hidden_size != m.config.hidden_size:
-            raise InvalidInput(f"the neural router at {path} reads hidden states of size {m.config.hidden_size}, "
-                               f"the target's are {target.hidden_size}: train one for this target "
-                               "(speclab train router)")
+            raise InvalidInput(f"the {noun} at {path} reads hidden states of size {m.config.hidden_size}, the "
+                               f"target's are {target.hidden_size}: train one for this target ({command})")
         m.to(target.device)
     m.name = str(path)
     return m.eval().requires_grad_(False)
@@ -117,6 +125,22 @@ class NeuralRouter:
     def choose(self, s: Signals) -> Decision:
         pred = float(self.mlp(s.hidden)) if s.hidden is not None else math.nan
         return Decision(pick(pred, self.threshold), self.policy, pred, self.threshold)
+
+
+class RuleRouter:
+    """Routing v2's hand-written baseline: prompt lookup's arm while its current match (`Signals.probe`'s
+    `pld_match`: tokens before the root that agree with those before the continuation it would propose) is at least
+    `min_match` tokens, else the other arm (`speclab.routing.arms`)."""
+    policy = "rule"
+    needs = frozenset({"probe"})
+    eager = False
+
+    def __init__(self, lookup: str, other: str | None, min_match: int):
+        self.lookup, self.other, self.min_match = lookup, other, int(min_match)
+
+    def choose(self, s: Signals) -> Decision:
+        match = s.probe.get("pld_match", 0.0)
+        return Decision(self.lookup if match >= self.min_match else self.other, self.policy, match, self.min_match)
 
 
 class ScheduleRouter:
@@ -215,3 +239,183 @@ def default_threshold(policy: str, category: str | None, target: str | None = No
         if v is not None:
             return v
     return mlp.config.hardware_threshold if policy == "neural" and mlp is not None else ENTROPY_FALLBACK
+
+
+# -- routing v2's learned router (`speclab.routing.arms`, `speclab train route`) -----------------------------------
+N_RECENT = 2  # recent rounds' accept lengths among its features
+LOOKUP_K = 8.0  # prompt lookup's default proposal length: scales its `pld_tokens` signal
+MATCH_STEPS = (1, 2, 3, 4, 6, 8, 12, 16)  # prompt lookup's match length as indicators (match >= k)
+
+
+def arm_extras(entropy, match, tokens, recent: list, last, generated, n_arms: int) -> torch.Tensor:
+    """The learned router's features beside the hidden state, for n positions at once (every argument an array of
+    n; `recent` N_RECENT arrays, the latest first, -1 where there was no such round; `last` the last round's arm
+    index, -1 before the first round): entropy, prompt lookup's match and proposal length, the recent accept lengths,
+    the position (log), the last arm one-hot (one slot more: none yet). One definition for training
+    (`speclab.train.route`) and routing (`ArmRouter`)."""
+    def col(x, scale):
+        return np.nan_to_num(np.asarray(x, np.float64), nan=0.0) / scale
+    m = col(match, 1.0)
+    cols = [col(entropy, 5.0), m / 32.0, col(tokens, LOOKUP_K)]
+    cols += [(m >= k).astype(np.float64) for k in MATCH_STEPS]  # the match as steps: a rule is one of them
+    cols += [np.maximum(col(r, 1.0), -1) / LOOKUP_K for r in recent]
+    cols.append(np.log1p(col(generated, 1.0)) / 5.0)
+    last = np.asarray(last, np.int64)
+    one_hot = np.zeros((len(last), n_arms + 1))
+    one_hot[np.arange(len(last)), np.where(last < 0, n_arms, last)] = 1.0
+    return torch.from_numpy(np.concatenate([np.stack(cols, -1), one_hot], -1).astype(np.float32))
+
+
+def n_extras(n_arms: int) -> int:
+    return 3 + len(MATCH_STEPS) + N_RECENT + 1 + n_arms + 1
+
+
+@dataclass
+class ArmCosts:
+    """Routing v2's round-cost model (`fit_arm_costs`), per arm a: ms = draft[a] + catch-up + verify0 + verify1 x
+    (width + 1) + other[a] (+ router_ms in a routed run), the catch-up catchup0[a] + catchup1[a] x backlog where the
+    arm's drafters had a backlog. `width[a]`: its mean draft nodes a round (what the router expects; prompt lookup
+    alone: its proposal, known at round start)."""
+    arms: list
+    draft: list
+    catchup0: list
+    catchup1: list
+    other: list
+    width: list
+    verify0: float
+    verify1: float
+    router_ms: float = 0.0
+    rounds_fitted: int = 0
+
+    def round_ms(self, a, width, backlog, routed: bool = False) -> np.ndarray:
+        """Modeled ms of rounds by arm index `a`, draft nodes `width` and catch-up backlog (arrays alike)."""
+        a, width, backlog = np.asarray(a), np.asarray(width, np.float64), np.asarray(backlog, np.float64)
+        catch = np.where(backlog > 0, np.take(self.catchup0, a) + np.take(self.catchup1, a) * backlog, 0.0)
+        return (np.take(self.draft, a) + catch + self.verify0 + self.verify1 * (width + 1) + np.take(self.other, a)
+                + (self.router_ms if routed else 0.0))
+
+
+def fit_arm_costs(rounds, arms: list) -> ArmCosts:
+    """`ArmCosts` by least squares on live rounds (a DataFrame: arm, width, backlog, draft_ms, catchup_ms, verify_ms,
+    other_ms): verification by rows over every round, each arm's drafting and other time as means, its catch-up as a
+    line in the backlog over its rounds with one (a mean where all backlogs are alike)."""
+    v = np.linalg.lstsq(np.c_[np.ones(len(rounds)), rounds.width + 1], rounds.verify_ms, rcond=None)[0]
+    draft, c0, c1, other, width = [], [], [], [], []
+    for a in arms:
+        r = rounds[rounds.arm == a]
+        draft.append(float(r.draft_ms.mean()) if len(r) else 0.0)
+        other.append(float(r.other_ms.mean()) if len(r) else 0.0)
+        width.append(float(r.width.mean()) if len(r) else 0.0)
+        b = r[r.backlog > 0]
+        x, y = b.backlog.to_numpy(float), b.catchup_ms.to_numpy(float)
+        line = np.linalg.lstsq(np.c_[np.ones(len(x)), x], y, rcond=None)[0] if len(np.unique(x)) > 1 else \
+            (float(y.mean()) if len(y) else 0.0, 0.0)
+        c0.append(float(max(line[0], 0.0)))
+        c1.append(float(max(line[1], 0.0)))
+    return ArmCosts(list(arms), draft, c0, c1, other, width, float(v[0]), float(v[1]), rounds_fitted=len(rounds))
+
+
+def arm_backlogs(arms: list, accepted: list, used: list) -> np.ndarray:
+    """Each arm's catch-up backlog at a round start, from the recent rounds (accepted draft tokens and the arm of
+    each, oldest first): over its drafters, the tokens committed since each last drafted (its own round included:
+    a catch-up hands it that round's tokens too), every recent round where it never drafted."""
+    out = np.zeros(len(arms))
+    for i, a in enumerate(arms):
+        for m in ([] if a == NONE else a.split(".")):
+            b = 0
+            for acc, arm in zip(reversed(accepted), reversed(used)):
+                b += acc + 1
+                if arm is not None and m in arm.split("."):
+                    break
+            out[i] += b
+    return out
+
+
+@dataclass
+class ArmRouterConfig:
+    hidden_size: int  # d of the target's final hidden state
+    arms: list  # the arms it predicts accept lengths for, in order ("none" included: predicted 0)
+    costs: dict  # the arms' `ArmCosts` (as a dict), fitted to live rounds when it was trained (`machine`)
+    width: int = 64
+    dropout: float = 0.1
+    target: str = ""  # the fingerprint of the target it was trained for
+    machine: str = ""  # where the costs were measured (CPU, dtype)
+    derivation: dict = field(default_factory=dict)  # how they were measured
+
+
+class ArmRouterMLP(nn.Module):
+    """[h ; extras] -> width -> GELU -> dropout -> one predicted accept length per arm (draft tokens accepted)."""
+
+    def __init__(self, config: ArmRouterConfig):
+        super().__init__()
+        self.config = config
+        a, f = len(config.arms), config.hidden_size + n_extras(len(config.arms))
+        self.register_buffer("shift", torch.zeros(f))  # the inputs standardised: (x - shift) / scale, from the
+        self.register_buffer("scale", torch.ones(f))  # training rows (`standardise`)
+        self.net = nn.Sequential(nn.Linear(f, config.width), nn.GELU(), nn.Dropout(config.dropout),
+                                 nn.Linear(config.width, a))
+
+    def standardise(self, h: torch.Tensor, extras: torch.Tensor) -> None:
+        """Every input to mean 0 and standard deviation 1 over the training rows (a constant one left as it is)."""
+        x = torch.cat([h.float(), extras.float()], -1)
+        self.shift.copy_(x.mean(0))
+        self.scale.copy_(x.std(0).clamp(min=1e-3))
+
+    def forward(self, h: torch.Tensor, extras: torch.Tensor) -> torch.Tensor:
+        return self.net((torch.cat([h.float(), extras.float()], -1) - self.shift) / self.scale)
+
+    def save(self, path: str | Path, extra: dict | None = None) -> None:
+        from speclab.drafters.checkpoint import save_checkpoint
+        save_checkpoint(self, {**self.config.__dict__, "kind": "speclab route router", **(extra or {})}, path,
+                        dtype=torch.float32)
+
+
+def load_arm_router(path: str | Path, target=None):
+    """A trained routing v2 router (config.json + model.safetensors), checked against the target."""
+    from speclab.drafters.checkpoint import load_strict, read_checkpoint
+    where, cfg, state = read_checkpoint(path, "route router")
+    if cfg.get("kind") != "speclab route router":
+        raise ModelNotFound(f"{path}: config.json is not a speclab route router's (train one: speclab train route)")
+    m = ArmRouterMLP(ArmRouterConfig(**{k: cfg[k] for k in ArmRouterConfig.__dataclass_fields__ if k in cfg}))
+    load_strict(m, {k: v.float() for k, v in state.items()}, where, "route router")
+    return _for_target(m, path, target, "route router", "speclab train route")
+
+
+class ArmRouter:
+    """Routing v2's learned router: each round, every arm's predicted accept length (the MLP on the target's hidden
+    state, its entropy, prompt lookup's match, the recent rounds and the position) over its modeled round cost, the
+    best predicted tokens per ms wins. `arms`: the route's arms (a subset of those the model knows, in its order)."""
+    policy = "learned"
+    needs = frozenset({"hidden", "entropy", "probe"})
+    eager = False
+
+    def __init__(self, mlp: ArmRouterMLP, arms: list[str]):
+        known = list(mlp.config.arms)
+        self.mlp, self.known, self.arms = mlp, known, list(arms)
+        self.idx = torch.tensor([known.index(a) for a in arms])
+        self.names = [None if a == NONE else a for a in arms]
+        self.costs = ArmCosts(**mlp.config.costs)
+        self.at = np.array([known.index(a) for a in arms])  # the arms' rows of the cost model
+        self.width = np.take(self.costs.width, self.at)
+        self.lookup = np.array([a == "pld" for a in arms])  # prompt lookup alone: its proposal is known
+        self.none = torch.tensor([a == NONE for a in arms])
+
+    def round_ms(self, s: Signals) -> np.ndarray:
+        """Each arm's modeled round time now: its expected draft width (prompt lookup's own proposal where it drafts
+        alone) and its drafters' backlogs."""
+        width = np.where(self.lookup, s.probe.get("pld_tokens", 0.0), self.width)
+        return self.costs.round_ms(self.at, width, arm_backlogs(self.arms, s.accepted, s.drafters))
+
+    @torch.inference_mode()
+    def choose(self, s: Signals) -> Decision:
+        ms = torch.from_numpy(self.round_ms(s)).float()
+        if s.hidden is None:  # no row yet (a one-token prompt's first round): the cheapest drafting arm
+            return Decision(self.names[int(torch.where(self.none, math.inf, ms).argmin())], self.policy)
+        last = self.known.index(s.drafters[-1] or NONE) if s.drafters and (s.drafters[-1] or NONE) in self.known \
+            else -1
+        recent = [[s.accepted[-1 - i] if len(s.accepted) > i else -1] for i in range(N_RECENT)]
+        x = arm_extras([s.entropy], [s.probe.get("pld_match", 0.0)], [s.probe.get("pld_tokens", 0.0)], recent,
+                       [last], [s.generated], len(self.known)).to(s.hidden.device)
+        pred = self.mlp(s.hidden[None], x)[0].cpu()[self.idx].clamp(min=0).masked_fill(self.none, 0.0)
+        i = int(((pred + 1) / ms).argmax())
+        return Decision(self.names[i], self.policy, float(pred[i]))  # signal: its predicted accept length

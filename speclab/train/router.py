@@ -122,35 +122,11 @@ def fit(data: dict, cfg: RouterTrainConfig, hidden_size: int, log=print):
     h = torch.cat(data["hidden"]).float()
     y = torch.cat(data["delta"])
     seq = torch.cat(data["seq"])
-    n_seq = int(seq.max()) + 1
-    held = torch.from_numpy(np.random.default_rng(cfg.seed).permutation(n_seq)[: max(1, int(n_seq * cfg.heldout))])
-    val = torch.isin(seq, held)
+    val, held, n_seq = heldout_split(seq, cfg)
     ht, yt, hv, yv = h[~val], y[~val], h[val], y[val]
     m = RouterMLP(RouterConfig(hidden_size, max(hidden_size // 8, 1), cfg.dropout))
-    opt = torch.optim.AdamW(m.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
-    steps = cfg.epochs * math.ceil(len(yt) / cfg.batch_size)
-    sched = torch.optim.lr_scheduler.OneCycleLR(opt, cfg.lr, total_steps=steps, pct_start=0.05)
-    prog = Progress(cfg.epochs, "train router (epochs)")
-    records = []
-    for ep in range(cfg.epochs):
-        m.train()
-        perm = torch.randperm(len(yt))
-        tot = 0.0
-        for b in range(0, len(yt), cfg.batch_size):
-            idx = perm[b : b + cfg.batch_size]
-            loss = torch.nn.functional.mse_loss(m(ht[idx]), yt[idx])
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
-            sched.step()
-            tot += loss.item() * len(idx)
-        m.eval()
-        with torch.no_grad():
-            pv = m(hv)
-        rec = {"epoch": ep + 1, "train_mse": tot / len(yt), "val_mse": float(((pv - yv) ** 2).mean()),
-               "val_corr": pearson(pv.numpy(), yv.numpy())}
-        records.append(rec)
-        prog.update(ep + 1, mse=f"{rec['train_mse']:.3f}", val=f"{rec['val_mse']:.3f}", corr=f"{rec['val_corr']:.3f}")
+    records = fit_mse(m, (ht,), yt, (hv,), yv, cfg, "train router (epochs)",
+                      lambda pv: {"val_corr": pearson(pv.numpy(), yv.numpy())})
     with torch.no_grad():
         pv = m(hv).numpy()
     yvn = yv.numpy()
@@ -160,6 +136,47 @@ def fit(data: dict, cfg: RouterTrainConfig, hidden_size: int, log=print):
                "sign_agreement": float(((pv > 0) == (yvn > 0)).mean()), "delta_mean": float(yvn.mean()),
                "delta_std": float(yvn.std())}
     return m, records, heldout
+
+
+def heldout_split(seq: torch.Tensor, cfg) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """(the rows held out [n] bool, the sequences held out, how many sequences): a share `cfg.heldout` of the
+    sequences drawn by `cfg.seed`, so no held-out row shares a sequence with a training row."""
+    n_seq = int(seq.max()) + 1
+    held = torch.from_numpy(np.random.default_rng(cfg.seed).permutation(n_seq)[: max(1, int(n_seq * cfg.heldout))])
+    return torch.isin(seq, held), held, n_seq
+
+
+def fit_mse(m: torch.nn.Module, xt: tuple, yt: torch.Tensor, xv: tuple, yv: torch.Tensor, cfg, label: str,
+            more=None) -> list[dict]:
+    """A router's training loop (WhiFlash's and routing v2's): MSE of `m(*inputs)` against y, AdamW, one one-cycle
+    schedule over `cfg.epochs` passes in batches of `cfg.batch_size`, the held-out MSE (and `more(predictions)`'s
+    figures) after each epoch, with progress. Returns the per-epoch records; `m` ends in eval mode."""
+    n = len(yt)
+    opt = torch.optim.AdamW(m.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+    steps = cfg.epochs * math.ceil(n / cfg.batch_size)
+    sched = torch.optim.lr_scheduler.OneCycleLR(opt, cfg.lr, total_steps=steps, pct_start=0.05)
+    prog = Progress(cfg.epochs, label)
+    records = []
+    for ep in range(cfg.epochs):
+        m.train()
+        perm = torch.randperm(n)
+        tot = 0.0
+        for b in range(0, n, cfg.batch_size):
+            idx = perm[b : b + cfg.batch_size]
+            loss = torch.nn.functional.mse_loss(m(*(x[idx] for x in xt)), yt[idx])
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            sched.step()
+            tot += loss.item() * len(idx)
+        m.eval()
+        with torch.no_grad():
+            pv = m(*xv)
+        rec = {"epoch": ep + 1, "train_mse": tot / n, "val_mse": float(((pv - yv) ** 2).mean()),
+               **(more(pv) if more else {})}
+        records.append(rec)
+        prog.update(ep + 1, **{k: f"{v:.3f}" for k, v in rec.items() if k != "epoch"})
+    return records
 
 
 def measure_costs(target, models: dict, prompts, cfg: RouterTrainConfig, data: dict, log=print):
@@ -193,15 +210,21 @@ def measure_costs(target, models: dict, prompts, cfg: RouterTrainConfig, data: d
     return cost, float(switch.mean()) if len(switch) else 16.0, widths, stays
 
 
-def train_router(cfg: RouterTrainConfig, target, models: dict, log=print) -> dict:
-    from speclab.routing.replay import DRAFTERS, hardware_threshold
+def setup(cfg, target) -> tuple[Path, list]:
+    """A router training's start (WhiFlash's and routing v2's): its threads, its run directory (made) and the corpus
+    prompts it profiles (`corpus_prompts`)."""
     from speclab.train.corpus import tokenize_corpus
-
     torch.set_num_threads(cfg.threads)
     out = Path(cfg.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     data_c = tokenize_corpus(Path(cfg.corpus_dir), target.tokenizer, Path(cfg.corpus_dir) / ".tokens")
-    prompts = corpus_prompts(data_c, cfg)
+    return out, corpus_prompts(data_c, cfg)
+
+
+def train_router(cfg: RouterTrainConfig, target, models: dict, log=print) -> dict:
+    from speclab.routing.replay import DRAFTERS, hardware_threshold
+
+    out, prompts = setup(cfg, target)
     pairs = collect(target, models, prompts, cfg, out / "pairs.pt", log)
     collect_min = pairs.get("minutes", 0.0)
     m, records, heldout = fit(pairs, cfg, target.hidden_size, log)

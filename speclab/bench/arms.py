@@ -1,0 +1,164 @@
+"""Routing v2's evaluation on a prompt suite (`speclab route-table`): every arm profiled at every position of each
+prompt's greedy AR output (`speclab.routing.replay.profile_sequence` with `arms`), then policies replayed on the
+profiles exactly (each arm alone, the rule router, the learned router, Oracle-Token by accept length and by modeled
+time) and tabled per category: tau and modeled tokens/s over AR's, from each arm's round time (the learned
+router's `arm_ms`, measured when it was trained, or given). `model_error_table` holds the same per-arm round times
+against a bench's live routed runs.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pandas as pd
+import torch
+
+from speclab.metrics import model_error, speedup, tau, tokens_per_s
+from speclab.progress import Progress
+from speclab.routing import replay
+from speclab.routing.routers import NONE, ArmCosts, arm_backlogs
+
+
+def arm_profiles(target, drafters: dict, prompts: list[dict], arms: tuple[str, ...],
+                 max_new_tokens: int) -> list[replay.Profile]:
+    """Each prompt's greedy AR output (the target alone) and every arm profiled at every position of it."""
+    from speclab.core.engine import decode
+    prog = Progress(len(prompts), "profile every arm")
+    out = []
+    for i, p in enumerate(prompts):
+        ids = torch.tensor(target.tokenizer(p["prompt"], add_special_tokens=False)["input_ids"])
+        new = decode(target, ids, max_new_tokens=max_new_tokens).new_ids
+        out.append(replay.profile_sequence(target, drafters, ids, new, max_new_tokens, p["prompt_id"], p["category"],
+                                           arms=arms))
+        prog.update(i + 1)
+    return out
+
+
+def position_ms(p: replay.Profile, costs: ArmCosts) -> np.ndarray:
+    """[A, N] each arm's modeled round time at every position of a profile: its draft width there, no catch-up."""
+    a = np.repeat(np.arange(len(p.arms))[:, None], p.n, 1)
+    return costs.round_ms(a, p.width, np.zeros_like(p.width))
+
+
+def policy_choices(profiles: list[replay.Profile], costs: ArmCosts, routers: dict) -> dict[str, list[np.ndarray]]:
+    """Per policy label, its choices on every profile: each arm alone, the given routers (label -> router, replayed
+    round by round), Oracle-Token by accept length (`oracle_max_tau`) and by modeled time (`oracle_min_ms`, each
+    round at its arm's width there; catch-ups after switches are left out, so it is optimistic)."""
+    arms = profiles[0].arms
+    out: dict[str, list[np.ndarray]] = {a: [np.full((1, p.n), i) for p in profiles] for i, a in enumerate(arms)}
+    for label, r in routers.items():
+        out[label] = [replay.router_choice(p, r) for p in profiles]
+    out["oracle-token (tau)"] = [replay.oracle_max_tau(p) for p in profiles]
+    out["oracle-token (time)"] = [replay.oracle_min_ms(p, position_ms(p, costs)) for p in profiles]
+    return out
+
+
+def walk_ms(p: replay.Profile, w: replay.Walk, costs: ArmCosts, routed: bool) -> float:
+    """Modeled decode ms of one replayed policy (prefill aside): every round at its arm's width there and its
+    drafters' backlogs (`routers.arm_backlogs` over the rounds before it), plus the router's time when routed."""
+    live = w.start[:, 0] >= 0
+    arm, acc = w.drafter[live, 0], w.accepted[live, 0]
+    names = [None if a == NONE else a for a in p.arms]
+    backlog = [arm_backlogs([p.arms[c]], acc[:r].tolist(), [names[x] for x in arm[:r]])[0]
+               for r, c in enumerate(arm)]
+    return float(costs.round_ms(arm, p.width[arm, w.start[live, 0]], backlog, routed).sum())
+
+
+def arms_table(profiles: list[replay.Profile], costs: ArmCosts, choices: dict[str, list[np.ndarray]],
+               routed: tuple[str, ...] = ()) -> pd.DataFrame:
+    """One row per (policy, category, 'all' too): rounds, tokens, tau, each arm's share of rounds, modeled tokens/s
+    (`walk_ms`; the policies in `routed` pay the router's time) and the modeled speedup over AR (the none arm alone)."""
+    arms = profiles[0].arms
+    rows = []
+    for label, per in choices.items():
+        for p, c in zip(profiles, per):
+            w = replay.walk(p, c)
+            live = w.start[:, 0] >= 0
+            used = w.drafter[live, 0]
+            rows.append({"policy": label, "category": p.category, "prompt_id": p.prompt_id, "rounds": int(live.sum()),
+                         "tokens": int(w.committed[live, 0].sum()), "ms": walk_ms(p, w, costs, label in routed),
+                         **{f"share_{a}": float((used == i).mean()) for i, a in enumerate(arms)}})
+    df = pd.DataFrame(rows)
+    out = []
+    shares = [f"share_{a}" for a in arms]
+    for (label, cat), g in pd.concat([df, df.assign(category="all")]).groupby(["policy", "category"], sort=False):
+        tps = tokens_per_s(g.tokens.sum(), g.ms.sum() / 1e3)
+        ar = df[(df.policy == NONE) & (df.category.isin(g.category.unique()) | (cat == "all"))]
+        out.append({"policy": label, "category": cat, "prompts": len(g), "tau": tau(g.tokens.sum(), g.rounds.sum()),
+                    "tokens_per_s_modeled": tps,
+                    "speedup_modeled": speedup(tps, tokens_per_s(ar.tokens.sum(), ar.ms.sum() / 1e3))
+                    if len(ar) else float("nan"),
+                    **{s: float(np.average(g[s], weights=g.rounds)) for s in shares}})
+    return pd.DataFrame(out)
+
+
+def _learned(method: str) -> bool:
+    """A route spec whose rounds the learned router picks (it pays the router's own time)."""
+    from speclab.methods import method_params, parse_spec
+    from speclab.routing.arms import parse_arms
+    if parse_spec(method)[0] != "route":
+        return False
+    from types import SimpleNamespace
+    p = method_params(method, {}, SimpleNamespace(vocab_size=1 << 30, max_context=1 << 30,
+                                                  device=SimpleNamespace(type="cpu")))
+    return p["router"] == "learned" and len(parse_arms(p["arms"])) > 1
+
+
+def model_error_table(store, bench_id: str, costs: ArmCosts) -> pd.DataFrame:
+    """Per method of a bench whose rounds the cost model knows (route specs and AR): each live run's rounds at their
+    modeled time (its arm, width and catch-up backlog; the learned router's own time where it routed) against its
+    measured rounds (the prefill left out of both): modeled and live tokens/s pooled, `metrics.model_error`, and the
+    mean absolute error over runs."""
+    df = store.query("""
+        SELECT u.run_id, u.method, x.drafter, x.committed, x.n_drafted, x.backlog,
+               x.t_route_ms + x.t_catchup_ms + x.t_draft_ms + x.t_verify_ms + x.t_commit_ms
+               + coalesce(x.t_record_ms, 0) AS round_ms
+        FROM rounds x JOIN runs u USING (run_id)
+        WHERE u.bench_id = ? AND u.status = 'done' AND (u.method LIKE 'route%' OR u.method = 'ar')""", [bench_id])
+    if df.empty:
+        return pd.DataFrame()
+    df["arm"] = df.drafter.fillna(NONE)
+    df = df[df.arm.isin(costs.arms)]
+    learned = {m: _learned(m) for m in df.method.unique()}
+    df["modeled_ms"] = costs.round_ms(df.arm.map(costs.arms.index).to_numpy(), df.n_drafted, df.backlog) \
+        + np.where(df.method.map(learned), costs.router_ms, 0.0)
+    per = df.groupby("run_id").agg(method=("method", "first"), tokens=("committed", "sum"), live_ms=("round_ms", "sum"),
+                                   modeled_ms=("modeled_ms", "sum"))
+    per["error"] = model_error(per.tokens / per.modeled_ms, per.tokens / per.live_ms)
+    out = per.groupby("method").agg(runs=("error", "size"), tokens=("tokens", "sum"), live_ms=("live_ms", "sum"),
+                                    modeled_ms=("modeled_ms", "sum"),
+                                    mean_abs_model_error=("error", lambda e: e.abs().mean())).reset_index()
+    out["tokens_per_s_live"] = out.tokens / out.live_ms * 1e3
+    out["tokens_per_s_modeled"] = out.tokens / out.modeled_ms * 1e3
+    out["model_error"] = model_error(out.tokens_per_s_modeled, out.tokens_per_s_live)
+    return out[["method", "runs", "tokens_per_s_live", "tokens_per_s_modeled", "model_error", "mean_abs_model_error"]]
+
+
+def arms_report(table: pd.DataFrame, errors: pd.DataFrame, costs: ArmCosts, where: str, machine: str):
+    """The route table as a `viz.Report`: per category tau and modeled speedup of every arm alone, the routers and
+    the oracles (bars of the speedup), the cost model and, with a bench, its error against the live runs."""
+    from speclab.viz import Report, bench_bars
+    order = list(dict.fromkeys(table.policy))
+    cats = [c for c in dict.fromkeys(table.category) if c != "all"] + ["all"]
+    wide = table.pivot(index="policy", columns="category", values="speedup_modeled").loc[order, cats]
+    taus = table.pivot(index="policy", columns="category", values="tau").loc[order, cats]
+    fmt = {"floatfmt": ".3f"}
+    model = pd.DataFrame({"arm": costs.arms, "draft_ms": costs.draft, "catchup_ms": costs.catchup0,
+                          "catchup_ms_per_token": costs.catchup1, "other_ms": costs.other, "mean_width": costs.width})
+    text = [f"Profiles of {where}; every policy replayed on them exactly (greedy). Modeled tokens/s: every round at "
+            f"its modeled time ({machine}: the learned router's cost model), speedup over the none arm alone (AR).",
+            "", "## Modeled speedup over AR", "", wide.reset_index().to_markdown(index=False, **fmt), "",
+            "## tau (tokens per round)", "", taus.reset_index().to_markdown(index=False, **fmt), "",
+            "## Each policy's rounds by arm (share)", "",
+            table[table.category == "all"][["policy"] + [c for c in table.columns if c.startswith("share_")]]
+            .to_markdown(index=False, **fmt), "",
+            "## The round-cost model", "",
+            f"verify {costs.verify0:.2f} ms + {costs.verify1:.3f} ms per row; the learned router's own time "
+            f"{costs.router_ms:.2f} ms a round.", "", model.to_markdown(index=False, **fmt)]
+    if not errors.empty:
+        text += ["", "## Model error against the bench's live runs", "",
+                 "Each live run's rounds at their modeled time (arm, width, backlog, router) against its measured "
+                 "rounds (prefill left out of both); `model_error` = modeled / live tokens/s - 1.", "",
+                 errors.to_markdown(index=False, **fmt)]
+    fig = bench_bars(table.rename(columns={"policy": "method", "speedup_modeled": "speedup"}), "speedup",
+                     "Routing v2: modeled speedup over AR by category")
+    body = "\n".join(text)
+    return Report("Routing v2: arms, routers and oracles", body, [fig], summary=body)

@@ -1,0 +1,258 @@
+"""Train routing v2's learned router (`speclab train route`): an MLP that predicts every arm's accept length for the
+coming round, from which `speclab.routing.routers.ArmRouter` picks the arm with the most predicted tokens per ms.
+
+Data: counterfactual profiles over N arms (`speclab.routing.replay.profile_sequence` with `arms`: every arm at every
+position of the target's own greedy continuation; a merged arm's accept length is its best member's) of prompts cut
+from the training splits of the four zoo domains (`speclab.train.router.corpus_prompts`, the same prompts WhiFlash's
+router learns from). The router sees the recent rounds and the arm last used, which depend on the policy, so the
+training rows are the round starts of several policies replayed on each profile (`replay.walk`): each arm alone,
+and random choices; every row's targets are all arms' counterfactual accept lengths there. Sequences are split
+into train and held out before training. MSE, AdamW, one-cycle schedule.
+
+Costs: each arm's rounds are measured here, live, on a few of the prompts (every phase of its rounds, each arm
+alone, `none` from AR's, and a random schedule over all arms for catch-ups after switches), a round-cost model
+fitted to them (`routing.routers.fit_arm_costs`) and kept in the router's config with the machine's name: the
+router divides the predicted tokens by each arm's modeled round time.
+"""
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from speclab.progress import Progress
+
+DEFAULT_ARMS = "eagle3+dflash+pld+pld.eagle3+none"
+
+
+@dataclass
+class RouteTrainConfig:
+    corpus_dir: str
+    out_dir: str
+    arms: str = DEFAULT_ARMS
+    sequences: int = 160  # prompts profiled (train + held out)
+    prompt_tokens: int = 48
+    new_tokens: int = 96
+    heldout: float = 0.2
+    random_walks: int = 4  # random-choice policies replayed per profile (beside each arm alone)
+    epochs: int = 40
+    batch_size: int = 256
+    lr: float = 1e-3
+    weight_decay: float = 0.01
+    dropout: float = 0.1
+    width: int = 64
+    cost_prompts: int = 4  # prompts decoded live per arm to measure its round time
+    seed: int = 0
+    threads: int = 2
+    domain_weights: dict = field(default_factory=lambda: {"code": 1.0, "stories": 1.0, "literature": 1.0, "math": 1.0})
+
+
+def collect(target, models: dict, prompts, cfg: RouteTrainConfig, cache: Path, log=print) -> dict:
+    """N-arm profiles of every prompt's greedy continuation, saved to `cache` every 10 sequences and resumed from
+    it; a cache made with other settings is refused rather than mixed in."""
+    from speclab.core.engine import decode
+    from speclab.errors import SpeclabError
+    from speclab.methods import build_method, method_params
+    from speclab.routing.replay import profile_sequence
+
+    spec = f"route:arms={cfg.arms}+router=rule"
+    key = {"target": target.fingerprint, "dtype": target.precision["dtype"], "arms": cfg.arms,
+           "prompt_tokens": cfg.prompt_tokens, "new_tokens": cfg.new_tokens, "seed": cfg.seed,
+           "domain_weights": cfg.domain_weights}
+    done = torch.load(cache, weights_only=False) if cache.exists() else {"profiles": [], "key": key}
+    if done.get("key") != key:
+        diff = sorted(k for k in key if (done.get("key") or {}).get(k) != key[k])
+        raise SpeclabError(f"{cache} was collected with other settings ({', '.join(diff)}): use another --out, or "
+                           "delete it to collect again")
+    done["profiles"] = done["profiles"][: len(prompts)]
+    start, t0, minutes0 = len(done["profiles"]), time.time(), done.get("minutes", 0.0)
+    if start:
+        log(f"route data: resuming after {start} sequences ({cache})")
+    drafters, _ = build_method(spec, target, models, method_params(spec, {}, target))
+    arms = tuple(cfg.arms.split("+"))
+    prog = Progress(len(prompts), "profile sequences (every arm at every position)")
+    prog.update(start)
+    for i in range(start, len(prompts)):
+        dom, ids = prompts[i]
+        out = decode(target, ids, max_new_tokens=cfg.new_tokens, stop_on_eos=False).new_ids
+        p = profile_sequence(target, drafters, ids, out, cfg.new_tokens, f"train-{i}", dom, arms=arms)
+        p.hidden = p.hidden.to(torch.float16)
+        done["profiles"].append(p)
+        prog.update(i + 1)
+        done["minutes"] = minutes0 + (time.time() - t0) / 60
+        if (i + 1) % 10 == 0 or i + 1 == len(prompts):
+            torch.save(done, str(cache) + ".tmp")
+            Path(str(cache) + ".tmp").replace(cache)
+    return done
+
+
+def rows(profiles, cfg: RouteTrainConfig) -> dict:
+    """Training rows: the round starts of each arm alone and of `random_walks` random policies replayed on every
+    profile; per row the hidden state, the extras (`routers.arm_extras`), every arm's accept length there and the
+    sequence it came from."""
+    from speclab.routing.replay import walk
+    from speclab.routing.routers import N_RECENT, arm_extras
+    out: dict = {"hidden": [], "extras": [], "y": [], "seq": []}
+    rng = np.random.default_rng(cfg.seed)
+    for s, p in enumerate(profiles):
+        A, N = p.accepted.shape
+        choice = np.concatenate([np.repeat(np.arange(A)[:, None], N, 1),
+                                 rng.integers(0, A, size=(cfg.random_walks, N))])
+        w = walk(p, choice)
+        for k in range(choice.shape[0]):
+            live = w.start[:, k] >= 0
+            g, acc, arm = w.start[live, k], w.accepted[live, k], w.drafter[live, k]
+            recent = [np.concatenate([np.full(i + 1, -1), acc[: len(acc) - i - 1]]) for i in range(N_RECENT)]
+            last = np.concatenate([[-1], arm[:-1]])
+            probe = p.probe
+            out["extras"].append(arm_extras(p.entropy[g], probe.get("pld_match", np.zeros(N))[g],
+                                            probe.get("pld_tokens", np.zeros(N))[g], recent, last, g, A))
+            out["hidden"].append(p.hidden[torch.from_numpy(g)].float())
+            out["y"].append(torch.from_numpy(p.accepted[:, g].T.astype(np.float32)))
+            out["seq"].append(torch.full((len(g),), s))
+    return {k: torch.cat(v) for k, v in out.items()}
+
+
+def fit(data: dict, cfg: RouteTrainConfig, hidden_size: int, arms: list[str], costs: dict):
+    """Train the MLP; -> (ArmRouterMLP, per-epoch records, held-out metrics per arm)."""
+    from speclab.routing.routers import ArmRouterConfig, ArmRouterMLP
+    from speclab.train.router import fit_mse, heldout_split, pearson
+    torch.manual_seed(cfg.seed)
+    h, x, y, seq = data["hidden"], data["extras"], data["y"], data["seq"]
+    val, held, n_seq = heldout_split(seq, cfg)
+    m = ArmRouterMLP(ArmRouterConfig(hidden_size, list(arms), costs, cfg.width, cfg.dropout))
+    m.standardise(h[~val], x[~val])
+    hv, xv, yv = h[val], x[val], y[val]
+    n = int((~val).sum())
+    records = fit_mse(m, (h[~val], x[~val]), y[~val], (hv, xv), yv, cfg, "train route router (epochs)")
+    with torch.no_grad():
+        pv = m(hv, xv).numpy()
+    yvn = yv.numpy()
+    per_arm = {a: {"corr": pearson(pv[:, i], yvn[:, i]), "mse": float(((pv[:, i] - yvn[:, i]) ** 2).mean()),
+                   "mean": float(yvn[:, i].mean())} for i, a in enumerate(arms) if yvn[:, i].std() > 0}
+    heldout = {"rows_train": n, "rows_heldout": int(val.sum()), "sequences": n_seq, "sequences_heldout": len(held),
+               "per_arm": per_arm}
+    return m, records, heldout
+
+
+def event_rows(events, routed: bool = False):
+    """Live RoundEvents as the rows `routing.routers.fit_arm_costs` fits: arm, width, backlog and the phases."""
+    import pandas as pd
+
+    from speclab.routing.routers import NONE
+    return pd.DataFrame([{"arm": ev.drafter or NONE, "width": len(ev.tree), "backlog": ev.backlog,
+                          "draft_ms": ev.timings_ms["draft"], "catchup_ms": ev.timings_ms["catchup"],
+                          "verify_ms": ev.timings_ms["verify"], "route_ms": ev.timings_ms["route"],
+                          "other_ms": ev.timings_ms["route"] + ev.timings_ms["commit"] + ev.timings_ms["record"],
+                          "routed": routed} for ev in events])
+
+
+def measure_costs(target, models: dict, prompts, cfg: RouteTrainConfig):
+    """The arms' round-cost model fitted to live rounds here (`routing.routers.fit_arm_costs`): `cost_prompts`
+    prompts decoded with each arm alone (`none`: AR) and with a random schedule over every arm (switches: catch-up
+    backlogs of every length). -> (ArmCosts, what it was fitted to)."""
+    import pandas as pd
+
+    from speclab.core.engine import decode
+    from speclab.generate import generate
+    from speclab.methods import build_method, method_params
+    from speclab.routing.routers import NONE, ScheduleRouter, fit_arm_costs
+    arms = cfg.arms.split("+")
+    spec = f"route:arms={cfg.arms}+router=rule"
+    prog = Progress((len(arms) + 1) * cfg.cost_prompts, "measure the arms' round costs")
+    rows, rng = [], np.random.default_rng(cfg.seed)
+    for i in range(cfg.cost_prompts):
+        for a in arms:
+            evs: list = []
+            generate(target, prompts[i][1], "ar" if a == NONE else f"route:arms={a}", models=models,
+                     max_new_tokens=cfg.new_tokens, on_round=evs.append)
+            rows.append(event_rows(evs))
+            prog.update(len(rows))
+        drafters, _ = build_method(spec, target, models, method_params(spec, {}, target))
+        sched = [None if a == NONE else a for a in rng.choice(arms, size=cfg.new_tokens)]
+        evs = []
+        decode(target, prompts[i][1], drafters, ScheduleRouter(sched), max_new_tokens=cfg.new_tokens,
+               listeners=(evs.append,))
+        rows.append(event_rows(evs))
+        prog.update(len(rows))
+    df = pd.concat(rows, ignore_index=True)
+    costs = fit_arm_costs(df, arms)
+    how = {"rounds": len(df), "prompts": cfg.cost_prompts, "runs": "each arm alone and a random schedule over all",
+           "rounds_per_arm": df.arm.value_counts().to_dict()}
+    return costs, how
+
+
+def router_overhead(target, models: dict, prompts, cfg: RouteTrainConfig, mlp) -> float:
+    """The learned router's own time a round (ms): its route phase (the features, the MLP and prompt lookup's probe)
+    in live decodes of the cost prompts."""
+    from speclab.generate import generate
+    evs: list = []
+    for i in range(cfg.cost_prompts):
+        generate(target, prompts[i][1], f"route:arms={cfg.arms}+router=learned", models={**models, "route": mlp},
+                 max_new_tokens=cfg.new_tokens, on_round=evs.append)
+    return float(np.mean([ev.timings_ms["route"] for ev in evs]))
+
+
+def train_route(cfg: RouteTrainConfig, target, models: dict, log=print) -> dict:
+    from speclab.core.precision import cpu_label
+    from speclab.train.router import setup
+
+    out, prompts = setup(cfg, target)
+    data = collect(target, models, prompts, cfg, out / "profiles.pt", log)
+    arms = cfg.arms.split("+")
+    costs, how = measure_costs(target, models, prompts, cfg)
+    m, records, heldout = fit(rows(data["profiles"], cfg), cfg, target.hidden_size, arms, asdict(costs))
+    costs.router_ms = router_overhead(target, models, prompts, cfg, m.eval())
+    al = np.mean([p.accepted.mean(1) + 1 for p in data["profiles"]], 0)
+    m.config.costs = asdict(costs)
+    m.config.target = target.fingerprint
+    m.config.machine = f"{cpu_label()}, {target.precision['dtype']}"
+    m.config.derivation = how
+    summary = {"train_config": asdict(cfg), "collect_minutes": data.get("minutes", 0.0), "heldout": heldout,
+               "al_profiled": dict(zip(arms, map(float, al))), "costs": asdict(costs),
+               "machine": m.config.machine, "curve": records}
+    m.save(out / "model")
+    (out / "model" / "train_summary.json").write_text(json.dumps(summary, indent=1) + "\n")
+    (out / "model" / "README.md").write_text(card(summary))
+    return summary
+
+
+def card(s: dict) -> str:
+    """The route router's model card from its training summary."""
+    from speclab.routing.routers import n_extras
+    cfg, h, c = s["train_config"], s["heldout"], s["costs"]
+    arms = cfg["arms"].split("+")
+    lines = ["# Routing v2 router (speclab zoo)", "",
+             f"An MLP on the zoo target's final-norm hidden state and {n_extras(len(arms))} round features (the "
+             "entropy of the target's last distribution, prompt lookup's match and proposal length, the last two "
+             f"accept lengths, the position, the last arm one-hot over the {len(arms)} arms and 'none yet') -> "
+             f"{cfg['width']} -> GELU -> one predicted accept length per arm: "
+             f"{cfg['arms'].replace('+', ', ')}. `route:router=learned` takes the arm with the most predicted tokens "
+             "(accepted + 1) per ms of its measured round time.", "",
+             "## Data", "",
+             f"- {h['sequences']} prompts of {cfg['prompt_tokens']} tokens from the training splits of the four zoo "
+             f"domains, each continued greedily by the target ({cfg['new_tokens']} tokens), every arm profiled at "
+             f"every position. Collecting took {s['collect_minutes']:.1f} min.",
+             f"- Rows: the round starts of each arm alone and of {cfg['random_walks']} random policies on every "
+             f"profile; {h['rows_train']} rows to train, {h['rows_heldout']} held out ({h['sequences_heldout']} "
+             "sequences, split by sequence).", "",
+             "## Round costs (fitted when trained)", "",
+             f"On {s['machine']}: live rounds of {cfg['cost_prompts']} prompts decoded with each arm alone and with "
+             "a random schedule over all arms (`speclab.routing.routers.fit_arm_costs`): a round of arm a costs "
+             "draft + catch-up (c0 + c1 x backlog) + verify0 + verify1 x (width + 1) + other, and a routed round "
+             f"the router's own {c['router_ms']:.2f} ms more. Verification: {c['verify0']:.2f} + {c['verify1']:.3f} "
+             f"ms per row ({c['rounds_fitted']} rounds).", "",
+             "| arm | profiled tokens per round | draft ms | catch-up ms (c0, c1 per token) | other ms | mean width |",
+             "|---|---|---|---|---|---|"]
+    lines += [f"| {a} | {s['al_profiled'][a]:.2f} | {c['draft'][i]:.2f} | {c['catchup0'][i]:.2f}, "
+              f"{c['catchup1'][i]:.3f} | {c['other'][i]:.2f} | {c['width'][i]:.2f} |" for i, a in enumerate(c["arms"])]
+    lines += ["", "## Held-out quality (per arm: predicted vs true accept length)", "",
+              "| arm | Pearson r | MSE | true mean |", "|---|---|---|---|"]
+    lines += [f"| {a} | {v['corr']:.3f} | {v['mse']:.3f} | {v['mean']:.3f} |" for a, v in h["per_arm"].items()]
+    lines += ["", f"Command: `speclab train route --out runs/route --sequences {cfg['sequences']} --new-tokens "
+              f"{cfg['new_tokens']}`; {cfg['epochs']} epochs, AdamW lr {cfg['lr']:g}, seed {cfg['seed']}."]
+    return "\n".join(lines) + "\n"
