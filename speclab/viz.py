@@ -402,7 +402,7 @@ def router_figure(rr, title: str = "") -> go.Figure:
     """One routed run, round by round (rows of `speclab.bench.routing.router_rounds`). Top: the router's signal
     (entropy or predicted Delta AL) with its threshold, markers coloured by the drafter chosen, switches annotated with
     their backlog and catch-up time. Bottom: the accepted length of the round and, where a profile exists (greedy),
-    what each drafter would have had accepted there: the rounds where the router chose wrong stand out."""
+    what each arm would have had accepted there: the rounds where the router chose wrong stand out."""
     from plotly.subplots import make_subplots
     fig = make_subplots(rows=2, cols=1, shared_xaxes=True, vertical_spacing=0.08, row_heights=[0.55, 0.45])
     fig.add_scatter(x=rr["round"], y=rr["signal"], mode="lines", line_color="#999", name="signal", row=1, col=1,
@@ -417,10 +417,15 @@ def router_figure(rr, title: str = "") -> go.Figure:
                                     symbol=["diamond" if s else "circle" for s in g["switch"]]),
                         hovertemplate="round %{x}: %{y:.3f} %{text}", row=1, col=1)
     fig.add_bar(x=rr["round"], y=rr["n_accepted"], name="accepted (chosen)", marker_color="#cfcfcf", row=2, col=1)
-    # where both would accept the same, DFlash's dashes lie on EAGLE-3's wider solid line: both stay visible
-    for name, style in (("eagle3", dict(width=4)), ("dflash", dict(width=2, dash="dash"))):
+    # every arm the profile holds (WhiFlash's two, a route's N), each narrower and more dashed than the one before, so
+    # where several would accept the same, each stays visible on the wider lines under it (DFlash's dashes on
+    # EAGLE-3's solid line)
+    arms = [c[: -len("_would_accept")] for c in rr.columns if c.endswith("_would_accept")]
+    arms = sorted(arms, key=lambda a: ({"eagle3": 0, "dflash": 1}.get(a, 2)))
+    for i, name in enumerate(arms):
         col = f"{name}_would_accept"
-        if col in rr and rr[col].notna().any():
+        if rr[col].notna().any():
+            style = dict(width=max(4 - 2 * i, 1), dash=(None, "dash", "dot", "dashdot", "longdash")[min(i, 4)])
             fig.add_scatter(x=rr["round"], y=rr[col], mode="lines", line_shape="hvh",
                             line=dict(color=method_color(name), **style), name=f"{name} would accept", row=2, col=1)
     fig.update_yaxes(title_text="signal", row=1, col=1)

@@ -721,6 +721,10 @@ def test_route_router_trains_saves_and_replays_as_live(deep, route_models, tmp_p
         generate(deep, p, spec + "+router=learned", models=models, max_new_tokens=32, on_round=evs.append)
         w = walk(prof, router_choice(prof, ArmRouter(back, list(arms))))
         assert [ev.drafter or "none" for ev in evs] == [arms[i] for i in w.drafter[w.start[:, 0] >= 0, 0]]
+    from speclab.bench.routing import event_rounds, with_counterfactual
+    from speclab.viz import router_figure
+    fig = router_figure(with_counterfactual(event_rounds(evs), prof))  # every arm's counterfactual, drawn
+    assert {f"{a} would accept" for a in arms} <= {t.name for t in fig.data}
 
 
 @pytest.mark.slow
