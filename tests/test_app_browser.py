@@ -140,25 +140,6 @@ def test_fresh_page_on_an_empty_trace_says_where_to_make_a_run(page):
     page.get_by_role("tab", name="Side by side").click()
 
 
-def test_route_decodes_beside_ar_with_its_arms_and_their_counterfactuals(page):
-    """Routing v2 in the side by side: `route` (prompt lookup while its match is long, else EAGLE-3) decodes beside
-    AR, equal to it or at a near-tie, its tokens coloured by the arm that drafted them, and its router figure draws
-    what each of its arms would have had accepted."""
-    page.fill("#prompt textarea", "def add(a, b):\n    return a + b\n\n\ndef sub(a, b):\n    return a - b\n\n\n"
-                                  "def mul(a, b):\n")
-    tick(page, ["route", "ar"])
-    page.fill("#max_new input", "40")
-    page.keyboard.press("Tab")
-    page.click("#run")
-    status = wait_done(page)
-    assert page.locator("#head1 b").first.inner_text() == "route"
-    assert "bug" not in status and ("route equals AR" in status or "near-tie" in status), status
-    assert page.locator("#col1 .tok[data-src=pld]").count() > 0 and page.locator("#col1 .tok[data-src=eagle3]").count()
-    page.wait_for_selector("#router1 .js-plotly-plot", timeout=30000)
-    page.wait_for_function("[...document.querySelectorAll('#router1 .legendtext')].some("
-                           "e => e.textContent === 'pld would accept')", timeout=120000)
-
-
 def test_routed_side_by_side_colours_drafters_and_plots_the_router(page):
     page.fill("#prompt textarea", STORY)
     tick(page, ["whiflash-entropy", "dflash", "eagle3", "ar"])  # clicked in reverse: columns follow the method list
@@ -630,6 +611,26 @@ def test_a_sampled_decode_says_what_is_not_compared_and_shows_acceptance(page):
     assert "acceptance" not in page.locator("#head0").inner_text()  # AR drafts nothing
     page.fill("#temperature input", "0")
     page.keyboard.press("Tab")
+
+
+# after the tests that count the shared trace's methods and runs
+def test_route_decodes_beside_ar_with_its_arms_and_their_counterfactuals(page):
+    """Routing v2 in the side by side: `route` (prompt lookup while its match is long, else EAGLE-3) decodes beside
+    AR, equal to it or at a near-tie, its tokens coloured by the arm that drafted them, and its router figure draws
+    what each of its arms would have had accepted."""
+    page.fill("#prompt textarea", "def add(a, b):\n    return a + b\n\n\ndef sub(a, b):\n    return a - b\n\n\n"
+                                  "def mul(a, b):\n")
+    tick(page, ["route", "ar"])
+    page.fill("#max_new input", "40")
+    page.keyboard.press("Tab")
+    page.click("#run")
+    status = wait_done(page)
+    assert page.locator("#head1 b").first.inner_text() == "route"
+    assert "bug" not in status and ("route equals AR" in status or "near-tie" in status), status
+    assert page.locator("#col1 .tok[data-src=pld]").count() > 0 and page.locator("#col1 .tok[data-src=eagle3]").count()
+    page.wait_for_selector("#router1 .js-plotly-plot", timeout=30000)
+    page.wait_for_function("[...document.querySelectorAll('#router1 .legendtext')].some("
+                           "e => e.textContent === 'pld would accept')", timeout=120000)
 
 
 def test_serving_tab_streams_the_steps_and_checks_its_inputs(page):
