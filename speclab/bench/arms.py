@@ -92,14 +92,11 @@ def arms_table(profiles: list[replay.Profile], costs: ArmCosts, choices: dict[st
 
 def _learned(method: str) -> bool:
     """A route spec whose rounds the learned router picks (it pays the router's own time)."""
-    from speclab.methods import method_params, parse_spec
-    from speclab.routing.arms import parse_arms
-    if parse_spec(method)[0] != "route":
-        return False
-    from types import SimpleNamespace
-    p = method_params(method, {}, SimpleNamespace(vocab_size=1 << 30, max_context=1 << 30,
-                                                  device=SimpleNamespace(type="cpu")))
-    return p["router"] == "learned" and len(parse_arms(p["arms"])) > 1
+    from speclab.methods import parse_spec
+    from speclab.routing.arms import DEFAULT_ARMS, ROUTER, parse_arms
+    name, fixed = parse_spec(method)
+    return name == "route" and fixed.get("router", ROUTER) == "learned" and \
+        len(parse_arms(fixed.get("arms", DEFAULT_ARMS))) > 1
 
 
 def model_error_table(store, bench_id: str, costs: ArmCosts) -> pd.DataFrame:

@@ -186,7 +186,7 @@ def cmd_route_table(a: argparse.Namespace) -> int:
         bench_info(store, a.bench)
     paths = ModelPaths.from_args(a)
     learned = f"route:arms={a.arms}" if a.arms else "route"
-    arms = [x.name for x in parse_arms(method_params(learned, {}, _shape())["arms"])] if a.arms else None
+    arms = [x.name for x in parse_arms(a.arms)] if a.arms else None  # checked by name, before any model
     target, models = load_models(paths, roles=tuple(dict.fromkeys(get_method(learned).needs + ("route",))))
     mlp = models["route"]
     arms = arms or list(mlp.config.arms)
@@ -202,10 +202,7 @@ def cmd_route_table(a: argparse.Namespace) -> int:
 
     from speclab.routing.routers import ArmCosts
     full = ArmCosts(**mlp.config.costs)
-    at = [full.arms.index(x) for x in arms]
-    costs = ArmCosts(list(arms), *[[getattr(full, f)[i] for i in at] for f in ("draft", "catchup0", "catchup1",
-                                                                              "other", "width")],
-                     full.verify0, full.verify1, full.router_ms, full.rounds_fitted)
+    costs = full.of(arms)
     table = evaluation.arms_table(profiles, costs, evaluation.policy_choices(profiles, costs, routers),
                                   routed=("learned",))
     errors = evaluation.model_error_table(store, a.bench, full) if store is not None else pd.DataFrame()
@@ -213,11 +210,6 @@ def cmd_route_table(a: argparse.Namespace) -> int:
                                     f"{a.max_new_tokens} tokens)", mlp.config.machine)
     write_report(report, a.report)
     return 0
-
-
-def _shape():
-    from types import SimpleNamespace
-    return SimpleNamespace(vocab_size=1 << 30, max_context=1 << 30, device=SimpleNamespace(type="cpu"))
 
 
 def add_parsers(sub) -> None:

@@ -167,15 +167,14 @@ def router_args(r, roles: tuple[str, ...]) -> None:
 def _train_route(a: argparse.Namespace, corpus: str) -> int:
     """`speclab train route`: the arms checked against the registry before any model loads, then the models they
     need loaded, the N-arm profiles collected (resumable), each arm's round time measured and the router fitted."""
-    from speclab.methods import get_method, method_params
+    from speclab.methods import get_method
     from speclab.models import ModelPaths, load_models
+    from speclab.routing.arms import check, parse_arms
     from speclab.train.route import DEFAULT_ARMS, RouteTrainConfig, train_route
     arms = a.arms or DEFAULT_ARMS
     spec = f"route:arms={arms}+router=rule"
-    from types import SimpleNamespace
-    method_params(spec, {}, SimpleNamespace(vocab_size=1 << 30, max_context=1 << 30, device=SimpleNamespace(
-        type="cpu")))  # the arms, checked by name before any model loads
-    if len(arms.split("+")) < 2:
+    check({"arms": arms, "router": "rule"}, None)  # the arms, checked by name before any model loads
+    if len(parse_arms(arms)) < 2:
         raise SpeclabError("train route: give at least two arms to choose between")
     paths = ModelPaths(a.teacher, {"eagle3": a.eagle, "dflash": a.dflash, "draft": a.draft},
                        dtype="auto" if a.precision == "auto" else a.precision)

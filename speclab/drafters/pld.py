@@ -16,8 +16,8 @@ from speclab.core.tree import DraftTree
 from speclab.drafters.registry import DrafterEntry, Param, Shape
 from speclab.errors import InvalidInput
 
-ADAPTIVE = ("off", "sampled", "always")
-MATCH_CAP = 32  # the longest match `probe` measures  # where the proposal length adapts: never, at T > 0, always
+ADAPTIVE = ("off", "sampled", "always")  # where the proposal length adapts: never, at T > 0, always
+MATCH_CAP = 32  # the longest match `probe` measures
 
 
 class PromptLookup:
@@ -33,12 +33,12 @@ class PromptLookup:
         self.k, self.max_ngram, self.min_ngram, self.adaptive = k, max_ngram, min_ngram, adaptive
         self.ids = torch.zeros(0, dtype=torch.long)
         self.k_now = k  # the heuristic schedule's next proposal length (used where `adaptive` applies)
-        self._looked: tuple[int, tuple[int, int]] = (-1, (-1, 0))  # (sequence length, `_lookup` there)
+        self._looked: tuple[int, int] = (-1, -1)  # (sequence length, `_lookup` there)
 
     def reset(self, prompt_ids: torch.Tensor, prompt_features=None, capacity: int | None = None) -> None:
         self.ids = prompt_ids.detach().cpu().long().clone()
         self.k_now = self.k
-        self._looked = (-1, (-1, 0))
+        self._looked = (-1, -1)
 
     def catch_up(self, ids: torch.Tensor, features=None) -> None:
         if ids.numel():
@@ -47,7 +47,7 @@ class PromptLookup:
     def propose(self, max_depth: int, sampling: Sampling, generator=None) -> DraftTree:
         adapt = self.adaptive == "always" or (self.adaptive == "sampled" and not sampling.greedy)
         k = min(self.k_now if adapt else self.k, max_depth)
-        start, _ = self._lookup()
+        start = self._lookup()
         if k <= 0 or start < 0:
             return DraftTree.empty()
         cont = self.ids[start : start + k]
@@ -57,27 +57,27 @@ class PromptLookup:
         """What a router reads of prompt lookup at round start (`speclab.core.protocol.Probing`): `pld_match`, how
         many tokens before the root agree with those before the continuation it would propose (0: no match; at
         most MATCH_CAP), and `pld_tokens`, how many tokens that continuation holds (at most k)."""
-        start, match = self._lookup()
-        return {"pld_match": float(match), "pld_tokens": float(min(self.k, self.ids.numel() - start)
-                                                                   if start >= 0 else 0)}
+        start, ids = self._lookup(), self.ids
+        if start < 0:
+            return {"pld_match": 0.0, "pld_tokens": 0.0}
+        m = min(start, MATCH_CAP)
+        match = int((ids[start - m : start].flip(0) == ids[ids.numel() - m :].flip(0)).long().cumprod(0).sum())
+        return {"pld_match": float(match), "pld_tokens": float(min(self.k, ids.numel() - start))}
 
-    def _lookup(self) -> tuple[int, int]:
-        """(where the continuation starts in `ids`, the match length) of the most recent occurrence of the longest
-        n-gram (max_ngram down to min_ngram) ending at the last token; (-1, 0) where none occurs. Cached per length
-        of the sequence: a router's probe and the round's proposal look up once."""
+    def _lookup(self) -> int:
+        """Where the continuation starts in `ids` after the most recent occurrence of the longest n-gram (max_ngram
+        down to min_ngram) ending at the last token; -1 where none occurs. Cached per length of the sequence: a
+        router's probe and the round's proposal look up once."""
         if self._looked[0] == self.ids.numel():
             return self._looked[1]
-        ids, found = self.ids, (-1, 0)
+        ids, found = self.ids, -1
         for n in range(self.max_ngram, self.min_ngram - 1, -1):
             if ids.numel() <= n:
                 break
             windows = ids[:-1].unfold(0, n, 1)  # every earlier n-gram that has at least one token after it
             hits = (windows == ids[-n:]).all(1).nonzero().flatten()
             if hits.numel():
-                start = int(hits[-1]) + n  # the most recent occurrence
-                before, now = ids[:start].flip(0)[:MATCH_CAP], ids.flip(0)[:MATCH_CAP]
-                m = min(before.numel(), now.numel())
-                found = (start, int((before[:m] == now[:m]).long().cumprod(0).sum()))
+                found = int(hits[-1]) + n  # the most recent occurrence
                 break
         self._looked = (ids.numel(), found)
         return found

@@ -26,13 +26,11 @@ from speclab.core.sampling import Sampling
 from speclab.core.tree import DraftTree, merge
 from speclab.drafters.registry import ModelRole, Param, build_drafter, drafters
 from speclab.errors import InvalidInput
-from speclab.routing.routers import NONE, load_arm_router
+from speclab.routing.routers import JOIN, LOOKUP, NONE, load_arm_router
 
-JOIN = "."  # joins a merged arm's members (shell-safe, and free of the spec's '+', ':', '=', ',', '@')
 DEFAULT_ARMS = "eagle3+dflash+pld+none"
 ROUTERS = ("learned", "rule")
 ROUTER = "rule"  # the default: it beat the learned router on the zoo, live and in replay (README, "Routing v2")
-LOOKUP = "pld"  # the drafter whose match the rule reads (`Signals.probe`)
 
 ROUTE_ROLE = ModelRole("route", "--route-router", "route router", "a routing v2 router",
                        lambda path, target, paths: load_arm_router(path, target), zoo="route",

@@ -37,6 +37,8 @@ from speclab.files import write_atomic
 
 EAGLE3, DFLASH = "eagle3", "dflash"  # WhiFlash's m_a (autoregressive) and m_d (diffusion / parallel) drafters
 NONE = "none"  # routing v2's arm without a drafter: the target steps alone (`speclab.routing.arms`)
+JOIN = "."  # joins a merged arm's members (shell-safe, and free of the spec's '+', ':', '=', ',', '@')
+LOOKUP = "pld"  # prompt lookup: the drafter whose probed match the routers read (`Signals.probe`)
 ENTROPY_FALLBACK = 1.0  # nats: the entropy threshold when nothing is calibrated for the target
 
 
@@ -287,6 +289,15 @@ class ArmCosts:
     router_ms: float = 0.0
     rounds_fitted: int = 0
 
+    def of(self, arms: list) -> ArmCosts:
+        """The same model over some of its arms, in that order (a route's arms among those it was fitted to)."""
+        at = [self.arms.index(a) for a in arms]
+
+        def pick(terms: list) -> list:
+            return [terms[i] for i in at]
+        return ArmCosts(list(arms), pick(self.draft), pick(self.catchup0), pick(self.catchup1), pick(self.other),
+                        pick(self.width), self.verify0, self.verify1, self.router_ms, self.rounds_fitted)
+
     def round_ms(self, a, width, backlog, routed: bool = False) -> np.ndarray:
         """Modeled ms of rounds by arm index `a`, draft nodes `width` and catch-up backlog (arrays alike)."""
         a, width, backlog = np.asarray(a), np.asarray(width, np.float64), np.asarray(backlog, np.float64)
@@ -321,11 +332,11 @@ def arm_backlogs(arms: list, accepted: list, used: list) -> np.ndarray:
     a catch-up hands it that round's tokens too), every recent round where it never drafted."""
     out = np.zeros(len(arms))
     for i, a in enumerate(arms):
-        for m in ([] if a == NONE else a.split(".")):
+        for m in ([] if a == NONE else a.split(JOIN)):
             b = 0
             for acc, arm in zip(reversed(accepted), reversed(used)):
                 b += acc + 1
-                if arm is not None and m in arm.split("."):
+                if arm is not None and m in arm.split(JOIN):
                     break
             out[i] += b
     return out
@@ -394,17 +405,15 @@ class ArmRouter:
         self.mlp, self.known, self.arms = mlp, known, list(arms)
         self.idx = torch.tensor([known.index(a) for a in arms])
         self.names = [None if a == NONE else a for a in arms]
-        self.costs = ArmCosts(**mlp.config.costs)
-        self.at = np.array([known.index(a) for a in arms])  # the arms' rows of the cost model
-        self.width = np.take(self.costs.width, self.at)
-        self.lookup = np.array([a == "pld" for a in arms])  # prompt lookup alone: its proposal is known
+        self.costs = ArmCosts(**mlp.config.costs).of(self.arms)
+        self.lookup = np.array([a == LOOKUP for a in arms])  # prompt lookup alone: its proposal is known
         self.none = torch.tensor([a == NONE for a in arms])
 
     def round_ms(self, s: Signals) -> np.ndarray:
         """Each arm's modeled round time now: its expected draft width (prompt lookup's own proposal where it drafts
         alone) and its drafters' backlogs."""
-        width = np.where(self.lookup, s.probe.get("pld_tokens", 0.0), self.width)
-        return self.costs.round_ms(self.at, width, arm_backlogs(self.arms, s.accepted, s.drafters))
+        width = np.where(self.lookup, s.probe.get("pld_tokens", 0.0), self.costs.width)
+        return self.costs.round_ms(np.arange(len(self.arms)), width, arm_backlogs(self.arms, s.accepted, s.drafters))
 
     @torch.inference_mode()
     def choose(self, s: Signals) -> Decision:
