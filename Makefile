@@ -3,10 +3,14 @@
 # Both create/reuse .venv and install what they need (scripts/setup.sh).
 PY := .venv/bin/python
 
-.PHONY: setup run demo test test-fast bench bench-sampled bench-quick route whiflash app-probe lab
+.PHONY: setup setup-peers run demo test test-fast bench bench-sampled bench-quick route whiflash app-probe lab
 
 setup:
 	@bash scripts/setup.sh
+
+# the set-up with llama-cpp-python built for this CPU (the bench's llama.cpp peers)
+setup-peers:
+	@bash scripts/setup.sh peers
 
 run: setup
 	$(PY) -m app
@@ -41,7 +45,7 @@ test-fast:
 	$(PY) -m pytest -q -m "not slow"
 
 # Benchmarks on the zoo (README "Benchmarks"): report in reports/bench.md + .html, rows in traces/bench.duckdb
-bench: setup
+bench: setup-peers
 	$(PY) -m speclab.cli bench --suite zoo --methods ar,sps,pld,eagle3,dflash,dflash:markov=0,whiflash-entropy,whiflash-neural --limit 8 --max-new-tokens 128
 
 # Routing v2 (README "Routing v2"): the route method beside its arms on the zoo (live, paired by prompt), then every

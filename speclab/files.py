@@ -14,6 +14,13 @@ from collections.abc import Iterator
 from pathlib import Path
 
 
+def cache_dir() -> Path:
+    """speclab's per-user cache folder: $SPECLAB_CACHE_DIR, else $XDG_CACHE_HOME/speclab, else ~/.cache/speclab."""
+    base = os.environ.get("SPECLAB_CACHE_DIR") or str(Path(os.environ.get("XDG_CACHE_HOME") or
+                                                            Path.home() / ".cache") / "speclab")
+    return Path(base).expanduser()
+
+
 def check_writable(path: str | Path, what: str = "the file") -> None:
     """`path` can be written later: not a directory, its nearest existing ancestor a folder, and a file can really
     be made in its folder. That last is tried (`probe_folder`: the missing folders made, a file created, all removed

@@ -7,7 +7,7 @@ import torch
 from scipy.stats import t as scipy_t
 
 from speclab.bench.costs import forward_costs
-from speclab.bench.results import bench_overall, bench_report, bench_table, peer_ratios
+from speclab.bench.results import LLAMACPP, bench_overall, bench_report, bench_table, llamacpp_table, peer_ratios
 from speclab.bench.run import BenchConfig, run_bench
 from speclab.cli.common import write_report
 from speclab.core.target import Target
@@ -16,14 +16,18 @@ from speclab.trace import TraceStore
 
 
 @pytest.mark.slow
-def test_bench_runs_methods_and_peers_and_reports(qwen3, qwen3_draft, tmp_path):
+def test_bench_runs_methods_and_peers_and_reports(qwen3, qwen3_draft, model_dir, tmp_path):
+    from speclab.bench.llamacpp import open_peers
+    from speclab.llamacpp import available
     store = TraceStore(tmp_path / "b.duckdb")
     tree = "sps:k=3+tree_topk=2"  # a method spec: its own rows, its parameters over the bench's
     cfg = BenchConfig(suite="demo", methods=["ar", "sps", tree, "pld"], limit=1, max_new_tokens=12)
-    bench_id = run_bench(cfg, qwen3, {"draft": qwen3_draft}, store, log=lambda s: None)
+    lc = LLAMACPP if available() else ()  # the llama.cpp peers on the same tiny models, exported to GGUF (fp32)
+    peers = open_peers(model_dir["qwen3"], model_dir["qwen3_draft"], "fp32", 4, 3, 512, log=print) if lc else None
+    bench_id = run_bench(cfg, qwen3, {"draft": qwen3_draft}, store, log=lambda s: None, llamacpp=peers)
     table = bench_table(store, bench_id)
     assert set(table.method) == {"ar", "sps", tree, "pld", "ar-untraced", "sps-untraced", f"{tree}-untraced",
-                                 "pld-untraced", "hf_assisted", "hf_pld"}
+                                 "pld-untraced", "hf_assisted", "hf_pld", *lc}
     params = store.query("SELECT params_json FROM runs WHERE method = ?", [tree]).params_json
     assert all(json.loads(p)["tree_topk"] == 2 and json.loads(p)["k"] == 3 for p in params)
     assert set(table.category) == {"code", "stories", "math", "literature"}
@@ -47,7 +51,9 @@ def test_bench_runs_methods_and_peers_and_reports(qwen3, qwen3_draft, tmp_path):
     assert bench.status == "done" and bench.trace_overhead > 0
     # methods paired by prompt, recomputed from the runs' own tau and tokens/s
     pairs = paired_gains(store, bench_id).set_index(["method", "against"])
-    assert set(pairs.index) == {("pld", "sps"), ("pld", tree), ("sps", tree)} and (pairs.prompts == 4).all()
+    ours = {("pld", "sps"), ("pld", tree), ("sps", tree)}  # and llama.cpp's speculative peers, which have steps
+    assert ours <= set(pairs.index) and all(set(p) & set(lc) for p in set(pairs.index) - ours)
+    assert (pairs.prompts == 4).all()
     per = run_metrics(store)
     per = per[per.bench_id == bench_id].set_index(["method", "prompt_id"])
     for (a, b), row in pairs.iterrows():
@@ -60,6 +66,16 @@ def test_bench_runs_methods_and_peers_and_reports(qwen3, qwen3_draft, tmp_path):
     assert "speclab vs Hugging Face" in md.read_text() and "plotly" in html.read_text()
     assert "Per-position acceptance" in md.read_text()
     assert "dtype float32 (logits float32)" in md.read_text()  # the runs' dtype (a column, not the row's own)
+    if lc:  # each peer a run of the engine, its version and settings; the speculative ones with their steps
+        runs = store.query("SELECT * FROM runs WHERE bench_id = ? AND engine = 'llama.cpp'", [bench_id])
+        assert set(runs.method) == set(LLAMACPP) and runs.engine_version.str.startswith("llama-cpp-python").all()
+        assert all(json.loads(p)["threads"] >= 1 for p in runs.params_json)
+        spec = overall.set_index("method").loc[["llamacpp_pld", "llamacpp_sps"]]
+        assert (spec.tau >= 1).all() and overall.set_index("method").loc["llamacpp_sps"].tau > 1
+        assert "speclab vs llama.cpp" in md.read_text()
+        lcpp = llamacpp_table(table, overall)
+        assert set(lcpp.category) == {"code", "stories", "math", "literature", "all"}
+        assert lcpp.llamacpp_best.isin(LLAMACPP).all() and lcpp.speclab_best.str.endswith("-untraced").all()
     store.close()
 
 

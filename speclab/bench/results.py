@@ -3,6 +3,8 @@ acceptance, tokens/s, speedup over AR, per-position acceptance, equality with AR
 (`bench_report`: markdown tables and plotly figures; `speclab.cli.common.write_report` writes it)."""
 from __future__ import annotations
 
+import json
+
 import pandas as pd
 
 from speclab.metrics import AR_SQL, RATIOS, RUN_SUMS_SQL, SPEEDUP_SQL, paired_gains, position_acceptance_sql, speedup
@@ -65,6 +67,30 @@ def peer_ratios(overall) -> list[dict]:
     return out
 
 
+LLAMACPP = ("llamacpp", "llamacpp_pld", "llamacpp_sps")  # the llama.cpp peers (`speclab.bench.llamacpp`)
+
+
+def llamacpp_table(table: pd.DataFrame, overall: pd.DataFrame) -> pd.DataFrame:
+    """Per category and over all: speclab's fastest method against llama.cpp's fastest peer, tokens/s over the
+    same prompts, and their ratio (above 1: speclab ahead). speclab's methods count untraced where the bench timed
+    them so (llama.cpp traces nothing); empty when the bench ran no llama.cpp peer."""
+    both = pd.concat([table, overall.assign(category="all")])
+    if not both.method.isin(LLAMACPP).any():
+        return pd.DataFrame()
+    ours = both[~both.method.isin(LLAMACPP) & ~both.method.str.startswith("hf_")]
+    if ours.method.str.endswith("-untraced").any():
+        ours = ours[ours.method.str.endswith("-untraced")]
+    rows = []
+    for cat, grp in both.groupby("category", sort=False):
+        mine, peer = ours[ours.category == cat], grp[grp.method.isin(LLAMACPP)]
+        if len(mine) and len(peer):
+            a, b = mine.loc[mine.tokens_per_s.idxmax()], peer.loc[peer.tokens_per_s.idxmax()]
+            rows.append({"category": cat, "speclab_best": a.method, "speclab_tokens_per_s": a.tokens_per_s,
+                         "llamacpp_best": b.method, "llamacpp_tokens_per_s": b.tokens_per_s,
+                         "ratio": speedup(a.tokens_per_s, b.tokens_per_s)})
+    return pd.DataFrame(rows)
+
+
 def precision_lines(config_json: str, overall: pd.DataFrame) -> list[str]:
     """The report's word on dtypes: which dtype each method ran in and why (the bench's `dtype_why`), and, where
     they differ, what the speedup and equality columns compare against."""
@@ -105,6 +131,17 @@ def bench_report(store: TraceStore, bench_id: str) -> Report:
     if len(peers):
         md += ["## speclab vs Hugging Face (same target, draft, prompts; greedy)", "", peers.to_markdown(**fmt), ""]
         summary += ["", peers.to_markdown(**fmt)]
+    lcpp = llamacpp_table(table, overall)
+    if len(lcpp):
+        cfg = json.loads(bench.config_json or "{}")
+        threads = store.query("SELECT any_value(json_extract(params_json, '$.threads')) AS n FROM runs WHERE "
+                              "bench_id = ? AND engine = 'llama.cpp'", [bench_id]).n[0]
+        text = ["## speclab vs llama.cpp (the same models in GGUF, prompts and token budget; greedy)", "",
+                (f"llama.cpp through llama-cpp-python, {threads} threads (speclab: {cfg.get('threads', '?')} torch "
+                 "threads); speclab's methods untraced. `ratio`: speclab's fastest over llama.cpp's fastest, "
+                 "tokens/s (above 1: speclab ahead)."), "", lcpp.to_markdown(**fmt), ""]
+        md += text
+        summary += ["", *text[2:]]
     if bench.trace_overhead == bench.trace_overhead and bench.trace_overhead is not None:
         md += [f"Tracing overhead: traced / untraced decode time, all methods and prompts = "
                f"**{bench.trace_overhead:.3f}**", ""]

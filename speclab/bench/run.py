@@ -53,6 +53,7 @@ class BenchConfig:
     seed: int = 0
     dtypes: dict = field(default_factory=dict)  # method -> the dtype it runs in (`plan_dtypes`); absent: the target's
     dtype_why: dict = field(default_factory=dict)  # method family -> why (`DtypeDecision.line`), for the report
+    threads: int | None = None  # torch's threads while the bench ran (set by run_bench; the report says it)
     model_sets: dict = field(default_factory=dict)  # method -> the key of its model set when not its dtype (a spec
     # pinned to a dtype whose auto set runs a drafter model in its own dtype: `speclab.cli.bench.load_bench_sets`)
 
@@ -104,11 +105,12 @@ def peer_generate(kind: str, target: Target, draft: Target | None, ids: torch.Te
 
 
 def run_bench(cfg: BenchConfig, target: Target, models: dict, store: TraceStore, log=print,
-              sets: dict | None = None) -> str:
+              sets: dict | None = None, llamacpp=None) -> str:
     """Run the benchmark of `cfg.methods` (method specs) with the drafter models by role (`models`: "draft" also
     drives the hf_assisted peer); returns its bench id (rows in `runs` / `benches` of the store). A method whose
     dtype (`cfg.dtypes`) names one of `sets` (dtype -> (target, models)) runs on that set, every other on
-    (`target`, `models`), which also format the prompts and run the peers."""
+    (`target`, `models`), which also format the prompts and run the peers. `llamacpp`: the llama.cpp peers
+    (`speclab.bench.llamacpp.open_peers`), run beside the others when the bench runs peers."""
     draft = models.get("draft")
     sets = sets or {}
 
@@ -126,10 +128,13 @@ def run_bench(cfg: BenchConfig, target: Target, models: dict, store: TraceStore,
     if not rows:
         raise InvalidInput(f"no prompt of suite '{cfg.suite}' fits the context ({target.max_context} tokens)")
     peers = [p for p in PEERS if cfg.peers and (p != "hf_assisted" or draft is not None)]
+    lc_peers = llamacpp.peers() if cfg.peers and llamacpp is not None and cfg.temperature == 0 else []
+    peers += lc_peers
     if peers and cfg.temperature > 0:
         log("the peers decode greedily only: left out of a sampled bench")
         peers = []
     bench_id = f"{cfg.suite}-{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:6]}"
+    cfg.threads = torch.get_num_threads()
     store.append_row("benches", bench_id=bench_id, suite=cfg.suite, methods=",".join(cfg.methods + peers),
                      config_json=json.dumps(asdict(cfg)), device=str(target.device), status="running")
     if skipped:
@@ -171,7 +176,20 @@ def run_bench(cfg: BenchConfig, target: Target, models: dict, store: TraceStore,
                          target_calls=res.decode.target_calls, output_hash=output_hash(res.token_ids))
         return rid, res.token_ids
 
+    def run_llamacpp(p, r, ids, i):
+        from speclab.bench.llamacpp import record
+        lc_target = sets.get(llamacpp.dtype, (target, None))[0]
+        res = llamacpp.decode(p, ids.tolist(), cfg.max_new_tokens, target.eos_ids)
+        meta = {"target": target.name, "drafters": draft.name if p == "llamacpp_sps" and draft else None,
+                "prompt_id": r["prompt_id"], "category": r["category"], "bench_id": bench_id,
+                "prompt_tokens": ids.numel(), "decode_group": group(i),
+                **{**run_device(lc_target), "logits_dtype": llamacpp.dtype, "exact": False}}
+        rid = record(store, llamacpp, p, res, meta, target.tokenizer.decode(res.ids, skip_special_tokens=True))
+        return rid, res.ids
+
     def run_peer(p, r, ids, i):
+        if p in lc_peers:
+            return run_llamacpp(p, r, ids, i)
         beside = next(n for n, e in drafters().items() if e.peer == p)  # the drafter it runs beside: its k
         k = cfg.drafter_params.get(beside, {}).get("k", 4)
         out, secs = peer_generate(p, target, draft, ids, cfg.max_new_tokens, k, cfg.stop_prob)
@@ -192,7 +210,10 @@ def run_bench(cfg: BenchConfig, target: Target, models: dict, store: TraceStore,
                 for trace in (None, scratch):
                     generate(t, ids, m, models=ms, max_new_tokens=16, trace=trace, **params(m))
             for p in peers:
-                peer_generate(p, target, draft, ids, 16, 4, cfg.stop_prob)
+                if p in lc_peers:
+                    llamacpp.decode(p, ids.tolist(), 16, target.eos_ids)
+                else:
+                    peer_generate(p, target, draft, ids, 16, 4, cfg.stop_prob)
 
     untraced = [f"{m}-untraced" for m in cfg.methods] if cfg.untraced else []
     order = cfg.methods + untraced + peers
@@ -216,7 +237,8 @@ def run_bench(cfg: BenchConfig, target: Target, models: dict, store: TraceStore,
                 done += 1
                 prog.update(done, prompt=r["prompt_id"], method=m)
             if cfg.temperature == 0:  # sampled outputs differ from AR's by design
-                record_divergences(store, ids, outputs, {m: on(m.removesuffix("-untraced"))[0] for m in order})
+                record_divergences(store, ids, outputs, {m: sets.get(llamacpp.dtype, (target,))[0] if m in lc_peers
+                                                         else on(m.removesuffix("-untraced"))[0] for m in order})
     except BaseException as e:  # Ctrl-C / SIGTERM / a failure: the bench row says so (its runs say it themselves)
         store.execute("UPDATE benches SET status = ? WHERE bench_id = ?",
                       ["interrupted" if isinstance(e, KeyboardInterrupt) else "failed", bench_id])

@@ -9,6 +9,7 @@ import sys
 from speclab.cli.common import _num, _positive_int, write_report
 from speclab.core.precision import family
 from speclab.errors import SpeclabError
+from speclab.llamacpp import LLAMACPP_PLD_K, LLAMACPP_SPS_K
 from speclab.methods import get_method
 from speclab.models import ModelPaths, add_model_args, load_models
 
@@ -37,8 +38,10 @@ def cmd_bench(a: argparse.Namespace) -> int:
     for m in methods:  # a spec's parameter out of range: one line, no model loaded
         check_before_loading(m, {}, paths.target)
     target, models, sets = load_bench_sets(cfg, paths)
+    peers = llamacpp_peers(a, cfg, paths, target)
     with TraceStore(a.db) as store:
-        bench_id = run_bench(cfg, target, models, store, log=lambda s: print(s, file=sys.stderr), sets=sets)
+        bench_id = run_bench(cfg, target, models, store, log=lambda s: print(s, file=sys.stderr), sets=sets,
+                             llamacpp=peers)
         report = bench_report(store, bench_id)
     write_report(report, a.report)
     print(f"bench {bench_id}: rows in {a.db}")
@@ -119,6 +122,25 @@ def cmd_grid(a: argparse.Namespace) -> int:
     return 0
 
 
+def llamacpp_peers(a: argparse.Namespace, cfg, paths: ModelPaths, target):
+    """The llama.cpp peers of a greedy CPU bench with peers (`speclab.bench.llamacpp`), in the dtype of the bench's
+    speculative methods (AR's when it has none); None, said in one line, where they cannot run."""
+    from speclab.bench.llamacpp import open_peers
+    from speclab.errors import InvalidInput
+    from speclab.zoo import default_draft, default_target
+    if not (cfg.peers and a.llamacpp and cfg.temperature == 0 and target.device.type == "cpu"):
+        return None
+    spec = [cfg.dtypes[m] for m in cfg.methods if family(m) != "ar"]
+    dtype = max(set(spec), key=spec.count) if spec else cfg.dtypes[next(m for m in cfg.methods if family(m) == "ar")]
+    try:
+        return open_peers(paths.target or default_target(), paths.models.get("draft") or default_draft(), dtype,
+                          a.llamacpp_pld_k, a.llamacpp_sps_k, target.max_context,
+                          log=lambda s: print(s, file=sys.stderr))
+    except InvalidInput as e:
+        print(f"llama.cpp peers left out: {e}", file=sys.stderr)
+        return None
+
+
 def add_parsers(sub) -> None:
     """`bench` and `grid`."""
     b = sub.add_parser("bench", help="benchmark methods on a prompt suite; markdown + HTML report, rows in DuckDB")
@@ -134,7 +156,17 @@ def add_parsers(sub) -> None:
                    help="sps: end a chain after a draft token below this probability; hf_assisted gets the same "
                         "threshold (its own default is 0.4)")
     b.add_argument("--peers", action=argparse.BooleanOptionalAction, default=True,
-                   help="also time Hugging Face assisted generation and prompt lookup")
+                   help="also time Hugging Face assisted generation and prompt lookup, and llama.cpp (below)")
+    b.add_argument("--llamacpp", action=argparse.BooleanOptionalAction, default=True,
+                   help="with --peers on CPU, greedy: llama.cpp's plain, prompt-lookup and draft-model decoding "
+                   "(llamacpp, llamacpp_pld, llamacpp_sps) on the bench's models exported to GGUF, in the dtype of "
+                   "the speculative methods, when llama-cpp-python is installed")
+    b.add_argument("--llamacpp-pld-k", type=_num(int, 1, 32), default=LLAMACPP_PLD_K,
+                   help=f"llamacpp_pld: draft tokens a step (default {LLAMACPP_PLD_K}: the best here, `speclab costs "
+                   "llamacpp`; the bindings recommend 2 on CPU, 10 on GPU)")
+    b.add_argument("--llamacpp-sps-k", type=_num(int, 1, 32), default=LLAMACPP_SPS_K,
+                   help=f"llamacpp_sps: draft tokens a step (default {LLAMACPP_SPS_K}: the best here, `speclab costs "
+                   "llamacpp`)")
     b.add_argument("--untraced", action=argparse.BooleanOptionalAction, default=True,
                    help="also time every method untraced (peer comparison and tracing overhead)")
     b.add_argument("--temperature", type=_num(float, 0.0, 100.0), default=0.0,

@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from speclab.cli import adapt, bench, costs, decode, flashhead, imports, routing, serve, train
+from speclab.cli import adapt, bench, costs, decode, export, flashhead, imports, routing, serve, train
 from speclab.cli.common import _check_writable, _Parser, _sigterm_interrupts
 from speclab.errors import SpeclabError
 from speclab.models import check_model_args
@@ -26,6 +26,7 @@ def parser() -> argparse.ArgumentParser:
     flashhead.add_parsers(sub)  # flashhead build | costs (FlashHead, the clustered draft head)
     imports.add_parsers(sub)  # import (vLLM, SGLang, llama.cpp metrics into the trace)
     serve.add_parsers(sub)  # serve-bench (batched serving under load)
+    export.add_parsers(sub)  # export gguf (a checkpoint for llama.cpp)
     return ap
 
 

@@ -228,12 +228,9 @@ def fixed_decision(dtype: str, why: str) -> DtypeDecision:
 
 
 def cache_path():
-    """The per-user cache file: $SPECLAB_CACHE_DIR, else $XDG_CACHE_HOME/speclab, else ~/.cache/speclab."""
-    import os
-    from pathlib import Path
-    base = os.environ.get("SPECLAB_CACHE_DIR") or str(Path(os.environ.get("XDG_CACHE_HOME") or
-                                                            Path.home() / ".cache") / "speclab")
-    return Path(base).expanduser() / "dtype-auto.json"
+    """The per-user cache file, in `speclab.files.cache_dir`."""
+    from speclab.files import cache_dir
+    return cache_dir() / "dtype-auto.json"
 
 
 def _read_cache(path) -> tuple[dict, str | None]:
