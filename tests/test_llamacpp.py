@@ -203,3 +203,18 @@ def test_llama_cpp_decodes_greedily_and_counts_its_steps(model_dir, tmp_path):
 
 def test_llama_cpp_threads_are_the_cores_this_process_may_use():
     assert 1 <= lc.threads() <= (os.cpu_count() or 1)
+
+
+@needs_llamacpp
+def test_costs_llamacpp_compares_per_token_costs_and_sweeps_draft_lengths(model_dir, tmp_path, capsys):
+    from speclab.cli.main import main
+    report = tmp_path / "lc.md"
+    assert main(["costs", "llamacpp", "--model", str(model_dir["qwen3"]), "--draft", str(model_dir["qwen3_draft"]),
+                 "--dtypes", "fp32", "--limit", "1", "--tokens", "8", "--pld-k", "2", "--sps-k", "2,3",
+                 "--report", str(report)]) == 0
+    md = report.read_text()
+    assert "ms per token: llama.cpp's plain decoding against speclab's AR" in md and "bound_ms" in md
+    assert "| fp32 " in md and "4/4" in md  # fp32: both engines' greedy text identical on the 4 prompts
+    for row in ("| llamacpp_pld |   2 |", "| llamacpp_sps |   2 |", "| llamacpp_sps |   3 |"):
+        assert row in md
+    assert "Where one speclab AR step goes" in md and "plotly" in report.with_suffix(".html").read_text()

@@ -92,6 +92,25 @@ def test_llamacpp_response_steps_are_derived_and_said_so(tmp_path):
     assert position_acceptance(store, [rid]).empty  # llama.cpp's response has no per-position figure
 
 
+def test_aiperf_records_import_with_their_sparse_histogram(tmp_path, capsys):
+    """AIPerf's per-request export: each record a run of the engine it measured; the sparse {accepted: steps}
+    histogram with string keys read as counts; a failed request's line skipped and said so."""
+    store, [vllm, lcpp] = imported(tmp_path, "aiperf_records.jsonl")
+    assert "skipped 1 AIPerf line(s)" in capsys.readouterr().out
+    m = run_metrics(store, [vllm, lcpp]).set_index("run_id")
+    assert m.tau[vllm] == pytest.approx(1 + 278 / 128) and m.acceptance_rate[vllm] == pytest.approx(278 / 640)
+    assert m.tau[lcpp] == pytest.approx(1 + 38 / 36) and m.acceptance_rate[lcpp] == pytest.approx(38 / 80)
+    runs = store.runs().set_index("run_id")
+    assert runs.engine[vllm] == "vllm" and runs.engine[lcpp] == "llama.cpp"
+    assert runs.prompt_id[vllm] == "7609a2e7-aa53-4ab1-98f4-f35ecafefd25" and runs.new_tokens[vllm] == 407
+    assert runs.elapsed_s[vllm] == pytest.approx(2.5) and runs.elapsed_s[lcpp] == pytest.approx(1.2)
+    # k = 5 every step (640 = 5 x 128): the share of steps reaching each depth, from the sparse histogram
+    hist = {0: 34, 1: 22, 2: 19, 3: 16, 4: 15, 5: 22}
+    reached = [sum(c for j, c in hist.items() if j >= d) for d in range(6)]
+    assert acceptance(store, vllm) == [round(reached[d] / 128, 6) for d in range(1, 6)]
+    assert any("sparse" in c for c in json.loads(runs.params_json[vllm])["conversions"])
+
+
 @pytest.mark.parametrize("engine,fixed", [("vllm", True), ("llamacpp", False)])
 def test_prometheus_window_histogram_and_positions(tmp_path, engine, fixed):
     store, [rid] = imported(tmp_path, before=f"{engine}_metrics_before.prom", after=f"{engine}_metrics_after.prom")
@@ -172,6 +191,17 @@ def _vllm(key, value):
     return edit
 
 
+def _aiperf(tmp_path, edit):
+    """The first line of data/engines/aiperf_records.jsonl with its record edited (None: the failed line alone)."""
+    lines = (ENGINES / "aiperf_records.jsonl").read_text().splitlines()
+    obj = json.loads(lines[0] if edit else lines[2])
+    if edit:
+        edit(obj["spec_decode_acceptance"])
+    p = tmp_path / f"edited-{len(list(tmp_path.iterdir()))}-aiperf.jsonl"
+    p.write_text(json.dumps(obj) + "\n")
+    return str(p)
+
+
 def _prom(tmp_path, name, old, new):
     p = tmp_path / f"edited-{len(list(tmp_path.iterdir()))}-{name}"
     p.write_text((ENGINES / name).read_text().replace(old, new))
@@ -182,7 +212,8 @@ def _prom(tmp_path, name, old, new):
                                   "hist-bins", "per-step-length", "sglang-hist", "llamacpp-no-draft",
                                   "engine-mismatch", "wrong-order", "restart", "two-models", "model-absent",
                                   "no-steps", "before-alone", "nothing", "mixed-scrapes", "missing-file",
-                                  "bad-compare", "model-without-scrapes", "empty-version"])
+                                  "bad-compare", "model-without-scrapes", "empty-version", "aiperf-hist",
+                                  "aiperf-key", "aiperf-rate-percent", "aiperf-engine", "aiperf-failed-only"])
 def test_bad_import_is_one_line_and_writes_nothing(tmp_path, capsys, case):
     e = ENGINES
     vb, va = str(e / "vllm_metrics_before.prom"), str(e / "vllm_metrics_after.prom")
@@ -226,6 +257,14 @@ def test_bad_import_is_one_line_and_writes_nothing(tmp_path, capsys, case):
         "bad-compare": ([str(e / "vllm_summary.json"), "--compare", "7,x"], "--compare '7,x'"),
         "model-without-scrapes": ([str(e / "vllm_summary.json"), "--model", "m"], "--model picks the model"),
         "empty-version": ([str(e / "vllm_summary.json"), "--engine-version", " "], "--engine-version ' '"),
+        "aiperf-hist": ([_aiperf(tmp_path, lambda r: r["acceptance_histogram"].update({"5": 21}))],
+                        "the histogram holds 127 steps"),
+        "aiperf-key": ([_aiperf(tmp_path, lambda r: r["acceptance_histogram"].update({"x": 1}))],
+                       "has a key 'x', not an accepted count"),
+        "aiperf-rate-percent": ([_aiperf(tmp_path, lambda r: r.update(draft_acceptance_rate=43.4375))],
+                                "draft_acceptance_rate = 43.4375"),
+        "aiperf-engine": ([_aiperf(tmp_path, lambda r: r.update(engine="mystery"))], "engine = 'mystery'"),
+        "aiperf-failed-only": ([_aiperf(tmp_path, None)], "no run in it (1 AIPerf line(s) of failed requests"),
     }
     args, says = cases[case]
     db = tmp_path / "t.duckdb"

@@ -112,3 +112,71 @@ def record(store, peers: LlamaCppPeers, peer: str, res: lc.PeerDecode, meta: dic
                elapsed_s=res.elapsed_s, output_hash=digest,
                new_tokens=len(res.ids))
     return store.add_finished_runs([row], [run.tables()])[0]
+
+
+def _paired(x, base) -> tuple[float, float]:
+    """Mean per-prompt gain of x over base (ratio - 1) and its 95% half-width."""
+    import numpy as np
+
+    from speclab.metrics import ci95
+    g = np.asarray(x, float) / np.asarray(base, float) - 1
+    return float(g.mean()), ci95(float(g.std(ddof=1)), len(g)) if len(g) > 1 else float("nan")
+
+
+def per_token_costs(targets: dict, target_dir, prompts: list, tokens: int, eos: list[int], progress=None):
+    """ms per generated token of speclab's AR and llama.cpp's plain decoding, per dtype (`targets`: dtype ->
+    speclab Target), prompt by prompt, interleaved: speclab's decode time after the prefill, llama.cpp's one-token
+    forwards (its own timer) and its wall time after the prompt. Returns one row per (dtype, prompt)."""
+    import pandas as pd
+
+    from speclab import gguf
+    from speclab.generate import generate
+    rows = []
+    for dtype, t in targets.items():
+        llm = lc.load(gguf.cached(target_dir, GGUF_TYPE[dtype]), n_ctx=t.max_context)
+        generate(t, prompts[0], "ar", max_new_tokens=8)  # warm-up, both engines
+        lc.decode(llm, prompts[0].tolist(), 8, eos)
+        for i, ids in enumerate(prompts):
+            r = generate(t, ids, "ar", max_new_tokens=tokens)
+            p = lc.decode(llm, ids.tolist(), tokens, eos)
+            n, m = len(r.token_ids), len(p.ids)
+            rows.append({"dtype": dtype, "prompt": i, "tokens": n,
+                         "speclab_ms_per_token": (r.elapsed_s * 1e3 - r.decode.prefill_ms) / max(n - 1, 1),
+                         "llamacpp_ms_per_token": p.eval_ms / max(m - 1, 1),
+                         "llamacpp_wall_ms_per_token": (p.elapsed_s * 1e3 - p.prompt_ms) / max(m - 1, 1),
+                         "same_output": r.token_ids == p.ids})
+            if progress:
+                progress()
+    return pd.DataFrame(rows)
+
+
+def k_sweep(peers: LlamaCppPeers, prompts: list, tokens: int, eos: list[int], ks: dict, progress=None):
+    """tokens/s of llama.cpp's plain decoding and of each speculative peer at each k in `ks` (peer -> ks), prompt by
+    prompt; one row per (peer, k, prompt)."""
+    import pandas as pd
+    rows = []
+    for i, ids in enumerate(prompts):
+        runs = [("llamacpp", 0)] + [(p, k) for p, kk in ks.items() for k in kk]
+        for p, k in runs[i % len(runs):] + runs[: i % len(runs)]:  # rotated: drift hits all alike
+            if p != "llamacpp":
+                peers.drafters[p] = lc.drafter(PEERS[p], k, peers.draft)
+            r = peers.decode(p, ids.tolist(), tokens, eos)
+            steps = r.per_step or []
+            rows.append({"peer": p, "k": k, "prompt": i, "tokens": len(r.ids), "tokens_per_s": len(r.ids) / r.elapsed_s,
+                         "tau": (sum(a + 1 for _, a in steps) / len(steps)) if steps else 1.0})
+            if progress:
+                progress()
+    return pd.DataFrame(rows)
+
+
+def sweep_table(df):
+    """Per (peer, k): tokens/s, tau, and the gain over plain decoding paired by prompt (95% half-width)."""
+    import pandas as pd
+    base = df[df.peer == "llamacpp"].set_index("prompt").tokens_per_s
+    out = []
+    for (p, k), g in df.groupby(["peer", "k"], sort=True):
+        g = g.set_index("prompt")
+        gain, ci = _paired(g.tokens_per_s, base.loc[g.index])
+        out.append({"peer": p, "k": k, "tokens_per_s": g.tokens.sum() / (g.tokens / g.tokens_per_s).sum(),
+                    "tau": g.tau.mean(), "gain_vs_plain": gain, "gain_ci95": ci})
+    return pd.DataFrame(out)

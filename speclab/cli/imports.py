@@ -1,4 +1,4 @@
-"""`speclab import`: production runs of vLLM, SGLang and llama.cpp into the trace (`speclab.production`): saved
+"""`speclab import`: production runs of vLLM, SGLang and llama.cpp (and AIPerf's records of them) into the trace (`speclab.production`): saved
 responses and streams, or two Prometheus scrapes around a run. Everything is read and checked first; then every
 run lands in one transaction, or none does."""
 from __future__ import annotations
@@ -28,7 +28,11 @@ def cmd_import(a: argparse.Namespace) -> int:
         v = getattr(a, opt)
         if v is not None and (not v.strip() or len(v) > 200 or any(ord(c) < 32 for c in v)):
             raise SpeclabError(f"--{opt.replace('_', '-')} {v!r}: a short line of text")
-    runs = import_files(a.files, a.engine, a.engine_version)
+    skipped: list = []
+    runs = import_files(a.files, a.engine, a.engine_version, skipped)
+    if skipped:
+        print(f"skipped {len(skipped)} AIPerf line(s) that are no run: " + "; ".join(
+            f"{where}: {why}" for where, why in skipped[:3]) + (" ..." if len(skipped) > 3 else ""))
     if a.before:
         if a.engine not in ("auto", "vllm", "llama.cpp"):
             raise SpeclabError(f"--engine {a.engine}: Prometheus scrapes are vLLM's or llama.cpp's")
@@ -62,7 +66,8 @@ def add_parsers(sub) -> None:
     p = sub.add_parser("import", help="import vLLM / SGLang / llama.cpp speculative-decoding metrics into the trace")
     p.add_argument("files", nargs="*", help="saved responses: a JSON response, a JSON list, JSON lines (a bench's "
                    "results, an OpenAI batch output) or a saved event stream (data: lines)")
-    p.add_argument("--engine", default="auto", help="auto (from each response's fields), vllm, sglang or llama.cpp")
+    p.add_argument("--engine", default="auto", help="auto (from each response's fields), vllm, sglang, llama.cpp or "
+                   "aiperf (NVIDIA AIPerf's per-request records, profile_export.jsonl)")
     p.add_argument("--before", help="a Prometheus scrape (/metrics) of a vLLM or llama.cpp server taken before the run")
     p.add_argument("--after", help="the scrape taken after it: the counters' differences are one run")
     p.add_argument("--model", help="scrapes: the model_name whose counters to take (when several are served)")

@@ -7,8 +7,10 @@ import json
 from pathlib import Path
 
 from speclab.errors import InvalidInput
-from speclab.production import llamacpp, sglang, vllm
-from speclab.production.record import ENGINES, EngineRun
+from speclab.production import aiperf, llamacpp, sglang, vllm
+from speclab.production.record import EngineRun
+
+SOURCES = ("vllm", "sglang", "llama.cpp", "aiperf")  # the shapes a response can have (--engine)
 
 MAX_BYTES = 512 << 20
 
@@ -98,7 +100,9 @@ def _merge_stream(lines: list[str], name: str) -> dict:
 
 
 def detect(obj: dict) -> list[str]:
-    """The engines whose speculative-decoding fields a response has."""
+    """The engines whose speculative-decoding fields a response has (AIPerf's record: "aiperf")."""
+    if aiperf.stats_of(obj) is not None:
+        return ["aiperf"]
     found = []
     if vllm.stats_of(obj) is not None:
         found.append("vllm")
@@ -118,22 +122,42 @@ def runs_of(obj: dict, where: str, engine: str = "auto", version: str | None = N
                                + (f" (it looks like {', '.join(found)}: leave --engine out)" if found else ""))
         found = [engine]
     if not found:
-        raise InvalidInput(f"{where}: no speculative-decoding figures of {', '.join(ENGINES)} in it (vLLM: "
+        raise InvalidInput(f"{where}: no speculative-decoding figures of {', '.join(SOURCES)} in it (vLLM: "
                            "metrics.speculative_decoding; SGLang: meta_info.spec_verify_ct or sglext."
-                           "spec_tokens_details; llama.cpp: timings.draft_n)")
+                           "spec_tokens_details; llama.cpp: timings.draft_n; AIPerf: a record line's "
+                           "spec_decode_acceptance)")
     if len(found) > 1:
         raise InvalidInput(f"{where}: it has the fields of {' and '.join(found)}: say which with --engine")
     if found[0] == "vllm":
         return [vllm.from_response(obj, where, version)]
     if found[0] == "llama.cpp":
         return [llamacpp.from_response(obj, where, version)]
+    if found[0] == "aiperf":
+        return [aiperf.from_record(obj, where, version)]
     recs = sglang.stats_of(obj)
     return [sglang.from_record(spec, meta, obj, f"{where} {loc}" if len(recs) > 1 else where, version, len(recs) == 1)
             for spec, meta, loc in recs]
 
 
-def import_files(paths: list[str], engine: str = "auto", version: str | None = None) -> list[EngineRun]:
-    """Every run of every file, all parsed and checked before anything is written."""
-    if engine not in ("auto", *ENGINES):
-        raise InvalidInput(f"--engine {engine!r}: one of auto, {', '.join(ENGINES)}")
-    return [run for path in paths for obj, where in responses(path) for run in runs_of(obj, where, engine, version)]
+def import_files(paths: list[str], engine: str = "auto", version: str | None = None,
+                 skipped: list | None = None) -> list[EngineRun]:
+    """Every run of every file, all parsed and checked before anything is written. AIPerf lines that are no run
+    (a failed request, the warm-up phase) go to `skipped` as (where, why) when it is given; a file of those alone
+    is refused."""
+    if engine not in ("auto", *SOURCES):
+        raise InvalidInput(f"--engine {engine!r}: one of auto, {', '.join(SOURCES)}")
+    runs, passed = [], []
+    for path in paths:
+        before = len(runs)
+        for obj, where in responses(path):
+            why = aiperf.skip_reason(obj) if detect(obj) == ["aiperf"] else None
+            if why is not None and engine in ("auto", "aiperf"):
+                passed.append((where, why))
+            else:
+                runs += runs_of(obj, where, engine, version)
+        if len(runs) == before:
+            raise InvalidInput(f"{path}: no run in it ({len(passed)} AIPerf line(s) of failed requests or the "
+                               "warm-up phase, which are no runs)")
+    if skipped is not None:
+        skipped += passed
+    return runs

@@ -19,7 +19,7 @@ import pyarrow as pa
 from speclab.errors import InvalidInput
 from speclab.metrics import tau
 
-ENGINES = ("vllm", "sglang", "llama.cpp")
+ENGINES = ("vllm", "sglang", "llama.cpp", "tensorrt_llm")  # the servers whose runs come in (TensorRT-LLM via AIPerf)
 
 
 @dataclass
