@@ -23,8 +23,8 @@ from speclab.errors import InvalidInput
 
 KINDS = ("plain", "pld", "sps")
 # the draft lengths of the bench's llama.cpp peers: the fastest measured on the zoo (`speclab costs llamacpp`)
-LLAMACPP_PLD_K = 4
-LLAMACPP_SPS_K = 4
+LLAMACPP_PLD_K = 2
+LLAMACPP_SPS_K = 2
 
 
 def available() -> str | None:

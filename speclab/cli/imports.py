@@ -1,6 +1,6 @@
-"""`speclab import`: production runs of vLLM, SGLang and llama.cpp (and AIPerf's records of them) into the trace (`speclab.production`): saved
-responses and streams, or two Prometheus scrapes around a run. Everything is read and checked first; then every
-run lands in one transaction, or none does."""
+"""`speclab import`: production runs of vLLM, SGLang and llama.cpp (and AIPerf's records of them) into the trace
+(`speclab.production`): saved responses and streams, or two Prometheus scrapes around a run. Everything is read and
+checked first; then every run lands in one transaction, or none does."""
 from __future__ import annotations
 
 import argparse
