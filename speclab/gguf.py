@@ -113,6 +113,14 @@ def plan(model_dir: str | Path, out: str | Path, type: str = "bf16") -> ExportPl
     if arch is None:
         raise InvalidInput(f"{d.name}: architecture {', '.join(names) or 'unnamed'} is not one the export knows "
                            f"({', '.join(ARCHS)})")
+    missing = [k for k in ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size")
+               if not isinstance(config.get(k), int) or config[k] <= 0]
+    if missing:
+        raise InvalidInput(f"{d.name}/config.json: no {', '.join(missing)} (a positive integer each)")
+    rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
+    if (rope.get("rope_type") or rope.get("type") or "default") != "default":
+        raise InvalidInput(f"{d.name}: rope scaling {rope.get('rope_type') or rope.get('type')!r}: the export writes "
+                           "plain rope only")
     tok = _read_json(d / "tokenizer.json", "a tokenizer.json is needed: llama.cpp embeds the tokenizer")
     pre = pre_tokenizer(tok)
     weights = tuple(sorted(d.glob("*.safetensors")))
@@ -180,9 +188,6 @@ def export(p: ExportPlan, log: Callable[[str], None] = lambda s: None) -> Path:
     n_head, n_kv = int(c["num_attention_heads"]), int(c.get("num_key_value_heads") or c["num_attention_heads"])
     head_dim = int(c.get("head_dim") or c["hidden_size"] // n_head)
     rope = c.get("rope_parameters") or c.get("rope_scaling") or {}
-    if (rope.get("rope_type") or rope.get("type") or "default") != "default":
-        raise InvalidInput(f"rope scaling {rope.get('rope_type') or rope.get('type')!r}: the export writes plain "
-                           "rope only")
     ftype = {"f32": gguf.LlamaFileType.ALL_F32, "f16": gguf.LlamaFileType.MOSTLY_F16,
              "bf16": gguf.LlamaFileType.MOSTLY_BF16}[p.type]
     qtype = {"f32": gguf.GGMLQuantizationType.F32, "f16": gguf.GGMLQuantizationType.F16,

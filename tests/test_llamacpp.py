@@ -67,6 +67,7 @@ def _copy_model(src: Path, dst: Path, tokenizer: dict | None = None) -> Path:
     ("not a folder", "is not a folder"),
     ("no config", "has no config.json"),
     ("architecture", "is not one the export knows"),
+    ("rope", "rope scaling 'llama3': the export writes plain rope only"),
     ("no tokenizer", "has no tokenizer.json"),
     ("no weights", "has no \\*.safetensors weights"),
     ("type", "GGUF type 'q4_0'"),
@@ -84,6 +85,9 @@ def test_a_bad_export_is_one_line_and_writes_nothing(case, why, model_dir, tmp_p
     elif case == "architecture":
         cfg = json.loads((src / "config.json").read_text())
         (src / "config.json").write_text(json.dumps({**cfg, "architectures": ["LlamaForCausalLMEagle3"]}))
+    elif case == "rope":
+        cfg = json.loads((src / "config.json").read_text())
+        (src / "config.json").write_text(json.dumps({**cfg, "rope_parameters": {"rope_type": "llama3"}}))
     elif case == "no tokenizer":
         (src / "tokenizer.json").unlink()
     elif case == "no weights":
