@@ -299,35 +299,44 @@ def test_a_trace_another_process_holds_is_one_line(cmd, locked_trace, capsys):
 # ---- the app's start-up: the same classes, one line, before any model or file ----
 
 @pytest.mark.slow
-@pytest.mark.parametrize("case", ["port-taken", "dtype", "device", "db-parquet", "db-under-a-file",
-                                  "calibration-under-a-file", "costs-missing"])
-def test_app_start_up_refuses_bad_options_in_one_line(case, files, tmp_path):
+def test_app_start_up_refuses_bad_options_in_one_line(files, tmp_path):
+    """Every case a real start of the app (`python -m app`), all started at once (each mostly waits on its
+    imports): one line each, exit code 2."""
     import socket
     import subprocess
     import sys
 
     names = files[0]
-    held = socket.socket()
-    held.bind(("127.0.0.1", 0))
+    held, free = socket.socket(), socket.socket()
+    for s in (held, free):
+        s.bind(("127.0.0.1", 0))
     held.listen()
-    port = held.getsockname()[1]
-    if case != "port-taken":
+    port, free_port = held.getsockname()[1], free.getsockname()[1]
+    free.close()  # the other cases start on a free port: they must stop before binding it
+    cases = {"port-taken": ([], f"--port {port} on 127.0.0.1 is taken"),
+             "dtype": (["--dtype", "bf17"], "--dtype 'bf17' is not a dtype"),
+             "device": (["--device", "tpu9"], "--device 'tpu9' is not a device"),
+             "db-parquet": (["--db", str(names["parquet"])], "is a Parquet file"),
+             "db-under-a-file": (["--db", f"{names['binary']}/app.duckdb"], "is a file, not a folder"),
+             "calibration-under-a-file": (["--calibration", f"{names['binary']}/cal.json"], "--calibration"),
+             "costs-missing": (["--costs", str(tmp_path / "nope.json")], "no such file")}
+    procs = {}
+    for case, (argv, _) in cases.items():
+        db = [] if case.startswith("db") else ["--db", str(tmp_path / f"{case}.duckdb")]
+        p = port if case == "port-taken" else free_port
+        procs[case] = subprocess.Popen([sys.executable, "-m", "app", "--port", str(p), *db, *argv],
+                                       stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO_ROOT)
+    try:
+        for case, proc in procs.items():
+            out, err = proc.communicate(timeout=180)
+            lines = [ln for ln in (out + err).splitlines() if ln.strip() and "opening trace" not in ln]
+            says = cases[case][1]
+            assert proc.returncode == 2 and len(lines) == 1 and lines[0].startswith("speclab app: error:") \
+                and says in lines[0], (case, out, err)
+    finally:
         held.close()
-    argv, says = {"port-taken": ([], f"--port {port} on 127.0.0.1 is taken"),
-                  "dtype": (["--dtype", "bf17"], "--dtype 'bf17' is not a dtype"),
-                  "device": (["--device", "tpu9"], "--device 'tpu9' is not a device"),
-                  "db-parquet": (["--db", str(names["parquet"])], "is a Parquet file"),
-                  "db-under-a-file": (["--db", f"{names['binary']}/app.duckdb"], "is a file, not a folder"),
-                  "calibration-under-a-file": (["--calibration", f"{names['binary']}/cal.json"],
-                                               "--calibration"),
-                  "costs-missing": (["--costs", str(tmp_path / "nope.json")], "no such file")}[case]
-    db = [] if case.startswith("db") else ["--db", str(tmp_path / "app.duckdb")]
-    r = subprocess.run([sys.executable, "-m", "app", "--port", str(port), *db, *argv], capture_output=True, text=True,
-                       timeout=120, cwd=REPO_ROOT, check=False)
-    held.close()
-    lines = [ln for ln in (r.stdout + r.stderr).splitlines() if ln.strip() and "opening trace" not in ln]
-    assert r.returncode == 2 and len(lines) == 1 and lines[0].startswith("speclab app: error:") and says in lines[0], \
-        (r.stdout, r.stderr)
+        for proc in procs.values():
+            proc.kill()
     assert _snapshot(tmp_path) == files[1]  # no trace made, the foreign files untouched
 
 
