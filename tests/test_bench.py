@@ -31,7 +31,9 @@ def test_bench_runs_methods_and_peers_and_reports(qwen3, qwen3_draft, model_dir,
     params = store.query("SELECT params_json FROM runs WHERE method = ?", [tree]).params_json
     assert all(json.loads(p)["tree_topk"] == 2 and json.loads(p)["k"] == 3 for p in params)
     assert set(table.category) == {"code", "stories", "math", "literature"}
-    assert (table.equal_to_ar == 1.0).all()  # greedy: speclab and HF's own speculative decoding equal AR
+    ours = table[~table.method.isin(LLAMACPP)]
+    assert (ours.equal_to_ar == 1.0).all()  # greedy: speclab and HF's own speculative decoding equal AR
+    assert (table.bug == 0).all()  # llama.cpp (its KV cache in f16): equal, or apart at a numerical near-tie
     assert table[table.method == "ar"].speedup.tolist() == pytest.approx([1.0] * 4)
     # speedup recomputed from the raw run rows, apart from the SQL: tokens over decode time, method over AR
     runs = store.runs()
@@ -46,7 +48,7 @@ def test_bench_runs_methods_and_peers_and_reports(qwen3, qwen3_draft, model_dir,
         ("sps-untraced", "hf_assisted"), ("sps", "hf_assisted"), ("pld-untraced", "hf_pld"), ("pld", "hf_pld")}
     untraced = overall[overall.method.str.endswith("-untraced")].set_index("method")
     assert untraced.model_call_share.between(0.2, 1.0).all()  # measured on CPU: time inside model forwards
-    assert store.query("SELECT count(*) AS n FROM runs WHERE diverges_at IS NOT NULL").n[0] == 0
+    assert store.query("SELECT count(*) AS n FROM runs WHERE diverges_at IS NOT NULL AND engine IS NULL").n[0] == 0
     bench = store.query("SELECT * FROM benches").iloc[0]
     assert bench.status == "done" and bench.trace_overhead > 0
     # methods paired by prompt, recomputed from the runs' own tau and tokens/s
@@ -92,7 +94,7 @@ def test_a_sampled_bench_samples_every_method_and_compares_none_with_ar(qwen3, q
     params = [json.loads(p) for p in store.query("SELECT params_json FROM runs WHERE bench_id = ?", [bench_id])
               .params_json]
     assert {p["temperature"] for p in params} == {0.7} and min(p["seed"] for p in params) == 5
-    assert store.query("SELECT count(*) AS n FROM runs WHERE diverges_at IS NOT NULL").n[0] == 0
+    assert store.query("SELECT count(*) AS n FROM runs WHERE diverges_at IS NOT NULL AND engine IS NULL").n[0] == 0
     # one decode group per prompt: every run of it (traced and untraced) is decoded beside the others
     ran = store.query("SELECT run_id, prompt_id FROM runs WHERE bench_id = ? ORDER BY run_id", [bench_id])
     for _, of_prompt in ran.groupby("prompt_id"):
