@@ -177,8 +177,9 @@ def decode(llm, prompt: list[int], max_new_tokens: int, eos: list[int], counted:
 def engine_version() -> str:
     """The engine as a run row names it: bindings version and llama.cpp's build / CPU features."""
     import llama_cpp
-    info = llama_cpp.llama_print_system_info().decode(errors="replace").strip()
-    return f"llama-cpp-python {llama_cpp.__version__} ({info[:160]})"
+    info = llama_cpp.llama_print_system_info().decode(errors="replace")
+    on = [part.split("=")[0].strip() for part in info.replace("CPU :", "").split("|") if part.strip().endswith("= 1")]
+    return f"llama-cpp-python {llama_cpp.__version__} (CPU: {' '.join(on)})"
 
 
 def round_trip(model_dir: str | Path, gguf_path: str | Path, texts) -> list[tuple[str, list, list]]:

@@ -134,10 +134,11 @@ def bench_report(store: TraceStore, bench_id: str) -> Report:
     lcpp = llamacpp_table(table, overall)
     if len(lcpp):
         cfg = json.loads(bench.config_json or "{}")
-        threads = store.query("SELECT any_value(json_extract(params_json, '$.threads')) AS n FROM runs WHERE "
-                              "bench_id = ? AND engine = 'llama.cpp'", [bench_id]).n[0]
+        peer = store.query("SELECT any_value(json_extract(params_json, '$.threads')) AS n, any_value(engine_version) "
+                           "AS v, any_value(json_extract_string(params_json, '$.type')) AS t FROM runs WHERE "
+                           "bench_id = ? AND engine = 'llama.cpp'", [bench_id]).iloc[0]
         text = ["## speclab vs llama.cpp (the same models in GGUF, prompts and token budget; greedy)", "",
-                (f"llama.cpp through llama-cpp-python, {threads} threads (speclab: {cfg.get('threads', '?')} torch "
+                (f"llama.cpp: {peer.v}; {peer.n} threads, {peer.t} GGUF (speclab: {cfg.get('threads', '?')} torch "
                  "threads); speclab's methods untraced. `ratio`: speclab's fastest over llama.cpp's fastest, "
                  "tokens/s (above 1: speclab ahead)."), "", lcpp.to_markdown(**fmt), ""]
         md += text
