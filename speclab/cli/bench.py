@@ -133,7 +133,9 @@ def llamacpp_peers(a: argparse.Namespace, cfg, paths: ModelPaths, target):
     spec = [cfg.dtypes[m] for m in cfg.methods if family(m) != "ar"]
     dtype = max(set(spec), key=spec.count) if spec else cfg.dtypes[next(m for m in cfg.methods if family(m) == "ar")]
     try:
-        return open_peers(paths.target or default_target(), paths.models.get("draft") or default_draft(), dtype,
+        draft = paths.models.get("draft") or (default_draft() if paths.target is None else None)  # the zoo's
+        # draft only beside the zoo's target (its tokenizer); another target without --draft: no llamacpp_sps
+        return open_peers(paths.target or default_target(), draft, dtype,
                           a.llamacpp_pld_k, a.llamacpp_sps_k, target.max_context,
                           log=lambda s: print(s, file=sys.stderr))
     except InvalidInput as e:

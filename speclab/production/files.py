@@ -148,16 +148,16 @@ def import_files(paths: list[str], engine: str = "auto", version: str | None = N
         raise InvalidInput(f"--engine {engine!r}: one of auto, {', '.join(SOURCES)}")
     runs, passed = [], []
     for path in paths:
-        before = len(runs)
+        before, skipped_before = len(runs), len(passed)
         for obj, where in responses(path):
             why = aiperf.skip_reason(obj) if detect(obj) == ["aiperf"] else None
             if why is not None and engine in ("auto", "aiperf"):
                 passed.append((where, why))
             else:
                 runs += runs_of(obj, where, engine, version)
-        if len(runs) == before:
-            raise InvalidInput(f"{path}: no run in it ({len(passed)} AIPerf line(s) of failed requests or the "
-                               "warm-up phase, which are no runs)")
+        if len(runs) == before and len(passed) > skipped_before:
+            raise InvalidInput(f"{path}: no run in it ({len(passed) - skipped_before} AIPerf line(s) of failed "
+                               "requests or the warm-up phase, which are no runs)")
     if skipped is not None:
         skipped += passed
     return runs
