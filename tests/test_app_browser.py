@@ -707,11 +707,10 @@ def page_on(browser, db, tmp_path):
 def test_a_trace_from_an_earlier_session_opens_with_counterfactuals_profiled_on_demand(browser, tmp_path):
     """A routed run decoded by the CLI (no bench, so no bench profile; made before this server started): a fresh
     page opens it as the newest run, and its counterfactuals are profiled on demand, with progress."""
-    import subprocess
-    import sys
+    from speclab.cli.main import main
     db = tmp_path / "earlier.duckdb"
-    subprocess.run([sys.executable, "-m", "speclab.cli", "generate", "--method", "whiflash-entropy", "--prompt", STORY,
-                    "--max-new-tokens", "32", "--db", str(db)], check=True, cwd=REPO_ROOT, capture_output=True)
+    assert main(["generate", "--method", "whiflash-entropy", "--prompt", STORY, "--max-new-tokens", "32",
+                 "--db", str(db)]) == 0  # in this process, the trace closed after
     with page_on(browser, db, tmp_path) as pg:
         pg.get_by_role("tab", name="Rounds & trees").click()
         wait_text(pg, "#run_html", "run 1 · whiflash-entropy", 60)
@@ -735,19 +734,16 @@ def test_imported_engine_runs_open_beside_a_speclab_run(browser, tmp_path):
     shape) are listed with their engine, open with their provenance and conversions, and their accept lengths and
     per-position acceptance are drawn beside a speclab EAGLE-3 run picked to compare with; the SQL box reads the
     imported tables."""
-    import subprocess
-    import sys
+    from speclab.cli.main import main
     db, engines = tmp_path / "imported.duckdb", REPO_ROOT / "data" / "engines"
-    subprocess.run([sys.executable, "-m", "speclab.cli", "generate", "--method", "eagle3:tree_topk=1+depth=3",
-                    "--prompt", "def fibonacci(n):\n", "--max-new-tokens", "48", "--db", str(db)], check=True,
-                   cwd=REPO_ROOT, capture_output=True)
+    assert main(["generate", "--method", "eagle3:tree_topk=1+depth=3", "--prompt", "def fibonacci(n):\n",
+                 "--max-new-tokens", "48", "--db", str(db)]) == 0  # in this process, the trace closed after
     for args in ([str(p) for p in sorted(engines.glob("*.json*")) + sorted(engines.glob("*.sse"))],
                  ["--before", str(engines / "vllm_metrics_before.prom"),
                   "--after", str(engines / "vllm_metrics_after.prom"), "--engine-version", "0.32.0"],
                  ["--before", str(engines / "llamacpp_metrics_before.prom"),
                   "--after", str(engines / "llamacpp_metrics_after.prom")]):
-        subprocess.run([sys.executable, "-m", "speclab.cli", "import", *args, "--db", str(db)], check=True,
-                       cwd=REPO_ROOT, capture_output=True)
+        assert main(["import", *args, "--db", str(db)]) == 0  # in this process: each import a whole command
     with page_on(browser, db, tmp_path) as pg:
         pg.get_by_role("tab", name="Trace explorer").click()
         pg.wait_for_selector("#runs", timeout=60000)
