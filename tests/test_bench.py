@@ -71,6 +71,7 @@ def test_bench_runs_methods_and_peers_and_reports(qwen3, qwen3_draft, model_dir,
     if lc:  # each peer a run of the engine, its version and settings; the speculative ones with their steps
         runs = store.query("SELECT * FROM runs WHERE bench_id = ? AND engine = 'llama.cpp'", [bench_id])
         assert set(runs.method) == set(LLAMACPP) and runs.engine_version.str.startswith("llama-cpp-python").all()
+        assert (runs.source == runs.method + " (bench)").all()  # the app's engine card says where each came from
         assert all(json.loads(p)["threads"] >= 1 for p in runs.params_json)
         spec = overall.set_index("method").loc[["llamacpp_pld", "llamacpp_sps"]]
         assert (spec.tau >= 1).all() and overall.set_index("method").loc["llamacpp_sps"].tau > 1

@@ -92,7 +92,7 @@ def record(store, peers: LlamaCppPeers, peer: str, res: lc.PeerDecode, meta: dic
     digest = output_hash(res.ids)
     if not res.per_step:
         rid = store.start_run(method=peer, params=peers.params(peer), engine="llama.cpp",
-                              engine_version=peers.version, **meta)
+                              engine_version=peers.version, source=f"{peer} (bench)", **meta)
         store.finish_run(rid, "done", new_tokens=len(res.ids), elapsed_s=res.elapsed_s,
                          prefill_ms=res.prompt_ms, output_hash=digest, output_text=output_text)
         return rid
