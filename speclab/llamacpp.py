@@ -47,28 +47,32 @@ def load(path: str | Path, *, vocab_only: bool = False, n_ctx: int = 1024, specu
     if available() is None:
         raise InvalidInput("llama-cpp-python is not installed (scripts/setup.sh builds it into .venv)")
     from llama_cpp import Llama
-    _quiet()
+    _setup()
     n = n_threads or threads()
     return Llama(model_path=str(path), vocab_only=vocab_only, n_ctx=n_ctx, n_threads=n, n_threads_batch=n,
                  logits_all=speculative, verbose=False)
 
 
-_QUIET: list = []  # the log callback, kept alive while llama.cpp may call it
+_SETUP: list = []  # llama.cpp's log callback, kept alive while llama.cpp may call it (set up once a process)
 
 
-def _quiet() -> None:
-    """llama.cpp's own log lines off (its load messages would interleave with speclab's progress)."""
-    if _QUIET:
+def _setup() -> None:
+    """Once a process: llama.cpp's own log lines off (its load messages would interleave with speclab's progress),
+    and this module's drafters registered as the bindings' `LlamaDraftModel`s."""
+    if _SETUP:
         return
     import ctypes
 
     import llama_cpp
+    from llama_cpp.llama_speculative import LlamaDraftModel
 
     @llama_cpp.llama_log_callback
     def ignore(level, text, user_data):
         return None
-    _QUIET.append(ignore)
+    _SETUP.append(ignore)
     llama_cpp.llama_log_set(ignore, ctypes.c_void_p(0))
+    LlamaDraftModel.register(ModelDrafter)
+    LlamaDraftModel.register(Counted)
 
 
 class ModelDrafter:
@@ -82,12 +86,12 @@ class ModelDrafter:
         import llama_cpp
         import numpy as np
         d = self.draft
-        ids = [int(t) for t in input_ids]
-        have = d.input_ids[: d.n_tokens].tolist()
-        keep = next((i for i, (a, b) in enumerate(zip(have, ids)) if a != b), min(len(have), len(ids)))
-        keep = min(keep, len(ids) - 1)  # at least one token evaluated: its logits draft the first token
-        d.n_tokens = keep
-        d.eval(ids[keep:])
+        ids = np.asarray(input_ids, dtype=np.intc)
+        n = min(d.n_tokens, len(ids))
+        differ = np.flatnonzero(d.input_ids[:n] != ids[:n])  # the draft's cache keeps the common prefix
+        keep = min(int(differ[0]) if differ.size else n, len(ids) - 1)  # at least one token evaluated: its logits
+        d.n_tokens = keep  # draft the first token
+        d.eval(ids[keep:].tolist())
         out = []
         vocab = d.n_vocab()
         for _ in range(self.k):
@@ -137,17 +141,16 @@ def drafter(kind: str, k: int, draft=None):
     """The bindings' drafter of `kind` with k draft tokens a step, wrapped to count (None for plain)."""
     if kind == "plain":
         return None
-    from llama_cpp.llama_speculative import LlamaDraftModel, LlamaPromptLookupDecoding
+    from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
+    _setup()
     if kind == "pld":
         inner = LlamaPromptLookupDecoding(max_ngram_size=3, num_pred_tokens=k)
     elif kind == "sps":
         if draft is None:
             raise InvalidInput("llama.cpp draft-model speculation needs a draft model")
-        LlamaDraftModel.register(ModelDrafter)
         inner = ModelDrafter(draft, k)
     else:
         raise InvalidInput(f"llama.cpp decoding {kind!r}: one of {', '.join(KINDS)}")
-    LlamaDraftModel.register(Counted)
     return Counted(inner)
 
 

@@ -18,9 +18,18 @@ from pathlib import Path
 
 from speclab import llamacpp as lc
 from speclab.errors import InvalidInput
+from speclab.metrics import paired_gain
 
 PEERS = {"llamacpp": "plain", "llamacpp_pld": "pld", "llamacpp_sps": "sps"}
 GGUF_TYPE = {"fp32": "f32", "bf16": "bf16", "fp16": "f16"}  # speclab's dtype -> the GGUF file type
+
+
+def model_dirs(target_dir, draft_dir) -> tuple[Path, Path | None]:
+    """The checkpoints the peers export (None: the zoo's): the target, and the draft of `llamacpp_sps`, which is the
+    zoo's only beside the zoo's target (its tokenizer); another target without a draft gets no `llamacpp_sps`."""
+    from speclab.zoo import default_draft, default_target
+    draft = draft_dir or (default_draft() if target_dir is None else None)
+    return Path(target_dir or default_target()), None if draft is None else Path(draft)
 
 
 @dataclass
@@ -114,15 +123,6 @@ def record(store, peers: LlamaCppPeers, peer: str, res: lc.PeerDecode, meta: dic
     return store.add_finished_runs([row], [run.tables()])[0]
 
 
-def _paired(x, base) -> tuple[float, float]:
-    """Mean per-prompt gain of x over base (ratio - 1) and its 95% half-width."""
-    import numpy as np
-
-    from speclab.metrics import ci95
-    g = np.asarray(x, float) / np.asarray(base, float) - 1
-    return float(g.mean()), ci95(float(g.std(ddof=1)), len(g)) if len(g) > 1 else float("nan")
-
-
 def per_token_costs(targets: dict, target_dir, prompts: list, tokens: int, eos: list[int], progress=None):
     """ms per generated token of speclab's AR and llama.cpp's plain decoding, per dtype (`targets`: dtype ->
     speclab Target), prompt by prompt, interleaved: speclab's decode time after the prefill, llama.cpp's one-token
@@ -176,7 +176,57 @@ def sweep_table(df):
     out = []
     for (p, k), g in df.groupby(["peer", "k"], sort=True):
         g = g.set_index("prompt")
-        gain, ci = _paired(g.tokens_per_s, base.loc[g.index])
+        gain, ci = paired_gain(g.tokens_per_s, base.loc[g.index])
         out.append({"peer": p, "k": k, "tokens_per_s": g.tokens.sum() / (g.tokens / g.tokens_per_s).sum(),
                     "tau": g.tau.mean(), "gain_vs_plain": gain, "gain_ci95": ci})
     return pd.DataFrame(out)
+
+
+def cost_summary(per, targets: dict, bw: dict):
+    """Per dtype, from `per_token_costs`' rows: the medians of both engines' ms per token, speclab's over llama.cpp's
+    paired by prompt (`metrics.paired_gain`, + 1) with its half-width, the target's weight bytes over the read
+    bandwidth `bw` (`roofline.bandwidths`: a one-token forward's floor), and how many outputs were identical."""
+    import pandas as pd
+    out = []
+    for d, g in per.groupby("dtype", sort=False):
+        weight_bytes = sum(p.numel() * p.element_size() for p in targets[d].model.parameters())
+        gain, ci = paired_gain(g.speclab_ms_per_token, g.llamacpp_ms_per_token)
+        out.append({"dtype": d, "speclab_ar_ms": g.speclab_ms_per_token.median(),
+                    "llamacpp_ms": g.llamacpp_ms_per_token.median(),
+                    "llamacpp_wall_ms": g.llamacpp_wall_ms_per_token.median(),
+                    "speclab_over_llamacpp": gain + 1, "ci95": ci,
+                    "bound_ms": weight_bytes / (bw["dram_gbs"] * 1e9) * 1e3, "weights_mb": weight_bytes / 2**20,
+                    "same_output": f"{int(g.same_output.sum())}/{len(g)}"})
+    return pd.DataFrame(out)
+
+
+def costs_report(summary, table, profile, peers: LlamaCppPeers, bw: dict, what: str):
+    """`speclab costs llamacpp`'s report: the per-token table (`cost_summary`), the draft-length sweep
+    (`sweep_table`) with its plot, and the AR step profile (`steps.steps_report`'s `profile`)."""
+    import torch
+
+    from speclab.core.precision import cpu_label
+    from speclab.viz import Report, lines_figure
+    fmt = dict(index=False, floatfmt=".3f")
+    cpu = cpu_label()
+    text = "\n".join([
+        f"{cpu}; speclab: torch {torch.__version__}, {torch.get_num_threads()} threads; llama.cpp: "
+        f"{peers.version}, {peers.threads} threads. {what}, greedy.", "",
+        "## ms per token: llama.cpp's plain decoding against speclab's AR", "",
+        ("speclab_ar_ms: speclab's decode time after the prefill per later token; llamacpp_ms: llama.cpp's own timer "
+         "over its one-token forwards; llamacpp_wall_ms: its wall time after the prompt per token (the bindings' "
+         "Python included); medians over the prompts. speclab_over_llamacpp: the ratio, paired by prompt, with its "
+         "95% half-width. bound_ms: the target's weight bytes over the read bandwidth "
+         f"({bw['dram_gbs']:.1f} GB/s, {bw['large_mb']:.0f} MB working set): a one-token forward's floor. "
+         "same_output: prompts where both engines' greedy text is identical."), "",
+        summary.to_markdown(**fmt), "",
+        f"## llama.cpp's draft lengths ({GGUF_TYPE[peers.dtype]} GGUF)", "",
+        ("tokens/s and tau per peer and k; gain_vs_plain: over llama.cpp's plain decoding, paired by prompt (95% "
+         "half-width). The bindings recommend k = 2 on CPU and 10 on GPU."), "", table.to_markdown(**fmt), ""])
+    fig = lines_figure(table, "k", "tokens_per_s", "peer", f"llama.cpp: tokens/s by draft length ({cpu})",
+                       "k (draft tokens a step)", "tokens/s")
+    base = table[table.peer == "llamacpp"].tokens_per_s
+    if len(base):
+        fig.add_hline(y=float(base.iloc[0]), line_dash="dot", annotation_text="plain decoding")
+    return Report(f"llama.cpp against speclab ({cpu})", text + "\n## Where one speclab AR step goes\n\n" +
+                  profile.text, [fig, *profile.figs], summary=text)

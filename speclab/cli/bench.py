@@ -125,17 +125,14 @@ def cmd_grid(a: argparse.Namespace) -> int:
 def llamacpp_peers(a: argparse.Namespace, cfg, paths: ModelPaths, target):
     """The llama.cpp peers of a greedy CPU bench with peers (`speclab.bench.llamacpp`), in the dtype of the bench's
     speculative methods (AR's when it has none); None, said in one line, where they cannot run."""
-    from speclab.bench.llamacpp import open_peers
+    from speclab.bench.llamacpp import model_dirs, open_peers
     from speclab.errors import InvalidInput
-    from speclab.zoo import default_draft, default_target
     if not (cfg.peers and a.llamacpp and cfg.temperature == 0 and target.device.type == "cpu"):
         return None
     spec = [cfg.dtypes[m] for m in cfg.methods if family(m) != "ar"]
     dtype = max(set(spec), key=spec.count) if spec else cfg.dtypes[next(m for m in cfg.methods if family(m) == "ar")]
     try:
-        draft = paths.models.get("draft") or (default_draft() if paths.target is None else None)  # the zoo's
-        # draft only beside the zoo's target (its tokenizer); another target without --draft: no llamacpp_sps
-        return open_peers(paths.target or default_target(), draft, dtype,
+        return open_peers(*model_dirs(paths.target, paths.models.get("draft")), dtype,
                           a.llamacpp_pld_k, a.llamacpp_sps_k, target.max_context,
                           log=lambda s: print(s, file=sys.stderr))
     except InvalidInput as e:

@@ -202,7 +202,6 @@ def cmd_llamacpp(a: argparse.Namespace) -> int:
     from dataclasses import replace
 
     import pandas as pd
-    import torch
 
     from speclab import llamacpp as lc
     from speclab.bench import llamacpp as peers_mod
@@ -213,8 +212,6 @@ def cmd_llamacpp(a: argparse.Namespace) -> int:
     from speclab.core.precision import cpu_label
     from speclab.generate import generate
     from speclab.progress import Progress
-    from speclab.viz import Report, lines_figure
-    from speclab.zoo import default_draft, default_target
 
     dtypes = [d.strip() for d in a.dtypes.split(",") if d.strip()]
     bad = [d for d in dtypes if d not in peers_mod.GGUF_TYPE]
@@ -231,9 +228,10 @@ def cmd_llamacpp(a: argparse.Namespace) -> int:
     targets = {d: load_models(replace(paths, dtype=d), roles=())[0] for d in dtypes}
     t0 = next(iter(targets.values()))
     prompts = [format_prompt(t0, r) for r in rows]
-    tdir, ddir = paths.target or default_target(), paths.models.get("draft") or default_draft()
+    tdir, ddir = peers_mod.model_dirs(paths.target, paths.models.get("draft"))
     sweep_dtype = "bf16" if "bf16" in dtypes else dtypes[0]
     peers = peers_mod.open_peers(tdir, ddir, sweep_dtype, 4, 4, t0.max_context)
+    ks = {p: v for p, v in ks.items() if p in peers.peers()}  # no draft model (another target): no sps sweep
     n_sweep = len(prompts) * (1 + sum(len(v) for v in ks.values()))
     prog = Progress(len(prompts) * len(dtypes) + n_sweep, "llama.cpp costs")
     done = [0]
@@ -244,46 +242,13 @@ def cmd_llamacpp(a: argparse.Namespace) -> int:
     per = peers_mod.per_token_costs(targets, tdir, prompts, a.tokens, t0.eos_ids, tick)
     sweep = peers_mod.k_sweep(peers, prompts, a.tokens, t0.eos_ids, ks, tick)
     bw = bandwidths()
-    summary = []
-    for d, g in per.groupby("dtype", sort=False):
-        t = targets[d]
-        weight_bytes = sum(p.numel() * p.element_size() for p in t.model.parameters())
-        gain, ci = peers_mod._paired(g.speclab_ms_per_token, g.llamacpp_ms_per_token)
-        summary.append({"dtype": d, "speclab_ar_ms": g.speclab_ms_per_token.median(),
-                        "llamacpp_ms": g.llamacpp_ms_per_token.median(),
-                        "llamacpp_wall_ms": g.llamacpp_wall_ms_per_token.median(),
-                        "speclab_over_llamacpp": gain + 1, "ci95": ci,
-                        "bound_ms": weight_bytes / (bw["dram_gbs"] * 1e9) * 1e3, "weights_mb": weight_bytes / 2**20,
-                        "same_output": f"{int(g.same_output.sum())}/{len(g)}"})
-    summary = pd.DataFrame(summary)
+    summary = peers_mod.cost_summary(per, targets, bw)
     profiles = [step_profile(lambda t=t: generate(t, prompts[0], "ar", max_new_tokens=a.tokens), f"ar ({d})",
                              lambda r: r.decode.rounds) for d, t in targets.items()]
-    table = peers_mod.sweep_table(sweep)
-    fmt = dict(index=False, floatfmt=".3f")
-    cpu = cpu_label()
-    text = "\n".join([
-        f"{cpu}; speclab: torch {torch.__version__}, {torch.get_num_threads()} threads; llama.cpp: "
-        f"{peers.version}, {peers.threads} threads. {len(prompts)} zoo prompts x {a.tokens} tokens, greedy.", "",
-        "## ms per token: llama.cpp's plain decoding against speclab's AR", "",
-        ("speclab_ar_ms: speclab's decode time after the prefill per later token; llamacpp_ms: llama.cpp's own timer "
-         "over its one-token forwards; llamacpp_wall_ms: its wall time after the prompt per token (the bindings' "
-         "Python included); medians over the prompts. speclab_over_llamacpp: the ratio, paired by prompt, with its "
-         "95% half-width. bound_ms: the target's weight bytes over the read bandwidth "
-         f"({bw['dram_gbs']:.1f} GB/s, {bw['large_mb']:.0f} MB working set): a one-token forward's floor. "
-         "same_output: prompts where both engines' greedy text is identical."), "",
-        summary.to_markdown(**fmt), "",
-        f"## llama.cpp's draft lengths ({peers_mod.GGUF_TYPE[sweep_dtype]} GGUF)", "",
-        ("tokens/s and tau per peer and k; gain_vs_plain: over llama.cpp's plain decoding, paired by prompt (95% "
-         "half-width). The bindings recommend k = 2 on CPU and 10 on GPU."), "", table.to_markdown(**fmt), ""])
-    prof = steps_report([p[0] for p in profiles], pd.concat([p[1] for p in profiles]), cpu, ",".join(dtypes),
+    prof = steps_report([p[0] for p in profiles], pd.concat([p[1] for p in profiles]), cpu_label(), ",".join(dtypes),
                         f"speclab AR, {a.tokens} tokens of one prompt")
-    fig = lines_figure(table, "k", "tokens_per_s", "peer", f"llama.cpp: tokens/s by draft length ({cpu})",
-                       "k (draft tokens a step)", "tokens/s")
-    base = table[table.peer == "llamacpp"].tokens_per_s
-    if len(base):
-        fig.add_hline(y=float(base.iloc[0]), line_dash="dot", annotation_text="plain decoding")
-    report = Report(f"llama.cpp against speclab ({cpu})", text + "\n## Where one speclab AR step goes\n\n" +
-                    prof.text, [fig, *prof.figs], summary=text)
+    report = peers_mod.costs_report(summary, peers_mod.sweep_table(sweep), prof, peers, bw,
+                                    f"{len(prompts)} zoo prompts x {a.tokens} tokens")
     write_report(report, a.report)
     return 0
 

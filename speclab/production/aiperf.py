@@ -17,10 +17,8 @@ The line's `metadata.x_request_id` is the run's request id; `metrics` give its p
 """
 from __future__ import annotations
 
-import math
-
 from speclab.errors import InvalidInput
-from speclab.production.record import EngineRun, as_counts, as_int
+from speclab.production.record import EngineRun, agree, as_int, per_step_pairs
 
 ENGINES = {"vllm": "vllm", "tensorrt_llm": "tensorrt_llm", "trtllm": "tensorrt_llm", "llamacpp": "llama.cpp",
            "llama.cpp": "llama.cpp", "sglang": "sglang"}  # AIPerf's engine names -> the trace's
@@ -95,11 +93,7 @@ def from_record(obj: dict, source: str, version: str | None = None) -> EngineRun
               "every depth")]
     per_step = None
     if sd.get("per_step_accepted") is not None or sd.get("per_step_drafted") is not None:
-        acc = as_counts(sd.get("per_step_accepted"), "per_step_accepted", source)
-        dr = as_counts(sd.get("per_step_drafted"), "per_step_drafted", source)
-        if len(acc) != len(dr):
-            raise InvalidInput(f"{source}: per_step_accepted has {len(acc)} entries, per_step_drafted {len(dr)}")
-        per_step = list(zip(dr, acc))
+        per_step = per_step_pairs(sd, source)
         notes.append("per_step_accepted / per_step_drafted: one speclab round per step, in order")
     meta = obj["metadata"]
     latency = _metric(obj, "request_latency")
@@ -117,9 +111,5 @@ def from_record(obj: dict, source: str, version: str | None = None) -> EngineRun
     run.check()
     for key, computed in (("mean_acceptance_length", run.tau),
                           ("draft_acceptance_rate", accepted / drafted if drafted else 0.0)):
-        v = sd.get(key)
-        if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float))
-                              or not math.isclose(float(v), computed, rel_tol=1e-3, abs_tol=1e-6)):
-            raise InvalidInput(f"{source}: {key} = {v!r}, but its definition over the counts gives {computed:.6g}: "
-                               "not AIPerf's documented record")
+        agree(source, key, sd.get(key), computed, "not AIPerf's documented record")
     return run

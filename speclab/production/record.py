@@ -11,6 +11,7 @@ and accepted count), which the same SQL reads too.
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -143,6 +144,29 @@ def as_counts(v, key: str, where: str) -> list[int]:
                                       or int(c) != c for c in v):
         raise InvalidInput(f"{where}: {key} is not a list of counts ({str(v)[:60]})")
     return [int(c) for c in v]
+
+
+def per_step_pairs(sd: dict, source: str) -> list[tuple[int, int]]:
+    """An engine's `per_step_accepted` / `per_step_drafted` lists as (drafted, accepted) per step, in order (vLLM's
+    detailed level, and AIPerf's record of it); InvalidInput when either is not a list of counts or their lengths
+    differ."""
+    acc = as_counts(sd.get("per_step_accepted"), "per_step_accepted", source)
+    dr = as_counts(sd.get("per_step_drafted"), "per_step_drafted", source)
+    if len(acc) != len(dr):
+        raise InvalidInput(f"{source}: per_step_accepted has {len(acc)} entries, per_step_drafted {len(dr)}")
+    return list(zip(dr, acc))
+
+
+def agree(source: str, key: str, reported, computed: float, shape: str) -> None:
+    """An engine's reported ratio (`key`: mean_acceptance_length, draft_acceptance_rate) against its definition
+    over the counts (`computed`), to 0.1%; absent (None) passes. Else InvalidInput, naming `shape` (what the file
+    was expected to be)."""
+    if reported is None:
+        return
+    if isinstance(reported, bool) or not isinstance(reported, (int, float)) or \
+            not math.isclose(float(reported), computed, rel_tol=1e-3, abs_tol=1e-6):
+        raise InvalidInput(f"{source}: {key} = {reported!r}, but its definition over the counts gives "
+                           f"{computed:.6g}: {shape}")
 
 
 def write_runs(store, runs: list[EngineRun], category: str | None = None, device: str | None = None) -> list[int]:

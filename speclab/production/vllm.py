@@ -12,10 +12,8 @@ Its definitions (vLLM's docs/features/speculative_decoding/acceptance_metrics.md
 """
 from __future__ import annotations
 
-import math
-
 from speclab.errors import InvalidInput
-from speclab.production.record import EngineRun, as_counts, as_int, histogram_rows
+from speclab.production.record import EngineRun, agree, as_counts, as_int, histogram_rows, per_step_pairs
 
 ENGINE = "vllm"
 
@@ -65,11 +63,7 @@ def from_response(obj: dict, source: str, version: str | None = None) -> EngineR
                      "below speclab's conditional figure")
     per_step = None
     if "per_step_accepted" in sd or "per_step_drafted" in sd:
-        acc = as_counts(sd.get("per_step_accepted"), "per_step_accepted", source)
-        dr = as_counts(sd.get("per_step_drafted"), "per_step_drafted", source)
-        if len(acc) != len(dr):
-            raise InvalidInput(f"{source}: per_step_accepted has {len(acc)} entries, per_step_drafted {len(dr)}")
-        per_step = list(zip(dr, acc))
+        per_step = per_step_pairs(sd, source)
         notes.append("per_step_accepted / per_step_drafted (detailed): one speclab round per step, in order")
     reported = {key: sd[key] for key in ("mean_acceptance_length", "draft_acceptance_rate") if key in sd}
     run = EngineRun(ENGINE, source, "request", steps, accepted, drafted, k, rows, per_step, reported=reported,
@@ -82,19 +76,11 @@ def from_response(obj: dict, source: str, version: str | None = None) -> EngineR
         raise InvalidInput(f"{source}: acceptance_histogram holds {sum(hist)} steps and "
                            f"{sum(j * c for j, c in enumerate(hist))} accepted tokens, the counts say {steps} and "
                            f"{accepted}")
-    _agree(source, "mean_acceptance_length", reported.get("mean_acceptance_length"), run.tau)
-    _agree(source, "draft_acceptance_rate", reported.get("draft_acceptance_rate"),
-           accepted / drafted if drafted else 0.0)
+    shape = "not vLLM's documented shape (pin the vLLM version that wrote it)"
+    agree(source, "mean_acceptance_length", reported.get("mean_acceptance_length"), run.tau, shape)
+    agree(source, "draft_acceptance_rate", reported.get("draft_acceptance_rate"),
+          accepted / drafted if drafted else 0.0, shape)
     return run
-
-
-def _agree(source: str, key: str, reported, computed: float) -> None:
-    if reported is None:
-        return
-    if not isinstance(reported, (int, float)) or not math.isclose(float(reported), computed, rel_tol=1e-3,
-                                                                   abs_tol=1e-6):
-        raise InvalidInput(f"{source}: {key} = {reported!r}, but its definition over the counts gives "
-                           f"{computed:.6g}: not vLLM's documented shape (pin the vLLM version that wrote it)")
 
 
 def _version(obj: dict) -> str | None:
