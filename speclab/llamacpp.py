@@ -37,8 +37,11 @@ def available() -> str | None:
 
 
 def threads() -> int:
-    """The threads both engines use: the cores this process may run on."""
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    """The threads both engines use: torch's (the cores this process may run on, unless set lower: a Ray worker's
+    own CPUs, `speclab.cluster`)."""
+    import torch
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return max(1, min(cores, torch.get_num_threads()))
 
 
 def load(path: str | Path, *, vocab_only: bool = False, n_ctx: int = 1024, speculative: bool = False,

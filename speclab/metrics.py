@@ -133,7 +133,7 @@ EQUALITY_SQL = """CASE WHEN ar.output_hash IS NULL OR r.output_hash IS NULL THEN
 # per run: the sums every pooled metric is made of, then the ratios
 RUN_SUMS_SQL = f"""
 SELECT r.run_id, r.method, r.category, r.prompt_id, r.status, r.bench_id, r.dtype, r.output_hash, r.new_tokens,
-       r.target_calls, r.arrival_s, r.first_token_s, r.done_s,
+       r.target_calls, r.arrival_s, r.first_token_s, r.done_s, r.node, r.worker,
        r.elapsed_s, r.model_ms, {EQUALITY_SQL} AS equality,
        count(x.round) + coalesce(any_value(z.steps), 0) AS verifications,
        coalesce(sum(x.committed), any_value(z.committed)) AS committed,

@@ -46,6 +46,14 @@ class ModelPaths:
         from speclab.methods import ROLES
         return self.models.get(role) or zoo.model(ROLES[role].zoo)
 
+    def absolute(self) -> ModelPaths:
+        """The same with every path that exists here made absolute (for workers that start elsewhere)."""
+        from dataclasses import replace
+
+        def fix(p):
+            return str(Path(p).expanduser().resolve()) if p and Path(p).expanduser().exists() else p
+        return replace(self, target=fix(self.target), models={r: fix(p) for r, p in self.models.items()})
+
     def check(self) -> None:
         """The precision options checked before any model is loaded (one line each, InvalidInput)."""
         from speclab.core.precision import check_dtype, check_logits
@@ -232,3 +240,38 @@ def load_models(paths: ModelPaths, roles=("draft", "eagle3", "dflash", "router")
     log(f"loaded {', '.join(loaded)} in {time.perf_counter() - t0:.1f} s; {target.device.type}, "
         f"{precision_label(target)}{why}")
     return target, models
+
+
+def load_bench_sets(cfg, paths: ModelPaths):
+    """The models of a bench, one set per dtype its methods run in (`plan_dtypes`: --dtype, a spec's @dtype, or
+    what --dtype auto chose per method family): sets cfg.methods / dtypes / dtype_why and returns (AR's target, its
+    models, {dtype: (target, models)})."""
+    from dataclasses import replace
+
+    from speclab.bench.run import plan_dtypes
+    from speclab.core.precision import family
+    from speclab.methods import get_method
+
+    _, decision = resolve_dtype(paths)
+    cfg.methods, cfg.dtypes = plan_dtypes(cfg.methods, lambda f: decision.dtype(f) if decision else paths.dtype)
+    ar = next(m for m in cfg.methods if family(m) == "ar")
+    sets = {}
+    for dt in dict.fromkeys([cfg.dtypes[ar], *cfg.dtypes.values()]):
+        on = [m for m in cfg.methods if cfg.dtypes[m] == dt]
+        roles = {r for m in on for r in get_method(m).needs} | ({"draft"} if cfg.peers and not sets else set())
+        fams = [f for f in ("ar", "speculative") if decision and decision.dtype(f) == dt
+                and any(family(m) == f and "@" not in m for m in on)]
+        if fams:  # the auto choice of these methods' family: its load line says why
+            cfg.dtype_why.update({f: decision.line(f) for f in fams})
+            cfg.dtype_why.update({f"{r} model": line for r in sorted(roles) for line in decision.role_lines([r])})
+            sets[dt] = load_models(paths, roles=roles, fam=fams[0])
+            # a spec pinned to this dtype runs every model in it: its own set where auto put a drafter model in
+            # another dtype (sps@bf16 beside sps with an fp32 draft)
+            pinned = [m for m in on if "@" in m and any(decision.roles.get(r, dt) != dt for r in get_method(m).needs)]
+            if pinned:
+                sets[f"{dt}@"] = load_models(replace(paths, dtype=dt), roles={r for m in pinned
+                                                                             for r in get_method(m).needs})
+                cfg.model_sets.update(dict.fromkeys(pinned, f"{dt}@"))
+        else:
+            sets[dt] = load_models(replace(paths, dtype=dt), roles=roles)
+    return (*sets[cfg.dtypes[ar]], sets)

@@ -41,7 +41,7 @@ from speclab.core.engine import PHASES
 from speclab.errors import TraceError
 from speclab.files import check_writable
 
-SCHEMA_VERSION = 11
+SCHEMA_VERSION = 12
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS meta (key VARCHAR PRIMARY KEY, value VARCHAR);
@@ -54,10 +54,10 @@ CREATE TABLE IF NOT EXISTS runs (
     error VARCHAR, bench_id VARCHAR, output_hash VARCHAR, peak_mem_mb DOUBLE, prefill_ms DOUBLE, wall_s DOUBLE,
     model_ms DOUBLE, diverges_at INTEGER, top2_gap DOUBLE, tie_tolerance DOUBLE, logits_dtype VARCHAR,
     exact BOOLEAN, cpu VARCHAR, eager BOOLEAN, engine VARCHAR, engine_version VARCHAR, source VARCHAR,
-    decode_group VARCHAR, arrival_s DOUBLE, first_token_s DOUBLE, done_s DOUBLE);
+    decode_group VARCHAR, arrival_s DOUBLE, first_token_s DOUBLE, done_s DOUBLE, node VARCHAR, worker VARCHAR);
 CREATE TABLE IF NOT EXISTS benches (
     bench_id VARCHAR PRIMARY KEY, started_at TIMESTAMP, suite VARCHAR, methods VARCHAR, config_json VARCHAR,
-    device VARCHAR, trace_overhead DOUBLE, peak_rss_mb DOUBLE, status VARCHAR);
+    device VARCHAR, trace_overhead DOUBLE, peak_rss_mb DOUBLE, status VARCHAR, cluster VARCHAR, retries INTEGER);
 CREATE TABLE IF NOT EXISTS rounds (
     run_id BIGINT, round INTEGER, drafter VARCHAR, n_drafted INTEGER, n_accepted INTEGER, committed INTEGER,
     entropy DOUBLE, t_route_ms DOUBLE, t_catchup_ms DOUBLE, t_draft_ms DOUBLE, t_verify_ms DOUBLE,
@@ -133,7 +133,13 @@ MIGRATIONS = {2: ["ALTER TABLE runs ADD COLUMN IF NOT EXISTS prefill_ms DOUBLE",
                    "ALTER TABLE runs ADD COLUMN IF NOT EXISTS first_token_s DOUBLE",
                    "ALTER TABLE runs ADD COLUMN IF NOT EXISTS done_s DOUBLE",
                    "ALTER TABLE rounds ADD COLUMN IF NOT EXISTS step INTEGER",
-                   "ALTER TABLE rounds ADD COLUMN IF NOT EXISTS t_s DOUBLE"]}
+                   "ALTER TABLE rounds ADD COLUMN IF NOT EXISTS t_s DOUBLE"],
+              # benches on a Ray cluster (`speclab.cluster`): the node and worker that decoded each run, and per bench
+              # the cluster and how many of its tasks were retried after a worker died (NULL: decoded in-process)
+              12: ["ALTER TABLE runs ADD COLUMN IF NOT EXISTS node VARCHAR",
+                   "ALTER TABLE runs ADD COLUMN IF NOT EXISTS worker VARCHAR",
+                   "ALTER TABLE benches ADD COLUMN IF NOT EXISTS cluster VARCHAR",
+                   "ALTER TABLE benches ADD COLUMN IF NOT EXISTS retries INTEGER"]}
 # the trace explorer's run list (`TraceStore.run_list`): the newest runs with their `run_metrics` figures
 RUN_LIST_SQL = """
 SELECT r.run_id, strftime(r.started_at, '%Y-%m-%d %H:%M:%S') AS started, r.method,
@@ -348,27 +354,56 @@ class TraceStore:
             raise TraceError("trace opened read-only")
         self.drain()
         ids = []
-        with self._lock:
-            self.con.execute("BEGIN")
-            try:
-                for meta, tbls in zip(metas, tables):
-                    run_id = int(self.con.execute("SELECT nextval('run_id_seq')").fetchall()[0][0])
-                    cols = ["run_id", "started_at", "finished_at", "status", "schema_version", *meta]
-                    self.con.execute(f"INSERT INTO runs ({', '.join(cols)}) VALUES (?, now(), now(), 'done', ?"
-                                     f"{', ?' * len(meta)})", [run_id, SCHEMA_VERSION, *meta.values()])
-                    for name, tbl in tbls.items():
-                        if tbl.num_rows:
-                            tbl = tbl.add_column(0, "run_id", pa.array(np.full(tbl.num_rows, run_id, np.int64)))
-                            self.con.register("_batch", tbl)
-                            self.con.execute(f"INSERT INTO {name} BY NAME SELECT * FROM _batch")
-                            self.con.unregister("_batch")
-                    ids.append(run_id)
-                self.con.execute("COMMIT")
-            except Exception:
-                with contextlib.suppress(Exception):
-                    self.con.execute("ROLLBACK")
-                raise
+        with self._transaction():
+            for meta, tbls in zip(metas, tables):
+                run_id = int(self.con.execute("SELECT nextval('run_id_seq')").fetchall()[0][0])
+                cols = ["run_id", "started_at", "finished_at", "status", "schema_version", *meta]
+                self.con.execute(f"INSERT INTO runs ({', '.join(cols)}) VALUES (?, now(), now(), 'done', ?"
+                                 f"{', ?' * len(meta)})", [run_id, SCHEMA_VERSION, *meta.values()])
+                for name, tbl in tbls.items():
+                    self._insert(name, tbl.add_column(0, "run_id", pa.array(np.full(tbl.num_rows, run_id, np.int64))))
+                ids.append(run_id)
         return ids
+
+    def merge_runs(self, parts: list[dict[str, pa.Table]], bench: dict | None = None) -> list[int]:
+        """Runs made in other traces (a cluster's workers: `export_runs` of each), each part a table name -> Arrow
+        table holding `run_id`, in one transaction with the `benches` row `bench`: all land or none, the trace as it
+        was. Run ids are given anew here, in each part's order; -> the new ids."""
+        if self.read_only:
+            raise TraceError("trace opened read-only")
+        self.drain()
+        ids: list[int] = []
+        with self._transaction():
+            if bench is not None:
+                self.con.execute(f"INSERT INTO benches ({', '.join(bench)}, started_at) VALUES "
+                                 f"({', '.join('?' * len(bench))}, now())", list(bench.values()))
+            for part in parts:
+                old = np.asarray(part["runs"].column("run_id").to_numpy(), np.int64)
+                new = np.array([r[0] for r in self.con.execute(
+                    "SELECT nextval('run_id_seq') FROM range(?)", [len(old)]).fetchall()], np.int64)
+                order = np.argsort(old)
+                for name, tbl in part.items():
+                    rid = np.asarray(tbl.column("run_id").to_numpy(), np.int64)
+                    at = np.searchsorted(old, rid, sorter=order)
+                    if len(rid) and ((at >= len(old)).any() or (old[order[np.minimum(at, len(old) - 1)]] != rid).any()):
+                        raise TraceError(f"merging runs: {name} holds rows of a run the part does not have")
+                    self._insert(name, tbl.set_column(tbl.schema.get_field_index("run_id"), "run_id",
+                                                      pa.array(new[order[at]] if len(rid) else [], pa.int64())))
+                ids += new.tolist()
+        return ids
+
+    def run_tables(self) -> list[str]:
+        """The tables that hold rows of runs (a `run_id` column), `runs` among them."""
+        self.drain()
+        with self._lock:
+            return sorted(r[0] for r in self.con.execute(
+                "SELECT DISTINCT table_name FROM information_schema.columns WHERE column_name = 'run_id' "
+                "AND table_name IN (SELECT table_name FROM information_schema.tables WHERE table_type = 'BASE TABLE')"
+            ).fetchall())
+
+    def export_runs(self) -> dict[str, pa.Table]:
+        """Every run of this trace and its rows, table by table (`run_tables`), for `merge_runs`."""
+        return {n: self.query_arrow(f"SELECT * FROM {n}") for n in self.run_tables()}
 
     def record_divergence(self, run_id: int, div) -> None:
         """Where a run's output first differs from AR's and the target's top-2 logit gap there
@@ -416,20 +451,30 @@ class TraceStore:
         self._later(self._append_now, tables, run=run_id)
 
     def _append_now(self, tables: dict[str, pa.Table]) -> None:
+        with self._transaction():
+            for name, tbl in tables.items():
+                self._insert(name, tbl)
+
+    @contextlib.contextmanager
+    def _transaction(self):
+        """One transaction under the store's lock: committed when the block ends, rolled back when it raises."""
         with self._lock:
             self.con.execute("BEGIN")
             try:
-                for name, tbl in tables.items():
-                    if tbl.num_rows:
-                        self.con.register("_batch", tbl)
-                        self.con.execute(f"INSERT INTO {name} BY NAME SELECT * FROM _batch")
-                        self.con.unregister("_batch")
+                yield
                 self.con.execute("COMMIT")
             except Exception:
                 # a COMMIT that failed (a full disk) has rolled back already: keep its error, not this one's
                 with contextlib.suppress(Exception):
                     self.con.execute("ROLLBACK")
                 raise
+
+    def _insert(self, name: str, tbl: pa.Table) -> None:
+        """Arrow table `tbl` appended to table `name` by column name (inside a `_transaction`)."""
+        if tbl.num_rows:
+            self.con.register("_batch", tbl)
+            self.con.execute(f"INSERT INTO {name} BY NAME SELECT * FROM _batch")
+            self.con.unregister("_batch")
 
     def writer(self, run_id: int, tokenizer) -> RunWriter:
         return RunWriter(self, run_id, tokenizer, self.flush_rounds, self.flush_s)

@@ -365,6 +365,8 @@ def test_eager_is_a_column_written_by_the_run_and_migrated(qwen3, tmp_path):
                        ("rounds", "t_s")):
         con.execute(f"ALTER TABLE {table} DROP COLUMN {col}")  # and schema 11's (batched serving)
     con.execute("DROP TABLE steps")
+    for table, col in (("runs", "node"), ("runs", "worker"), ("benches", "cluster"), ("benches", "retries")):
+        con.execute(f"ALTER TABLE {table} DROP COLUMN {col}")  # and schema 12's (benches on Ray)
     con.execute("UPDATE meta SET value = '4' WHERE key = 'schema_version'")
     con.close()
     with pytest.raises(TraceError, match="older than this speclab's"):
@@ -378,10 +380,12 @@ def test_eager_is_a_column_written_by_the_run_and_migrated(qwen3, tmp_path):
         assert s.decoded_with(1) == [1]
         served = s.query("SELECT ttft_ms, tpot_ms, itl_p50_ms FROM run_metrics")  # not served: NULL
         assert s.query("SELECT count(*) AS n FROM steps").n[0] == 0
+        where = s.query("SELECT node, worker FROM runs")  # decoded in one process: NULL
+        s.query("SELECT cluster, retries FROM benches")
     assert served.isna().all().all()
-    assert runs.eager.tolist() == [True, False, False] and SCHEMA_VERSION == 11 and list(nodes.columns) == [
+    assert runs.eager.tolist() == [True, False, False] and SCHEMA_VERSION == 12 and list(nodes.columns) == [
         "block", "bucket", "in_cands", "sampled_p", "sampled_q"] and engines.engine.isna().all()
-    assert groups.decode_group.isna().all()
+    assert groups.decode_group.isna().all() and where.isna().all().all()
 
 
 @pytest.mark.parametrize("tree_topk", [1, 2])
@@ -410,3 +414,24 @@ def test_sampled_runs_keep_p_and_q_of_every_node(qwen3, qwen3_draft, tmp_path, t
     np.testing.assert_allclose(drafted.accept_prob.to_numpy(), want, rtol=1e-6)
     spans = viz.token_spans({c: toks[c].tolist() for c in (*viz.TOKEN_COLUMNS, "accept_prob")})
     assert sum("accepted with probability" in s for s in spans) == len(drafted)
+
+
+def test_merged_runs_get_new_ids_and_a_failed_merge_leaves_the_trace_as_it_was(qwen3, tmp_path):
+    """`merge_runs` (a cluster's workers' runs): every part's runs land with new ids, their rows following them; a
+    part that cannot land (a row of a run it does not hold) rolls the whole merge back, the bench row too."""
+    with TraceStore(":memory:") as w:
+        generate(qwen3, PROMPTS[0], "sps", models={"draft": qwen3}, max_new_tokens=8, trace=w, k=3)
+        part = w.export_runs()
+    assert {"runs", "rounds", "tokens", "draft_nodes"} <= set(part) and part["runs"].num_rows == 1
+    with TraceStore(tmp_path / "t.duckdb") as s:
+        generate(qwen3, PROMPTS[0], "ar", max_new_tokens=4, trace=s)
+        ids = s.merge_runs([part, part], {"bench_id": "b", "status": "done"})
+        assert ids == [2, 3] and s.query("SELECT status FROM benches").status.tolist() == ["done"]
+        for rid in ids:
+            assert len(s.tokens(rid)) == 8 and s.rounds(rid).committed.sum() == 8
+        before = {t: s.query(f"SELECT count(*) AS n FROM {t}").n[0] for t in ("runs", "rounds", "tokens", "benches")}
+        import pyarrow as pa
+        bad = dict(part, tokens=part["tokens"].set_column(0, "run_id", pa.array([99] * part["tokens"].num_rows)))
+        with pytest.raises(TraceError, match="a run the part does not have"):
+            s.merge_runs([part, bad], {"bench_id": "c", "status": "done"})
+        assert before == {t: s.query(f"SELECT count(*) AS n FROM {t}").n[0] for t in before}

@@ -36,58 +36,81 @@ def check_grid_keys(method: str, keys) -> None:
             raise InvalidInput(f"'{key}' is not a parameter of {method} ({', '.join(known) or 'it has none'})")
 
 
+class Grid:
+    """A grid's decoding, prompt by prompt: every distinct combination of a method's parameters (plus `extra`
+    points, a GPU preset say) and AR, untraced, on `limit` prompts per category of a suite. `param_grid` decodes
+    every prompt in one process; `speclab.cluster` gives each Ray worker its own Grid and the prompts to decode."""
+
+    def __init__(self, target: Target, models: dict, method: str, grid: dict[str, list], suite: str = "zoo",
+                 limit: int = 2, max_new_tokens: int = 128, extra: list[dict] | None = None):
+        from speclab.methods import method_params
+        check_grid_keys(method, [*grid, *(k for p in extra or [] for k in p)])
+        same_decode = get_method(method).same_decode or (lambda p: p)
+        self.combos, seen = [], set()
+        for values in itertools.product(*grid.values()):
+            p = method_params(method, dict(zip(grid, values)), target)  # checked (and defaults filled) up front
+            key = tuple(sorted(same_decode(p).items()))
+            if key not in seen:
+                seen.add(key)
+                self.combos.append(p)
+        for p in extra or []:
+            self.combos.append(method_params(method, p, target))
+        rows = [(r, format_prompt(target, r)) for r in load_suite(suite, limit)]
+        self.rows = [(r, ids) for r, ids in rows if ids.numel() + max_new_tokens <= target.max_context]
+        if not self.rows:
+            raise InvalidInput(f"no prompt of suite '{suite}' fits the context ({target.max_context} tokens)")
+        self.target, self.models, self.method, self.max_new_tokens = target, models, method, max_new_tokens
+        self.runs = ["ar"] + list(range(len(self.combos)))
+
+    def warm_up(self) -> None:
+        for p in self.combos[:1]:
+            generate(self.target, self.rows[0][1], self.method, models=self.models, max_new_tokens=16, **p)
+
+    def decode(self, i: int, done=lambda: None) -> dict:
+        """Prompt i decoded by AR and every combination in the prompt's rotated order (drift hits all alike):
+        run -> {tokens, s, rounds, equal (to AR's output)}."""
+        ids, runs = self.rows[i][1], self.runs
+        out, stats = {}, {}
+        for j in runs[i % len(runs):] + runs[: i % len(runs)]:
+            res = generate(self.target, ids, "ar" if j == "ar" else self.method, models=self.models,
+                           max_new_tokens=self.max_new_tokens, **({} if j == "ar" else self.combos[j]))
+            out[j] = res.token_ids
+            stats[j] = {"tokens": len(res.token_ids), "s": res.elapsed_s, "rounds": res.decode.rounds}
+            done()
+        for j in runs:
+            stats[j]["equal"] = out[j] == out["ar"]
+        return stats
+
+    @staticmethod
+    def table(combos: list[dict], prompts: list[dict], n_extra: int = 0, log=print) -> pd.DataFrame:
+        """The grid's table from every prompt's `decode`: tokens/s, tau, speedup over AR (the same prompts) and the
+        share of outputs equal to AR's, per combination, fastest first."""
+        def total(j, key):
+            return sum(p[j][key] for p in prompts)
+        ar_tps = tokens_per_s(total("ar", "tokens"), total("ar", "s"))
+        table = []
+        for j, p in enumerate(combos):
+            tps = tokens_per_s(total(j, "tokens"), total(j, "s"))
+            table.append({**p, "tau": tau(total(j, "tokens"), total(j, "rounds")), "tokens_per_s": tps,
+                          "speedup": speedup(tps, ar_tps), "equal_to_ar": total(j, "equal") / len(prompts),
+                          "preset": j >= len(combos) - n_extra})
+        log(f"AR: {ar_tps:.1f} tokens/s over {len(prompts)} prompts")
+        return pd.DataFrame(table).sort_values("tokens_per_s", ascending=False, ignore_index=True)
+
+
 def param_grid(target: Target, models: dict, method: str, grid: dict[str, list], suite: str = "zoo",
                limit: int = 2, max_new_tokens: int = 128, extra: list[dict] | None = None,
                log=print) -> pd.DataFrame:
     """tokens/s, tau and speedup vs AR of every combination of a method's parameters (plus `extra` points, a GPU
-    preset say), untraced, on `limit` prompts per category of a suite. Per prompt every combination and AR run
-    in a rotated order (drift hits all alike); each decode is checked against AR (greedy). Combinations that
-    are the same decode (a chain ignores total_tokens) run once."""
-    from speclab.methods import method_params
-    check_grid_keys(method, [*grid, *(k for p in extra or [] for k in p)])
-    same_decode = get_method(method).same_decode or (lambda p: p)
-    combos, seen = [], set()
-    for values in itertools.product(*grid.values()):
-        p = method_params(method, dict(zip(grid, values)), target)  # checked (and defaults filled) up front
-        key = tuple(sorted(same_decode(p).items()))
-        if key not in seen:
-            seen.add(key)
-            combos.append(p)
-    for p in extra or []:
-        combos.append(method_params(method, p, target))
-    rows = [(r, format_prompt(target, r)) for r in load_suite(suite, limit)]
-    rows = [(r, ids) for r, ids in rows if ids.numel() + max_new_tokens <= target.max_context]
-    if not rows:
-        raise InvalidInput(f"no prompt of suite '{suite}' fits the context ({target.max_context} tokens)")
-    for p in combos[:1]:  # warm-up
-        generate(target, rows[0][1], method, models=models, max_new_tokens=16, **p)
-    runs = ["ar"] + list(range(len(combos)))
-    stats = {j: {"tokens": 0, "s": 0.0, "rounds": 0, "equal": 0} for j in runs}
-    prog = Progress(len(rows) * len(runs), f"grid {method}")
-    done = 0
-    for i, (r, ids) in enumerate(rows):
-        out = {}
-        for j in runs[i % len(runs):] + runs[: i % len(runs)]:
-            res = generate(target, ids, "ar" if j == "ar" else method, models=models, max_new_tokens=max_new_tokens,
-                           **({} if j == "ar" else combos[j]))
-            out[j] = res.token_ids
-            st = stats[j]
-            st["tokens"] += len(res.token_ids)
-            st["s"] += res.elapsed_s
-            st["rounds"] += res.decode.rounds
-            done += 1
-            prog.update(done, prompt=r["prompt_id"])
-        for j in runs:
-            stats[j]["equal"] += out[j] == out["ar"]
-    ar_tps = tokens_per_s(stats["ar"]["tokens"], stats["ar"]["s"])
-    table = []
-    for j, p in enumerate(combos):
-        st = stats[j]
-        tps = tokens_per_s(st["tokens"], st["s"])
-        table.append({**p, "tau": tau(st["tokens"], st["rounds"]), "tokens_per_s": tps, "speedup": speedup(tps, ar_tps),
-                      "equal_to_ar": st["equal"] / len(rows), "preset": j >= len(combos) - len(extra or [])})
-    log(f"AR: {ar_tps:.1f} tokens/s over {len(rows)} prompts")
-    return pd.DataFrame(table).sort_values("tokens_per_s", ascending=False, ignore_index=True)
+    preset say), untraced, on `limit` prompts per category of a suite (`Grid`), in this process. Each decode is
+    checked against AR (greedy). Combinations that are the same decode (a chain ignores total_tokens) run once."""
+    g = Grid(target, models, method, grid, suite, limit, max_new_tokens, extra)
+    g.warm_up()
+    prog = Progress(len(g.rows) * len(g.runs), f"grid {method}")
+    prompts = []
+    for i, (r, _) in enumerate(g.rows):
+        prompts.append(g.decode(i, lambda r=r: prog.update(prog.done + 1, prompt=r["prompt_id"])))
+    return Grid.table(g.combos, prompts, len(extra or []), log=log)
 
 
 def grid_report(df: pd.DataFrame, method: str, grid: dict[str, list], x: str | None = None, suite: str = "zoo",

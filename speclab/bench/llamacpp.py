@@ -93,6 +93,23 @@ def open_peers(target_dir: str | Path, draft_dir: str | Path | None, dtype: str,
     return peers
 
 
+def bench_peers(cfg, paths, target, pld_k: int, sps_k: int, log=print) -> LlamaCppPeers | None:
+    """The llama.cpp peers of a greedy CPU bench with peers (`speclab.bench.run.BenchConfig` cfg, on the models of
+    `paths`, a `speclab.models.ModelPaths`), in the dtype of the bench's speculative methods (AR's when it has
+    none); None, said in one line, where they cannot run."""
+    from speclab.core.precision import family
+    if not (cfg.peers and cfg.temperature == 0 and target.device.type == "cpu"):
+        return None
+    spec = [cfg.dtypes[m] for m in cfg.methods if family(m) != "ar"]
+    dtype = max(set(spec), key=spec.count) if spec else cfg.dtypes[next(m for m in cfg.methods if family(m) == "ar")]
+    try:
+        return open_peers(*model_dirs(paths.target, paths.models.get("draft")), dtype, pld_k, sps_k,
+                          target.max_context, log=log)
+    except InvalidInput as e:
+        log(f"llama.cpp peers left out: {e}")
+        return None
+
+
 def record(store, peers: LlamaCppPeers, peer: str, res: lc.PeerDecode, meta: dict, output_text: str) -> int:
     """The peer's run in the trace: a plain run row; a speculative one through the import mapping of llama.cpp's
     timings, with its steps (`speclab.production`). -> run id."""

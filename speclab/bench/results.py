@@ -39,6 +39,17 @@ def bench_overall(store: TraceStore, bench_id: str) -> pd.DataFrame:
         FROM per LEFT JOIN ar ON true ORDER BY method""", [bench_id])
 
 
+def bench_workers(store: TraceStore, bench_id: str) -> pd.DataFrame:
+    """A cluster bench (`speclab.cluster`) per worker: its prompts, each method's tokens/s there and speedup over
+    AR on the same worker (AR in the fastest dtype it ran there); empty for a bench decoded in one process."""
+    return store.query(f"""
+        WITH s AS (SELECT * FROM ({RUN_SUMS_SQL}) WHERE bench_id = ? AND worker IS NOT NULL),
+        per AS (SELECT node, worker, method, count(DISTINCT prompt_id) AS prompts, {RATIOS} FROM s GROUP BY ALL),
+        ar AS (SELECT worker, max(tokens_per_s) AS ar_tokens_per_s FROM per WHERE {AR_SQL} GROUP BY worker)
+        SELECT node, worker, method, prompts, tokens_per_s, {SPEEDUP_SQL} AS speedup
+        FROM per JOIN ar USING (worker) ORDER BY worker, method""", [bench_id])
+
+
 def bench_positions(store: TraceStore, bench_id: str) -> pd.DataFrame:
     """Per-position acceptance per method, pooled over the bench's runs (`speclab.metrics.position_acceptance_sql`)."""
     return store.query(position_acceptance_sql("r.method", "WHERE r.bench_id = ?") + " ORDER BY r.method, n.depth",
@@ -153,6 +164,17 @@ def bench_report(store: TraceStore, bench_id: str) -> Report:
                 "ran, with the half-width of its 95% confidence interval (Student's t): an interval that covers 0 "
                 "is no measured difference."), "", pairs.to_markdown(**fmt), ""]
         summary += ["", "Paired by prompt (gain of method over against, 95% CI half-width):", pairs.to_markdown(**fmt)]
+    workers = bench_workers(store, bench_id)
+    if len(workers):
+        wide = workers.pivot_table(index=["node", "worker", "prompts"], columns="method", values="speedup",
+                                   aggfunc="first").reset_index()
+        text = ["## Where it ran", "",
+                (f"{bench.cluster}; {int(bench.retries or 0)} task(s) retried after a worker died. Every prompt's "
+                 "runs, AR's included, ran on one worker: the speedups above compare each method with AR over the same "
+                 "prompts, each prompt decoded by both on one worker. Absolute tokens/s are each worker's own and are "
+                 "not compared across workers. Speedup over AR on each worker:"), "", wide.to_markdown(**fmt), ""]
+        md += text
+        summary += ["", *text[2:]]
     divs = bench_divergences(store, bench_id)
     if len(divs):
         md += ["## Outputs that differ from AR", "", "First differing token and the target's top-2 logit gap there "

@@ -104,92 +104,160 @@ def peer_generate(kind: str, target: Target, draft: Target | None, ids: torch.Te
     return out[0, inp.shape[1]:].cpu(), time.perf_counter() - t0
 
 
-def run_bench(cfg: BenchConfig, target: Target, models: dict, store: TraceStore, log=print,
-              sets: dict | None = None, llamacpp=None) -> str:
-    """Run the benchmark of `cfg.methods` (method specs) with the drafter models by role (`models`: "draft" also
-    drives the hf_assisted peer); returns its bench id (rows in `runs` / `benches` of the store). A method whose
-    dtype (`cfg.dtypes`) names one of `sets` (dtype -> (target, models)) runs on that set, every other on
-    (`target`, `models`), which also format the prompts and run the peers. `llamacpp`: the llama.cpp peers
+class Bench:
+    """One benchmark's decoding, prompt by prompt: its prompts (the suite's that fit the context), methods, peers
+    and models. `run_bench` decodes every prompt in one process; `speclab.bench.cluster` gives each Ray worker its
+    own Bench (the same prompts, methods and id) and the prompts to decode. `llamacpp`: the llama.cpp peers
     (`speclab.bench.llamacpp.open_peers`), run beside the others when the bench runs peers."""
-    draft = models.get("draft")
-    sets = sets or {}
 
-    def on(m):
+    def __init__(self, cfg: BenchConfig, target: Target, models: dict, sets: dict | None = None, llamacpp=None,
+                 bench_id: str | None = None, log=print):
+        self.cfg, self.target, self.models, self.sets, self.llamacpp = cfg, target, models, sets or {}, llamacpp
+        self.draft = models.get("draft")
+        for m in cfg.methods:
+            get_method(m)
+        if not any(family(m) == "ar" for m in cfg.methods):
+            raise InvalidInput("a benchmark needs 'ar' among its methods: speedups and equality are measured "
+                               "against it")
+        self.rows, self.skipped = [], []
+        for r in load_suite(cfg.suite, cfg.limit):
+            ids = format_prompt(target, r)
+            (self.rows if ids.numel() + cfg.max_new_tokens <= target.max_context else self.skipped).append((r, ids))
+        if not self.rows:
+            raise InvalidInput(f"no prompt of suite '{cfg.suite}' fits the context ({target.max_context} tokens)")
+        peers = [p for p in PEERS if cfg.peers and (p != "hf_assisted" or self.draft is not None)]
+        self.lc_peers = llamacpp.peers() if cfg.peers and llamacpp is not None and cfg.temperature == 0 else []
+        peers += self.lc_peers
+        if peers and cfg.temperature > 0:
+            log("the peers decode greedily only: left out of a sampled bench")
+            peers = []
+        self.peers = peers
+        self.bench_id = bench_id or f"{cfg.suite}-{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:6]}"
+        self.untraced = [f"{m}-untraced" for m in cfg.methods] if cfg.untraced else []
+        self.order = cfg.methods + self.untraced + self.peers  # every prompt's runs, rotated by the prompt's index
+        cfg.threads = torch.get_num_threads()
+
+    def on(self, m):
         """(target, models) of method m."""
-        return sets.get(cfg.model_sets.get(m, cfg.dtypes.get(m)), (target, models))
-    for m in cfg.methods:
-        get_method(m)
-    if not any(family(m) == "ar" for m in cfg.methods):
-        raise InvalidInput("a benchmark needs 'ar' among its methods: speedups and equality are measured against it")
-    rows, skipped = [], []
-    for r in load_suite(cfg.suite, cfg.limit):
-        ids = format_prompt(target, r)
-        (rows if ids.numel() + cfg.max_new_tokens <= target.max_context else skipped).append((r, ids))
-    if not rows:
-        raise InvalidInput(f"no prompt of suite '{cfg.suite}' fits the context ({target.max_context} tokens)")
-    peers = [p for p in PEERS if cfg.peers and (p != "hf_assisted" or draft is not None)]
-    lc_peers = llamacpp.peers() if cfg.peers and llamacpp is not None and cfg.temperature == 0 else []
-    peers += lc_peers
-    if peers and cfg.temperature > 0:
-        log("the peers decode greedily only: left out of a sampled bench")
-        peers = []
-    bench_id = f"{cfg.suite}-{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:6]}"
-    cfg.threads = torch.get_num_threads()
-    store.append_row("benches", bench_id=bench_id, suite=cfg.suite, methods=",".join(cfg.methods + peers),
-                     config_json=json.dumps(asdict(cfg)), device=str(target.device), status="running")
-    if skipped:
-        log(f"skipping {len(skipped)} prompt(s) longer than the context ({target.max_context} tokens)")
+        return self.sets.get(self.cfg.model_sets.get(m, self.cfg.dtypes.get(m)), (self.target, self.models))
 
-    def params(m):
+    def params(self, m):
         """The bench's settings of the method's drafter (`drafter_params`, and --tree-topk / --stop-prob where it
         runs beside a transformers peer); a spec's own parameters override them, others keep defaults."""
-        method = get_method(m)
+        cfg, method = self.cfg, get_method(m)
         e = drafters().get(method.drafter or "")
         if e is None:
             return {}
         matched = {"tree_topk": cfg.tree_topk, "stop_prob": cfg.stop_prob} if e.peer else {}
         return {**cfg.drafter_params.get(e.name, {}), **{k: v for k, v in matched.items() if k in method.defaults}}
 
-    def sampling(i):
-        return {"temperature": cfg.temperature, "seed": cfg.seed + i} if cfg.temperature > 0 else {}
+    def sampling(self, i):
+        return {"temperature": self.cfg.temperature, "seed": self.cfg.seed + i} if self.cfg.temperature > 0 else {}
 
-    def group(i):
+    def group(self, i):
         """The decode group of prompt i's runs: every method and peer decoded on it in this bench."""
-        return f"{bench_id}/{i}"
+        return f"{self.bench_id}/{i}"
 
-    def run_method(m, r, ids, trace, i):
-        t, ms = on(m)
-        res = generate(t, ids, m, models=ms, max_new_tokens=cfg.max_new_tokens, trace=trace,
-                       prompt_id=r["prompt_id"], category=r["category"], bench_id=bench_id, group=group(i),
-                       **params(m), **sampling(i))
+    def start(self, store: TraceStore) -> None:
+        """The bench's row, `running` until `finish`."""
+        store.append_row("benches", **self.row(), status="running")
+
+    def row(self) -> dict:
+        cfg = self.cfg
+        return dict(bench_id=self.bench_id, suite=cfg.suite, methods=",".join(cfg.methods + self.peers),
+                    config_json=json.dumps(asdict(cfg)), device=str(self.target.device))
+
+    def warm_up(self) -> None:
+        """Every code path once, untraced and traced, unrecorded."""
+        with TraceStore(":memory:") as scratch:
+            for _, ids in self.rows[: self.cfg.warmup]:
+                for m in self.cfg.methods:
+                    t, ms = self.on(m)
+                    for trace in (None, scratch):
+                        generate(t, ids, m, models=ms, max_new_tokens=16, trace=trace, **self.params(m))
+                for p in self.peers:
+                    if p in self.lc_peers:
+                        self.llamacpp.decode(p, ids.tolist(), 16, self.target.eos_ids)
+                    else:
+                        peer_generate(p, self.target, self.draft, ids, 16, 4, self.cfg.stop_prob)
+
+    def decode(self, i: int, store: TraceStore, done=lambda m: None) -> None:
+        """Prompt i's runs, every method, its untraced twin and every peer, in the prompt's rotated order (machine
+        drift hits all alike), each written to `store` (`done(method)` after each); then, greedy, where each output
+        differs from AR's."""
+        r, ids = self.rows[i]
+        order = self.order
+        outputs = {}  # method -> (run id, generated ids) for this prompt
+        for m in order[i % len(order):] + order[: i % len(order)]:
+            if self.target.device.type == "cuda":
+                torch.cuda.reset_peak_memory_stats()
+            if m in self.peers:
+                outputs[m] = self._peer(m, r, ids, i, store)
+            elif m in self.untraced:
+                outputs[m] = self._untraced(m.removesuffix("-untraced"), r, ids, i, store)
+            else:
+                outputs[m] = self._traced(m, r, ids, i, store)
+                store.drain()  # its trace lands before the next run starts timing (no overlap with it)
+                if self.target.device.type == "cuda":
+                    store.finish_run(outputs[m][0], "done", peak_mem_mb=torch.cuda.max_memory_allocated() / 2**20)
+            done(m)
+        if self.cfg.temperature == 0:  # sampled outputs differ from AR's by design
+            lc = self.sets.get(self.llamacpp.dtype, (self.target,))[0] if self.lc_peers else None
+            record_divergences(store, ids, outputs, {m: lc if m in self.lc_peers else
+                                                     self.on(m.removesuffix("-untraced"))[0] for m in order})
+
+    def finish(self, store: TraceStore) -> None:
+        """The bench's tracing overhead (traced / untraced decode time over every prompt and method: same run, same
+        outputs) and peak memory on its row, and `done`."""
+        overhead = self.overhead(store.query("SELECT method, elapsed_s FROM runs WHERE bench_id = ?",
+                                             [self.bench_id]), self.cfg)
+        peak_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+        store.execute("UPDATE benches SET trace_overhead = ?, peak_rss_mb = ?, status = 'done' WHERE bench_id = ?",
+                      [overhead, peak_rss, self.bench_id])
+
+    @staticmethod
+    def overhead(runs, cfg: BenchConfig) -> float | None:
+        """Traced over untraced decode time, summed over the bench's methods (`runs`: method, elapsed_s)."""
+        if not cfg.untraced:
+            return None
+        t = runs.groupby("method").elapsed_s.sum()
+        return sum(t[m] for m in cfg.methods) / sum(t[f"{m}-untraced"] for m in cfg.methods)
+
+    def _traced(self, m, r, ids, i, store):
+        t, ms = self.on(m)
+        res = generate(t, ids, m, models=ms, max_new_tokens=self.cfg.max_new_tokens, trace=store,
+                       prompt_id=r["prompt_id"], category=r["category"], bench_id=self.bench_id, group=self.group(i),
+                       **self.params(m), **self.sampling(i))
         return res.run_id, res.token_ids
 
-    def run_untraced(m, r, ids, i):
-        t, ms = on(m)
-        res = generate(t, ids, m, models=ms, max_new_tokens=cfg.max_new_tokens, **params(m), **sampling(i))
-        rid = store.start_run(method=f"{m}-untraced", target=t.name, params={**params(m), **sampling(i)},
-                              prompt_id=r["prompt_id"],
-                              category=r["category"], **run_device(t), bench_id=bench_id,
-                              prompt_tokens=ids.numel(), decode_group=group(i))
+    def _untraced(self, m, r, ids, i, store):
+        t, ms = self.on(m)
+        params = {**self.params(m), **self.sampling(i)}
+        res = generate(t, ids, m, models=ms, max_new_tokens=self.cfg.max_new_tokens, **params)
+        rid = store.start_run(method=f"{m}-untraced", target=t.name, params=params, prompt_id=r["prompt_id"],
+                              category=r["category"], **run_device(t), bench_id=self.bench_id,
+                              prompt_tokens=ids.numel(), decode_group=self.group(i))
         store.finish_run(rid, "done", new_tokens=len(res.token_ids), elapsed_s=res.elapsed_s, wall_s=res.decode.wall_s,
                          prefill_ms=res.decode.prefill_ms, model_ms=model_ms(t, res.decode),
                          target_calls=res.decode.target_calls, output_hash=output_hash(res.token_ids))
         return rid, res.token_ids
 
-    def run_llamacpp(p, r, ids, i):
+    def _llamacpp(self, p, r, ids, i, store):
         from speclab.bench.llamacpp import record
-        lc_target = sets.get(llamacpp.dtype, (target, None))[0]
-        res = llamacpp.decode(p, ids.tolist(), cfg.max_new_tokens, target.eos_ids)
+        lc, target, draft = self.llamacpp, self.target, self.draft
+        lc_target = self.sets.get(lc.dtype, (target, None))[0]
+        res = lc.decode(p, ids.tolist(), self.cfg.max_new_tokens, target.eos_ids)
         meta = {"target": target.name, "drafters": draft.name if p == "llamacpp_sps" and draft else None,
-                "prompt_id": r["prompt_id"], "category": r["category"], "bench_id": bench_id,
-                "prompt_tokens": ids.numel(), "decode_group": group(i),
-                **{**run_device(lc_target), "logits_dtype": llamacpp.dtype, "exact": False}}
-        rid = record(store, llamacpp, p, res, meta, target.tokenizer.decode(res.ids, skip_special_tokens=True))
+                "prompt_id": r["prompt_id"], "category": r["category"], "bench_id": self.bench_id,
+                "prompt_tokens": ids.numel(), "decode_group": self.group(i),
+                **{**run_device(lc_target), "logits_dtype": lc.dtype, "exact": False}}
+        rid = record(store, lc, p, res, meta, target.tokenizer.decode(res.ids, skip_special_tokens=True))
         return rid, res.ids
 
-    def run_peer(p, r, ids, i):
-        if p in lc_peers:
-            return run_llamacpp(p, r, ids, i)
+    def _peer(self, p, r, ids, i, store):
+        if p in self.lc_peers:
+            return self._llamacpp(p, r, ids, i, store)
+        cfg, target, draft = self.cfg, self.target, self.draft
         beside = next(n for n, e in drafters().items() if e.peer == p)  # the drafter it runs beside: its k
         k = cfg.drafter_params.get(beside, {}).get("k", 4)
         out, secs = peer_generate(p, target, draft, ids, cfg.max_new_tokens, k, cfg.stop_prob)
@@ -198,60 +266,33 @@ def run_bench(cfg: BenchConfig, target: Target, models: dict, store: TraceStore,
                               params=peer_params, prompt_id=r["prompt_id"], category=r["category"],
                               **{**run_device(target), "logits_dtype": dtype_name(target.dtype),
                                  "exact": False},  # transformers' own forward and head
-                              bench_id=bench_id, prompt_tokens=ids.numel(), decode_group=group(i))
+                              bench_id=self.bench_id, prompt_tokens=ids.numel(), decode_group=self.group(i))
         store.finish_run(rid, "done", new_tokens=out.numel(), elapsed_s=secs, output_hash=output_hash(out.tolist()),
                          output_text=target.tokenizer.decode(out.tolist(), skip_special_tokens=True))
         return rid, out.tolist()
 
-    with TraceStore(":memory:") as scratch:  # warm-up: every code path once, untraced and traced, unrecorded
-        for _, ids in rows[: cfg.warmup]:
-            for m in cfg.methods:
-                t, ms = on(m)
-                for trace in (None, scratch):
-                    generate(t, ids, m, models=ms, max_new_tokens=16, trace=trace, **params(m))
-            for p in peers:
-                if p in lc_peers:
-                    llamacpp.decode(p, ids.tolist(), 16, target.eos_ids)
-                else:
-                    peer_generate(p, target, draft, ids, 16, 4, cfg.stop_prob)
 
-    untraced = [f"{m}-untraced" for m in cfg.methods] if cfg.untraced else []
-    order = cfg.methods + untraced + peers
-    prog = Progress(len(rows) * len(order), f"bench {cfg.suite}")
-    done = 0
+def run_bench(cfg: BenchConfig, target: Target, models: dict, store: TraceStore, log=print,
+              sets: dict | None = None, llamacpp=None) -> str:
+    """Run the benchmark of `cfg.methods` (method specs) with the drafter models by role (`models`: "draft" also
+    drives the hf_assisted peer) in this process; returns its bench id (rows in `runs` / `benches` of the store). A
+    method whose dtype (`cfg.dtypes`) names one of `sets` (dtype -> (target, models)) runs on that set, every other
+    on (`target`, `models`), which also format the prompts and run the peers (`Bench`)."""
+    bench = Bench(cfg, target, models, sets, llamacpp, log=log)
+    bench.start(store)
+    if bench.skipped:
+        log(f"skipping {len(bench.skipped)} prompt(s) longer than the context ({target.max_context} tokens)")
+    bench.warm_up()
+    prog = Progress(len(bench.rows) * len(bench.order), f"bench {cfg.suite}")
     try:
-        for i, (r, ids) in enumerate(rows):
-            outputs = {}  # method -> (run id, generated ids) for this prompt
-            for m in order[i % len(order):] + order[: i % len(order)]:
-                if target.device.type == "cuda":
-                    torch.cuda.reset_peak_memory_stats()
-                if m in peers:
-                    outputs[m] = run_peer(m, r, ids, i)
-                elif m in untraced:
-                    outputs[m] = run_untraced(m.removesuffix("-untraced"), r, ids, i)
-                else:
-                    outputs[m] = run_method(m, r, ids, store, i)
-                    store.drain()  # its trace lands before the next run starts timing (no overlap with it)
-                    if target.device.type == "cuda":
-                        store.finish_run(outputs[m][0], "done", peak_mem_mb=torch.cuda.max_memory_allocated() / 2**20)
-                done += 1
-                prog.update(done, prompt=r["prompt_id"], method=m)
-            if cfg.temperature == 0:  # sampled outputs differ from AR's by design
-                record_divergences(store, ids, outputs, {m: sets.get(llamacpp.dtype, (target,))[0] if m in lc_peers
-                                                         else on(m.removesuffix("-untraced"))[0] for m in order})
+        for i, (r, _) in enumerate(bench.rows):
+            bench.decode(i, store, lambda m, r=r: prog.update(prog.done + 1, prompt=r["prompt_id"], method=m))
     except BaseException as e:  # Ctrl-C / SIGTERM / a failure: the bench row says so (its runs say it themselves)
         store.execute("UPDATE benches SET status = ? WHERE bench_id = ?",
-                      ["interrupted" if isinstance(e, KeyboardInterrupt) else "failed", bench_id])
+                      ["interrupted" if isinstance(e, KeyboardInterrupt) else "failed", bench.bench_id])
         raise
-    overhead = None
-    if untraced:  # traced / untraced decode time over every prompt and method, same run, same outputs
-        t = store.query("SELECT method, sum(elapsed_s) AS s FROM runs WHERE bench_id = ? GROUP BY method", [bench_id])
-        t = dict(zip(t.method, t.s))
-        overhead = sum(t[m] for m in cfg.methods) / sum(t[f"{m}-untraced"] for m in cfg.methods)
-    peak_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    store.execute("UPDATE benches SET trace_overhead = ?, peak_rss_mb = ?, status = 'done' WHERE bench_id = ?",
-                  [overhead, peak_rss, bench_id])
-    return bench_id
+    bench.finish(store)
+    return bench.bench_id
 
 
 def record_divergences(store: TraceStore, prompt_ids: torch.Tensor, outputs: dict, targets: dict) -> None:

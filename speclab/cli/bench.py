@@ -6,15 +6,16 @@ import argparse
 import json
 import sys
 
-from speclab.cli.common import _num, _positive_int, write_report
+from speclab.cli.common import _num, _positive_int, add_ray_args, cluster_args, write_report
 from speclab.core.precision import family
 from speclab.errors import SpeclabError
 from speclab.llamacpp import LLAMACPP_PLD_K, LLAMACPP_SPS_K
 from speclab.methods import get_method
-from speclab.models import ModelPaths, add_model_args, load_models
+from speclab.models import ModelPaths, add_model_args, load_bench_sets, load_models
 
 
 def cmd_bench(a: argparse.Namespace) -> int:
+    from speclab.bench.llamacpp import bench_peers
     from speclab.bench.results import bench_report
     from speclab.bench.run import BenchConfig, run_bench
     from speclab.trace import TraceStore, check_trace
@@ -37,49 +38,26 @@ def cmd_bench(a: argparse.Namespace) -> int:
     from speclab.methods import check_before_loading
     for m in methods:  # a spec's parameter out of range: one line, no model loaded
         check_before_loading(m, {}, paths.target)
-    target, models, sets = load_bench_sets(cfg, paths)
-    peers = llamacpp_peers(a, cfg, paths, target)
-    with TraceStore(a.db) as store:
-        bench_id = run_bench(cfg, target, models, store, log=lambda s: print(s, file=sys.stderr), sets=sets,
-                             llamacpp=peers)
-        report = bench_report(store, bench_id)
+    log = lambda s: print(s, file=sys.stderr)  # noqa: E731
+    cl = cluster_args(a)
+    if cl is not None:  # the workers load the models, each on its node; the trace is written once, at the end
+        from speclab import cluster
+        try:
+            bench_id = cluster.run_bench(cl, cfg, paths.absolute(), a.db,
+                                         (a.llamacpp_pld_k, a.llamacpp_sps_k) if a.llamacpp else None, log)
+        finally:
+            cluster.stop(cl)
+        with TraceStore(a.db, read_only=True) as store:
+            report = bench_report(store, bench_id)
+    else:
+        target, models, sets = load_bench_sets(cfg, paths)
+        peers = bench_peers(cfg, paths, target, a.llamacpp_pld_k, a.llamacpp_sps_k, log) if a.llamacpp else None
+        with TraceStore(a.db) as store:
+            bench_id = run_bench(cfg, target, models, store, log=log, sets=sets, llamacpp=peers)
+            report = bench_report(store, bench_id)
     write_report(report, a.report)
     print(f"bench {bench_id}: rows in {a.db}")
     return 0
-
-
-def load_bench_sets(cfg, paths: ModelPaths):
-    """The models of a bench, one set per dtype its methods run in (`plan_dtypes`: --dtype, a spec's @dtype, or
-    what --dtype auto chose per method family): sets cfg.methods / dtypes / dtype_why and returns (AR's target, its
-    models, {dtype: (target, models)})."""
-    from dataclasses import replace
-
-    from speclab.bench.run import plan_dtypes
-    from speclab.models import resolve_dtype
-
-    _, decision = resolve_dtype(paths)
-    cfg.methods, cfg.dtypes = plan_dtypes(cfg.methods, lambda f: decision.dtype(f) if decision else paths.dtype)
-    ar = next(m for m in cfg.methods if family(m) == "ar")
-    sets = {}
-    for dt in dict.fromkeys([cfg.dtypes[ar], *cfg.dtypes.values()]):
-        on = [m for m in cfg.methods if cfg.dtypes[m] == dt]
-        roles = {r for m in on for r in get_method(m).needs} | ({"draft"} if cfg.peers and not sets else set())
-        fams = [f for f in ("ar", "speculative") if decision and decision.dtype(f) == dt
-                and any(family(m) == f and "@" not in m for m in on)]
-        if fams:  # the auto choice of these methods' family: its load line says why
-            cfg.dtype_why.update({f: decision.line(f) for f in fams})
-            cfg.dtype_why.update({f"{r} model": line for r in sorted(roles) for line in decision.role_lines([r])})
-            sets[dt] = load_models(paths, roles=roles, fam=fams[0])
-            # a spec pinned to this dtype runs every model in it: its own set where auto put a drafter model in
-            # another dtype (sps@bf16 beside sps with an fp32 draft)
-            pinned = [m for m in on if "@" in m and any(decision.roles.get(r, dt) != dt for r in get_method(m).needs)]
-            if pinned:
-                sets[f"{dt}@"] = load_models(replace(paths, dtype=dt), roles={r for m in pinned
-                                                                             for r in get_method(m).needs})
-                cfg.model_sets.update(dict.fromkeys(pinned, f"{dt}@"))
-        else:
-            sets[dt] = load_models(replace(paths, dtype=dt), roles=roles)
-    return (*sets[cfg.dtypes[ar]], sets)
 
 
 def cmd_grid(a: argparse.Namespace) -> int:
@@ -115,29 +93,21 @@ def cmd_grid(a: argparse.Namespace) -> int:
     for key, values in grid.items():  # each value in its range, as far as the target's config tells
         for v in values:
             check_before_loading(name, {key: v}, paths.target)
-    target, models = load_models(paths, roles=get_method(name).needs)
-    df = param_grid(target, models, name, grid, suite=a.suite, limit=a.limit, max_new_tokens=a.max_new_tokens,
-                    extra=extra, log=lambda s: print(s, file=sys.stderr))
+    log = lambda s: print(s, file=sys.stderr)  # noqa: E731
+    cl = cluster_args(a)
+    if cl is not None:
+        from speclab import cluster
+        try:
+            df, _ = cluster.param_grid(cl, paths.absolute(), name, grid, a.suite, a.limit, a.max_new_tokens, extra,
+                                       log)
+        finally:
+            cluster.stop(cl)
+    else:
+        target, models = load_models(paths, roles=get_method(name).needs)
+        df = param_grid(target, models, name, grid, suite=a.suite, limit=a.limit, max_new_tokens=a.max_new_tokens,
+                        extra=extra, log=log)
     write_report(grid_report(df, name, grid, a.x, a.suite, a.limit, a.max_new_tokens), a.report)
     return 0
-
-
-def llamacpp_peers(a: argparse.Namespace, cfg, paths: ModelPaths, target):
-    """The llama.cpp peers of a greedy CPU bench with peers (`speclab.bench.llamacpp`), in the dtype of the bench's
-    speculative methods (AR's when it has none); None, said in one line, where they cannot run."""
-    from speclab.bench.llamacpp import model_dirs, open_peers
-    from speclab.errors import InvalidInput
-    if not (cfg.peers and a.llamacpp and cfg.temperature == 0 and target.device.type == "cpu"):
-        return None
-    spec = [cfg.dtypes[m] for m in cfg.methods if family(m) != "ar"]
-    dtype = max(set(spec), key=spec.count) if spec else cfg.dtypes[next(m for m in cfg.methods if family(m) == "ar")]
-    try:
-        return open_peers(*model_dirs(paths.target, paths.models.get("draft")), dtype,
-                          a.llamacpp_pld_k, a.llamacpp_sps_k, target.max_context,
-                          log=lambda s: print(s, file=sys.stderr))
-    except InvalidInput as e:
-        print(f"llama.cpp peers left out: {e}", file=sys.stderr)
-        return None
 
 
 def add_parsers(sub) -> None:
@@ -177,6 +147,7 @@ def add_parsers(sub) -> None:
     b.add_argument("--db", default="traces/bench.duckdb")
     b.add_argument("--report", default="reports/bench.md")
     add_model_args(b)
+    add_ray_args(b, "each worker decodes whole prompts (every method and AR on one worker)")
     b.set_defaults(fn=cmd_bench)
 
     gr = sub.add_parser("grid", help="tokens/s, tau and speedup over a grid of a method's parameters (CPU defaults)")
@@ -191,4 +162,5 @@ def add_parsers(sub) -> None:
     gr.add_argument("--max-new-tokens", type=_positive_int, default=128)
     gr.add_argument("--report", default="reports/grid.html")
     add_model_args(gr)
+    add_ray_args(gr, "each worker decodes whole prompts (AR and every combination on one worker)")
     gr.set_defaults(fn=cmd_grid)

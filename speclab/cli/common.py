@@ -46,6 +46,30 @@ def _num(kind: type = int, lo=None, hi=None, hi_open: bool = False):
 _positive_int = _num(int, 1)
 
 
+def add_ray_args(p: argparse.ArgumentParser, what: str) -> None:
+    """`--ray [ADDRESS]`, `--workers`, `--worker-threads`: the command's work on a Ray cluster (`speclab.cluster`)."""
+    p.add_argument("--ray", nargs="?", const="local", default=None, metavar="ADDRESS",
+                   help=f"spread the work over a Ray cluster: 'local' (the default with no address) starts one on this "
+                   f"machine, host:port (ray://host:port) joins a running one; {what}, and the results are merged "
+                   "into one trace / table at the end")
+    p.add_argument("--workers", type=_positive_int, default=None,
+                   help="with --ray: how many workers (default: as many as the cluster's CPUs allow)")
+    p.add_argument("--worker-threads", type=_positive_int, default=1,
+                   help="with --ray: the CPUs (torch threads) of each worker (default 1)")
+
+
+def cluster_args(a: argparse.Namespace):
+    """The `speclab.cluster.Cluster` of `--ray` (None without it), the address checked (one line if nothing
+    answers there); --workers / --worker-threads without --ray are refused."""
+    if getattr(a, "ray", None) is None:
+        if getattr(a, "workers", None) is not None or getattr(a, "worker_threads", 1) != 1:
+            raise SpeclabError("--workers and --worker-threads go with --ray")
+        return None
+    from speclab.cluster import Cluster, check_address
+    check_address(a.ray)
+    return Cluster(a.ray, a.workers, a.worker_threads)
+
+
 class _Parser(argparse.ArgumentParser):
     """argparse with its usage errors as one line, like every other error of the command line (exit code 2)."""
 

@@ -8,7 +8,7 @@ import json
 import sys
 from pathlib import Path
 
-from speclab.cli.common import _num, _positive_int
+from speclab.cli.common import _num, _positive_int, add_ray_args, cluster_args
 from speclab.errors import SpeclabError
 
 
@@ -218,6 +218,7 @@ def cmd_train(a: argparse.Namespace) -> int:
     if entry is not None:
         return _train_drafter(a, entry, corpus)
     if a.what == "router":
+        cl = cluster_args(a)  # --ray's address checked before any model loads
         from speclab.core.target import Target
         from speclab.drafters.dflash import load_dflash
         from speclab.drafters.eagle3 import load_eagle3
@@ -229,7 +230,21 @@ def cmd_train(a: argparse.Namespace) -> int:
                              dtype=None if a.precision == "auto" else a.precision)
         models = {"eagle3": load_eagle3(a.eagle or zoo.default_eagle3(), target),
                   "dflash": load_dflash(a.dflash or zoo.default_dflash(), target)}
-        summary = train_router(cfg, target, models, log=lambda s: print(s, file=sys.stderr, flush=True))
+        log = lambda s: print(s, file=sys.stderr, flush=True)  # noqa: E731
+        profiles = None
+        if cl is not None:  # the pairs on the cluster's workers, each with the models in this target's dtype
+            from speclab import cluster
+            from speclab.train.router import setup
+            _, prompts = setup(cfg, target)
+            dirs = [a.teacher or zoo.default_target(), a.eagle or zoo.default_eagle3(),
+                    a.dflash or zoo.default_dflash()]
+            profiles = cluster.router_profiles(cl, *(str(Path(p).resolve()) for p in dirs), target, prompts,
+                                               cfg.new_tokens, log)
+        try:
+            summary = train_router(cfg, target, models, log=log, profiles=profiles)
+        finally:
+            if cl is not None:
+                cluster.stop(cl)
         print(json.dumps({k: summary[k] for k in ("collect_minutes", "heldout", "al_profiled")}, indent=1))
         print(f"hardware-aware threshold: {summary['hardware_threshold']['threshold']:.3f} "
               f"({json.dumps(summary['hardware_threshold'])})")
@@ -367,6 +382,8 @@ def add_parsers(sub) -> None:
     r.add_argument("--cost-prompts", type=_positive_int, default=6, help="prompts decoded live to fit the "
                    "cost model of the hardware-aware threshold")
     router_args(r, ("eagle3", "dflash"))
+    add_ray_args(r, "each worker profiles whole prompts; the pairs are kept in prompt order (and resume) as they "
+                 "come")
 
     r = ts.add_parser("route", help="routing v2's learned router from N-arm profiles of corpus text")
     r.add_argument("--out", required=True, help="run directory")

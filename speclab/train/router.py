@@ -63,48 +63,68 @@ def drafter_params(target) -> dict:
     return method_params("whiflash-entropy", {}, target)
 
 
-def collect(target, models: dict, prompts, cfg: RouterTrainConfig, cache: Path, log=print) -> dict:
+def profile_one(target, drafters, ids: torch.Tensor, domain: str, i: int, new_tokens: int) -> dict:
+    """Corpus prompt i's greedy continuation profiled (`profile_sequence`): its pairs and per-position figures."""
+    from speclab.core.engine import decode
+    from speclab.routing.replay import profile_sequence
+    out = decode(target, ids, max_new_tokens=new_tokens, stop_on_eos=False).new_ids
+    p = profile_sequence(target, drafters, ids, out, new_tokens, f"train-{i}", domain)
+    return {"hidden": p.hidden.to(torch.float16),
+            "delta": torch.from_numpy((p.accepted[0] - p.accepted[1]).astype(np.float32)),
+            "seq": torch.full((p.n,), i), "domain": domain, "al": torch.from_numpy(p.accepted.mean(1) + 1),
+            "entropy": torch.from_numpy(p.entropy)}
+
+
+def collect(target, models: dict, prompts, cfg: RouterTrainConfig, cache: Path, log=print, profiles=None) -> dict:
     """Profiles of every prompt's greedy continuation -> pairs {hidden [n, d], delta [n], seq [n], domain [n]};
     saved to `cache` every 10 sequences and resumed from it. A cache made with other settings (target, dtype,
-    drafters, prompts) is refused rather than mixed in."""
-    from speclab.core.engine import decode
+    drafters, prompts) is refused rather than mixed in. `profiles(todo, put)`: who profiles the prompts of `todo`,
+    calling put(i, `profile_one`'s result) in any order (a Ray cluster: `speclab.cluster.router_profiles`; default:
+    this process, one by one, with its progress line); they are kept in prompt order."""
     from speclab.errors import SpeclabError
     from speclab.methods import build_method
-    from speclab.routing.replay import profile_sequence
 
     params = drafter_params(target)
     key = {"target": target.fingerprint, "dtype": target.precision["dtype"], "drafters": params,
            "prompt_tokens": cfg.prompt_tokens, "new_tokens": cfg.new_tokens, "seed": cfg.seed,
            "domain_weights": cfg.domain_weights}
-    done = torch.load(cache) if cache.exists() else {"hidden": [], "delta": [], "seq": [], "domain": [], "al": [],
-                                                     "entropy": [], "key": key}
+    fields = ("hidden", "delta", "seq", "domain", "al", "entropy")
+    done = torch.load(cache) if cache.exists() else {**{k: [] for k in fields}, "key": key}
     if done.get("key") != key:
         diff = sorted(k for k in key if (done.get("key") or {}).get(k) != key[k])
         raise SpeclabError(f"{cache} was collected with other settings ({', '.join(diff)}): use another --out, or "
                            "delete it to collect again")
-    for k in ("hidden", "delta", "seq", "domain", "al", "entropy"):  # a larger run's cache serves a smaller one
+    for k in fields:  # a larger run's cache serves a smaller one
         done[k] = done[k][: len(prompts)]
     start, t0, minutes0 = len(done["al"]), time.time(), done.get("minutes", 0.0)
     if start:
         log(f"router data: resuming after {start} sequences ({cache})")
-    drafters, _ = build_method("whiflash-entropy", target, models, params)
-    prog = Progress(len(prompts), "profile sequences")
-    prog.update(start)
-    for i in range(start, len(prompts)):
-        dom, ids = prompts[i]
-        out = decode(target, ids, max_new_tokens=cfg.new_tokens, stop_on_eos=False).new_ids
-        p = profile_sequence(target, drafters, ids, out, cfg.new_tokens, f"train-{i}", dom)
-        done["hidden"].append(p.hidden.to(torch.float16))
-        done["delta"].append(torch.from_numpy((p.accepted[0] - p.accepted[1]).astype(np.float32)))
-        done["seq"].append(torch.full((p.n,), i))
-        done["domain"].append(dom)
-        done["al"].append(torch.from_numpy(p.accepted.mean(1) + 1))
-        done["entropy"].append(torch.from_numpy(p.entropy))
-        prog.update(i + 1, pairs=sum(len(x) for x in done["delta"]))
-        done["minutes"] = minutes0 + (time.time() - t0) / 60  # collecting time over every resumed run
-        if (i + 1) % 10 == 0 or i + 1 == len(prompts):
-            torch.save(done, str(cache) + ".tmp")
-            Path(str(cache) + ".tmp").replace(cache)
+    prog = None
+    if profiles is None:
+        drafters, _ = build_method("whiflash-entropy", target, models, params)
+        prog = Progress(len(prompts), "profile sequences")
+        prog.update(start)
+
+        def here(todo, put):
+            for i in todo:
+                put(i, profile_one(target, drafters, prompts[i][1], prompts[i][0], i, cfg.new_tokens))
+        profiles = here
+    waiting: dict = {}
+
+    def put(i: int, item: dict) -> None:
+        waiting[i] = item
+        while len(done["al"]) in waiting:  # in prompt order, so a resumed run continues where this one stopped
+            j = len(done["al"])
+            item = waiting.pop(j)
+            for k in fields:
+                done[k].append(item[k])
+            if prog is not None:
+                prog.update(j + 1, pairs=sum(len(x) for x in done["delta"]))
+            done["minutes"] = minutes0 + (time.time() - t0) / 60  # collecting time over every resumed run
+            if (j + 1) % 10 == 0 or j + 1 == len(prompts):
+                torch.save(done, str(cache) + ".tmp")
+                Path(str(cache) + ".tmp").replace(cache)
+    profiles(range(start, len(prompts)), put)
     return done
 
 
@@ -221,11 +241,13 @@ def setup(cfg, target) -> tuple[Path, list]:
     return out, corpus_prompts(data_c, cfg)
 
 
-def train_router(cfg: RouterTrainConfig, target, models: dict, log=print) -> dict:
+def train_router(cfg: RouterTrainConfig, target, models: dict, log=print, profiles=None) -> dict:
+    """Collect the pairs (`collect`; `profiles`: on a Ray cluster, `speclab.cluster.router_profiles`), fit the MLP,
+    measure the round costs here and save the router with its card."""
     from speclab.routing.replay import DRAFTERS, hardware_threshold
 
     out, prompts = setup(cfg, target)
-    pairs = collect(target, models, prompts, cfg, out / "pairs.pt", log)
+    pairs = collect(target, models, prompts, cfg, out / "pairs.pt", log, profiles)
     collect_min = pairs.get("minutes", 0.0)
     m, records, heldout = fit(pairs, cfg, target.hidden_size, log)
     al = torch.stack(pairs["al"]).mean(0).numpy()
