@@ -363,3 +363,37 @@ def router_profiles(cl: Cluster, teacher: str, eagle3: str, dflash: str, target,
         if out.error is not None:
             raise task_error(out.error)
     return profiles
+
+
+@dataclass
+class ProfileJob:
+    """`speclab profile`'s profiles on a worker: EAGLE-3 and DFlash beside the target on its node, in the bench's
+    dtype, and per task one bench prompt profiled (`bench.routing.profile_prompt`)."""
+    paths: ModelPaths
+    params: dict
+    items: list  # profile_prompt's arguments after the models, by task
+
+    def setup(self) -> int:
+        from speclab.methods import build_method
+        from speclab.models import load_models
+        self.target, models = load_models(self.paths, roles=("eagle3", "dflash"))
+        self.drafters, _ = build_method("whiflash-entropy", self.target, models, self.params)
+        return len(self.items)
+
+    def info(self) -> dict:
+        return {}
+
+    def run(self, k: int, where: dict):
+        from speclab.bench.routing import profile_prompt
+        return profile_prompt(self.target, self.drafters, *self.items[k])
+
+
+def bench_profiles(cl: Cluster, paths: ModelPaths, log=print):
+    """`profile_bench`'s `profiles` on the cluster: each prompt profiled by a worker (the models of `paths`, the
+    bench's dtype), returned in the items' order; raises if any is missing (a failure or Ctrl-C)."""
+    def profiles(items, params):
+        out = run_tasks(cl, ProfileJob(paths, params, items), "profile bench", log)
+        if out.error is not None:
+            raise task_error(out.error)
+        return [out.results[k][1] for k in range(len(items))]
+    return profiles

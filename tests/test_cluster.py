@@ -145,6 +145,14 @@ def test_bad_cluster_options_are_one_line_before_anything_is_written(argv, says,
     assert not db.exists()
 
 
+def test_router_training_checks_the_address_before_any_model_loads(tmp_path, capsys):
+    assert_one_error_line(["train", "router", "--out", str(tmp_path / "run"), "--ray", "127.0.0.1:1"],
+                          "no Ray cluster answers there", capsys)
+    assert_one_error_line(["train", "router", "--out", str(tmp_path / "run"), "--workers", "2"],
+                          "--workers and --worker-threads go with --ray", capsys)
+    assert not (tmp_path / "run").exists()
+
+
 def test_a_command_without_ray_refuses_the_option(capsys):
     assert_one_error_line(["generate", "--prompt", "x", "--ray", "local"], "unrecognized arguments: --ray", capsys)
 
@@ -211,3 +219,31 @@ def test_router_pairs_profiled_on_the_cluster_equal_one_process_in_prompt_order(
     for k in ("delta", "al", "entropy"):
         assert all(torch.allclose(a, b, atol=1e-5) for a, b in zip(ours[k], local[k])), k
     assert len(torch.load(tmp_path / "ours.pt")["al"]) == 6  # checkpointed
+
+
+def test_bench_profiles_made_on_the_cluster_equal_one_process(ray_local, deep, trained_eagle3, trained_dflash,
+                                                               tmp_path):
+    """`speclab profile --ray`: each prompt of a bench profiled by a worker (the models loaded there in the bench's
+    dtype), saved in the trace in the bench's prompt order, what this process profiles."""
+    import numpy as np
+    import torch
+
+    from speclab import cluster
+    from speclab.bench.routing import profile_bench
+    from speclab.models import ModelPaths
+    from speclab.routing import replay
+    models = {"eagle3": trained_eagle3, "dflash": trained_dflash}
+    for role, m in models.items():
+        m.save(tmp_path / role, dtype=torch.float32)
+    with TraceStore(tmp_path / "t.duckdb") as store:
+        bench_id = run_bench(BenchConfig(suite="demo", methods=["ar"], limit=1, max_new_tokens=12, peers=False,
+                                         untraced=False), deep, {}, store, log=lambda s: None)
+        local = profile_bench(store, bench_id, deep, models, log=lambda s: None)
+        paths = ModelPaths(deep.name, {r: str(tmp_path / r) for r in models}, dtype="fp32")
+        on_ray = cluster.bench_profiles(cluster.Cluster("local", workers=2), paths, lambda s: None)
+        ours = profile_bench(store, bench_id, deep, models, log=lambda s: None, profiles=on_ray)
+        saved, _ = replay.load_profiles(store, bench_id)
+    assert [p.prompt_id for p in ours] == [p.prompt_id for p in local] and len(ours) == 4
+    saved = {p.prompt_id: p for p in saved}
+    assert all(np.array_equal(a.accepted, b.accepted) and np.array_equal(a.accepted, saved[a.prompt_id].accepted)
+               for a, b in zip(ours, local))

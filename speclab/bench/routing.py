@@ -91,32 +91,45 @@ def check_bench_dtype(store, bench_id: str, target) -> None:
                            f"bench's runs, so load it in {want} (--dtype {dtype_option(want)})")
 
 
-def profile_bench(store, bench_id: str, target, models: dict, params: dict | None = None, log=print):
+def profile_bench(store, bench_id: str, target, models: dict, params: dict | None = None, log=print, profiles=None):
     """Profile both drafters on every prompt of the bench (its AR run's output is the sequence) with the target in
-    the bench's dtype, save them in the trace (with that dtype) and return them."""
-    from speclab.bench.run import format_prompt
+    the bench's dtype, save them in the trace (with that dtype) and return them. `profiles(items, params)`: who
+    profiles the prompts (`profile_prompt`'s arguments after the models, one tuple each; a Ray cluster:
+    `speclab.cluster.bench_profiles`), returning the profiles in the items' order; default: this process."""
     from speclab.bench.suites import load_suite
     from speclab.methods import build_method, method_params
 
     cfg, ar = check_profilable(store, bench_id)
     check_bench_dtype(store, bench_id, target)
     params = method_params("whiflash-entropy", params or {}, target)
-    drafters, _ = build_method("whiflash-entropy", target, models, params)
     rows = {str(r["prompt_id"]): r for r in load_suite(cfg.suite, cfg.limit)}
-    prog = Progress(len(ar), f"profile bench {bench_id}")
-    out = []
-    for i, r in enumerate(ar.itertuples()):
+    items = []
+    for r in ar.itertuples():
         row = rows.get(str(r.prompt_id))
         if row is None:
             raise InvalidInput(f"prompt {r.prompt_id} of bench {bench_id} is no longer in suite {cfg.suite}")
         toks = store.query("SELECT token_id FROM tokens WHERE run_id = ? ORDER BY pos", [int(r.run_id)]).token_id
-        out.append(replay.profile_sequence(target, drafters, format_prompt(target, row),
-                                           torch.tensor(toks.to_numpy(np.int64)), cfg.max_new_tokens,
-                                           str(r.prompt_id), r.category))
-        prog.update(i + 1)
+        items.append((row, toks.to_numpy(np.int64), cfg.max_new_tokens, str(r.prompt_id), r.category))
+    if profiles is None:
+        drafters, _ = build_method("whiflash-entropy", target, models, params)
+        prog = Progress(len(items), f"profile bench {bench_id}")
+        out = []
+        for i, item in enumerate(items):
+            out.append(profile_prompt(target, drafters, *item))
+            prog.update(i + 1)
+    else:
+        out = profiles(items, params)
     replay.save_profiles(store, bench_id, out, {**{k: v for k, v in params.items() if k not in ("threshold", "eager")},
                                                 "dtype": target.precision["dtype"]})
     return out
+
+
+def profile_prompt(target, drafters, row: dict, tokens: np.ndarray, max_new_tokens: int, prompt_id: str,
+                   category: str):
+    """One bench prompt's profile: both drafters at every position of its AR output `tokens`."""
+    from speclab.bench.run import format_prompt
+    return replay.profile_sequence(target, drafters, format_prompt(target, row), torch.from_numpy(tokens),
+                                   max_new_tokens, prompt_id, category)
 
 
 def get_profiles(store, bench_id: str, load=None, log=print):

@@ -7,7 +7,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from speclab.cli.common import _num, _positive_int, write_report
+from speclab.cli.common import _num, _positive_int, add_ray_args, cluster_args, write_report
 from speclab.errors import SpeclabError
 from speclab.models import ModelPaths, add_model_args, load_models
 from speclab.viz import Report
@@ -81,8 +81,19 @@ def cmd_profile(a: argparse.Namespace) -> int:
     store, bench_id = _bench_store(a)
     with store:
         check_profilable(store, bench_id)
-        target, models = load_models(_bench_paths(a, store, bench_id), roles=("eagle3", "dflash"))
-        profs = profile_bench(store, bench_id, target, models, log=lambda s: print(s, file=sys.stderr))
+        paths = _bench_paths(a, store, bench_id)
+        cl = cluster_args(a)
+        log = lambda s: print(s, file=sys.stderr)  # noqa: E731
+        target, models = load_models(paths, roles=("eagle3", "dflash"))
+        if cl is None:
+            profs = profile_bench(store, bench_id, target, models, log=log)
+        else:  # each prompt profiled on a worker, the models loaded there in the bench's dtype
+            from speclab import cluster
+            try:
+                profs = profile_bench(store, bench_id, target, models, log=log,
+                                      profiles=cluster.bench_profiles(cl, paths.absolute(), log))
+            finally:
+                cluster.stop(cl)
     write_report(Report(f"profiles of bench {bench_id}", profile_table(profs).to_markdown(index=False, floatfmt=".3f")),
                  None)
     print(f"\nprofiles of bench {bench_id}: tables profiles / profile_positions in {a.db}")
@@ -230,6 +241,7 @@ def add_parsers(sub) -> None:
     pr = sub.add_parser("profile", help="counterfactual acceptance profiles of EAGLE-3 and DFlash at every position of "
                         "a bench's AR outputs (greedy), for replay, oracles, sweeps and calibration")
     bench_args(pr)
+    add_ray_args(pr, "each worker profiles whole prompts, saved in the trace together at the end")
     pr.set_defaults(fn=cmd_profile)
 
     sw = sub.add_parser("sweep", help="a WhiFlash router's threshold sweep on a bench: by replay of its profiles "
