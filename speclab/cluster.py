@@ -140,10 +140,13 @@ def run_tasks(cl: Cluster, job, label: str, log=print, on_result=None) -> Outcom
     from speclab.progress import Progress
     n_workers = start(cl)
     actor = ray.remote(num_cpus=cl.threads, max_restarts=MAX_RESTARTS, max_task_retries=0)(Worker)
-    workers = [actor.remote(job, f"w{k}", cl.threads) for k in range(n_workers)]
+    workers = [actor.remote(job, "w0", cl.threads)]  # each worker loads its models and warms up as it starts
     out = Outcome()
     try:
-        out.ready = ray.get([w.ready.remote() for w in workers])  # each loads its models and warms up
+        if getattr(job, "measures_dtype", False):  # --dtype auto: the first worker alone first, so the others on its
+            ray.get(workers[0].ready.remote())  # node read its decision from the node's cache instead of measuring
+        workers += [actor.remote(job, f"w{k}", cl.threads) for k in range(1, n_workers)]
+        out.ready = ray.get([w.ready.remote() for w in workers])
         for r in out.ready:
             if r["error"]:
                 raise InvalidInput(f"worker {r['worker']} on node {r['node']} cannot load the models: {r['error']}")
@@ -211,6 +214,10 @@ class BenchJob:
     paths: ModelPaths
     bench_id: str
     llamacpp: tuple | None = None  # (pld k, sps k): the llama.cpp peers, where this node has them
+
+    @property
+    def measures_dtype(self) -> bool:
+        return self.paths.dtype in (None, "auto")
 
     def setup(self) -> int:
         from speclab.bench.llamacpp import bench_peers
