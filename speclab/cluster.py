@@ -68,18 +68,31 @@ def _require_ray():
 
 def start(cl: Cluster):
     """Connect to (or start) the cluster; -> the number of workers, checked against its CPUs."""
+    token = _auth_token()
+    if cl.address != "local":  # before ray is imported: it reads these once
+        if token and "RAY_AUTH_MODE" not in os.environ:
+            # Ray (2.5x on) starts clusters with token authentication and sends the token to an explicit address only
+            # when told to: the token `ray start` saved here, or one given as RAY_AUTH_TOKEN(_PATH)
+            os.environ["RAY_AUTH_MODE"] = "token"
+        os.environ.setdefault("RAY_BACKEND_LOG_LEVEL", "error")  # not a line a second while it cannot connect
     ray = _require_ray()
     if not ray.is_initialized():
         cl.started = True
         kw = dict(include_dashboard=False, log_to_driver=False, logging_level="ERROR", configure_logging=True)
         if cl.address == "local":
-            ray.init(num_cpus=os.cpu_count(), object_store_memory=256 * 2**20, **kw)
+            # address "local": a new instance even where another cluster runs here (or a dead one left its address)
+            ray.init(address="local", num_cpus=os.cpu_count(), object_store_memory=256 * 2**20, **kw)
         else:
-            try:
-                ray.init(address=cl.address, **kw)
-            except Exception as e:  # a port that answers but is no Ray cluster
-                raise InvalidInput(f"--ray {cl.address}: cannot join a Ray cluster there ({type(e).__name__}: "
-                                   f"{str(e).splitlines()[0] if str(e) else ''})") from None
+            said, err = _quiet_stderr(lambda: ray.init(address=cl.address, **kw))  # Ray's C++ client says each retry
+            if err is not None:  # a port that answers but is no Ray cluster, or one that wants another token
+                why = f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
+                sent = os.environ.get("RAY_AUTH_MODE", "").lower() == "token"
+                refused = "Unauthenticated" in said or "InvalidAuthToken" in said
+                if refused:
+                    why = "it refused the authentication token given here" if sent else "it asks for a token"
+                hint = "" if sent and not refused else ("; a cluster with token authentication needs its token here: "
+                                                        "RAY_AUTH_TOKEN, or the head's ~/.ray/auth_token copied")
+                raise InvalidInput(f"--ray {cl.address}: cannot join a Ray cluster there ({why}){hint}")
     cpus = int(ray.cluster_resources().get("CPU", 0))
     most = cpus // cl.threads
     if most < 1:
@@ -88,6 +101,35 @@ def start(cl: Cluster):
         raise InvalidInput(f"--workers {cl.workers}: the Ray cluster has {cpus} CPU(s), room for at most {most} "
                            f"worker(s) of {cl.threads} thread(s)")
     return cl.workers or most
+
+
+def _quiet_stderr(fn) -> tuple[str, BaseException | None]:
+    """fn() with this process's stderr (file descriptor 2, where Ray's C++ client writes) caught: (what it wrote,
+    the exception fn raised or None)."""
+    import sys
+    import tempfile
+    sys.stderr.flush()
+    with tempfile.TemporaryFile() as caught:
+        saved = os.dup(2)
+        os.dup2(caught.fileno(), 2)
+        err = None
+        try:
+            fn()
+        except Exception as e:
+            err = e
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+        caught.seek(0)
+        return caught.read().decode(errors="replace"), err
+
+
+def _auth_token() -> bool:
+    """Whether a Ray authentication token is at hand: RAY_AUTH_TOKEN, the file RAY_AUTH_TOKEN_PATH names, or the
+    one `ray start` saves (~/.ray/auth_token)."""
+    from pathlib import Path
+    path = os.environ.get("RAY_AUTH_TOKEN_PATH") or Path.home() / ".ray" / "auth_token"
+    return bool(os.environ.get("RAY_AUTH_TOKEN")) or Path(path).is_file()
 
 
 def stop(cl: Cluster) -> None:
@@ -134,11 +176,11 @@ def run_tasks(cl: Cluster, job, label: str, log=print, on_result=None) -> Outcom
     cluster's workers, with progress across them (tasks done of total, per worker, ETA). A worker that dies has its
     task retried on the next free worker (Ray restarts the dead one); Ctrl-C or a failed task stops the workers and
     returns what finished (`status` says which). `on_result(i, result)`: called as each task's result comes."""
+    n_workers = start(cl)  # first: it sets what ray reads when imported
     ray = _require_ray()
     from ray.exceptions import RayActorError
 
     from speclab.progress import Progress
-    n_workers = start(cl)
     actor = ray.remote(num_cpus=cl.threads, max_restarts=MAX_RESTARTS, max_task_retries=0)(Worker)
     workers = [actor.remote(job, "w0", cl.threads)]  # each worker loads its models and warms up as it starts
     out = Outcome()

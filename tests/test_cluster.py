@@ -22,7 +22,7 @@ METHODS = ["ar", "sps", "pld"]
 def ray_local():
     """One local Ray instance for the module (2 CPUs: two single-thread workers), shut down after."""
     import ray
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, logging_level="ERROR",
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False, logging_level="ERROR",
              object_store_memory=128 * 2**20)
     yield
     ray.shutdown()
@@ -247,3 +247,42 @@ def test_bench_profiles_made_on_the_cluster_equal_one_process(ray_local, deep, t
     saved = {p.prompt_id: p for p in saved}
     assert all(np.array_equal(a.accepted, b.accepted) and np.array_equal(a.accepted, saved[a.prompt_id].accepted)
                for a, b in zip(ours, local))
+
+
+def test_a_command_joins_a_running_cluster_with_its_token(ray_local, model_dir, tmp_path):
+    """`ray start --head` then `speclab bench --ray HOST:PORT` in another process, neither told RAY_AUTH_MODE: the
+    head turns token authentication on because a token is saved in ~/.ray (this module's local instance saved one),
+    and speclab, finding it, sends it. The runs land in the trace; the head stops after."""
+    import socket
+    import subprocess
+    import sys
+
+    from helpers import run_cli
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ray_cli = str(Path(sys.executable).parent / "ray")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
+    assert (Path.home() / ".ray" / "auth_token").is_file()
+    head = subprocess.Popen([ray_cli, "start", "--head", "--block", "--port", str(port), "--num-cpus", "1",
+                             "--include-dashboard=false", "--disable-usage-stats"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
+    try:
+        db = tmp_path / "t.duckdb"
+        for _ in range(60):  # the head answers on its port
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=1).close()
+                break
+            except OSError:
+                time.sleep(0.5)
+        r = run_cli("bench", "--model", str(model_dir["qwen3"]), "--methods", "ar", "--limit", "1",
+                    "--max-new-tokens", "4", "--no-peers", "--no-untraced", "--dtype", "fp32", "--ray",
+                    f"127.0.0.1:{port}", "--db", str(db), "--report", str(tmp_path / "r.md"), timeout=180, env=env)
+        assert r.returncode == 0, r.stderr[-2000:]
+        with TraceStore(db, read_only=True) as store:
+            runs = store.runs()
+            assert len(runs) == 4 and set(runs.worker) == {"w0"}
+            assert "ray 127.0.0.1" in store.query("SELECT cluster FROM benches").cluster[0]
+    finally:
+        head.terminate()
+        head.wait(60)
