@@ -1,5 +1,5 @@
-"""Benches and grids on a Ray cluster (`--ray local|ADDRESS` on `speclab bench`, `speclab grid` and `speclab
-calibrate`'s bench): Ray places the work, speclab only says what a task is.
+"""Benches, grids and router profiles on a Ray cluster (`--ray local|ADDRESS` on `speclab bench`, `grid`, `profile`
+and `train router`): Ray places the work, speclab only says what a task is.
 
 - **Workers.** One Ray actor per worker, `threads` CPUs each (torch runs that many threads). A worker loads its
   models once, on its own node, in that node's device and dtype (`--dtype auto` measures there), warms up, then
@@ -133,8 +133,11 @@ def _auth_token() -> bool:
 
 
 def stop(cl: Cluster) -> None:
+    """Shut down (or leave) what `start` started or joined; nothing where it never ran."""
+    if not cl.started:
+        return
     ray = _require_ray()
-    if cl.started and ray.is_initialized():
+    if ray.is_initialized():
         ray.shutdown()
     cl.started = False
 
