@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import os
 import socket
-import time
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -299,11 +298,10 @@ class BenchJob:
 def run_bench(cl: Cluster, cfg, paths: ModelPaths, db: str, llamacpp: tuple | None = None, log=print) -> str:
     """`speclab bench --ray`: the bench decoded on the cluster's workers, merged into the trace `db` in one
     transaction (with what finished, marked, after Ctrl-C or a failure, which is raised after). -> the bench id."""
-    import uuid
 
-    from speclab.bench.run import Bench
+    from speclab.bench.run import Bench, new_bench_id
     from speclab.trace import TraceStore
-    bench_id = f"{cfg.suite}-{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:6]}"
+    bench_id = new_bench_id(cfg.suite)
     job = BenchJob(cfg, paths, bench_id, llamacpp)
     out = run_tasks(cl, job, f"bench {cfg.suite}", log)
     if out.error is not None and not out.results:  # nothing finished: the trace stays as it was

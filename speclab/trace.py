@@ -368,27 +368,25 @@ class TraceStore:
     def merge_runs(self, parts: list[dict[str, pa.Table]], bench: dict | None = None) -> list[int]:
         """Runs made in other traces (a cluster's workers: `export_runs` of each), each part a table name -> Arrow
         table holding `run_id`, in one transaction with the `benches` row `bench`: all land or none, the trace as it
-        was. Run ids are given anew here, in each part's order; -> the new ids."""
+        was. Run ids are given anew here, in each part's order of its run ids; -> the new ids."""
         if self.read_only:
             raise TraceError("trace opened read-only")
         self.drain()
         ids: list[int] = []
         with self._transaction():
             if bench is not None:
-                self.con.execute(f"INSERT INTO benches ({', '.join(bench)}, started_at) VALUES "
-                                 f"({', '.join('?' * len(bench))}, now())", list(bench.values()))
+                self.con.execute(*_row_insert("benches", bench))
             for part in parts:
-                old = np.asarray(part["runs"].column("run_id").to_numpy(), np.int64)
+                old = np.sort(np.asarray(part["runs"].column("run_id").to_numpy(), np.int64))
                 new = np.array([r[0] for r in self.con.execute(
                     "SELECT nextval('run_id_seq') FROM range(?)", [len(old)]).fetchall()], np.int64)
-                order = np.argsort(old)
                 for name, tbl in part.items():
                     rid = np.asarray(tbl.column("run_id").to_numpy(), np.int64)
-                    at = np.searchsorted(old, rid, sorter=order)
-                    if len(rid) and ((at >= len(old)).any() or (old[order[np.minimum(at, len(old) - 1)]] != rid).any()):
+                    at = np.minimum(np.searchsorted(old, rid), len(old) - 1)
+                    if len(rid) and (not len(old) or (old[at] != rid).any()):
                         raise TraceError(f"merging runs: {name} holds rows of a run the part does not have")
                     self._insert(name, tbl.set_column(tbl.schema.get_field_index("run_id"), "run_id",
-                                                      pa.array(new[order[at]] if len(rid) else [], pa.int64())))
+                                                      pa.array(new[at], pa.int64())))
                 ids += new.tolist()
         return ids
 
@@ -441,9 +439,7 @@ class TraceStore:
 
     def append_row(self, table: str, **values) -> None:
         """One row (run and bench bookkeeping only; bulk data goes through `append`)."""
-        cols = ", ".join(values)
-        self.execute(f"INSERT INTO {table} ({cols}, started_at) VALUES ({', '.join('?' * len(values))}, now())",
-                     list(values.values()))
+        self.execute(*_row_insert(table, values))
 
     def append(self, tables: dict[str, pa.Table], run_id: int | None = None) -> None:
         """Append Arrow tables (column names = table columns) in one transaction, on the background writer; the
@@ -632,6 +628,12 @@ class TraceStore:
 
 
 _OPEN: weakref.WeakSet[TraceStore] = weakref.WeakSet()  # stores with a background writer
+
+
+def _row_insert(table: str, values: dict) -> tuple[str, list]:
+    """(SQL, parameters) of one bookkeeping row of `table` with `values`, started now."""
+    return (f"INSERT INTO {table} ({', '.join(values)}, started_at) VALUES ({', '.join('?' * len(values))}, now())",
+            list(values.values()))
 
 
 @atexit.register

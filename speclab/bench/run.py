@@ -104,9 +104,14 @@ def peer_generate(kind: str, target: Target, draft: Target | None, ids: torch.Te
     return out[0, inp.shape[1]:].cpu(), time.perf_counter() - t0
 
 
+def new_bench_id(suite: str) -> str:
+    """A bench's id: its suite, the time and a random tail ("zoo-20261126-172206-ccaf20")."""
+    return f"{suite}-{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:6]}"
+
+
 class Bench:
     """One benchmark's decoding, prompt by prompt: its prompts (the suite's that fit the context), methods, peers
-    and models. `run_bench` decodes every prompt in one process; `speclab.bench.cluster` gives each Ray worker its
+    and models. `run_bench` decodes every prompt in one process; `speclab.cluster` gives each Ray worker its
     own Bench (the same prompts, methods and id) and the prompts to decode. `llamacpp`: the llama.cpp peers
     (`speclab.bench.llamacpp.open_peers`), run beside the others when the bench runs peers."""
 
@@ -132,7 +137,7 @@ class Bench:
             log("the peers decode greedily only: left out of a sampled bench")
             peers = []
         self.peers = peers
-        self.bench_id = bench_id or f"{cfg.suite}-{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:6]}"
+        self.bench_id = bench_id or new_bench_id(cfg.suite)
         self.untraced = [f"{m}-untraced" for m in cfg.methods] if cfg.untraced else []
         self.order = cfg.methods + self.untraced + self.peers  # every prompt's runs, rotated by the prompt's index
         cfg.threads = torch.get_num_threads()
