@@ -34,7 +34,7 @@ test:
 	$(PY) -m ruff check .
 	$(PY) -m mypy
 	.venv/bin/lint-imports
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n auto --maxprocesses 4 --dist loadfile
 
 # The same without the tests marked slow (notebooks, browser, zoo equality, training, subprocess CLIs)
 test-fast:
@@ -42,7 +42,7 @@ test-fast:
 	$(PY) -m ruff check .
 	$(PY) -m mypy
 	.venv/bin/lint-imports
-	$(PY) -m pytest -q -m "not slow"
+	$(PY) -m pytest -q -m "not slow" -n auto --maxprocesses 4 --dist loadfile
 
 # Benchmarks on the zoo (README "Benchmarks"): report in reports/bench.md + .html, rows in traces/bench.duckdb
 bench: setup-peers

@@ -1,8 +1,9 @@
-"""Calibration: pick a prompt suite and a router; the suite's bench and profiles are reused from the trace or
-made (with progress); a threshold slider replays instantly (AL and modeled tokens/s against the threshold, the
-drafters alone and the oracles as reference lines, the optimum starred); "Save" writes the threshold to the
-calibration file the routers read; "Confirm live" decodes a few prompts at it and sets the measured tokens/s
-beside the modeled ones. All of it is `speclab.bench.calibration`."""
+"""Calibration: pick a prompt suite and a router (WhiFlash's entropy or neural threshold, or the `route` rule's
+min_match); the suite's bench and profiles are reused from the trace or made (with progress); a threshold slider
+replays instantly (AL and modeled tokens/s against the threshold, the drafters alone and the oracles as reference
+lines, the optimum starred); "Save" writes the threshold to the calibration file the routers read; "Confirm live"
+decodes a few prompts at it and sets the measured tokens/s beside the modeled ones. All of it is
+`speclab.bench.calibration`."""
 from __future__ import annotations
 
 import abc
@@ -17,7 +18,9 @@ from speclab import viz
 from speclab.bench.calibration import (
     GRIDS,
     ROUTERS,
+    VIEWS,
     Calibrator,
+    check_router,
     check_threshold,
     grid_text,
     save_thresholds,
@@ -62,8 +65,16 @@ THRESHOLD_JS = """
 
 
 def bound(router: str, target):
-    """The router's thresholds: its method's own bound (the registry's `threshold` parameter)."""
-    return METHODS[f"whiflash-{router}"].bounds(target)["threshold"]
+    """The router's thresholds: its method's own bound (the registry's parameter the threshold sets)."""
+    view = VIEWS[router]
+    return METHODS[view.method].bounds(target)[view.param]
+
+
+def _step(progress):
+    """A progress listener (`speclab.progress.listen`) drawing on a Gradio progress bar, with the ETA."""
+    def step(label, done, total, eta):
+        progress((done, total), desc=f"{label} · ETA {eta:.0f} s" if math.isfinite(eta) else label)
+    return step
 
 
 class Calibration:
@@ -85,18 +96,18 @@ class Calibration:
         if router not in ROUTERS:
             raise InvalidInput(f"choose a router ({', '.join(ROUTERS)})")
 
-        def step(label, done, total, eta):
-            progress((done, total), desc=f"{label} · ETA {eta:.0f} s" if math.isfinite(eta) else label)
-        with self.lab.line.hold(progress), listen(step):
+        with self.lab.line.hold(progress), listen(_step(progress)):
             cal = Calibrator.prepare(lab.store, lab.target, lab.models, suite, limit, max_new,
                                      log=lambda s: print(f"speclab app: {s}", flush=True), costs=lab.costs)
-        lab.calibrators[cal.bench_id] = cal
+            lab.calibrators[cal.bench_id] = cal
+            t, slider = self._start(cal, router, "all")  # the rule's: its arms profiled now
         cats = cal.categories
         how = "reused from the trace" if cal.reused else "made now"
         cost = (f"tokens/s modeled under {cal.cost.label}" if not cal.cost.here else
                 f"cost model fitted to {cal.cost.rounds_fitted} live rounds")
         msg = f"bench `{cal.bench_id}` · {len(cal.profiles)} prompts profiled ({how}) · {cost}"
-        t, slider = self._start(cal, router, "all")
+        if router == "rule":
+            msg += f" · route's arms modeled with {cal.cost_label(router)}"
         return (cal.bench_id, msg, gr.update(choices=cats, value="all"), slider,
                 *self.replot(cal.bench_id, router, "all", t), t)
 
@@ -108,11 +119,13 @@ class Calibration:
                             label=f"threshold ({b.lo:g} to {b.hi:g}; calibration grid {grid_text(router)})")
 
     @answers(4)
-    def switch(self, bench_id, router, category):
-        """A new router or category: the slider starts at its optimum."""
+    def switch(self, bench_id, router, category, progress=gr.Progress()):
+        """A new router or category: the slider starts at its optimum (the rule's arms are profiled first, once)."""
         if not bench_id:
             return gr.update(), gr.update(), "", gr.skip()
-        t, slider = self._start(self._cal(bench_id), router, category)
+        cal = self._cal(bench_id)
+        with self.lab.line.hold(progress), listen(_step(progress)):
+            t, slider = self._start(cal, check_router(router), category)
         return (slider, *self.replot(bench_id, router, category, t), t)
 
     @answers(4)
@@ -135,10 +148,11 @@ class Calibration:
         t0 = time.perf_counter()
         point, best = cal.at(router, t, category), cal.best(router, category)
         edge = cal.at_edge(router, category)
-        fig = viz.calibration_figure(cal.curve(router), cal.references(), t, point, best, router, category, edge)
+        view = VIEWS[router]
+        fig = viz.calibration_figure(cal.curve(router), cal.references(router), t, point, best, view, category, edge)
         ms = (time.perf_counter() - t0) * 1e3
-        text = (f"**whiflash-{router} · {category} · threshold {t:.2f}**: AL {point['tau']:.3f}, modeled "
-                f"{point['tokens_per_s']:.1f} tokens/s, EAGLE-3 in {point['eagle3_share']:.0%} of rounds, "
+        text = (f"**{view.label} · {category} · threshold {t:.2f}**: AL {point['tau']:.3f}, modeled "
+                f"{point['tokens_per_s']:.1f} tokens/s, {view.share_name} in {point[view.share]:.0%} of rounds, "
                 f"{int(point['switches'])} switches · optimum {best['threshold']:.2f} "
                 f"({best['tokens_per_s']:.1f} tokens/s"
                 + (", at the grid's edge: the best threshold may lie beyond it" if edge else "")
@@ -161,7 +175,7 @@ class Calibration:
         kept = saved.for_profile(costs.name) if costs is not None else saved
         used = (f"kept for profile {costs.name}: not used by runs here" if costs is not None else
                 "used by runs from now on")
-        return (f"saved: whiflash-{router} threshold **{kept.thresholds[router][key]!r}** for "
+        return (f"saved: {VIEWS[router].label} threshold **{kept.thresholds[router][key]!r}** for "
                 f"{'every category without its own' if key == '*' else category} in "
                 f"`{display_path(calibration_path())}` ({used})")
 
@@ -195,7 +209,9 @@ def build(lab: Lab) -> None:
         router = gr.Radio(list(ROUTERS), value="neural", label="router", elem_id="cal_router")
         go = gr.Button("Profile", variant="primary", elem_id="cal_profile")
     status = gr.Markdown("Profile a suite: its bench (AR, EAGLE-3, DFlash) and profiles are reused from the trace "
-                         "when there are some for these settings.", elem_id="cal_status")
+                         "when there are some for these settings (for the rule, every arm of route on its AR "
+                         "outputs too).",
+                         elem_id="cal_status")
     with gr.Row():
         category = gr.Dropdown([], label="category", elem_id="cal_category")
         b = bound("neural", lab.target)

@@ -147,7 +147,7 @@ def build(lab: Lab) -> dict:
                         elif p.many:  # a '+'-joined list (a route's arms), checked by the method on Decode
                             w = gr.Textbox(defaults[p.name], label=p.name, elem_id=f"p-{name}-{p.name}", min_width=240,
                                            info=p.help, visible=shows)
-                        elif p.default is None:  # an optional float (a router's threshold): empty = calibrated
+                        elif p.default is None:  # an optional value (a router's threshold): empty = calibrated
                             w = gr.Textbox("", label=p.name, elem_id=f"p-{name}-{p.name}", min_width=160,
                                            info=f"{info}; empty = calibrated", placeholder="calibrated", visible=shows)
                         else:  # no precision: 2.5 reaches the check, not rounded

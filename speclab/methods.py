@@ -36,7 +36,7 @@ class Method:
 
     @property
     def defaults(self) -> dict:
-        """Parameter -> CPU default (its type is the parameter's type; None: an optional float)."""
+        """Parameter -> CPU default (its type is the parameter's type; None: an optional value, calibrated)."""
         return {p.name: p.default for p in self.params}
 
     @property
@@ -204,14 +204,14 @@ def check_before_loading(spec: str, given: dict, target_dir=None) -> None:
 
 
 def _param(p: Param, value, default, target):
-    """One parameter: the given value (or the default), checked. A None default is an optional float (a router's
-    threshold: None = calibrated)."""
+    """One parameter: the given value (or the default), checked. A None default is an optional value of the
+    parameter's `kind` (a router's threshold: None = calibrated)."""
     if p.choices:
         return _choice(p, default if value is None else value)
     if p.many:  # a list, checked by the method's own `check`
         return str(default if value is None else value).strip()
     if default is None:
-        return None if value is None or value == "" else check_number(p.name, value, float, p.bound(target))
+        return None if value is None or value == "" else check_number(p.name, value, p.kind, p.bound(target))
     return check_number(p.name, default if value is None else value, type(default), p.bound(target))
 
 

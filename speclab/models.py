@@ -252,7 +252,8 @@ def load_bench_sets(cfg, paths: ModelPaths):
     from speclab.core.precision import family
     from speclab.methods import get_method
 
-    _, decision = resolve_dtype(paths)
+    # the bench's own models load first there: one that does not fit fails in its line before anything is timed
+    _, decision = resolve_dtype(paths, roles=tuple({r for m in cfg.methods for r in get_method(m).needs}))
     cfg.methods, cfg.dtypes = plan_dtypes(cfg.methods, lambda f: decision.dtype(f) if decision else paths.dtype)
     ar = next(m for m in cfg.methods if family(m) == "ar")
     sets = {}

@@ -435,10 +435,12 @@ def router_figure(rr, title: str = "") -> go.Figure:
     return fig
 
 
-def calibration_figure(curve, refs, threshold: float, point: dict, best: dict, router: str, category: str,
+def calibration_figure(curve, refs, threshold: float, point: dict, best: dict, view, category: str,
                        at_edge: bool = False) -> go.Figure:
     """A router's threshold calibration for one category: replayed tau (AL, top) and modeled tokens/s (bottom) against
-    the threshold (rows of `speclab.bench.routing.sweep`), each drafter alone and the oracles as horizontal reference
+    the threshold (rows of `speclab.bench.routing.sweep`; `view`, `speclab.bench.calibration.VIEWS`' entry of the
+    router, names the policy, the threshold's signal and the share of rounds shown), each drafter alone and the
+    oracles as horizontal reference
     lines (`speclab.bench.routing.oracles`; AR too, at AL 1 and its measured tokens/s), each in its own colour
     and dash, named in the legend; the chosen threshold as a vertical line with its exact replay, the calibrated
     optimum (the highest modeled tokens/s) as a star, with a note when it sits at an end of the grid (`at_edge`)."""
@@ -449,11 +451,11 @@ def calibration_figure(curve, refs, threshold: float, point: dict, best: dict, r
     r = refs[refs.category == category]
     named = set()  # reference lines already in the legend
     for row, y in ((1, "tau"), (2, "tokens_per_s")):
-        fig.add_scatter(x=c["threshold"], y=c[y], mode="lines", name=f"whiflash-{router}", showlegend=row == 1,
-                        line=dict(color=method_color(f"whiflash-{router}"), width=3), row=row, col=1,
-                        customdata=c[["eagle3_share", "switches"]].to_numpy(),
-                        hovertemplate="threshold %{x:.2f}: %{y:.3f}<br>EAGLE-3 share %{customdata[0]:.2f}, "
-                                      "%{customdata[1]} switches<extra></extra>")
+        fig.add_scatter(x=c["threshold"], y=c[y], mode="lines", name=view.label, showlegend=row == 1,
+                        line=dict(color=method_color(view.method), width=3), row=row, col=1,
+                        customdata=c[[view.share, "switches"]].to_numpy(),
+                        hovertemplate=f"threshold %{{x:.2f}}: %{{y:.3f}}<br>{view.share_name} share "
+                                      "%{customdata[0]:.2f}, %{customdata[1]} switches<extra></extra>")
         for ref in r.itertuples():
             v = getattr(ref, y)
             if v == v:
@@ -472,9 +474,8 @@ def calibration_figure(curve, refs, threshold: float, point: dict, best: dict, r
                         marker=dict(symbol="diamond", size=12, color="#111"), row=row, col=1,
                         hovertemplate="chosen %{x:.2f}: %{y:.3f}<extra></extra>")
         fig.add_vline(x=threshold, line=dict(color="#111", width=1, dash="dot"), row=row, col=1)
-    signal = "entropy (nats)" if router == "entropy" else "predicted Delta AL (tokens)"
-    fig.update_xaxes(title_text=f"threshold on {signal}: EAGLE-3 above, DFlash below", row=2, col=1)
-    fig.update_layout(title=f"whiflash-{router} on {category}: threshold {threshold:.2f} -> AL {point['tau']:.3f}, "
+    fig.update_xaxes(title_text=f"threshold on {view.signal}", row=2, col=1)
+    fig.update_layout(title=f"{view.label} on {category}: threshold {threshold:.2f} -> AL {point['tau']:.3f}, "
                             f"{point['tokens_per_s']:.1f} tokens/s (optimum {best['threshold']:.2f}: "
                             f"{best['tokens_per_s']:.1f})", template="plotly_white", height=600,
                       legend=dict(orientation="h", y=-0.18))

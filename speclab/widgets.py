@@ -4,7 +4,7 @@ threshold calibration widget replays a threshold the moment the slider moves (th
 from __future__ import annotations
 
 from speclab import viz
-from speclab.bench.calibration import GRIDS, Calibrator, check_threshold, grid, save_thresholds
+from speclab.bench.calibration import GRIDS, VIEWS, Calibrator, check_threshold, grid, save_thresholds
 from speclab.errors import SpeclabError
 
 
@@ -19,8 +19,7 @@ class CalibrationWidget:
         import plotly.graph_objects as go
 
         self.cal, self.target, self.path = cal, target, path  # path None: the routers' calibration file
-        self.router = w.ToggleButtons(options=["entropy", "neural"] if cal.mlp is not None else ["entropy"],
-                                      value=router, description="router")
+        self.router = w.ToggleButtons(options=cal.routers(), value=router, description="router")
         self.category = w.Dropdown(options=cal.categories, value=category, description="category")
         self.slider = w.FloatSlider(description="threshold", step=GRIDS[router][2], continuous_update=True,
                                     readout_format=".2f", layout=w.Layout(width="60%"))
@@ -56,12 +55,12 @@ class CalibrationWidget:
         except SpeclabError as e:
             self.message.value = f"<b>{e}</b>"
             return
-        fig = viz.calibration_figure(self.cal.curve(r), self.cal.references(), t, point, best, r, cat)
+        fig = viz.calibration_figure(self.cal.curve(r), self.cal.references(r), t, point, best, VIEWS[r], cat)
         with self.figure.batch_update():
             self.figure.data = []
             self.figure.add_traces(fig.data)
             self.figure.layout = fig.layout
-        self.message.value = (f"whiflash-{r} on {cat}: threshold {t:.2f} -> AL {point['tau']:.3f}, modeled "
+        self.message.value = (f"{VIEWS[r].label} on {cat}: threshold {t:.2f} -> AL {point['tau']:.3f}, modeled "
                               f"{point['tokens_per_s']:.1f} tokens/s (optimum {best['threshold']:.2f})")
 
     def save(self):
@@ -70,5 +69,5 @@ class CalibrationWidget:
         t = check_threshold(r, self.slider.value, self.target.vocab_size)
         cal = save_thresholds(r, {cat: t}, self.target.fingerprint, {"notebook": {"bench": self.cal.bench_id}},
                               self.path)
-        self.message.value = f"saved whiflash-{r} threshold {t:.2f} for {cat}"
+        self.message.value = f"saved {VIEWS[r].label} threshold {t:g} for {cat}"
         return cal

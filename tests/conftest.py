@@ -3,6 +3,8 @@ EAGLE-3 and DFlash drafters trained once per session on the 4-layer target. The 
 names re-exported here keep `from conftest import ...` working)."""
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -18,14 +20,20 @@ from helpers import (  # noqa: F401  (PROMPTS, own_text_windows, tiny_config: re
 )
 from speclab.core.target import Target
 
-torch.set_num_threads(2)
+# `make test` runs the files on one worker per core (pytest-xdist, `-n auto --dist loadfile`): the tiny models'
+# decodes are Python-bound, so two workers of one thread each finish the suite in about 60% of the time one worker
+# of two threads takes. Each worker (and every process a test starts) gets its share of the cores.
+WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+THREADS = max(1, min(2, (os.cpu_count() or 2) // WORKERS))
+torch.set_num_threads(THREADS)
+if WORKERS > 1:
+    os.environ["OMP_NUM_THREADS"] = str(THREADS)
 
 
 @pytest.fixture(scope="session", autouse=True)
 def dtype_cache(tmp_path_factory):
     """--dtype auto's per-user cache in a folder of the session's (subprocesses inherit it): the suite never reads
     or writes the user's ~/.cache, and measures the zoo's decision at most once."""
-    import os
     old = os.environ.get("SPECLAB_CACHE_DIR")
     os.environ["SPECLAB_CACHE_DIR"] = str(tmp_path_factory.mktemp("speclab-cache"))
     yield os.environ["SPECLAB_CACHE_DIR"]

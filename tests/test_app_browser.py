@@ -241,6 +241,7 @@ def test_method_parameters_show_only_for_chosen_methods(page):
     assert visible(page, "#params-whiflash-entropy") and not visible(page, "#params-sps")
     choose_methods(page, ["ar", "sps"])
     page.locator("#params-sps").first.wait_for(state="visible", timeout=10000)
+    page.locator("#params-whiflash-entropy").first.wait_for(state="hidden", timeout=10000)  # its update may come later
     assert not visible(page, "#params-whiflash-entropy")
     # FlashHead's fields only with the flash head (app v4, item 12): hidden while the head is dense
     assert visible(page, "#p-sps-head") and not any(visible(page, f"#p-sps-{f}") for f in ("clusters", "probes",
@@ -574,6 +575,34 @@ def test_a_typed_threshold_is_taken_once_when_committed(page, app):
     rng.focus()
     page.keyboard.press("ArrowRight")
     wait_text(page, "#cal_point", f"threshold {3 + step:.2f}")
+    page.get_by_role("tab", name="Side by side").click()
+
+
+def test_the_rule_calibrates_routes_min_match(page, app):
+    """Routing v2's rule in the calibration tab (after the tests above: a profiled suite): every arm of route profiled
+    on the same bench's AR outputs, its min_match replayed against its arms alone and the N-arm oracles, a
+    fractional match refused in one message, a whole one replayed and saved under `rule`."""
+    page.get_by_role("tab", name="Calibration").click()
+    good = app["calibration"].read_text()
+    page.locator("#cal_router").get_by_text("rule").click()
+    wait_text(page, "#cal_point", "route (rule)", 300)
+    assert "prompt lookup in" in page.locator("#cal_point").inner_text()
+    legend = set(svg_texts(page, "#cal_plot .legendtext"))
+    assert {"route (rule)", "pld", "eagle3", "dflash", "ar", "oracle-token", "calibrated optimum"} <= legend, legend
+    assert "threshold (1 to 32" in page.locator("#cal_threshold").inner_text()
+    page.fill("#cal_threshold input[type=number]", "2.5")  # a match is whole tokens: one message, nothing replayed
+    page.keyboard.press("Enter")
+    error_toast(page, "min_match must be an integer from 1 to 32 (got 2.5)")
+    page.fill("#cal_threshold input[type=number]", "5")
+    page.keyboard.press("Enter")
+    wait_text(page, "#cal_point", "threshold 5.00")
+    page.click("#cal_save")
+    wait_text(page, "#cal_saved", "route (rule)")
+    assert json.loads(app["calibration"].read_text())["thresholds"]["rule"]["*"] == 5.0
+    app["calibration"].write_text(good)  # the later tests' route decodes keep the zoo's min_match
+    page.screenshot(path=str(ART / "calibration_rule.png"), full_page=True)
+    page.locator("#cal_router").get_by_text("entropy").click()
+    wait_text(page, "#cal_point", "whiflash-entropy", 60)
     page.get_by_role("tab", name="Side by side").click()
 
 

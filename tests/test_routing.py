@@ -292,7 +292,11 @@ ROUTING_BAD = [  # (case, argv after the command, what the one line must say)
     ("sweep-grid-step", ["sweep", "--router", "entropy", "--grid", "0:1:0"], "--grid must be thresholds"),
     ("sweep-live", ["sweep", "--router", "entropy", "--live", "x"], "--grid must be thresholds"),
     ("sweep-no-db", ["sweep", "--router", "entropy", "--db", "{tmp}/nope.duckdb"], "no trace database at"),
-    ("calibrate-router", ["calibrate", "--router", "entropy,foo"], "--router must be entropy, neural or both"),
+    ("calibrate-router", ["calibrate", "--router", "entropy,foo"], "--router must be among entropy, neural, rule"),
+    ("calibrate-rule-grid", ["calibrate", "--router", "rule", "--rule-grid", "1,2.5"],
+     "min_match must be an integer from 1 to 32 (got 2.5)"),
+    ("calibrate-rule-costs", ["calibrate", "--router", "entropy,rule", "--costs", "data/costs/cpu-fp32.json"],
+     "--costs with --router rule"),
     ("routing-no-bench", ["routing", "--bench", "nope"], "no bench 'nope'"),
     ("routing-no-rounds", ["routing"], "has no traced rounds of both eagle3 and dflash"),
     ("profile-no-ar", ["profile"], "has no finished traced AR run"),
@@ -443,24 +447,25 @@ def test_bench_pipeline_profiles_replays_calibrates(deep, models, thresholds, tm
             store, bench, rep.assign(identical=False, routed=True))
 
 
-def test_calibrator_replays_saves_and_confirms_live(deep, models, thresholds, tmp_path, monkeypatch):
+def test_calibrator_replays_saves_and_confirms_live(deep, route_models, thresholds, tmp_path, monkeypatch):
     """The app's calibration path on a real tiny bench: the bench and profiles made once and then reused, the
     replay at any threshold equal to the sweep's, the figure, save (what routers then use) and a live
-    confirmation whose AL equals the replayed one (greedy)."""
+    confirmation whose AL equals the replayed one (greedy). The same for route's rule (its min_match), over every
+    arm profiled on the bench's AR outputs."""
     from speclab import viz
-    from speclab.bench.calibration import Calibrator, check_threshold, save_thresholds
+    from speclab.bench.calibration import VIEWS, Calibrator, check_threshold, grid, save_thresholds
     from speclab.routing.routers import default_threshold
     from speclab.trace import TraceStore
 
     monkeypatch.setenv("SPECLAB_CALIBRATION", str(tmp_path / "cal.json"))
     with TraceStore(tmp_path / "c.duckdb") as store:
         with pytest.raises(InvalidInput, match="prompts per category must be"):  # checked before any model work
-            Calibrator.prepare(store, deep, models, "zoo", 0, 16)
+            Calibrator.prepare(store, deep, route_models, "zoo", 0, 16)
         with pytest.raises(InvalidInput, match="unknown suite"):
-            Calibrator.prepare(store, deep, models, "nope", 1, 16)
+            Calibrator.prepare(store, deep, route_models, "nope", 1, 16)
         assert store.query("SELECT count(*) AS n FROM benches").n[0] == 0
-        cal = Calibrator.prepare(store, deep, models, "zoo", 1, 16, log=lambda s: None)
-        again = Calibrator.prepare(store, deep, models, "zoo", 1, 16, log=lambda s: None)
+        cal = Calibrator.prepare(store, deep, route_models, "zoo", 1, 16, log=lambda s: None)
+        again = Calibrator.prepare(store, deep, route_models, "zoo", 1, 16, log=lambda s: None)
         assert not cal.reused and again.reused and again.bench_id == cal.bench_id and len(again.profiles) == 4
         assert cal.categories == ["code", "literature", "math", "stories", "all"]
         t = thresholds[1]
@@ -480,7 +485,7 @@ def test_calibrator_replays_saves_and_confirms_live(deep, models, thresholds, tm
         for c in cal.categories:  # AR named as faster exactly where it beats the router's optimum (app v4, 17)
             faster = ar.tokens_per_s[c] > cal.best("entropy", c)["tokens_per_s"]
             assert cal.ar_faster("entropy", c) == (pytest.approx(ar.tokens_per_s[c]) if faster else None)
-        fig = viz.calibration_figure(cal.curve("entropy"), refs, t, point, best, "entropy", "code")
+        fig = viz.calibration_figure(cal.curve("entropy"), refs, t, point, best, VIEWS["entropy"], "code")
         assert {"whiflash-entropy", "calibrated optimum", "chosen threshold", "eagle3", "oracle-token", "ar"} <= \
             {d.name for d in fig.data}
         colours = {d.line.color for d in fig.data if d.name.startswith("oracle")}
@@ -489,8 +494,8 @@ def test_calibrator_replays_saves_and_confirms_live(deep, models, thresholds, tm
         cal.grids["entropy"] = [0.0, 100.0]  # every round to one drafter at either end: the optimum is at an edge
         cal.curves.pop("entropy")
         assert cal.at_edge("entropy", "code")
-        edge = viz.calibration_figure(cal.curve("entropy"), refs, t, point, cal.best("entropy", "code"), "entropy",
-                                      "code", at_edge=True)
+        edge = viz.calibration_figure(cal.curve("entropy"), refs, t, point, cal.best("entropy", "code"),
+                                      VIEWS["entropy"], "code", at_edge=True)
         assert "grid's edge" in str(edge.layout.annotations)
         cal.grids.pop("entropy")
         cal.curves.pop("entropy")
@@ -501,9 +506,48 @@ def test_calibrator_replays_saves_and_confirms_live(deep, models, thresholds, tm
         save_thresholds("entropy", {"code": 0.5, "all": 0.75}, deep.fingerprint, {"test": True})
         assert default_threshold("entropy", "code", deep.fingerprint) == 0.5
         assert default_threshold("entropy", "math", deep.fingerprint) == 0.75  # 'all' is the global '*'
-        live = cal.confirm(deep, models, "entropy", t, "code", 1, log=lambda s: None)
+        live = cal.confirm(deep, route_models, "entropy", t, "code", 1, log=lambda s: None)
         assert live.prompts[0] == 1 and live.tau_live[0] == pytest.approx(live.tau_replay[0])
         assert live.tokens_per_s_live[0] > 0
+        # route's rule: every arm profiled on the same AR outputs, its min_match swept over the calibration grid
+        assert cal.routers() == ["entropy", "neural", "rule"]
+        rule = cal.curve("rule")
+        view = cal.arm_view()
+        assert view["profiles"][0].arms == ("eagle3", "dflash", "pld", "none")
+        assert {p.prompt_id: p.tokens.tolist() for p in view["profiles"]} == \
+            {p.prompt_id: p.tokens.tolist() for p in cal.profiles}
+        assert sorted(set(rule.threshold)) == grid("rule") == [float(m) for m in range(1, 17)]
+        assert np.allclose(rule.pld_share + rule.eagle3_share, 1.0)  # the rule's two arms
+        assert rule[rule.threshold == 16].pld_share.max() <= rule[rule.threshold == 1].pld_share.min()
+        rb = cal.best("rule", "code")
+        m = int(rb["threshold"])
+        point = cal.at("rule", m, "code")
+        assert point["tau"] == rule[(rule.category == "code") & (rule.threshold == m)].tau.iloc[0]
+        refs = cal.references("rule").set_index(["policy", "category"])
+        assert {"eagle3", "dflash", "pld", "ar", "oracle-token", "oracle-token-time"} <= \
+            set(refs.index.get_level_values(0))
+        for arm in ("eagle3", "dflash", "pld"):  # Oracle-Token (by accept length) is at least every arm alone
+            assert refs.tau["oracle-token", "all"] >= refs.tau[arm, "all"]
+        assert refs.tau["ar", "all"] == 1.0
+        fig = viz.calibration_figure(rule, cal.references("rule"), m, point, rb, VIEWS["rule"], "code")
+        assert {"route (rule)", "pld", "eagle3", "ar", "calibrated optimum"} <= {d.name for d in fig.data}
+        assert "prompt lookup's match" in fig.layout.xaxis2.title.text
+        with pytest.raises(InvalidInput, match="min_match must be an integer from 1 to 32"):
+            check_threshold("rule", 2.5, deep.vocab_size)
+        from speclab.routing.arms import build
+        assert build(deep, route_models, category="code")[1].min_match == 3  # nothing calibrated: MIN_MATCH
+        save_thresholds("rule", {"code": 5, "all": 2}, deep.fingerprint, {"test": True})
+        assert build(deep, route_models, category="code")[1].min_match == 5  # what `route` decodes with
+        assert build(deep, route_models, category="math")[1].min_match == 2
+        assert build(deep, route_models, min_match=4, category="code")[1].min_match == 4  # given: as given
+        live = cal.confirm(deep, route_models, "rule", m, "code", 1, log=lambda s: None)
+        assert live.prompts[0] == 1 and live.tau_live[0] == pytest.approx(live.tau_replay[0])
+        ran = store.query("SELECT DISTINCT method FROM runs WHERE method LIKE 'route%'").method.tolist()
+        assert ran == [f"route:min_match={m}+router=rule"]
+        from speclab.bench.routing import oracles, route_members, routing_table
+        table = routing_table(store, cal.bench_id, oracles(cal.profiles))  # `speclab routing`'s Table 1
+        assert set(table[table.method == ran[0]].category) == {"code", "all"}  # the routed method beside the rest
+        assert route_members(["route:arms=pld.eagle3+none", "route", "eagle3"]) == {"pld", "eagle3", "dflash"}
 
 
 def test_live_router_rounds_equal_the_trace(deep, models, thresholds, tmp_path):

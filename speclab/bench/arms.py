@@ -3,7 +3,8 @@ prompt's greedy AR output (`speclab.routing.replay.profile_sequence` with `arms`
 profiles exactly (each arm alone, the rule router, the learned router, Oracle-Token by accept length and by modeled
 time) and tabled per category: tau and modeled tokens/s over AR's, from each arm's round time (the learned
 router's `arm_ms`, measured when it was trained, or given). `model_error_table` holds the same per-arm round times
-against a bench's live routed runs.
+against a bench's live routed runs. The rule router's calibration replays it at every `min_match` on a bench's
+profiles (`rule_sweep`, `rule_references`: `speclab.bench.calibration`).
 """
 from __future__ import annotations
 
@@ -14,7 +15,8 @@ import torch
 from speclab.metrics import model_error, speedup, tau, tokens_per_s
 from speclab.progress import Progress
 from speclab.routing import replay
-from speclab.routing.routers import NONE, ArmCosts, arm_backlogs
+from speclab.routing.arms import DEFAULT_ARMS
+from speclab.routing.routers import LOOKUP, MIN_MATCH, NONE, ArmCosts, arm_backlogs
 
 
 def arm_profiles(target, drafters: dict, prompts: list[dict], arms: tuple[str, ...],
@@ -64,8 +66,9 @@ def walk_ms(p: replay.Profile, w: replay.Walk, costs: ArmCosts, routed: bool) ->
 
 def arms_table(profiles: list[replay.Profile], costs: ArmCosts, choices: dict[str, list[np.ndarray]],
                routed: tuple[str, ...] = ()) -> pd.DataFrame:
-    """One row per (policy, category, 'all' too): rounds, tokens, tau, each arm's share of rounds, modeled tokens/s
-    (`walk_ms`; the policies in `routed` pay the router's time) and the modeled speedup over AR (the none arm alone)."""
+    """One row per (policy, category, 'all' too): tau, switches between arms, each arm's share of rounds, modeled
+    tokens/s (`walk_ms`; the policies in `routed` pay the router's time) and the modeled speedup over AR (the none
+    arm alone, where it is among the policies)."""
     arms = profiles[0].arms
     rows = []
     for label, per in choices.items():
@@ -75,6 +78,7 @@ def arms_table(profiles: list[replay.Profile], costs: ArmCosts, choices: dict[st
             used = w.drafter[live, 0]
             rows.append({"policy": label, "category": p.category, "prompt_id": p.prompt_id, "rounds": int(live.sum()),
                          "tokens": int(w.committed[live, 0].sum()), "ms": walk_ms(p, w, costs, label in routed),
+                         "switches": int((used[1:] != used[:-1]).sum()),
                          **{f"share_{a}": float((used == i).mean()) for i, a in enumerate(arms)}})
     df = pd.DataFrame(rows)
     out = []
@@ -83,7 +87,7 @@ def arms_table(profiles: list[replay.Profile], costs: ArmCosts, choices: dict[st
         tps = tokens_per_s(g.tokens.sum(), g.ms.sum() / 1e3)
         ar = df[(df.policy == NONE) & (df.category.isin(g.category.unique()) | (cat == "all"))]
         out.append({"policy": label, "category": cat, "prompts": len(g), "tau": tau(g.tokens.sum(), g.rounds.sum()),
-                    "tokens_per_s_modeled": tps,
+                    "switches": int(g.switches.sum()), "tokens_per_s_modeled": tps,
                     "speedup_modeled": speedup(tps, tokens_per_s(ar.tokens.sum(), ar.ms.sum() / 1e3))
                     if len(ar) else float("nan"),
                     **{s: float(np.average(g[s], weights=g.rounds)) for s in shares}})
@@ -97,6 +101,55 @@ def _learned(method: str) -> bool:
     name, fixed = parse_spec(method)
     return name == "route" and fixed.get("router", ROUTER) == "learned" and \
         len(parse_arms(fixed.get("arms", DEFAULT_ARMS))) > 1
+
+
+# -- the rule router's calibration (`speclab calibrate --router rule`, the app's calibration tab) ------------------
+def bench_arm_profiles(store, bench_id: str, target, models: dict, arms: str = DEFAULT_ARMS) -> list[replay.Profile]:
+    """Every arm of `arms` (route's default ones) profiled at every position of each AR output of a bench (the
+    target in the bench's dtype), with progress. Not kept in the trace: the trace's profiles are WhiFlash's."""
+    from speclab.bench.routing import bench_items, profile_prompt
+    from speclab.routing.arms import build, parse_arms
+    names = tuple(a.name for a in parse_arms(arms))
+    items = bench_items(store, bench_id, target)
+    drafters, _ = build(target, models, arms=arms, router="rule", min_match=MIN_MATCH)
+    prog = Progress(len(items), f"profile every arm of bench {bench_id}")
+    out = []
+    for i, item in enumerate(items):
+        out.append(profile_prompt(target, drafters, *item, arms=names))
+        prog.update(i + 1)
+    return out
+
+
+def rule_other(arms: tuple[str, ...]) -> str | None:
+    """The arm the rule router takes where prompt lookup's match is short: the first other arm (as `route` builds
+    it); None for the none arm."""
+    other = next(a for a in arms if a != LOOKUP)
+    return None if other == NONE else other
+
+
+def rule_sweep(profiles: list[replay.Profile], costs: ArmCosts, grid) -> pd.DataFrame:
+    """The rule router replayed at every `min_match` of `grid` (the calibration's threshold): per (threshold,
+    category, 'all' too) tau, modeled tokens/s, switches between arms and each arm's share of rounds (`<arm>_share`),
+    in the columns of `speclab.bench.routing.sweep`'s."""
+    from speclab.routing.routers import RuleRouter
+    other = rule_other(profiles[0].arms)
+    choices = {float(m): [replay.router_choice(p, RuleRouter(LOOKUP, other, round(m))) for p in profiles]
+               for m in grid}
+    return _as_sweep(arms_table(profiles, costs, choices)).rename(columns={"policy": "threshold"})
+
+
+def rule_references(profiles: list[replay.Profile], costs: ArmCosts) -> pd.DataFrame:
+    """Each arm alone (the none arm as 'ar') and Oracle-Token by accept length and by modeled time, per category:
+    tau and modeled tokens/s (the reference lines of the rule's calibration)."""
+    t = _as_sweep(arms_table(profiles, costs, policy_choices(profiles, costs, {})))
+    return t.assign(policy=t.policy.replace({NONE: "ar", "oracle-token (tau)": "oracle-token",
+                                             "oracle-token (time)": "oracle-token-time"}))
+
+
+def _as_sweep(table: pd.DataFrame) -> pd.DataFrame:
+    """`arms_table`'s rows under the names of a threshold sweep's (`tokens_per_s`, `<arm>_share`)."""
+    shares = {c: f"{c.removeprefix('share_')}_share" for c in table.columns if c.startswith("share_")}
+    return table.rename(columns={"tokens_per_s_modeled": "tokens_per_s", **shares})
 
 
 def model_error_table(store, bench_id: str, costs: ArmCosts) -> pd.DataFrame:

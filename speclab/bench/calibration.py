@@ -3,6 +3,11 @@ batch form): find or run the suite's bench (AR for the sequences to profile, EAG
 model), profile it, replay any threshold instantly, save the chosen one to the calibration file the routers read,
 and confirm it live.
 
+Three routers have a threshold: WhiFlash's `entropy` and `neural` (EAGLE-3 or DFlash; the bench's profiles and the
+cost model fitted to it) and routing v2's `rule` (`route`'s min_match: prompt lookup's arm from that match on;
+every arm of `route` profiled on the bench's AR outputs, each round modeled with the route router's arm costs,
+`speclab.bench.arms.rule_sweep`).
+
 A `Calibrator` holds one bench's profiles and cost model; every replay goes through `speclab.bench.routing` (the
 sweep, the best threshold, the single drafters and the oracles of the routing report), so the figures here are the
 report's. `GRIDS` are the thresholds every calibration sweeps (the CLI's defaults, the app's slider, the notebook
@@ -11,6 +16,7 @@ widget), so all of them save the same threshold for the same bench.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import pandas as pd
@@ -28,10 +34,34 @@ from speclab.routing.routers import (
 from speclab.viz import Report
 
 BENCH_METHODS = ["ar", "eagle3", "dflash"]
-ROUTERS = ("entropy", "neural")
-# start, stop (included), step of every calibration sweep: entropy in nats, neural in predicted Delta tau (tokens)
-GRIDS = {"entropy": (0.0, 6.0, 0.05), "neural": (-3.0, 3.0, 0.05)}
+ROUTERS = ("entropy", "neural", "rule")
+# start, stop (included), step of every calibration sweep: entropy in nats, neural in predicted Delta tau (tokens),
+# rule in prompt lookup's match (tokens)
+GRIDS = {"entropy": (0.0, 6.0, 0.05), "neural": (-3.0, 3.0, 0.05), "rule": (1.0, 16.0, 1.0)}
 REFERENCES = ("eagle3", "dflash", "oracle-task", "oracle-prompt", "oracle-token", "oracle-token-time")
+
+
+@dataclass(frozen=True)
+class View:
+    """How a router's calibration is named and drawn: the method and parameter its threshold belongs to, what the
+    threshold is on, and which arm's share of rounds is shown."""
+    method: str  # the registry method (its parameter's bound is the slider's)
+    param: str  # that method's parameter the threshold sets
+    label: str  # the policy in figures and messages
+    signal: str  # the x axis: what the threshold is on, and which side picks what
+    share: str  # the column of a sweep with the share of rounds shown
+    share_name: str
+    kind: type = float  # the threshold's type
+
+
+VIEWS = {
+    "entropy": View("whiflash-entropy", "threshold", "whiflash-entropy", "entropy (nats): EAGLE-3 above, DFlash below",
+                    "eagle3_share", "EAGLE-3"),
+    "neural": View("whiflash-neural", "threshold", "whiflash-neural",
+                   "predicted Delta AL (tokens): EAGLE-3 above, DFlash below", "eagle3_share", "EAGLE-3"),
+    "rule": View("route", "min_match", "route (rule)", "prompt lookup's match (tokens): prompt lookup from it on, "
+                 "the other arm below", "pld_share", "prompt lookup", int),
+}
 
 
 def check_router(router: str) -> str:
@@ -42,7 +72,8 @@ def check_router(router: str) -> str:
 
 def check_threshold(router: str, threshold, vocab_size: int) -> float:
     from speclab.checks import check_number
-    return check_number("threshold", threshold, float, threshold_bound(check_router(router), vocab_size))
+    r = check_router(router)
+    return float(check_number(VIEWS[r].param, threshold, VIEWS[r].kind, threshold_bound(r, vocab_size)))
 
 
 def grid(router: str) -> list[float]:
@@ -88,6 +119,8 @@ class Calibrator:
     reused: bool = False  # profiles came from the trace, not made now
     curves: dict = field(default_factory=dict)
     grids: dict = field(default_factory=dict)  # router -> thresholds to sweep instead of `grid(router)`
+    load: Callable | None = None  # () -> (target, models) in the bench's dtype: the rule's arms are profiled with them
+    arms: dict = field(default_factory=dict)  # the rule's: every arm's profiles and round costs (`arm_view`)
 
     @classmethod
     def prepare(cls, store, target, models: dict, suite: str, limit: int, max_new_tokens: int, log=print,
@@ -118,7 +151,40 @@ class Calibrator:
         profiles = routing.get_profiles(store, bench_id, load, log=log)
         reused = reused and not made
         cost = costs.cost if costs is not None else replay.fit_costs(store, bench_id)
-        return cls(store, bench_id, profiles, cost, models.get("router"), reused)
+        return cls(store, bench_id, profiles, cost, models.get("router"), reused, load=lambda: (target, models))
+
+    def routers(self) -> list[str]:
+        """The routers this calibrator can replay: entropy always; neural with its MLP; rule with the models to
+        profile its arms."""
+        return [r for r in ROUTERS if r == "entropy" or (r == "neural" and self.mlp is not None)
+                or (r == "rule" and self.load is not None)]
+
+    def arm_view(self) -> dict:
+        """The rule's replay: every arm of `route` profiled on the bench's AR outputs (made once, with progress) and
+        each arm's round cost (the route router's, measured on its machine when it was trained)."""
+        if not self.arms:
+            from speclab.bench.arms import bench_arm_profiles
+            from speclab.routing.routers import ArmCosts
+            if self.load is None:
+                raise InvalidInput("the rule's calibration needs the models to profile every arm")
+            if not self.cost.here:
+                raise InvalidInput(f"the rule's calibration models its arms with the route router's costs, not with "
+                                   f"{self.cost.label}: leave the hardware cost profile out to calibrate the rule")
+            target, models = self.load()
+            mlp = models.get("route")
+            if mlp is None:
+                raise InvalidInput("the rule's calibration models each arm's round time with the route router's cost "
+                                   "model (--route-router PATH, or the zoo's)")
+            profiles = bench_arm_profiles(self.store, self.bench_id, target, models)
+            self.arms = {"profiles": profiles, "costs": ArmCosts(**mlp.config.costs).of(list(profiles[0].arms)),
+                         "machine": mlp.config.machine}
+        return self.arms
+
+    def cost_label(self, router: str) -> str:
+        """What the modeled tokens/s of a router's replay are modeled with."""
+        if check_router(router) == "rule":
+            return f"the route router's arm costs ({self.arm_view()['machine']})"
+        return self.cost.label
 
     @property
     def categories(self) -> list[str]:
@@ -135,12 +201,30 @@ class Calibrator:
             if router == "neural" and self.mlp is None:
                 raise InvalidInput("a neural calibration needs the neural router (--router-model, or the zoo's)")
             thresholds = self.grids.get(router) or grid(router)
-            self.curves[router] = routing.sweep(self.profiles, self.cost, check_router(router), thresholds, self.mlp)
+            self.curves[router] = self._sweep(router, thresholds)
         return self.curves[router]
 
-    def references(self) -> pd.DataFrame:
+    def _sweep(self, router: str, thresholds, profiles=None) -> pd.DataFrame:
+        """The replay of `router` at `thresholds` on the bench's prompts (or on `profiles`, some of them)."""
+        if check_router(router) == "rule":
+            from speclab.bench.arms import rule_sweep
+            view = self.arm_view()
+            ids = None if profiles is None else {p.prompt_id for p in profiles}
+            mine = [p for p in view["profiles"] if ids is None or p.prompt_id in ids]
+            return rule_sweep(mine, view["costs"], thresholds)
+        return routing.sweep(self.profiles if profiles is None else profiles, self.cost, router, thresholds, self.mlp)
+
+    def references(self, router: str = "entropy") -> pd.DataFrame:
         """Each drafter alone and the oracles, per category: tau and modeled tokens/s (the routing report's); and
-        AR, tau 1 by definition, at the tokens/s its runs in the bench measured (`speclab.metrics.run_summary`)."""
+        AR, tau 1 by definition, at the tokens/s its runs in the bench measured (`speclab.metrics.run_summary`).
+        The rule's: each of its arms alone, AR (the none arm) and the two Oracle-Tokens, all modeled with its arm
+        costs (`speclab.bench.arms.rule_references`)."""
+        if check_router(router) == "rule":
+            if "refs-rule" not in self.curves:
+                from speclab.bench.arms import rule_references
+                view = self.arm_view()
+                self.curves["refs-rule"] = rule_references(view["profiles"], view["costs"])
+            return self.curves["refs-rule"]
         if "refs" not in self.curves:
             from speclab.metrics import run_summary
             orc = routing.oracles(self.profiles, self.cost, routing.switch_backlog(self.store, self.bench_id))
@@ -156,7 +240,7 @@ class Calibrator:
     def ar_faster(self, router: str, category: str) -> float | None:
         """AR's tokens/s for the category where it beats the router's best modeled tokens/s (at these settings no
         threshold pays); None where the router's optimum is faster or AR has no runs."""
-        refs = self.references()
+        refs = self.references(router)
         ar = refs[(refs.policy == "ar") & (refs.category == self.check_category(category))].tokens_per_s
         if ar.empty or pd.isna(ar.iloc[0]):
             return None
@@ -170,7 +254,7 @@ class Calibrator:
 
     def at(self, router: str, threshold: float, category: str) -> dict:
         """The exact replay at one threshold (not the grid's nearest point) for one category."""
-        sw = routing.sweep(self.profiles, self.cost, check_router(router), [float(threshold)], self.mlp)
+        sw = self._sweep(router, [float(threshold)])
         return sw[sw.category == self.check_category(category)].iloc[0].to_dict()
 
     def best(self, router: str, category: str) -> dict:
@@ -182,7 +266,8 @@ class Calibrator:
         """Decode `prompts` of the bench's prompts of `category` live at `threshold` (traced into the bench) and
         set measured tau and tokens/s beside the replayed / modeled ones for the same prompts (and the model error,
         `speclab.metrics.model_error`)."""
-        spec = f"whiflash-{check_router(router)}:threshold={float(threshold):g}"
+        view = VIEWS[check_router(router)]
+        spec = f"{view.method}:{view.param}={view.kind(threshold):g}" + ("+router=rule" if router == "rule" else "")
         cat = self.check_category(category)
         chosen = [p for p in self.profiles if cat == "all" or p.category == cat][:prompts]
         routing.run_live(self.store, self.bench_id, target, models, [spec], log=log,
@@ -192,7 +277,7 @@ class Calibrator:
         runs = self.store.query(f"""SELECT run_id, new_tokens, rounds, elapsed_s FROM runs WHERE bench_id = ? AND
                                     method = ? AND status = 'done' AND prompt_id IN ({q}) ORDER BY run_id DESC
                                     LIMIT ?""", [self.bench_id, spec, *ids, len(ids)])
-        sw = routing.sweep(chosen, self.cost, router, [float(threshold)], self.mlp)
+        sw = self._sweep(router, [float(threshold)], chosen)
         modeled = sw[sw.category == "all"].iloc[0]
         measured_tps = tokens_per_s(runs.new_tokens.sum(), runs.elapsed_s.sum())
         return pd.DataFrame([{"threshold": float(threshold), "category": cat, "prompts": len(runs),
@@ -206,20 +291,24 @@ def calibrate(cal: Calibrator, routers) -> tuple[dict, Report]:
     bench, by replay over its grid: {router: {category: threshold}} (what `save_thresholds` writes) and the
     report (each drafter alone and the oracles for reference, each router's best rows and its sweep)."""
     from speclab import viz
-    refs = cal.references()
-    text = ["## For reference: each drafter alone and the oracles (replayed, modeled tokens/s)", "",
-            refs[["policy", "category", "tau", "tokens_per_s"]].to_markdown(index=False, floatfmt=".3f"), ""]
-    best, figs = {}, []
+    text, best, figs = [], {}, []
+    families = (["entropy"] if set(routers) & {"entropy", "neural"} else []) + (["rule"] if "rule" in routers else [])
+    for family in families:  # WhiFlash's references (both its routers') and the rule's
+        refs = cal.references(family)
+        text += [f"## For reference{' (route: its arms)' if family == 'rule' else ''}: each drafter alone and the "
+                 f"oracles (replayed, modeled tokens/s)", "",
+                 refs[["policy", "category", "tau", "tokens_per_s"]].to_markdown(index=False, floatfmt=".3f"), ""]
     for r in routers:
-        sw = cal.curve(r)
+        sw, view = cal.curve(r), VIEWS[r]
         best[r] = routing.best_thresholds(sw)
         top = routing.best_per_category(sw)
-        text += [f"## {r}: best threshold per category (modeled tokens/s)", "",
-                 top[["category", "threshold", "tau", "tokens_per_s", "switches", "eagle3_share"]]
+        text += [f"## {view.label}: best {view.param} per category (modeled tokens/s)", "",
+                 top[["category", "threshold", "tau", "tokens_per_s", "switches", view.share]]
                  .to_markdown(index=False, floatfmt=".3f"), ""]
-        figs.append(viz.sweep_figure(sw, None, "tokens_per_s", f"whiflash-{r}: modeled tokens/s by threshold "
-                                     f"({cal.cost.label})"))
-    return best, Report("WhiFlash calibration", "\n".join(text), figs)
+        figs.append(viz.sweep_figure(sw, None, "tokens_per_s", f"{view.label}: modeled tokens/s by {view.param} "
+                                     f"({cal.cost_label(r)})"))
+    title = "Router calibration" if "rule" in routers else "WhiFlash calibration"
+    return best, Report(title, "\n".join(text), figs)
 
 
 def save_thresholds(router: str, thresholds: dict, fingerprint: str, info: dict, path=None,

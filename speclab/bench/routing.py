@@ -96,20 +96,10 @@ def profile_bench(store, bench_id: str, target, models: dict, params: dict | Non
     the bench's dtype, save them in the trace (with that dtype) and return them. `profiles(items, params)`: who
     profiles the prompts (`profile_prompt`'s arguments after the models, one tuple each; a Ray cluster:
     `speclab.cluster.bench_profiles`), returning the profiles in the items' order; default: this process."""
-    from speclab.bench.suites import load_suite
     from speclab.methods import build_method, method_params
 
-    cfg, ar = check_profilable(store, bench_id)
-    check_bench_dtype(store, bench_id, target)
+    items = bench_items(store, bench_id, target)
     params = method_params("whiflash-entropy", params or {}, target)
-    rows = {str(r["prompt_id"]): r for r in load_suite(cfg.suite, cfg.limit)}
-    items = []
-    for r in ar.itertuples():
-        row = rows.get(str(r.prompt_id))
-        if row is None:
-            raise InvalidInput(f"prompt {r.prompt_id} of bench {bench_id} is no longer in suite {cfg.suite}")
-        toks = store.query("SELECT token_id FROM tokens WHERE run_id = ? ORDER BY pos", [int(r.run_id)]).token_id
-        items.append((row, toks.to_numpy(np.int64), cfg.max_new_tokens, str(r.prompt_id), r.category))
     if profiles is None:
         drafters, _ = build_method("whiflash-entropy", target, models, params)
         prog = Progress(len(items), f"profile bench {bench_id}")
@@ -124,12 +114,31 @@ def profile_bench(store, bench_id: str, target, models: dict, params: dict | Non
     return out
 
 
+def bench_items(store, bench_id: str, target) -> list[tuple]:
+    """What profiling a bench's prompts takes, one tuple per AR run (`profile_prompt`'s arguments after the models):
+    the suite's row, the run's output tokens, the bench's max new tokens, the prompt id and category. The target
+    must be in the bench's dtype."""
+    from speclab.bench.suites import load_suite
+    cfg, ar = check_profilable(store, bench_id)
+    check_bench_dtype(store, bench_id, target)
+    rows = {str(r["prompt_id"]): r for r in load_suite(cfg.suite, cfg.limit)}
+    items = []
+    for r in ar.itertuples():
+        row = rows.get(str(r.prompt_id))
+        if row is None:
+            raise InvalidInput(f"prompt {r.prompt_id} of bench {bench_id} is no longer in suite {cfg.suite}")
+        toks = store.query("SELECT token_id FROM tokens WHERE run_id = ? ORDER BY pos", [int(r.run_id)]).token_id
+        items.append((row, toks.to_numpy(np.int64), cfg.max_new_tokens, str(r.prompt_id), r.category))
+    return items
+
+
 def profile_prompt(target, drafters, row: dict, tokens: np.ndarray, max_new_tokens: int, prompt_id: str,
-                   category: str):
-    """One bench prompt's profile: both drafters at every position of its AR output `tokens`."""
+                   category: str, arms: tuple[str, ...] = replay.DRAFTERS):
+    """One bench prompt's profile: each arm (by default WhiFlash's two drafters) at every position of its AR output
+    `tokens`."""
     from speclab.bench.run import format_prompt
     return replay.profile_sequence(target, drafters, format_prompt(target, row), torch.from_numpy(tokens),
-                                   max_new_tokens, prompt_id, category)
+                                   max_new_tokens, prompt_id, category, arms=arms)
 
 
 def get_profiles(store, bench_id: str, load=None, log=print):
@@ -279,14 +288,31 @@ def live_table(store, bench_id: str) -> pd.DataFrame:
     return t[t.tau.notna()][cols].reset_index(drop=True)
 
 
+def route_members(methods) -> set[str]:
+    """The drafters among the arms of the `route` specs in `methods` (merged arms' members too)."""
+    from speclab.methods import parse_spec
+    from speclab.routing.arms import DEFAULT_ARMS, parse_arms
+    out: set[str] = set()
+    for m in methods:
+        name, fixed = parse_spec(m)
+        if name == "route":
+            out |= {x for a in parse_arms(fixed.get("arms", DEFAULT_ARMS)) for x in a.members}
+    return out
+
+
 def routing_table(store, bench_id: str, orc: pd.DataFrame) -> pd.DataFrame:
-    """The paper's Table 1 on a bench: rows = EAGLE-3, DFlash, the oracles (`oracles` of the bench's profiles) and
-    the bench's WhiFlash methods; per category tau and speedup (`speclab.metrics`: over AR's, same bench)."""
+    """The paper's Table 1 on a bench, with routing v2's N arms: rows = EAGLE-3, DFlash, every other drafter of the
+    bench's `route` runs' arms that ran alone (prompt lookup), the oracles (`oracles` of the bench's profiles: over
+    EAGLE-3 and DFlash) and the bench's routed methods (WhiFlash's, then `route`'s, merged arms run alone
+    included); per category tau and speedup (`speclab.metrics`: over AR's, same bench)."""
     live = live_table(store, bench_id)
     spd = oracle_speed(store, bench_id)
     ar = live[live.method == "ar"].set_index("category").tokens_per_s
     rows = []
-    methods = [EAGLE3, DFLASH] + sorted(m for m in live.method.unique() if m.startswith("whiflash"))
+    names = live.method.unique()
+    routed = [m for m in names if m.startswith("route")]
+    methods = [EAGLE3, DFLASH] + sorted(m for m in route_members(routed) if m in names and m not in (EAGLE3, DFLASH)) \
+        + sorted(m for m in names if m.startswith("whiflash")) + sorted(routed)
     for m in methods:
         for x in live[live.method == m].itertuples():
             rows.append({"method": m, "category": x.category, "tau": x.tau, "tokens_per_s": x.tokens_per_s,
@@ -607,8 +633,10 @@ def routing_report(store, bench_id: str, profiles, cost, mlp=None, prompt_id: st
     tps = table.pivot_table(index="method", columns="category", values="tokens_per_s", sort=False)
     md = [f"# WhiFlash on bench `{bench_id}`", "",
           "AL = tau = tokens per round; speedup = tokens/s over AR's in the same bench. Live rows: the bench's traced "
-          "runs. Oracle taus: replayed from profiles; Oracle-Task/Prompt speedups: the bench's live eagle3/dflash runs "
-          "picked in hindsight; oracle-token-time: modeled (cost model), not measured.", "",
+          "runs (routing v2's `route` methods and the drafters of their arms among them). Oracle taus: replayed from "
+          "profiles of EAGLE-3 and DFlash; Oracle-Task/Prompt speedups: the bench's live eagle3/dflash runs "
+          "picked in hindsight; oracle-token-time: modeled (cost model), not measured. Oracle-Token over route's "
+          "N arms: `speclab route-table`.", "",
           "## AL (tau) and speedup per category", "", wide(table).to_markdown(**fmt), "",
           "## Tokens/s per category", "", tps.reset_index().to_markdown(**fmt), "",
           f"## Modeled tokens/s (the same runs replayed under one cost model, {cost.label}: no run-to-run timing "

@@ -52,9 +52,9 @@ def _costs(a: argparse.Namespace):
     return load_profile(a.costs) if getattr(a, "costs", None) else None
 
 
-def _routing_setup(a: argparse.Namespace, store, bench_id: str, need_mlp: bool, profile=None):
-    """Profiles (made when missing), the cost model (a hardware profile's, else fitted to the bench) and the neural
-    router when needed."""
+def _routing_setup(a: argparse.Namespace, store, bench_id: str, need_mlp: bool, profile=None, rule: bool = False):
+    """Profiles (made when missing), the cost model (a hardware profile's, else fitted to the bench), the neural
+    router when needed and the loader of the models (with `rule`, also route's arms and its router's arm costs)."""
     from speclab.bench.routing import check_profilable, get_profiles
     from speclab.routing.replay import fit_costs
 
@@ -62,8 +62,8 @@ def _routing_setup(a: argparse.Namespace, store, bench_id: str, need_mlp: bool, 
 
     def load():
         if not loaded:
-            roles = ("eagle3", "dflash", "router") if need_mlp else ("eagle3", "dflash")
-            loaded["m"] = load_models(paths, roles=roles)
+            roles = ("eagle3", "dflash") + (("router",) if need_mlp else ()) + (_rule_roles() if rule else ())
+            loaded["m"] = load_models(paths, roles=tuple(dict.fromkeys(roles)))
         return loaded["m"]
 
     cost = fit_costs(store, bench_id)  # before any model loads: a bench without the drafters' rounds fails fast
@@ -73,6 +73,12 @@ def _routing_setup(a: argparse.Namespace, store, bench_id: str, need_mlp: bool, 
     profiles = get_profiles(store, bench_id, load, log=lambda s: print(s, file=sys.stderr))
     mlp = load()[1]["router"] if need_mlp else None
     return profiles, cost, mlp, load
+
+
+def _rule_roles() -> tuple[str, ...]:
+    """The models the rule's calibration loads: its default arms' drafters and the route router (its arm costs)."""
+    from speclab.methods import get_method
+    return tuple(dict.fromkeys(get_method("route").needs + ("route",)))
 
 
 def cmd_profile(a: argparse.Namespace) -> int:
@@ -130,30 +136,40 @@ def cmd_sweep(a: argparse.Namespace) -> int:
 
 
 def cmd_calibrate(a: argparse.Namespace) -> int:
-    from speclab.bench.calibration import Calibrator, calibrate, grid_text, save_thresholds
+    from speclab.bench.calibration import ROUTERS, Calibrator, calibrate, check_threshold, grid_text, save_thresholds
     from speclab.bench.routing import parse_thresholds
     from speclab.routing.routers import calibration_path
 
-    routers = [r.strip() for r in a.router.split(",") if r.strip()]
-    bad = [r for r in routers if r not in ("entropy", "neural")]
+    routers = list(dict.fromkeys(r.strip() for r in a.router.split(",") if r.strip()))
+    bad = [r for r in routers if r not in ROUTERS]
     if bad or not routers:
-        raise SpeclabError(f"--router must be entropy, neural or both, comma-separated (got {a.router!r})")
-    given = {"entropy": a.entropy_grid, "neural": a.neural_grid}
+        raise SpeclabError(f"--router must be among {', '.join(ROUTERS)}, comma-separated (got {a.router!r})")
+    given = {"entropy": a.entropy_grid, "neural": a.neural_grid, "rule": a.rule_grid}
     grids = {r: parse_thresholds(text) for r, text in given.items() if text}  # the rest: the calibration grid
+    for t in grids.get("rule", []):  # whole tokens from 1 to 32, before anything opens
+        check_threshold("rule", t, 0)
     out = Path(a.out) if a.out else calibration_path()
     profile = _costs(a)
+    if profile is not None and "rule" in routers:
+        raise SpeclabError("--costs with --router rule: the rule's calibration models route's arms with the route "
+                           "router's arm costs, --costs holds WhiFlash's two drafters' (calibrate the rule without it)")
     store, bench_id = _bench_store(a)
     with store:
-        profiles, cost, mlp, load = _routing_setup(a, store, bench_id, "neural" in routers, profile)
+        profiles, cost, mlp, load = _routing_setup(a, store, bench_id, "neural" in routers, profile,
+                                                   rule="rule" in routers)
         target = load()[0]
-        cal = Calibrator(store, bench_id, profiles, cost, mlp, reused=True, grids=grids)
+        cal = Calibrator(store, bench_id, profiles, cost, mlp, reused=True, grids=grids, load=load)
         best, report = calibrate(cal, routers)
-        info = {"bench": bench_id, "db": str(a.db), "prompts": len(profiles),
-                "grids": {r: given[r] or grid_text(r) for r in routers}, "cost_model": cost.to_dict(),
-                "costs": cost.label, "command": "speclab calibrate " + " ".join(sys.argv[2:])}
-        if profile is not None:  # another machine's thresholds: kept under its profile, not used by routers here
-            info = {f"profile {profile.name}": info}
+        from dataclasses import asdict
         for r in routers:
+            info = {"bench": bench_id, "db": str(a.db), "prompts": len(profiles),
+                    "grids": {r: given[r] or grid_text(r)},
+                    "cost_model": asdict(cal.arm_view()["costs"]) if r == "rule" else cost.to_dict(),
+                    "costs": cal.cost_label(r), "command": "speclab calibrate " + " ".join(sys.argv[2:])}
+            if r == "rule":  # the rule's provenance under its own key: WhiFlash's stays where it was
+                info = {"rule": info}
+            if profile is not None:  # another machine's thresholds: kept under its profile, not used by routers here
+                info = {f"profile {profile.name}": info}
             save_thresholds(r, best[r], target.fingerprint, info, out, profile.name if profile else None)
     write_report(report, a.report)
     where = f" (the thresholds of profile {profile.name})" if profile is not None else ""
@@ -204,7 +220,7 @@ def cmd_route_table(a: argparse.Namespace) -> int:
     spec = f"route:arms={'+'.join(arms)}"
     drafters, router = build_method(f"{spec}+router=learned", target, models,
                                     method_params(f"{spec}+router=learned", {}, target))
-    rule_spec = f"{spec}+router=rule+min_match={a.min_match}"
+    rule_spec = f"{spec}+router=rule" + (f"+min_match={a.min_match}" if a.min_match is not None else "")
     routers = {"learned": router}
     if "pld" in arms:
         routers["rule"] = build_method(rule_spec, target, models, method_params(rule_spec, {}, target))[1]
@@ -255,12 +271,16 @@ def add_parsers(sub) -> None:
     sw.set_defaults(fn=cmd_sweep)
 
     ca = sub.add_parser("calibrate", help="the best threshold per category (and a global one) of the WhiFlash "
-                        "routers by replay on a bench, written to data/zoo/calibration.json")
-    ca.add_argument("--router", default="entropy,neural", help="entropy, neural or both (comma-separated)")
+                        "routers and of route's rule (its min_match) by replay on a bench, written to "
+                        "data/zoo/calibration.json")
+    ca.add_argument("--router", default="entropy,neural", help="entropy, neural, rule (route's min_match: every arm "
+                    "profiled on the bench's AR outputs), comma-separated")
     ca.add_argument("--entropy-grid", default=None, help="thresholds in nats (default: the calibration grid, "
                     "speclab.bench.calibration.GRIDS, which the app and the notebook widget sweep too)")
     ca.add_argument("--neural-grid", default=None, help="thresholds on the predicted Delta tau (default: the "
                     "calibration grid)")
+    ca.add_argument("--rule-grid", default=None, help="the rule's min_match values in tokens, whole numbers from 1 to "
+                    "32 (default: the calibration grid, 1:16:1)")
     ca.add_argument("--out", help="calibration file (default: data/zoo/calibration.json)")
     bench_args(ca, "reports/calibration.html")
     costs_arg(ca)
@@ -280,7 +300,8 @@ def add_parsers(sub) -> None:
     rt.add_argument("--limit", type=_positive_int, default=8, help="prompts per category")
     rt.add_argument("--max-new-tokens", type=_num(int, 2, 4096), default=128)
     rt.add_argument("--arms", default=None, help="the arms ('+'-joined; default: the learned router's)")
-    rt.add_argument("--min-match", type=_num(int, 1, 32), default=3, help="the rule router's prompt lookup match")
+    rt.add_argument("--min-match", type=_num(int, 1, 32), default=None, help="the rule router's prompt lookup match "
+                    "(default: calibrated, `speclab calibrate --router rule`, else 3)")
     rt.add_argument("--bench", default=None, help="a bench in --db (or 'latest') whose live route runs the model "
                     "error is computed against")
     rt.add_argument("--db", default="traces/bench.duckdb")

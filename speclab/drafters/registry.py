@@ -33,8 +33,8 @@ DRAFTER_MODULES = (  # one line per drafter
 class Param:
     """One parameter of a drafter or a router: its CPU default (measured on the zoo, see the model cards), the
     values it may take (from the target: a tree no larger than a verification, a draft no longer than the
-    context), the papers' GPU setting and the values `speclab grid` sweeps. A None default is an optional float
-    (a router's threshold: None = calibrated)."""
+    context), the papers' GPU setting and the values `speclab grid` sweeps. A None default is an optional value
+    of type `optional` (a router's threshold: None = calibrated)."""
     name: str
     default: int | float | str | None
     bound: Callable[[Any], Bound] = lambda target: Bound()  # target -> the allowed values
@@ -46,10 +46,11 @@ class Param:
     # (FlashHead's clusters, probes and margin: with head = flash); the app shows it only then
     many: bool = False  # a '+'-joined list (a routed method's arms): in a method spec, items without '=' after it
     # continue it (`route:arms=eagle3+pld+none`)
+    optional: type = float  # the type of an optional value (default None): a calibrated min_match is an int
 
     @property
     def kind(self) -> type:
-        return float if self.default is None else type(self.default)
+        return self.optional if self.default is None else type(self.default)
 
     def default_on(self, target) -> int | float | None:
         """The default for `target`: the GPU preset on CUDA (where there is one), else the CPU default."""

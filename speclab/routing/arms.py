@@ -12,7 +12,8 @@ no '=' continue the list, `Param.many`). Every drafter is built once and shared 
 catches each up as itself, lazily: a merged arm's members catch up when it is chosen, `speclab.core.pool`).
 
 Routers (`router`): `rule` (the hand-written baseline: prompt lookup's arm while its current match is at least
-`min_match` tokens, else the first other arm; `speclab.routing.routers.RuleRouter`). One arm alone is that arm
+`min_match` tokens, else the first other arm; `speclab.routing.routers.RuleRouter`; `min_match` calibrated per
+category by `speclab calibrate --router rule` unless given). One arm alone is that arm
 every round (a merged arm measured on its own: `route:arms=pld.eagle3`).
 """
 from __future__ import annotations
@@ -26,7 +27,7 @@ from speclab.core.sampling import Sampling
 from speclab.core.tree import DraftTree, merge
 from speclab.drafters.registry import ModelRole, Param, build_drafter, drafters
 from speclab.errors import InvalidInput
-from speclab.routing.routers import JOIN, LOOKUP, NONE, load_arm_router
+from speclab.routing.routers import JOIN, LOOKUP, MIN_MATCH, MIN_MATCH_RANGE, NONE, load_arm_router
 
 DEFAULT_ARMS = "eagle3+dflash+pld+none"
 ROUTERS = ("learned", "rule")
@@ -104,8 +105,9 @@ PARAMS = (
           help="how each round's arm is picked: learned (the trained router: the most predicted tokens per ms, "
                "speclab train route) or rule (prompt lookup while its match is at least min_match tokens, else the "
                "first other arm)"),
-    Param("min_match", 3, lambda t: Bound(1, 32),
-          help="the rule router: the prompt lookup match (tokens) from which prompt lookup's arm drafts"),
+    Param("min_match", None, lambda t: Bound(*MIN_MATCH_RANGE), optional=int,
+          help="the rule router: the prompt lookup match (tokens) from which prompt lookup's arm drafts; default: "
+               f"calibrated (speclab calibrate --router rule: your file, else the zoo's), else {MIN_MATCH}"),
 )
 
 
@@ -152,11 +154,12 @@ class Merged:
             d.commit(own, torch.tensor(kept, dtype=torch.long, device=own.tokens.device))
 
 
-def build(target, models, arms=DEFAULT_ARMS, router=ROUTER, min_match=3, category=None, **_):
+def build(target, models, arms=DEFAULT_ARMS, router=ROUTER, min_match=None, category=None, **_):
     """(drafters by name, router) of a route spec: each drafter once (its method's defaults), each merged arm a
-    `Merged` over those same instances, and the router over the arm names."""
+    `Merged` over those same instances, and the router over the arm names. The rule's `min_match` None = calibrated
+    for `category` (`speclab.routing.routers.default_threshold`)."""
     from speclab.core.protocol import FixedRouter
-    from speclab.routing.routers import ArmRouter, RuleRouter
+    from speclab.routing.routers import ArmRouter, RuleRouter, default_threshold
     parsed = parse_arms(arms)
     built: dict = {}
     for a in parsed:
@@ -184,4 +187,6 @@ def build(target, models, arms=DEFAULT_ARMS, router=ROUTER, min_match=3, categor
         return built, ArmRouter(mlp, [a.name for a in parsed])
     look = next(a.name for a in parsed if a.members == (LOOKUP,))
     other = next(n for n in names if n != look)
+    if min_match is None:
+        min_match = round(default_threshold("rule", category, target.fingerprint))
     return built, RuleRouter(look, other, min_match)

@@ -8,14 +8,14 @@ Policies (WhiFlash, ../shared/papers/whiflash.txt, section 3.3):
   token; the autoregressive drafter (EAGLE-3) when H_t > tau_entropy, else the parallel one (DFlash).
 - `neural` (WhiFlash-Neural): an MLP on the target's final-norm hidden state h_t predicts
   Delta AL_t = AL_eagle3 - AL_dflash; EAGLE-3 when the prediction > tau_neural.
-- `rule` (routing v2's baseline, `speclab.routing.arms`): prompt lookup's arm while its match is long enough, else
-  another arm.
+- `rule` (routing v2's baseline, `speclab.routing.arms`): prompt lookup's arm while its match is at least
+  `min_match` tokens, else another arm.
 - `schedule`: a given drafter per round (what an oracle chose, replayed live: `speclab.routing.replay`).
 
-Thresholds come from `data/zoo/calibration.json` (`speclab calibrate`) when none is given: the category's when
-the run's category is known and calibrated, the global one otherwise; a neural router falls back to its own
-hardware-aware threshold (derived from measured latencies when it was trained), an entropy router to
-`ENTROPY_FALLBACK`.
+Thresholds (the rule's `min_match` too) come from `data/zoo/calibration.json` (`speclab calibrate`) when none is
+given: the category's when the run's category is known and calibrated, the global one otherwise; a neural router
+falls back to its own hardware-aware threshold (derived from measured latencies when it was trained), the others to
+`FALLBACKS`.
 
 `eager` (the naive scheme WhiFlash compares lazy catch-up with): the engine brings every drafter up to date every
 round, not only the chosen one.
@@ -40,6 +40,10 @@ NONE = "none"  # routing v2's arm without a drafter: the target steps alone (`sp
 JOIN = "."  # joins a merged arm's members (shell-safe, and free of the spec's '+', ':', '=', ',', '@')
 LOOKUP = "pld"  # prompt lookup: the drafter whose probed match the routers read (`Signals.probe`)
 ENTROPY_FALLBACK = 1.0  # nats: the entropy threshold when nothing is calibrated for the target
+MIN_MATCH = 3  # tokens: the rule router's prompt lookup match when nothing is calibrated (session 24's sweep)
+MIN_MATCH_RANGE = (1, 32)  # the rule's thresholds: a match longer than 32 tokens is past prompt lookup's lookup
+# the uncalibrated threshold of each policy (a neural router has its own hardware-aware one: this is without it)
+FALLBACKS = {"entropy": ENTROPY_FALLBACK, "neural": 0.0, "rule": MIN_MATCH}
 
 
 def pick(signal: float, threshold: float) -> str:
@@ -207,8 +211,11 @@ def zoo_calibration_path() -> Path:
 
 def threshold_bound(policy: str, vocab_size: int):
     """The thresholds that can split a policy's signals: entropy in nats from 0 to ln V (no distribution over V
-    tokens has more); a predicted Delta AL within +-NEURAL_RANGE tokens a round."""
+    tokens has more); a predicted Delta AL within +-NEURAL_RANGE tokens a round; the rule's prompt lookup match in
+    MIN_MATCH_RANGE tokens."""
     from speclab.checks import Bound
+    if policy == "rule":
+        return Bound(*MIN_MATCH_RANGE)
     return Bound(0.0, round(math.log(vocab_size), 3)) if policy == "entropy" else Bound(-NEURAL_RANGE, NEURAL_RANGE)
 
 
@@ -235,12 +242,12 @@ def load_calibration(path: str | Path | None = None) -> Calibration:
 def default_threshold(policy: str, category: str | None, target: str | None = None,
                       mlp: RouterMLP | None = None) -> float:
     """The threshold a router uses when none is given: calibrated (category, then global) in the user's file
-    (`calibration_path`), else in the zoo's, else the neural router's hardware-aware one, else ENTROPY_FALLBACK."""
+    (`calibration_path`), else in the zoo's, else the neural router's hardware-aware one, else `FALLBACKS`'."""
     for path in dict.fromkeys([calibration_path(), zoo_calibration_path()]):
         v = load_calibration(path).threshold(policy, category, target) if path.exists() else None
         if v is not None:
             return v
-    return mlp.config.hardware_threshold if policy == "neural" and mlp is not None else ENTROPY_FALLBACK
+    return mlp.config.hardware_threshold if policy == "neural" and mlp is not None else FALLBACKS[policy]
 
 
 # -- routing v2's learned router (`speclab.routing.arms`, `speclab train route`) -----------------------------------
