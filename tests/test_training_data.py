@@ -245,7 +245,10 @@ def test_training_on_regenerated_data_in_bf16_keeps_checkpoints_and_curve(deep, 
     assert summary["steps"] > 0 and set(summary["val"]) == set(DOMAINS)
     assert all(v["tau"] >= 1 and v["tau_sampled"] >= 1 for v in summary["val"].values())
     cps = checkpoints(tmp_path / "run")
-    assert len(cps) >= 2 and cps[-1][1].name == "model"
+    final = json.loads((tmp_path / "run" / "model" / "train_config.json").read_text())["tokens"]
+    # the final model closes the curve, unless the last validation fell on the last step (a busy machine's timing):
+    # then its snapshot is the same weights, listed once
+    assert len(cps) >= 2 and cps[-1][0] == final and cps[-1][1].name in ("model", f"{final:012d}")
     m = load_eagle3(cps[-1][1], deep)
     assert m.config.draft_vocab_size == 64
     prompts = [{"prompt_id": "p", "category": "code", "prompt": "def f(x):"}]
