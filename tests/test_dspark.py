@@ -78,7 +78,7 @@ def test_dspark_cuts_drafts_and_each_request_decodes_as_alone(deep, dspark):
     def make():
         return {"dflash": build_drafter("dflash", deep, {"dflash": dspark}, block_size=6, markov=1)}
     ids = [torch.tensor(deep.tokenizer(p)["input_ids"]) for p in PROMPTS]
-    batch = Batch(deep, make, DSpark(k=5, cost=StepCost(4.0, 0.5, 0.2)), Sampling(), max_batch=4)
+    batch = Batch(deep, make, DSpark(k=5, cost=StepCost(4.0, 0.5, 0.2), measured=0), Sampling(), max_batch=4)
     for i, x in enumerate(ids):
         batch.submit(Request(i, x, 24))
     kept = []
@@ -90,12 +90,47 @@ def test_dspark_cuts_drafts_and_each_request_decodes_as_alone(deep, dspark):
         assert torch.equal(batch.done[i].new_ids, decode(deep, x, ds, FixedRouter("dflash"), 24).new_ids), i
 
 
+def test_measured_scheduling_takes_the_faster_side_and_keeps_measuring_the_other():
+    """With `measured` (the default) the batch drafts or not by the measured throughput of each (committed tokens per
+    ms of the steps that drafted and of those that did not): each measured first, then the faster one, with the
+    slower one probed after PROBE_EVERY steps and then less often while it stays slower; drafting that turns faster
+    moves the choice."""
+    from types import SimpleNamespace
+
+    from speclab.core.batch import StepEvent
+    p = DSpark(k=4, cost=StepCost(1.0, 0.1, 0.0))
+    streams = [SimpleNamespace(req=SimpleNamespace(rid=i)) for i in range(4)]
+
+    def step(drafting: bool, ms: float, accepted: int) -> list[int]:
+        ks = p.lengths(streams)
+        assert (sum(ks) > 0) == drafting, ks
+        p.observe(StepEvent(0, 0.0, [0, 1, 2, 3], ks, [accepted] * 4, 4 + sum(ks), 1, int(drafting), 0,
+                            {"prefill": 50.0, "policy": 0.1, "draft": ms / 2 if drafting else 0.0,
+                             "verify": ms / 2 if drafting else ms, "commit": 0.1}))
+        return ks
+    step(True, 20.0, 0)  # drafting first: 4 tokens in 20 ms, then not drafting: 4 in 5 ms
+    step(False, 5.0, 0)
+    choices = []
+    for _ in range(3 * p.PROBE_EVERY + 2):
+        drafts = sum(p.lengths(streams)) > 0
+        choices.append(drafts)
+        p.observe(StepEvent(0, 0.0, [0, 1, 2, 3], [4 * drafts] * 4, [0] * 4, 4, 1, int(drafts), 0,
+                            {"draft": 10.0 * drafts, "verify": 5.0 + 5.0 * drafts}))
+    # the slower side probed after PROBE_EVERY steps, then after twice as many (it stayed slower)
+    assert [i for i, c in enumerate(choices) if c] == [p.PROBE_EVERY, 3 * p.PROBE_EVERY + 1]
+    for _ in range(6):  # drafting turns faster (every draft accepted): the choice moves to it
+        p.observe(StepEvent(0, 0.0, [0, 1, 2, 3], [4] * 4, [4] * 4, 20, 1, 1, 0, {"draft": 2.0, "verify": 3.0}))
+    assert sum(p.lengths(streams)) > 0
+    off = DSpark(k=4, cost=StepCost(1.0, 0.1, 0.0), measured=0)  # measured=0: the modeled test alone
+    assert sum(off.lengths(streams)) > 0 and not off.rate
+
+
 class Retrospective(DSpark):
     """A test-only rule that peeks at the target before verification: it keeps a request's first draft only where
     the target likes it more than the drafter did (p(x) > q(x)). Its outputs are not the target's distribution."""
 
     def __init__(self, target, sampling):
-        super().__init__(k=1, cost=StepCost(1.0, 0.0, 0.0))
+        super().__init__(k=1, cost=StepCost(1.0, 0.0, 0.0), measured=0)
         self.target, self.sampling = target, sampling
 
     def trim(self, streams, trees):
@@ -143,11 +178,11 @@ def test_scheduled_sampling_keeps_the_target_distribution_and_biased_rules_are_c
                            minlength=V * V), batch
     want = exact_joint(target, PROMPT, PLAIN)
     cost = StepCost(10.0, 0.1, 0.0)
-    got, batch = counts(DSpark(k=3, cost=cost))
+    got, batch = counts(DSpark(k=3, cost=cost, measured=0))
     assert chi2_p(got, want) > 1e-3
     drafted = [d.drafted for d in batch.done.values()]
     assert sum(drafted) > N_RUNS // 2 and len(set(drafted)) >= 2  # drafts were scheduled, cut and verified
-    assert chi2_p(counts(DSpark(k=3, cost=cost), own_token=True)[0], want) < 1e-3
+    assert chi2_p(counts(DSpark(k=3, cost=cost, measured=0), own_token=True)[0], want) < 1e-3
     assert chi2_p(counts(Retrospective(target, PLAIN))[0], want) < 1e-3
 
 

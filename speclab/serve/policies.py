@@ -156,32 +156,59 @@ class Goodput:
 class DSpark:
     name = "dspark"
     confidence = True  # the batch asks each request's drafter for its rows' c_k
-    PROBE_EVERY = 8  # steps without drafting after which the batch drafts once more (fresh confidences)
+    PROBE_EVERY = 8  # steps without drafting after which the batch drafts once more (fresh confidences); with
+    # `measured`, steps after which the choice measured slower is taken once more (a fresh measurement), doubled
+    # after every probe that left it slower (up to PROBE_MAX) and back to PROBE_EVERY when the faster side changes
+    PROBE_MAX = 64
+    RATE_WEIGHT = 0.2  # a step's weight in the moving averages of measured throughput
 
-    def __init__(self, k: int = 8, cost: StepCost | None = None):
-        self.k = k
+    def __init__(self, k: int = 8, cost: StepCost | None = None, measured: int = 1):
+        self.k, self.measured = k, bool(measured)
         self.cost = None if cost is None else StepCost(cost.verify0, cost.verify1, cost.per_request)  # verify only
         self.kept: dict[int, int] = {}  # request -> the drafts its last admission kept
         self.surv: dict[int, list[float]] = {}  # request -> its last block's survival products
         self.call_ms = 0.0  # a drafting step's drafter call (every request's block in one call): a moving average
         self.idle = 0  # steps since the batch last drafted
+        self.rate: dict[bool, float] = {}  # drafted or not -> committed tokens per ms of such steps (moving average)
+        self.since = 0  # steps since the choice measured slower was last taken
+        self.every = self.PROBE_EVERY  # steps between two such probes now
+        self.best: bool | None = None  # the faster side at the last decision
 
-    def lengths(self, streams) -> list[int]:
-        """How long each block is, from the last step's confidences (the production variant's capacity from older
-        confidences, §5.2; past steps only, never this step's drafts): first whether drafting pays at all this step,
-        the admission of the last survivals against the verification rows plus one drafter call (on this CPU the
-        call costs about what a target step does); then a block as long as the request's last admission kept, plus
-        one (at most k; a new request: k)."""
-        old = [self.surv.get(s.req.rid) for s in streams]
+    def drafts_now(self, streams, old) -> bool:
+        """Whether the batch drafts this step. `measured`: the choice with the higher measured throughput (committed
+        tokens per ms of the steps that drafted, and of those that did not: each tried first, then the slower one
+        again after PROBE_EVERY steps, less and less often while it stays slower), so the batch never stays on the
+        slower side of no speculation and pays little for looking. Otherwise
+        (and until both are measured) the modeled test: the admission of the last survivals against the
+        verification rows plus one drafter call."""
+        if self.measured and len(self.rate) < 2:
+            return True not in self.rate  # measure drafting first, then not drafting
+        if self.measured:
+            best = self.rate[True] >= self.rate[False]
+            if best != self.best:  # the faster side changed (or is known for the first time): look often again
+                self.best, self.every = best, self.PROBE_EVERY
+            self.since += 1
+            if self.since > self.every:
+                self.since, self.every = 0, min(2 * self.every, self.PROBE_MAX)
+                return not best
+            return best
         if self.cost is not None and self.call_ms and all(o is not None for o in old) \
                 and self.idle < self.PROBE_EVERY:
             n = len(streams)
             ks = admit(old, self.cost)
             gain = sum(o[k - 1] for o, k in zip(old, ks) if k) if any(ks) else 0.0
             drafting = (n + gain) / (self.cost.ms(n + sum(ks), n) + self.call_ms)
-            if drafting <= n / self.cost.ms(n, n):
-                self.idle += 1
-                return [0] * n
+            return drafting > n / self.cost.ms(n, n)
+        return True
+
+    def lengths(self, streams) -> list[int]:
+        """How long each block is, from the last step's confidences (the production variant's capacity from older
+        confidences, §5.2; past steps only, never this step's drafts): first whether the batch drafts at all this
+        step (`drafts_now`); then a block as long as the request's last admission kept, plus one (at most k; a new
+        request: k)."""
+        if not self.drafts_now(streams, [self.surv.get(s.req.rid) for s in streams]):
+            self.idle += 1
+            return [0] * len(streams)
         self.idle = 0
         return [min(self.k, self.kept.get(s.req.rid, self.k - 1) + 1) for s in streams]
 
@@ -203,6 +230,11 @@ class DSpark:
     def observe(self, ev) -> None:
         if ev.drafter_calls:
             self.call_ms = ev.ms["draft"] if not self.call_ms else 0.8 * self.call_ms + 0.2 * ev.ms["draft"]
+        ms = sum(v for phase, v in ev.ms.items() if phase != "prefill")  # admissions are not the choice's
+        if ev.rids and ms > 0:
+            key, r = ev.drafter_calls > 0, (len(ev.rids) + sum(ev.accepted)) / ms  # drafted: the call was paid
+            w = self.RATE_WEIGHT
+            self.rate[key] = r if key not in self.rate else (1 - w) * self.rate[key] + w * r
 
 
 def parse_policy(spec: str) -> tuple[str, dict]:
@@ -225,7 +257,7 @@ def parse_policy(spec: str) -> tuple[str, dict]:
         return name, {"table": parse_table(pairs or [tuple(kv.split("=")) for kv in DEFAULT_TABLE.split(",")], spec)}
     known = {"fixed": {"k": (int, Bound(0, MAX_K))},
              "goodput": {"k": (int, Bound(1, MAX_K)), "alpha0": (float, Bound(0.0, 0.99))},
-             "dspark": {"k": (int, Bound(1, MAX_K))}}[name]
+             "dspark": {"k": (int, Bound(1, MAX_K)), "measured": (int, Bound(0, 1))}}[name]
     params = {}
     for k, v in pairs:
         if k not in known:
