@@ -177,10 +177,9 @@ class DSpark:
     def drafts_now(self, streams, old) -> bool:
         """Whether the batch drafts this step. `measured`: the choice with the higher measured throughput (committed
         tokens per ms of the steps that drafted, and of those that did not: each tried first, then the slower one
-        again after PROBE_EVERY steps, less and less often while it stays slower), so the batch never stays on the
-        slower side of no speculation and pays little for looking. Otherwise
-        (and until both are measured) the modeled test: the admission of the last survivals against the
-        verification rows plus one drafter call."""
+        again after PROBE_EVERY steps, less and less often while it stays slower), so the batch does not stay on the
+        slower side; a probe of drafting after idle steps pays for the drafters' catch-up. Otherwise the modeled
+        test: the admission of the last survivals against the verification rows plus one drafter call."""
         if self.measured and len(self.rate) < 2:
             return True not in self.rate  # measure drafting first, then not drafting
         if self.measured:
