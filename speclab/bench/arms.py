@@ -15,7 +15,7 @@ import torch
 from speclab.metrics import model_error, speedup, tau, tokens_per_s
 from speclab.progress import Progress
 from speclab.routing import replay
-from speclab.routing.arms import DEFAULT_ARMS
+from speclab.routing.arms import DEFAULT_ARMS, rule_other
 from speclab.routing.routers import LOOKUP, MIN_MATCH, NONE, ArmCosts, arm_backlogs
 
 
@@ -118,13 +118,6 @@ def bench_arm_profiles(store, bench_id: str, target, models: dict, arms: str = D
         out.append(profile_prompt(target, drafters, *item, arms=names))
         prog.update(i + 1)
     return out
-
-
-def rule_other(arms: tuple[str, ...]) -> str | None:
-    """The arm the rule router takes where prompt lookup's match is short: the first other arm (as `route` builds
-    it); None for the none arm."""
-    other = next(a for a in arms if a != LOOKUP)
-    return None if other == NONE else other
 
 
 def rule_sweep(profiles: list[replay.Profile], costs: ArmCosts, grid) -> pd.DataFrame:

@@ -154,6 +154,13 @@ class Merged:
             d.commit(own, torch.tensor(kept, dtype=torch.long, device=own.tokens.device))
 
 
+def rule_other(arms) -> str | None:
+    """The arm the rule router takes where prompt lookup's match is short: the first arm that is not prompt lookup's
+    (None for the none arm: the target alone)."""
+    other = next(a for a in arms if a != LOOKUP)
+    return None if other == NONE else other
+
+
 def build(target, models, arms=DEFAULT_ARMS, router=ROUTER, min_match=None, category=None, **_):
     """(drafters by name, router) of a route spec: each drafter once (its method's defaults), each merged arm a
     `Merged` over those same instances, and the router over the arm names. The rule's `min_match` None = calibrated
@@ -186,7 +193,7 @@ def build(target, models, arms=DEFAULT_ARMS, router=ROUTER, min_match=None, cate
                                "router=rule, or train one for these arms (speclab train route --arms ...)")
         return built, ArmRouter(mlp, [a.name for a in parsed])
     look = next(a.name for a in parsed if a.members == (LOOKUP,))
-    other = next(n for n in names if n != look)
+    other = rule_other([a.name for a in parsed])
     if min_match is None:
         min_match = round(default_threshold("rule", category, target.fingerprint))
     return built, RuleRouter(look, other, min_match)
