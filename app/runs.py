@@ -323,5 +323,6 @@ def build_explorer(lab: Lab, runs: Runs) -> dict:
     # the filters act as they change (a method picked or typed, a category as it is typed), not only on Refresh
     f_method.change(runs.table, [f_method, f_cat], runs_df, trigger_mode="always_last", show_progress="hidden")
     f_cat.change(runs.table, [f_method, f_cat], runs_df, trigger_mode="always_last", show_progress="hidden")
-    sql_run.click(runs.sql, sql_box, [sql_out, sql_msg])
+    # a click while a query runs is kept (the last one), not dropped: the message says which query each result is
+    sql_run.click(runs.sql, sql_box, [sql_out, sql_msg], trigger_mode="always_last")
     return {"runs_df": runs_df, "f_method": f_method, "f_cat": f_cat}

@@ -518,7 +518,8 @@ class TraceStore:
         if not sql:
             raise TraceError("the query is empty")
         try:
-            stmts = self.con.extract_statements(sql)
+            with self._lock:  # the connection is shared with the trace's writer thread: one user at a time
+                stmts = self.con.extract_statements(sql)
         except duckdb.Error as e:
             raise TraceError(f"invalid SQL: {e}") from e
         if len(stmts) != 1 or stmts[0].type != duckdb.StatementType.SELECT:
