@@ -34,6 +34,9 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   python -m ruff --version >/dev/null && python -m mypy --version >/dev/null && lint-imports --help >/dev/null
   echo "$want" > "$stamp"
 fi
+# the decoder layers' C++ loop (speclab/core/native.cpp; about 25 s once per machine and torch, rebuilt when the
+# source changes): built here so a first decode does not wait for it; without a compiler, decoding runs from Python
+python -c "from speclab.core import native; native.main()"
 # llama.cpp, the CPU peer of the bench (speclab.llamacpp), for `setup.sh test` and `setup.sh peers` (make test,
 # make bench; the app does not need it): llama-cpp-python built from its source distribution for
 # this CPU (-march=native), kept in .venv. The first build takes about 4 minutes on 2 cores. The CPU's name and flags

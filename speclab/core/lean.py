@@ -23,6 +23,7 @@ from typing import Any, NamedTuple
 import torch
 import torch.nn.functional as F
 
+from speclab.core import native
 from speclab.core.layers import FusedLayer, attend, causal_mask, rope_tables
 from speclab.core.precision import Head, rms_norm32
 
@@ -229,7 +230,10 @@ class LeanDecoder:
             h = torch.cat([h, con.emb.to(h.dtype)])
             cos = torch.cat([cos, self.cos[con.pos][:, None]])
             sin = torch.cat([sin, self.sin[con.pos][:, None]])
-        h, kept = self._layers(h, cos, sin, self._mix(cache, start, n, self._sdpa(cache, mask), con), layers, n)
+        if con is None and native.active(h):  # the same ops from C++ (`speclab.core.native`)
+            h, kept = native.fused_layers(self.layers, h, cos, sin, cache, start, mask, self.scaling, layers)
+        else:
+            h, kept = self._layers(h, cos, sin, self._mix(cache, start, n, self._sdpa(cache, mask), con), layers, n)
         h, h_con = (h[:n], h[n:]) if con is not None else (h, None)
         cache.length = end
         feats = (kept[layers[0]] if len(layers) == 1 else torch.cat([kept[i] for i in layers], -1)) if layers else None

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from speclab.core import layers
+from speclab.core import layers, native
 from speclab.errors import InvalidInput
 
 DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
@@ -119,14 +119,15 @@ def family(method: str) -> str:
 
 
 def machine() -> dict:
-    """What the decision depends on besides the models: CPU model, a hash of all its flags, cores, threads, torch, and
-    how bf16 matmuls run (`speclab.core.layers.linear`)."""
+    """What the decision depends on besides the models: CPU model, a hash of all its flags, cores, threads, torch,
+    how bf16 matmuls run (`speclab.core.layers.linear`) and whether the layers run from C++ (`speclab.core.native`)."""
     import hashlib
     import os
     name, flags = _cpu()
     return {"cpu": name, "flags": hashlib.sha1(" ".join(sorted(flags)).encode()).hexdigest()[:12],
             "bf16": list(cpu_info()[1]), "cores": os.cpu_count(), "threads": torch.get_num_threads(),
-            "torch": torch.__version__, "linear": "prepacked" if layers.PACKED else "F.linear"}
+            "torch": torch.__version__, "linear": "prepacked" if layers.PACKED else "F.linear",
+            "layers": "native" if native.ENABLED and native.build() is not None else "python"}
 
 
 def other_load(window_s: float = 0.3) -> float:
@@ -340,6 +341,9 @@ class Head:
     def __call__(self, h: torch.Tensor) -> torch.Tensor:
         """float32 logits [..., V] of hidden states h [..., d] (fp32 from `rms_norm32`, or the model's dtype)."""
         w = self.weight
+        if self.refine and native.active(h):  # the same ops from C++ (`speclab.core.native`)
+            out, risky = native.refined_head(h, w, self.k, self.w_norm)
+            return self._full_rows(out, h, risky)
         low = layers.linear(h.to(w.dtype), w).float()
         if not self.refine:
             return low
@@ -351,9 +355,15 @@ class Head:
         if self.k < shape[-1]:  # could an unrefined logit reach the refined maximum? then that row in full fp32
             kth = top.values[:, -1]
             err = kth.abs() * 2.0 ** -7 + self.w_norm * (h - h.to(w.dtype).float()).norm(dim=-1) + 1e-3
-            unsafe = (kth + err >= exact.max(-1).values).nonzero().flatten().tolist()
-            if unsafe:  # rare; one row at a time, so a row's result never depends on the others
-                w32 = w.float()
-                for r in unsafe:
-                    out[r] = F.linear(h[r : r + 1], w32)[0]
+            out = self._full_rows(out.view(shape), h, kth + err >= exact.max(-1).values)
         return out.view(shape)
+
+    def _full_rows(self, out: torch.Tensor, h: torch.Tensor, risky: torch.Tensor) -> torch.Tensor:
+        """`out` [.., V] with the `risky` rows (of the rows flattened) recomputed in full fp32: rare; one row at a
+        time, so a row's result never depends on the others."""
+        rows = risky.nonzero().flatten().tolist()
+        if rows:
+            flat, h, w32 = out.view(-1, out.shape[-1]), h.reshape(-1, h.shape[-1]).float(), self.weight.float()
+            for r in rows:
+                flat[r] = F.linear(h[r : r + 1], w32)[0]
+        return out

@@ -39,6 +39,7 @@ import torch
 import torch.nn as nn
 
 from speclab.checks import MAX_TREE_NODES, Bound
+from speclab.core import native
 from speclab.core.layers import DecoderLayer, Linear, linear, rope_inv_freq, rope_tables
 from speclab.core.lean import KVCache, mix_many
 from speclab.core.sampling import Sampling, chain_dists, draft_probs, sample
@@ -365,7 +366,11 @@ class DFlashDrafter:
             d.cache.reserve(n)
         mix = mix_many([d.cache for d in drafters], [d.known for d in drafters], n_rows, [None] * len(drafters),
                        d0.scale)  # context and block, both ways
-        for i in range(len(m.layers)):
+        for i, L in enumerate(m.layers):
+            if len(drafters) == 1 and native.active(x):  # one block: the same ops from C++ (`speclab.core.native`)
+                x = native.decoder_layer(L, L.input_layernorm(x), x, cos, sin, d0.cache.k[i], d0.cache.v[i], d0.known,
+                                         None, d0.scale)
+                continue
             q, k, v = m.block_qkv(i, x, cos, sin)
             x = m.finish(i, x, mix(i, q, k, v))
         keep = torch.cat([torch.arange(a + 1, a + n) for a, n in

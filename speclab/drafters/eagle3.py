@@ -41,6 +41,7 @@ import torch
 import torch.nn as nn
 
 from speclab.checks import MAX_TREE_NODES, Bound
+from speclab.core import native
 from speclab.core.layers import DecoderLayer, Linear, causal_mask, rope_inv_freq, rope_tables
 from speclab.core.lean import KVCache
 from speclab.core.sampling import Sampling, chain_dists, draft_probs, draw_one
@@ -166,8 +167,12 @@ class Eagle3Model(nn.Module):
     def qkv(self, emb: torch.Tensor, h: torch.Tensor, cos, sin, q_rows: slice | None = None):
         """Queries [.., heads, n_q, D] (of `q_rows`, default all) and keys, values [.., kv_heads, n, D] for
         inputs (embedding of the next token, hidden) [.., n, H]; rotary applied."""
+        return self.midlayer.self_attn.qkv(self.attn_input(emb, h), cos, sin, q_rows)
+
+    def attn_input(self, emb: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+        """What attention reads: [input_layernorm(embedding), hidden_norm(hidden)] [.., n, 2 x H]."""
         L = self.midlayer
-        return L.self_attn.qkv(torch.cat([L.input_layernorm(emb), L.hidden_norm(h)], -1), cos, sin, q_rows)
+        return torch.cat([L.input_layernorm(emb), L.hidden_norm(h)], -1)
 
     def finish(self, h: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
         """The rest of the layer (`speclab.core.layers.Layer.finish`): residual + o_proj(attention output
@@ -292,12 +297,15 @@ class Eagle3Drafter:
         self.pending_ids, self.pending_feats = self.pending_ids[:0], self.pending_feats[:0]
         start, end = self.known, self.known + m
         cos, sin = self._rope(torch.arange(start, end, device=self.device))
-        rows = slice(m - 1, m) if self.kv_only else None
-        q, k, v = self.m.qkv(emb, h, cos, sin, q_rows=rows)
-        out = self._attend(q, k, v, start, mask=None)  # the last row sees everything; rows of a full pass, causal
-        if self.kv_only:
-            h = h[-1:]
-        h = self.m.finish(h, out)
+        n_q = 1 if self.kv_only else m
+        if native.active(emb):  # the same ops from C++ (`speclab.core.native`)
+            mask = self._slots(start, m, n_q, None)
+            h = native.decoder_layer(self.m.midlayer, self.m.attn_input(emb, h), h[m - n_q :], cos, sin,
+                                     self.cache.k[0], self.cache.v[0], start, mask, self.scale, q_from=m - n_q)
+        else:
+            q, k, v = self.m.qkv(emb, h, cos, sin, q_rows=slice(m - 1, m) if self.kv_only else None)
+            out = self._attend(q, k, v, start, mask=None)  # the last row sees everything; rows of a full pass, causal
+            h = self.m.finish(h[m - n_q :], out)
         logits = self._logits(h)  # every row in the full pass (what a plain forward computes)
         self.known = end
         self.root_h, self.root_logits = h[-1:], logits[-1:]
@@ -429,13 +437,18 @@ class Eagle3Drafter:
     def _attend(self, q, k, v, start: int, mask: torch.Tensor | None):
         """Write k, v [kv_heads, n, D] at cache positions start.., attend queries [heads, n_q, D] over the cache up
         to there (default: causal for the last n_q rows; `mask` [n_q, end] bool otherwise)."""
-        n, end = k.shape[1], start + k.shape[1]
-        self.cache.reserve(n)
+        mask = self._slots(start, k.shape[1], q.shape[1], mask)
         self.cache.write(0, start, k, v)
-        self.cache.length = end
-        if mask is None and q.shape[1] > 1:
-            mask = causal_mask(q.shape[1], end, self.device)
-        return self.cache.attend(0, q, end, mask, self.scale)
+        return self.cache.attend(0, q, self.cache.length, mask, self.scale)
+
+    def _slots(self, start: int, n: int, n_q: int, mask: torch.Tensor | None) -> torch.Tensor | None:
+        """Room for n rows at cache slots start.., which then end the cache; the mask of the last n_q rows' queries
+        over it (default: causal) (`_attend`)."""
+        self.cache.reserve(n)
+        self.cache.length = start + n
+        if mask is None and n_q > 1:
+            mask = causal_mask(n_q, self.cache.length, self.device)
+        return mask
 
     @torch.inference_mode()
     def propose(self, max_depth: int, sampling: Sampling, generator: torch.Generator | None = None) -> DraftTree:
@@ -455,8 +468,14 @@ class Eagle3Drafter:
         pos = torch.full((f,), self.known - 1 + depth_of_rows, device=self.device)
         cos, sin = self._rope(pos)
         with forward_clock:
-            q, k, v = self.m.qkv(self._embed(tokens), h_parent, cos, sin)
-            h = self.m.finish(h_parent, self._attend(q, k, v, start, mask))
+            emb = self._embed(tokens)
+            if native.active(emb):  # the same ops from C++ (`speclab.core.native`)
+                mask = self._slots(start, f, f, mask)
+                h = native.decoder_layer(self.m.midlayer, self.m.attn_input(emb, h_parent), h_parent, cos, sin,
+                                         self.cache.k[0], self.cache.v[0], start, mask, self.scale)
+            else:
+                q, k, v = self.m.qkv(emb, h_parent, cos, sin)
+                h = self.m.finish(h_parent, self._attend(q, k, v, start, mask))
             logits = self._logits(h)
         return h, torch.log_softmax(logits.float(), -1)
 

@@ -1,0 +1,131 @@
+"""The decoder layers' loop in C++ (`native.cpp`), for decode steps on a CPU.
+
+A decode step of the zoo target calls about 300 ATen ops from Python, and on a 2-core CPU each costs a few
+microseconds of interpreter and dispatch besides its work: a third of the step (`speclab costs step`). `native.cpp`
+runs the same ops, in the same order, from C++: every output is bitwise the Python path's (checked by the tests in
+fp32 and bf16), so this is a faster way to call the model code of `speclab.core.layers`, not a second model.
+
+It is built once per machine and torch version with torch's C++ extension loader (a C++ compiler and ninja; about
+25 s; `python -m speclab.core.native` builds it ahead, as `scripts/setup.sh` does) into torch's extensions folder.
+Where it cannot be built, or with `SPECLAB_NATIVE=0` in the environment (to compare), everything runs from Python
+as before. It runs only outside autograd, on the CPU, and never in exact mode (whose fixed-shape attention is
+Python's).
+"""
+from __future__ import annotations
+
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from speclab.core import layers as L
+
+SOURCE = Path(__file__).with_name("native.cpp")
+ENABLED = os.environ.get("SPECLAB_NATIVE", "1") != "0"
+_state: dict[str, Any] = {}
+
+
+def build(verbose: bool = False) -> Any:
+    """The compiled module (built on the first call in a process that finds no build; loaded after), or None where
+    it cannot be built (the reason is printed once to stderr)."""
+    if "module" in _state:
+        return _state["module"]
+    mod = None
+    try:
+        from torch.utils.cpp_extension import load
+
+        bindir = str(Path(sys.executable).parent)  # ninja from the environment's own bin folder (the PyPI wheel)
+        if bindir not in os.environ.get("PATH", "").split(os.pathsep):
+            os.environ["PATH"] = bindir + os.pathsep + os.environ.get("PATH", "")
+        mod = load("speclab_native", [str(SOURCE)], extra_cflags=["-O2"], verbose=verbose)
+    except Exception as e:  # no compiler, no ninja, a failed build: the Python path, said once
+        print(f"speclab: the native CPU layers are not available ({str(e).splitlines()[0] if str(e) else type(e)}"
+              "); decoding runs from Python", file=sys.stderr)
+    _state["module"] = mod
+    return mod
+
+
+def active(x: torch.Tensor) -> bool:
+    """Whether a forward on x runs natively: enabled, built, on the CPU, outside autograd."""
+    if not ENABLED or x.device.type != "cpu" or torch.is_grad_enabled():
+        return False
+    return build() is not None
+
+
+def _packed(w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor | None:
+    """The weight's prepacked bf16 copy where `layers.linear` uses one (None: F.linear)."""
+    if L.PACKED and L._PACKED_LINEAR is not None and w.dtype is torch.bfloat16 and w.device.type == "cpu":
+        return L._packed(w, b)
+    return None
+
+
+def _cached(layer, base: tuple, make) -> list:
+    """`make()`, kept on the layer while none of the tensors in `base` changes in place (not as a module
+    attribute: no state-dict entry)."""
+    key = tuple(-1 if w is None or w.is_inference() else w._version for w in base)
+    held = layer.__dict__.get("_native")
+    if held is None or held[0] != key:
+        held = layer.__dict__["_native"] = (key, make())
+    return held[1]
+
+
+def fused_weights(layer: L.FusedLayer) -> list:
+    """A `FusedLayer`'s weights as `native.cpp`'s `fused_layers` reads them."""
+    base = (layer.in_norm, layer.qkv_w, layer.qkv_b, layer.qk_norm, layer.o, layer.o_bias, layer.post,
+            layer.gate_up, layer.down)
+    return _cached(layer, base, lambda: [
+        layer.in_norm, layer.qkv_w, layer.qkv_b, _packed(layer.qkv_w, layer.qkv_b), layer.qk_norm, layer.o,
+        layer.o_bias, _packed(layer.o, layer.o_bias), layer.post, layer.gate_up, _packed(layer.gate_up), layer.down,
+        _packed(layer.down)])
+
+
+def decoder_weights(layer: L.DecoderLayer) -> list:
+    """A `DecoderLayer`'s weights as `native.cpp`'s `decoder_layer` reads them."""
+    a, m = layer.self_attn, layer.mlp
+    lins = (a.q_proj, a.k_proj, a.v_proj)
+    norms = (a.q_norm.weight, a.k_norm.weight) if a.qk_norm else (None, None)
+    base = (*[p for lin in (*lins, a.o_proj) for p in (lin.weight, lin.bias)], *norms,
+            layer.post_attention_layernorm.weight, m.gate_proj.weight, m.up_proj.weight, m.down_proj.weight)
+    return _cached(layer, base, lambda: [
+        *[t for lin in lins for t in (lin.weight, lin.bias, _packed(lin.weight, lin.bias))],
+        *norms, a.o_proj.weight, a.o_proj.bias, _packed(a.o_proj.weight, a.o_proj.bias),
+        layer.post_attention_layernorm.weight,
+        *[t for lin in (m.gate_proj, m.up_proj, m.down_proj) for t in (lin.weight, _packed(lin.weight))]])
+
+
+def fused_layers(layers: list[L.FusedLayer], h, cos, sin, cache, start: int, mask, scale: float, keep=()):
+    """`LeanDecoder._layers` over a `KVCache` (see `native.cpp`): (the last states, {kept layer: its output})."""
+    f = layers[0]
+    out = build().fused_layers(h, cos, sin, [fused_weights(x) for x in layers], cache.k, cache.v, start, mask, scale,
+                               f.eps, f.H, f.KV, f.D, list(keep))
+    return out[0], dict(zip(sorted(keep), out[1:]))  # in layer order
+
+
+def decoder_layer(layer: L.DecoderLayer, x, h, cos, sin, k_cache, v_cache, start: int, mask, scale: float,
+                  q_from: int = 0):
+    """One `DecoderLayer` after its input norm (x: the attention's input; h: the residual of the query rows, those
+    from `q_from` on) over one layer's cache tensors [kv_heads, slots, D] (see `native.cpp`) -> the layer's output
+    of the query rows."""
+    a = layer.self_attn
+    tiny = torch.finfo(x.dtype).eps  # nn.RMSNorm's eps=None
+    qk_eps = (a.q_norm.eps if a.q_norm.eps is not None else tiny) if a.qk_norm else 0.0
+    eps = layer.post_attention_layernorm.eps
+    return build().decoder_layer(x, h, cos, sin, decoder_weights(layer), k_cache, v_cache, start, mask, scale,
+                                 qk_eps, tiny if eps is None else eps, a.heads, a.kv_heads, a.head_dim, q_from)
+
+
+def refined_head(h, w, k: int, w_norm: float):
+    """`precision.Head`'s refined fp32 logits (see `native.cpp`) -> (logits, the rows Python recomputes in full)."""
+    out, risky = build().refined_head(h, w, _packed(w), k, w_norm)
+    return out, risky
+
+
+def main() -> None:
+    """Build ahead (`scripts/setup.sh`), saying how long it took."""
+    t0 = time.perf_counter()
+    ok = build() is not None
+    print(f"speclab setup: native CPU layers {'ready' if ok else 'not built: decoding runs from Python'} "
+          f"({time.perf_counter() - t0:.0f} s)")

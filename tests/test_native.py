@@ -1,0 +1,79 @@
+"""speclab.core.native: the decoder layers' loop run from C++ is bitwise the Python path's, for the target's lean
+forward and for the drafters that use it, in fp32 and bf16; and it is really used where a compiler is at hand."""
+import shutil
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from helpers import PROMPTS, NoTok, tiny_config
+from speclab.core import native
+from speclab.core.target import Target
+from speclab.drafters.registry import drafters
+from speclab.generate import generate
+
+needs_build = pytest.mark.skipif(shutil.which("c++") is None and shutil.which("g++") is None,
+                                 reason="no C++ compiler on this machine: decoding runs from Python")
+
+
+def _python(monkeypatch):
+    monkeypatch.setattr(native, "ENABLED", False)
+
+
+@needs_build
+def test_the_native_layers_build_and_run_on_the_cpu():
+    assert native.build() is not None
+    with torch.inference_mode():
+        assert native.active(torch.zeros(1))
+    assert not native.active(torch.zeros(1))  # autograd on: training's forwards stay Python's
+
+
+@needs_build
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("arch", ["qwen3", "llama"])
+def test_lean_forward_natively_is_bitwise_the_python_forward(arch, dtype, monkeypatch):
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(tiny_config(arch, 300, layers=3)).eval().to(dtype)
+    lean = Target(model, NoTok(), backend="lean").lean
+    ids = torch.randint(3, 300, (120,))
+
+    def run():
+        out = []
+        with torch.inference_mode():
+            for n in (1, 5, 37):
+                cache = lean.new_cache(200)
+                first = lean.forward(ids[:40], cache, layers=(2, 0))  # kept layers come back in the order asked
+                plain = lean.forward(ids[40 : 40 + n], cache, layers=(1,), hidden=True)
+                tree = torch.zeros(1, 1, n, 40 + 2 * n, dtype=dtype)  # a tree mask: each node sees itself only
+                tree[..., 40 + n :] = float("-inf")
+                tree[..., 40 + n :].diagonal(dim1=-2, dim2=-1).zero_()
+                masked = lean.forward(ids[:n], cache, mask=tree, last=2)
+                out += [*first[:2], *plain[:3], masked[0], cache.k[:, :, : 40 + 2 * n], cache.v[:, :, : 40 + 2 * n]]
+        return out
+
+    fast = run()
+    _python(monkeypatch)
+    slow = run()
+    assert all(torch.equal(a, b) for a, b in zip(fast, slow))
+
+
+@needs_build
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+@pytest.mark.parametrize("name", ["eagle3", "dflash", "sps"])
+def test_drafters_decode_natively_as_from_python(name, dtype, deep, monkeypatch):
+    """Greedy and sampled decodes (the target not in exact mode, so its forwards run natively too): the same tokens
+    in the same rounds with the native layers as without."""
+    entry = drafters()[name]
+    target = Target.load(deep.name, dtype=dtype)
+    models = {entry.model.role: entry.model.random(target, 0)}
+
+    def run():
+        out = []
+        for t in (0.0, 1.0):
+            g = generate(target, PROMPTS[0], name, models=models, max_new_tokens=24, temperature=t, seed=3)
+            out.append((g.token_ids, g.decode.rounds))
+        return out
+
+    fast = run()
+    _python(monkeypatch)
+    assert run() == fast
