@@ -77,3 +77,45 @@ def test_drafters_decode_natively_as_from_python(name, dtype, deep, monkeypatch)
     fast = run()
     _python(monkeypatch)
     assert run() == fast
+
+
+@needs_build
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_ragged_batches_natively_are_bitwise_the_python_batches(dtype, deep, trained_dflash, monkeypatch):
+    """`forward_many` over three sequences (a chain, one row, a tree's rows) and DFlash's blocks of two drafters in
+    one call: the same logits, features and caches natively as from Python."""
+    from speclab.core.lean import Segment
+    from speclab.core.sampling import Sampling
+    from speclab.core.tree import DraftTree, tree_attention_mask, tree_position_ids
+    from speclab.drafters.dflash import DFlashDrafter
+    from speclab.drafters.registry import build_drafter
+
+    target = Target.load(deep.name, dtype=dtype)
+    model = trained_dflash.to(target.dtype)
+    prompts = [torch.tensor(target.tokenizer(p)["input_ids"]) for p in PROMPTS[:3]]
+    tree = DraftTree(torch.tensor([5, 6, 7, 8]), torch.tensor([-1, 0, 0, 1]), torch.ones(4))
+
+    def run():
+        with torch.inference_mode():
+            caches = [target.new_cache(128) for _ in prompts]
+            for x, c in zip(prompts, caches):
+                target.forward(x, c)
+            root = torch.tensor([4])
+            rows = [torch.tensor([5, 6, 7]), torch.tensor([9]), torch.cat([root, tree.tokens])]
+            segs = [Segment(rows[0], caches[0]), Segment(rows[1], caches[1]),
+                    Segment(rows[2], caches[2], tree_position_ids(tree.depth, caches[2].length, True),
+                            tree_attention_mask(tree.ancestors, caches[2].length, target.dtype, True))]
+            out = [t for o in target.forward_many(segs, layers=(2, 0)) for t in (o.logits, o.features)]
+            out += [c.k[:, :, : c.length] for c in caches]
+            ds = [build_drafter("dflash", target, {"dflash": model}, block_size=5, markov=0) for _ in prompts[:2]]
+            for d, x in zip(ds, prompts):
+                d.reset(x, target.forward(x, target.new_cache(128), layers=d.layers).features)
+            out += DFlashDrafter.blocks_logits(ds, [5, 3])
+            out += [d.cache.v[:, :, : d.cache.length] for d in ds]
+            out += [d.propose(4, Sampling(), None).tokens for d in ds]
+        return out
+
+    fast = run()
+    _python(monkeypatch)
+    slow = run()
+    assert len(fast) == len(slow) and all(torch.equal(a, b) for a, b in zip(fast, slow))

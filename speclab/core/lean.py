@@ -231,7 +231,8 @@ class LeanDecoder:
             cos = torch.cat([cos, self.cos[con.pos][:, None]])
             sin = torch.cat([sin, self.sin[con.pos][:, None]])
         if con is None and native.active(h):  # the same ops from C++ (`speclab.core.native`)
-            h, kept = native.fused_layers(self.layers, h, cos, sin, cache, start, mask, self.scaling, layers)
+            h, kept = native.fused_layers(self.layers, h, cos, sin, [cache], [start], [n], [mask], self.scaling,
+                                          layers)
         else:
             h, kept = self._layers(h, cos, sin, self._mix(cache, start, n, self._sdpa(cache, mask), con), layers, n)
         h, h_con = (h[:n], h[n:]) if con is not None else (h, None)
@@ -262,9 +263,13 @@ class LeanDecoder:
             s.cache.reserve(n)
             end = s.cache.length + n
             masks.append(s.mask[0, 0] if s.mask is not None else causal_mask(n, end, self.device) if n > 1 else None)
-        mix = mix_many([s.cache for s in segs], [s.cache.length for s in segs], ns, masks, self.scaling)
-        h, kept = self._layers(self.embed[torch.cat([s.ids for s in segs]).to(self.device)],
-                               self.cos[pos][:, None], self.sin[pos][:, None], mix, layers, bounds[-1])
+        h, cos, sin = self.embed[torch.cat([s.ids for s in segs]).to(self.device)], self.cos[pos][:, None], \
+            self.sin[pos][:, None]
+        caches, starts = [s.cache for s in segs], [s.cache.length for s in segs]
+        if native.active(h):  # the same ops from C++ (`speclab.core.native`)
+            h, kept = native.fused_layers(self.layers, h, cos, sin, caches, starts, ns, masks, self.scaling, layers)
+        else:
+            h, kept = self._layers(h, cos, sin, mix_many(caches, starts, ns, masks, self.scaling), layers, bounds[-1])
         h = self.final_norm(h)
         logits = self.head(h)
         out = []

@@ -38,6 +38,33 @@ static Tensor attend(const Tensor& q, const Tensor& ck, const Tensor& cv, int64_
                                           cv.slice(1, 0, end).unsqueeze(0), mask, 0.0, false, scale, gqa).squeeze(0);
 }
 
+// The attention step of layer i over one or several sequences' caches (`LeanDecoder._mix`, `lean.mix_many`): rows
+// of sequence j (ns[j] of them, in order) written to its cache ck[j], cv[j] ([layers, kv_heads, slots, D]) at slots
+// starts[j].., its queries attending over slots [0, starts[j] + ns[j]) under masks[j]. One sequence's queries may be
+// fewer than its rows (the last ones: `Attention.qkv`'s q_rows). q [heads, rows, D], k, v [kv_heads, rows, D]
+static Tensor mix(int64_t i, const Tensor& q, const Tensor& k, const Tensor& v, const std::vector<Tensor>& ck,
+                  const std::vector<Tensor>& cv, const std::vector<int64_t>& starts, const std::vector<int64_t>& ns,
+                  const std::vector<OptT>& masks, double scale) {
+  if (ck.size() == 1) {
+    auto cki = ck[0].select(0, i), cvi = cv[0].select(0, i);
+    int64_t end = starts[0] + ns[0];
+    cki.slice(1, starts[0], end).copy_(k);
+    cvi.slice(1, starts[0], end).copy_(v);
+    return attend(q, cki, cvi, end, masks[0], scale);
+  }
+  std::vector<Tensor> out;
+  int64_t a = 0;
+  for (size_t j = 0; j < ck.size(); ++j) {
+    int64_t b = a + ns[j], end = starts[j] + ns[j];
+    auto cki = ck[j].select(0, i), cvi = cv[j].select(0, i);
+    cki.slice(1, starts[j], end).copy_(k.slice(1, a, b));
+    cvi.slice(1, starts[j], end).copy_(v.slice(1, a, b));
+    out.push_back(attend(q.slice(1, a, b), cki, cvi, end, masks[j], scale));
+    a = b;
+  }
+  return at::cat(out, 1);
+}
+
 // `Layer.finish` with the MLP `down(silu(gate(x)) * up(x))`; gate and up fused (`FusedLayer`) or not (`MLP`)
 static Tensor finish(const Tensor& h, const Tensor& a, const Tensor& o, const OptT& ob, const OptT& op,
                      const Tensor& post, double eps, const std::vector<OptT>& mlp) {
@@ -55,14 +82,16 @@ static Tensor finish(const Tensor& h, const Tensor& a, const Tensor& o, const Op
   return h1 + linear(at::silu(g) * u, *mlp[4], std::nullopt, mlp[5]);
 }
 
-// The lean forward's layers (`LeanDecoder._layers` with `_mix` over a `KVCache`): rows h [n, d] written at cache
-// slots start..start+n, attending under `mask` ([n, end]; None: every slot). Each layer's weights, as
+// The lean forward's layers (`LeanDecoder._layers` over `KVCache`s: `_mix` for one sequence, `mix_many` for a
+// ragged batch): rows h [rows, d] of the sequences (see `mix`). Each layer's weights, as
 // `speclab.core.native.fused_weights` lists them: in_norm, qkv, qkv bias, qkv packed, qk norm, o, o bias, o packed,
-// post norm, gate_up, gate_up packed, down, down packed. -> [h, the outputs of the layers in `keep`, first n rows]
+// post norm, gate_up, gate_up packed, down, down packed. -> [h, the outputs of the layers in `keep` (ascending)]
 std::vector<Tensor> fused_layers(Tensor h, const Tensor& cos, const Tensor& sin, const std::vector<std::vector<OptT>>& W,
-                                 const Tensor& ck, const Tensor& cv, int64_t start, const OptT& mask, double scale,
-                                 double eps, int64_t H, int64_t KV, int64_t D, const std::vector<int64_t>& keep) {
-  int64_t n = h.size(0), d = h.size(-1), end = start + n;
+                                 const std::vector<Tensor>& ck, const std::vector<Tensor>& cv,
+                                 const std::vector<int64_t>& starts, const std::vector<int64_t>& ns,
+                                 const std::vector<OptT>& masks, double scale, double eps, int64_t H, int64_t KV,
+                                 int64_t D, const std::vector<int64_t>& keep) {
+  int64_t d = h.size(-1);
   std::vector<Tensor> out{Tensor()};
   for (size_t i = 0; i < W.size(); ++i) {
     const auto& w = W[i];
@@ -71,28 +100,25 @@ std::vector<Tensor> fused_layers(Tensor h, const Tensor& cos, const Tensor& sin,
     auto v = qkv.slice(-2, H + KV).transpose(-2, -3);
     if (w[4].has_value()) qk = at::rms_norm(qk, {D}, std::nullopt, eps) * *w[4];
     qk = rope(qk, cos, sin).transpose(-2, -3);
-    auto cki = ck.select(0, i), cvi = cv.select(0, i);
-    cki.slice(1, start, end).copy_(qk.slice(-3, H));
-    cvi.slice(1, start, end).copy_(v);
-    h = finish(h, attend(qk.slice(-3, 0, H), cki, cvi, end, mask, scale), *w[5], w[6], w[7], *w[8], eps,
-               {w[9], w[10], w[11], w[12]});
+    auto a = mix(i, qk.slice(-3, 0, H), qk.slice(-3, H), v, ck, cv, starts, ns, masks, scale);
+    h = finish(h, a, *w[5], w[6], w[7], *w[8], eps, {w[9], w[10], w[11], w[12]});
     for (auto j : keep)
-      if (j == (int64_t)i) out.push_back(h.slice(0, 0, n));
+      if (j == (int64_t)i) out.push_back(h);
   }
   out[0] = h;
   return out;
 }
 
-// One `DecoderLayer` (a drafter's: one Linear a projection) after its input norm: attention input x [n, d_in];
-// keys and values of every row written to one layer's cache (ck, cv [kv_heads, slots, D]) at start..; queries of
-// the rows from `q_from` on (`Attention.qkv`'s q_rows) attending over slots [0, start + n) under `mask`, with the
-// residual h of those rows. Weights as `speclab.core.native.decoder_weights` lists them: q, q bias, q packed, k ..,
-// v .., q norm, k norm, o, o bias, o packed, post norm, then gate, packed, up, packed, down, packed. -> the layer's
-// output of the query rows
+// One `DecoderLayer` (a drafter's: one Linear a projection), layer i of its caches, after its input norm: attention
+// input x [rows, d_in] of the sequences (see `mix`); the queries of the rows from `q_from` on (`Attention.qkv`'s
+// q_rows; one sequence) with the residual h of those rows. Weights as `speclab.core.native.decoder_weights` lists
+// them: q, q bias, q packed, k .., v .., q norm, k norm, o, o bias, o packed, post norm, then gate, packed, up,
+// packed, down, packed. -> the layer's output of the query rows
 Tensor decoder_layer(const Tensor& x, const Tensor& h, const Tensor& cos, const Tensor& sin, const std::vector<OptT>& w,
-                     const Tensor& ck, const Tensor& cv, int64_t start, const OptT& mask, double scale, double qk_eps,
-                     double eps, int64_t H, int64_t KV, int64_t D, int64_t q_from) {
-  int64_t n = x.size(0), end = start + n;
+                     int64_t i, const std::vector<Tensor>& ck, const std::vector<Tensor>& cv,
+                     const std::vector<int64_t>& starts, const std::vector<int64_t>& ns,
+                     const std::vector<OptT>& masks, double scale, double qk_eps, double eps, int64_t H, int64_t KV,
+                     int64_t D, int64_t q_from) {
   auto q = linear(q_from ? x.slice(0, q_from) : x, *w[0], w[1], w[2]).unflatten(-1, {H, D});
   if (w[9].has_value()) q = at::rms_norm(q, {D}, *w[9], qk_eps);
   auto k = linear(x, *w[3], w[4], w[5]).unflatten(-1, {KV, D});
@@ -101,9 +127,7 @@ Tensor decoder_layer(const Tensor& x, const Tensor& h, const Tensor& cos, const 
   k = rope(k, cos, sin).transpose(-2, -3);
   v = v.transpose(-2, -3);
   q = (q_from ? rope(q, cos.slice(0, q_from), sin.slice(0, q_from)) : rope(q, cos, sin)).transpose(-2, -3);
-  ck.slice(1, start, end).copy_(k);
-  cv.slice(1, start, end).copy_(v);
-  return finish(h, attend(q, ck, cv, end, mask, scale), *w[11], w[12], w[13], *w[14], eps,
+  return finish(h, mix(i, q, k, v, ck, cv, starts, ns, masks, scale), *w[11], w[12], w[13], *w[14], eps,
                 {w[15], w[16], w[17], w[18], w[19], w[20]});
 }
 

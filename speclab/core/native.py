@@ -96,25 +96,28 @@ def decoder_weights(layer: L.DecoderLayer) -> list:
         *[t for lin in (m.gate_proj, m.up_proj, m.down_proj) for t in (lin.weight, _packed(lin.weight))]])
 
 
-def fused_layers(layers: list[L.FusedLayer], h, cos, sin, cache, start: int, mask, scale: float, keep=()):
-    """`LeanDecoder._layers` over a `KVCache` (see `native.cpp`): (the last states, {kept layer: its output})."""
+def fused_layers(layers: list[L.FusedLayer], h, cos, sin, caches: list, starts: list[int], ns: list[int],
+                 masks: list, scale: float, keep=()):
+    """`LeanDecoder._layers` over `KVCache`s (one sequence's: `_mix`; a ragged batch's: `lean.mix_many`; see
+    `native.cpp`): (the last states, {kept layer: its output})."""
     f = layers[0]
-    out = build().fused_layers(h, cos, sin, [fused_weights(x) for x in layers], cache.k, cache.v, start, mask, scale,
-                               f.eps, f.H, f.KV, f.D, list(keep))
+    out = build().fused_layers(h, cos, sin, [fused_weights(x) for x in layers], [c.k for c in caches],
+                               [c.v for c in caches], starts, ns, masks, scale, f.eps, f.H, f.KV, f.D, list(keep))
     return out[0], dict(zip(sorted(keep), out[1:]))  # in layer order
 
 
-def decoder_layer(layer: L.DecoderLayer, x, h, cos, sin, k_cache, v_cache, start: int, mask, scale: float,
-                  q_from: int = 0):
-    """One `DecoderLayer` after its input norm (x: the attention's input; h: the residual of the query rows, those
-    from `q_from` on) over one layer's cache tensors [kv_heads, slots, D] (see `native.cpp`) -> the layer's output
-    of the query rows."""
+def decoder_layer(layer: L.DecoderLayer, i: int, x, h, cos, sin, caches: list, starts: list[int], ns: list[int],
+                  masks: list, scale: float, q_from: int = 0):
+    """A `DecoderLayer`, layer i of the `KVCache`s, after its input norm (x: the attention's input of every row;
+    h: the residual of the query rows, those from `q_from` on) for one sequence or a ragged batch (see `native.cpp`)
+    -> the layer's output of the query rows."""
     a = layer.self_attn
     tiny = torch.finfo(x.dtype).eps  # nn.RMSNorm's eps=None
     qk_eps = (a.q_norm.eps if a.q_norm.eps is not None else tiny) if a.qk_norm else 0.0
     eps = layer.post_attention_layernorm.eps
-    return build().decoder_layer(x, h, cos, sin, decoder_weights(layer), k_cache, v_cache, start, mask, scale,
-                                 qk_eps, tiny if eps is None else eps, a.heads, a.kv_heads, a.head_dim, q_from)
+    return build().decoder_layer(x, h, cos, sin, decoder_weights(layer), i, [c.k for c in caches],
+                                 [c.v for c in caches], starts, ns, masks, scale, qk_eps, tiny if eps is None else eps,
+                                 a.heads, a.kv_heads, a.head_dim, q_from)
 
 
 def refined_head(h, w, k: int, w_norm: float):

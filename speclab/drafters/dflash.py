@@ -364,15 +364,15 @@ class DFlashDrafter:
         sin = torch.cat([d._rope(d.known, n)[1] for d, n in zip(drafters, n_rows)])
         for d, n in zip(drafters, n_rows):
             d.cache.reserve(n)
-        mix = mix_many([d.cache for d in drafters], [d.known for d in drafters], n_rows, [None] * len(drafters),
-                       d0.scale)  # context and block, both ways
+        caches, starts, masks = [d.cache for d in drafters], [d.known for d in drafters], [None] * len(drafters)
+        mix = mix_many(caches, starts, n_rows, masks, d0.scale)  # context and block, both ways
         for i, L in enumerate(m.layers):
-            if len(drafters) == 1 and native.active(x):  # one block: the same ops from C++ (`speclab.core.native`)
-                x = native.decoder_layer(L, L.input_layernorm(x), x, cos, sin, d0.cache.k[i], d0.cache.v[i], d0.known,
-                                         None, d0.scale)
-                continue
-            q, k, v = m.block_qkv(i, x, cos, sin)
-            x = m.finish(i, x, mix(i, q, k, v))
+            if native.active(x):  # the same ops from C++ (`speclab.core.native`)
+                x = native.decoder_layer(L, i, L.input_layernorm(x), x, cos, sin, caches, starts, n_rows, masks,
+                                         d0.scale)
+            else:
+                q, k, v = m.block_qkv(i, x, cos, sin)
+                x = m.finish(i, x, mix(i, q, k, v))
         keep = torch.cat([torch.arange(a + 1, a + n) for a, n in
                           zip([0, *torch.tensor(n_rows).cumsum(0).tolist()], n_rows)]).to(x.device)
         h = m.norm(x[keep])  # the mask rows' final-norm states (DSpark's confidence head reads them)

@@ -300,8 +300,8 @@ class Eagle3Drafter:
         n_q = 1 if self.kv_only else m
         if native.active(emb):  # the same ops from C++ (`speclab.core.native`)
             mask = self._slots(start, m, n_q, None)
-            h = native.decoder_layer(self.m.midlayer, self.m.attn_input(emb, h), h[m - n_q :], cos, sin,
-                                     self.cache.k[0], self.cache.v[0], start, mask, self.scale, q_from=m - n_q)
+            h = native.decoder_layer(self.m.midlayer, 0, self.m.attn_input(emb, h), h[m - n_q :], cos, sin,
+                                     [self.cache], [start], [m], [mask], self.scale, q_from=m - n_q)
         else:
             q, k, v = self.m.qkv(emb, h, cos, sin, q_rows=slice(m - 1, m) if self.kv_only else None)
             out = self._attend(q, k, v, start, mask=None)  # the last row sees everything; rows of a full pass, causal
@@ -471,8 +471,8 @@ class Eagle3Drafter:
             emb = self._embed(tokens)
             if native.active(emb):  # the same ops from C++ (`speclab.core.native`)
                 mask = self._slots(start, f, f, mask)
-                h = native.decoder_layer(self.m.midlayer, self.m.attn_input(emb, h_parent), h_parent, cos, sin,
-                                         self.cache.k[0], self.cache.v[0], start, mask, self.scale)
+                h = native.decoder_layer(self.m.midlayer, 0, self.m.attn_input(emb, h_parent), h_parent, cos, sin,
+                                         [self.cache], [start], [f], [mask], self.scale)
             else:
                 q, k, v = self.m.qkv(emb, h_parent, cos, sin)
                 h = self.m.finish(h_parent, self._attend(q, k, v, start, mask))
