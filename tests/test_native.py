@@ -1,5 +1,6 @@
 """speclab.core.native: the decoder layers' loop run from C++ is bitwise the Python path's, for the target's lean
 forward and for the drafters that use it, in fp32 and bf16; and it is really used where a compiler is at hand."""
+import copy
 import shutil
 
 import pytest
@@ -91,7 +92,7 @@ def test_ragged_batches_natively_are_bitwise_the_python_batches(dtype, deep, tra
     from speclab.drafters.registry import build_drafter
 
     target = Target.load(deep.name, dtype=dtype)
-    model = trained_dflash.to(target.dtype)
+    model = copy.deepcopy(trained_dflash).to(target.dtype)  # the session's fixture stays as it is (fp32)
     prompts = [torch.tensor(target.tokenizer(p)["input_ids"]) for p in PROMPTS[:3]]
     tree = DraftTree(torch.tensor([5, 6, 7, 8]), torch.tensor([-1, 0, 0, 1]), torch.ones(4))
 
