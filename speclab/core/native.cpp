@@ -40,11 +40,11 @@ static Tensor attend(const Tensor& q, const Tensor& ck, const Tensor& cv, int64_
 
 // The attention step of layer i over one or several sequences' caches (`LeanDecoder._mix`, `lean.mix_many`): rows
 // of sequence j (ns[j] of them, in order) written to its cache ck[j], cv[j] ([layers, kv_heads, slots, D]) at slots
-// starts[j].., its queries attending over slots [0, starts[j] + ns[j]) under masks[j]. One sequence's queries may be
-// fewer than its rows (the last ones: `Attention.qkv`'s q_rows). q [heads, rows, D], k, v [kv_heads, rows, D]
+// starts[j].., its queries (nqs[j] of them, empty: ns) attending over slots [0, starts[j] + ns[j]) under masks[j].
+// q [heads, queries, D], k, v [kv_heads, rows, D]
 static Tensor mix(int64_t i, const Tensor& q, const Tensor& k, const Tensor& v, const std::vector<Tensor>& ck,
                   const std::vector<Tensor>& cv, const std::vector<int64_t>& starts, const std::vector<int64_t>& ns,
-                  const std::vector<OptT>& masks, double scale) {
+                  const std::vector<OptT>& masks, double scale, const std::vector<int64_t>& nqs = {}) {
   if (ck.size() == 1) {
     auto cki = ck[0].select(0, i), cvi = cv[0].select(0, i);
     int64_t end = starts[0] + ns[0];
@@ -53,14 +53,14 @@ static Tensor mix(int64_t i, const Tensor& q, const Tensor& k, const Tensor& v, 
     return attend(q, cki, cvi, end, masks[0], scale);
   }
   std::vector<Tensor> out;
-  int64_t a = 0;
+  int64_t a = 0, qa = 0;
   for (size_t j = 0; j < ck.size(); ++j) {
-    int64_t b = a + ns[j], end = starts[j] + ns[j];
+    int64_t b = a + ns[j], end = starts[j] + ns[j], qb = qa + (nqs.empty() ? ns[j] : nqs[j]);
     auto cki = ck[j].select(0, i), cvi = cv[j].select(0, i);
     cki.slice(1, starts[j], end).copy_(k.slice(1, a, b));
     cvi.slice(1, starts[j], end).copy_(v.slice(1, a, b));
-    out.push_back(attend(q.slice(1, a, b), cki, cvi, end, masks[j], scale));
-    a = b;
+    out.push_back(attend(q.slice(1, qa, qb), cki, cvi, end, masks[j], scale));
+    a = b, qa = qb;
   }
   return at::cat(out, 1);
 }
@@ -110,24 +110,24 @@ std::vector<Tensor> fused_layers(Tensor h, const Tensor& cos, const Tensor& sin,
 }
 
 // One `DecoderLayer` (a drafter's: one Linear a projection), layer i of its caches, after its input norm: attention
-// input x [rows, d_in] of the sequences (see `mix`); the queries of the rows from `q_from` on (`Attention.qkv`'s
-// q_rows; one sequence) with the residual h of those rows. Weights as `speclab.core.native.decoder_weights` lists
-// them: q, q bias, q packed, k .., v .., q norm, k norm, o, o bias, o packed, post norm, then gate, packed, up,
-// packed, down, packed. -> the layer's output of the query rows
+// input x [rows, d_in] of the sequences (see `mix`); queries of the rows `q_rows` (`Attention.qkv`'s q_rows; None:
+// every row), nqs[j] of them the last rows of sequence j, with the residual h of those rows. Weights as
+// `speclab.core.native.decoder_weights` lists them: q, q bias, q packed, k .., v .., q norm, k norm, o, o bias,
+// o packed, post norm, then gate, packed, up, packed, down, packed. -> the layer's output of the query rows
 Tensor decoder_layer(const Tensor& x, const Tensor& h, const Tensor& cos, const Tensor& sin, const std::vector<OptT>& w,
                      int64_t i, const std::vector<Tensor>& ck, const std::vector<Tensor>& cv,
                      const std::vector<int64_t>& starts, const std::vector<int64_t>& ns,
                      const std::vector<OptT>& masks, double scale, double qk_eps, double eps, int64_t H, int64_t KV,
-                     int64_t D, int64_t q_from) {
-  auto q = linear(q_from ? x.slice(0, q_from) : x, *w[0], w[1], w[2]).unflatten(-1, {H, D});
+                     int64_t D, const OptT& q_rows, const std::vector<int64_t>& nqs) {
+  auto q = linear(q_rows ? x.index({*q_rows}) : x, *w[0], w[1], w[2]).unflatten(-1, {H, D});
   if (w[9].has_value()) q = at::rms_norm(q, {D}, *w[9], qk_eps);
   auto k = linear(x, *w[3], w[4], w[5]).unflatten(-1, {KV, D});
   if (w[10].has_value()) k = at::rms_norm(k, {D}, *w[10], qk_eps);
   auto v = linear(x, *w[6], w[7], w[8]).unflatten(-1, {KV, D});
   k = rope(k, cos, sin).transpose(-2, -3);
   v = v.transpose(-2, -3);
-  q = (q_from ? rope(q, cos.slice(0, q_from), sin.slice(0, q_from)) : rope(q, cos, sin)).transpose(-2, -3);
-  return finish(h, mix(i, q, k, v, ck, cv, starts, ns, masks, scale), *w[11], w[12], w[13], *w[14], eps,
+  q = (q_rows ? rope(q, cos.index({*q_rows}), sin.index({*q_rows})) : rope(q, cos, sin)).transpose(-2, -3);
+  return finish(h, mix(i, q, k, v, ck, cv, starts, ns, masks, scale, nqs), *w[11], w[12], w[13], *w[14], eps,
                 {w[15], w[16], w[17], w[18], w[19], w[20]});
 }
 

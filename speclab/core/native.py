@@ -107,17 +107,17 @@ def fused_layers(layers: list[L.FusedLayer], h, cos, sin, caches: list, starts: 
 
 
 def decoder_layer(layer: L.DecoderLayer, i: int, x, h, cos, sin, caches: list, starts: list[int], ns: list[int],
-                  masks: list, scale: float, q_from: int = 0):
+                  masks: list, scale: float, q_rows: torch.Tensor | None = None, nqs: list[int] | None = None):
     """A `DecoderLayer`, layer i of the `KVCache`s, after its input norm (x: the attention's input of every row;
-    h: the residual of the query rows, those from `q_from` on) for one sequence or a ragged batch (see `native.cpp`)
-    -> the layer's output of the query rows."""
+    h: the residual of the query rows: `q_rows`, the last nqs[j] rows of sequence j; None: every row) for one
+    sequence or a ragged batch (see `native.cpp`) -> the layer's output of the query rows."""
     a = layer.self_attn
     tiny = torch.finfo(x.dtype).eps  # nn.RMSNorm's eps=None
     qk_eps = (a.q_norm.eps if a.q_norm.eps is not None else tiny) if a.qk_norm else 0.0
     eps = layer.post_attention_layernorm.eps
     return build().decoder_layer(x, h, cos, sin, decoder_weights(layer), i, [c.k for c in caches],
                                  [c.v for c in caches], starts, ns, masks, scale, qk_eps, tiny if eps is None else eps,
-                                 a.heads, a.kv_heads, a.head_dim, q_from)
+                                 a.heads, a.kv_heads, a.head_dim, q_rows, nqs or [])
 
 
 def refined_head(h, w, k: int, w_norm: float):

@@ -301,7 +301,8 @@ class Eagle3Drafter:
         if native.active(emb):  # the same ops from C++ (`speclab.core.native`)
             mask = self._slots(start, m, n_q, None)
             h = native.decoder_layer(self.m.midlayer, 0, self.m.attn_input(emb, h), h[m - n_q :], cos, sin,
-                                     [self.cache], [start], [m], [mask], self.scale, q_from=m - n_q)
+                                     [self.cache], [start], [m], [mask], self.scale,
+                                     q_rows=torch.tensor([m - 1], device=self.device) if self.kv_only else None)
         else:
             q, k, v = self.m.qkv(emb, h, cos, sin, q_rows=slice(m - 1, m) if self.kv_only else None)
             out = self._attend(q, k, v, start, mask=None)  # the last row sees everything; rows of a full pass, causal
@@ -368,13 +369,20 @@ class Eagle3Drafter:
                                        for d, n in zip(drafters, ns)]))
         kv_only = all(d.kv_only for d in drafters)
         rows = torch.tensor(bounds[1:], device=d0.device) - 1 if kv_only else None
-        q, k, v = m.qkv(emb, h, cos, sin, q_rows=rows)
-        outs = []
-        for j, (d, a, b) in enumerate(zip(drafters, bounds, bounds[1:])):
+        if native.active(emb):  # the same ops from C++ (`speclab.core.native`)
+            starts = [d.known for d in drafters]
+            masks = [d._slots(d.known, n, 1 if kv_only else n, None) for d, n in zip(drafters, ns)]
+            h = native.decoder_layer(m.midlayer, 0, m.attn_input(emb, h), h[rows] if kv_only else h, cos, sin,
+                                     [d.cache for d in drafters], starts, ns, masks, d0.scale, q_rows=rows,
+                                     nqs=[1] * len(ns) if kv_only else ns)
+        else:
+            q, k, v = m.qkv(emb, h, cos, sin, q_rows=rows)
+            outs = [d._attend(q[:, j : j + 1] if kv_only else q[:, a:b], k[:, a:b], v[:, a:b], d.known, None)
+                    for j, (d, a, b) in enumerate(zip(drafters, bounds, bounds[1:]))]
+            h = m.finish(h[rows] if kv_only else h, torch.cat(outs, 1))
+        for d in drafters:
             d.pending_ids, d.pending_feats = d.pending_ids[:0], d.pending_feats[:0]
-            outs.append(d._attend(q[:, j : j + 1] if kv_only else q[:, a:b], k[:, a:b], v[:, a:b], d.known, None))
             d.known = d.cache.length
-        h = m.finish(h[rows] if kv_only else h, torch.cat(outs, 1))
         logits = d0._logits(h)
         for j, (d, b) in enumerate(zip(drafters, bounds[1:])):
             last = j if kv_only else b - 1
@@ -414,10 +422,18 @@ class Eagle3Drafter:
                 pos = torch.tensor([drafters[j].known - 1 + level for j in nxt], device=d0.device)
                 cos, sin = d0._rope(pos)
                 hp = torch.cat([h[j] for j in nxt])
-                q, k, v = m.qkv(torch.cat([drafters[j]._embed(tokens[j][-1]) for j in nxt]), hp, cos, sin)
-                o = torch.cat([drafters[j]._attend(q[:, i : i + 1], k[:, i : i + 1], v[:, i : i + 1],
-                                                   drafters[j].cache.length, None) for i, j in enumerate(nxt)], 1)
-                hn = m.finish(hp, o)
+                emb = torch.cat([drafters[j]._embed(tokens[j][-1]) for j in nxt])
+                if native.active(emb):  # the same ops from C++ (`speclab.core.native`)
+                    starts = [drafters[j].cache.length for j in nxt]
+                    masks = [drafters[j]._slots(s, 1, 1, None) for j, s in zip(nxt, starts)]
+                    hn = native.decoder_layer(m.midlayer, 0, m.attn_input(emb, hp), hp, cos, sin,
+                                              [drafters[j].cache for j in nxt], starts, [1] * len(nxt), masks,
+                                              d0.scale)
+                else:
+                    q, k, v = m.qkv(emb, hp, cos, sin)
+                    o = torch.cat([drafters[j]._attend(q[:, i : i + 1], k[:, i : i + 1], v[:, i : i + 1],
+                                                       drafters[j].cache.length, None) for i, j in enumerate(nxt)], 1)
+                    hn = m.finish(hp, o)
                 lg = d0._logits(hn)
             for i, j in enumerate(nxt):
                 h[j], logp[j] = hn[i : i + 1], torch.log_softmax(lg[i : i + 1].float(), -1)
