@@ -154,8 +154,11 @@ std::vector<Tensor> refined_head(const Tensor& h, const Tensor& w, const OptT& p
   return {out.view(shape), unsafe};
 }
 
+// The GIL is released while a call runs, as torch's own Python bindings release it around each op: other Python
+// threads (the trace's writer, the app's server) keep running meanwhile
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("fused_layers", &fused_layers);
-  m.def("decoder_layer", &decoder_layer);
-  m.def("refined_head", &refined_head);
+  using release = pybind11::call_guard<pybind11::gil_scoped_release>;
+  m.def("fused_layers", &fused_layers, release());
+  m.def("decoder_layer", &decoder_layer, release());
+  m.def("refined_head", &refined_head, release());
 }
