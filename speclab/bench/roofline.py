@@ -21,6 +21,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from speclab.bench.costs import _Bar, drafter_calls, timeit_interleaved
+from speclab.core import native
 from speclab.core.target import Target, row_call
 from speclab.viz import Report, lines_figure
 
@@ -125,7 +126,7 @@ def roofline(target: Target, models: dict, rows=ROWS, context: int = 200, reps: 
                     "cache_bound_ms": b / (bw["cache_gbs"] * 1e9) * 1e3, "ratio": ms / bound})
     df = pd.DataFrame(out)
     df.attrs.update(cpu=cpu_label(), dtype=dtype_name(target.dtype), context=context, device=str(target.device),
-                    threads=torch.get_num_threads(), **bw)
+                    threads=torch.get_num_threads(), layers=native.mode(), **bw)
     return df
 
 
@@ -163,7 +164,8 @@ def roofline_report(df: pd.DataFrame) -> Report:
     bound dashed."""
     a = df.attrs
     per, across = fits(df)
-    head = (f"{a['cpu']}, {a['threads']} threads; {a['device']}, the target in {a['dtype']} (each model's dtype in "
+    head = (f"{a['cpu']}, {a['threads']} threads, layers {a['layers']}; {a['device']}, the target in {a['dtype']} "
+            f"(each model's dtype in "
             f"the table); read bandwidth "
             f"{a['dram_gbs']:.1f} GB/s for "
             f"{a['large_mb']:.0f} MB (beyond the {a['llc_mb']:.0f} MB last-level cache), {a['cache_gbs']:.1f} GB/s "
@@ -189,5 +191,6 @@ def roofline_report(df: pd.DataFrame) -> Report:
 
 def records(df: pd.DataFrame) -> list[dict]:
     """`--json`: one object per (model, rows), with the machine's figures on each."""
-    machine = {k: df.attrs[k] for k in ("cpu", "threads", "dram_gbs", "cache_gbs", "context")}  # each row: its dtype
+    # each row: its dtype
+    machine = {k: df.attrs[k] for k in ("cpu", "threads", "layers", "dram_gbs", "cache_gbs", "context")}
     return [{**r, **machine} for r in df.to_dict("records")]

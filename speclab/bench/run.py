@@ -23,6 +23,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from speclab.bench.suites import load_suite
+from speclab.core import native
 from speclab.core.precision import dtype_name, family
 from speclab.core.target import Target
 from speclab.drafters.registry import drafters
@@ -54,6 +55,8 @@ class BenchConfig:
     dtypes: dict = field(default_factory=dict)  # method -> the dtype it runs in (`plan_dtypes`); absent: the target's
     dtype_why: dict = field(default_factory=dict)  # method family -> why (`DtypeDecision.line`), for the report
     threads: int | None = None  # torch's threads while the bench ran (set by run_bench; the report says it)
+    layers: str | None = None  # how the model layers ran: "native" (`speclab.core.native`) or "python" (set by
+    # run_bench; SPECLAB_NATIVE=0 or no compiler: python)
     model_sets: dict = field(default_factory=dict)  # method -> the key of its model set when not its dtype (a spec
     # pinned to a dtype whose auto set runs a drafter model in its own dtype: `speclab.cli.bench.load_bench_sets`)
 
@@ -141,6 +144,7 @@ class Bench:
         self.untraced = [f"{m}-untraced" for m in cfg.methods] if cfg.untraced else []
         self.order = cfg.methods + self.untraced + self.peers  # every prompt's runs, rotated by the prompt's index
         cfg.threads = torch.get_num_threads()
+        cfg.layers = native.mode()
 
     def on(self, m):
         """(target, models) of method m."""

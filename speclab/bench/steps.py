@@ -16,6 +16,7 @@ import pandas as pd
 import torch
 from torch.profiler import ProfilerActivity, profile
 
+from speclab.core import native
 from speclab.viz import Report, stacked_bars
 
 TOP = 10  # ops named per method; the rest are summed as "other ops"
@@ -74,7 +75,8 @@ def steps_report(summaries: list[dict], ops: pd.DataFrame, cpu: str, dtype: str,
         parts += [{"method": m, "part": "other ops", "ms": max(rest, 0.0)},
                   {"method": m, "part": "outside ops (Python)", "ms": row["outside_ms"]}]
         tables.append(f"### {m}\n\n" + top.drop(columns="method").to_markdown(index=False, floatfmt=".3f"))
-    text = (f"{cpu}, {dtype}, {torch.get_num_threads()} threads; {what}. plain_ms: ms per round without the "
+    text = (f"{cpu}, {dtype}, {torch.get_num_threads()} threads, layers {native.mode()}; {what}. plain_ms: ms per "
+            "round without the "
             "profiler; the rest is from the profiled decode (the profiler slows every op, the small ones most): "
             "in_ops_ms is the time inside the ops Python called, outside_ms the time between them; python_ops and "
             "all_ops count the ops called from Python and every op they ran, per round.\n\n"

@@ -6,7 +6,7 @@ runs the same ops, in the same order, from C++: every output is bitwise the Pyth
 fp32 and bf16), so this is a faster way to call the model code of `speclab.core.layers`, not a second model.
 
 It is built once per machine and torch version with torch's C++ extension loader (a C++ compiler and ninja; about
-25 s; `python -m speclab.core.native` builds it ahead, as `scripts/setup.sh` does) into torch's extensions folder.
+25 s; `native.main()` builds it ahead, as `scripts/setup.sh` does) into torch's extensions folder.
 Where it cannot be built, or with `SPECLAB_NATIVE=0` in the environment (to compare), everything runs from Python
 as before. It runs only outside autograd, on the CPU, and never in exact mode (whose fixed-shape attention is
 Python's).
@@ -53,6 +53,12 @@ def active(x: torch.Tensor) -> bool:
     if not ENABLED or x.device.type != "cpu" or torch.is_grad_enabled():
         return False
     return build() is not None
+
+
+def mode() -> str:
+    """How the model layers run in this process: "native" (built and enabled) or "python"; for the figures that
+    depend on it (`--dtype auto`'s cache key, a bench's config)."""
+    return "native" if ENABLED and build() is not None else "python"
 
 
 def _packed(w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor | None:

@@ -127,7 +127,7 @@ def machine() -> dict:
     return {"cpu": name, "flags": hashlib.sha1(" ".join(sorted(flags)).encode()).hexdigest()[:12],
             "bf16": list(cpu_info()[1]), "cores": os.cpu_count(), "threads": torch.get_num_threads(),
             "torch": torch.__version__, "linear": "prepacked" if layers.PACKED else "F.linear",
-            "layers": "native" if native.ENABLED and native.build() is not None else "python"}
+            "layers": native.mode()}
 
 
 def other_load(window_s: float = 0.3) -> float:
