@@ -12,14 +12,9 @@ using OptT = std::optional<Tensor>;
 static Tensor linear(const Tensor& x, const Tensor& w, const OptT& b, const OptT& packed) {
   if (packed.has_value()) {
     static auto op = c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_linear_pointwise", "");
-    std::vector<c10::IValue> stack;
-    stack.reserve(6);
-    stack.emplace_back(x);
-    stack.emplace_back(*packed);
-    stack.emplace_back(b);
-    stack.emplace_back(std::string("none"));
-    stack.emplace_back(c10::List<std::optional<at::Scalar>>());
-    stack.emplace_back(std::string(""));
+    static const c10::IValue attr{std::string("none")}, scalars{c10::List<std::optional<at::Scalar>>()},
+        algorithm{std::string("")};  // made once: every call passes the same
+    std::vector<c10::IValue> stack{x, *packed, b, attr, scalars, algorithm};
     op.callBoxed(&stack);
     return stack[0].toTensor();
   }
@@ -45,13 +40,6 @@ static Tensor attend(const Tensor& q, const Tensor& ck, const Tensor& cv, int64_
 static Tensor mix(int64_t i, const Tensor& q, const Tensor& k, const Tensor& v, const std::vector<Tensor>& ck,
                   const std::vector<Tensor>& cv, const std::vector<int64_t>& starts, const std::vector<int64_t>& ns,
                   const std::vector<OptT>& masks, double scale, const std::vector<int64_t>& nqs = {}) {
-  if (ck.size() == 1) {
-    auto cki = ck[0].select(0, i), cvi = cv[0].select(0, i);
-    int64_t end = starts[0] + ns[0];
-    cki.slice(1, starts[0], end).copy_(k);
-    cvi.slice(1, starts[0], end).copy_(v);
-    return attend(q, cki, cvi, end, masks[0], scale);
-  }
   std::vector<Tensor> out;
   int64_t a = 0, qa = 0;
   for (size_t j = 0; j < ck.size(); ++j) {
@@ -62,7 +50,7 @@ static Tensor mix(int64_t i, const Tensor& q, const Tensor& k, const Tensor& v, 
     out.push_back(attend(q.slice(1, qa, qb), cki, cvi, end, masks[j], scale));
     a = b, qa = qb;
   }
-  return at::cat(out, 1);
+  return out.size() == 1 ? out[0] : at::cat(out, 1);  // one sequence: its attention as it is
 }
 
 // `Layer.finish` with the MLP `down(silu(gate(x)) * up(x))`; gate and up fused (`FusedLayer`) or not (`MLP`)

@@ -128,8 +128,7 @@ def decoder_layer(layer: L.DecoderLayer, i: int, x, h, cos, sin, caches: list, s
 
 def refined_head(h, w, k: int, w_norm: float):
     """`precision.Head`'s refined fp32 logits (see `native.cpp`) -> (logits, the rows Python recomputes in full)."""
-    out, risky = build().refined_head(h, w, _packed(w), k, w_norm)
-    return out, risky
+    return build().refined_head(h, w, _packed(w), k, w_norm)
 
 
 def main() -> None:

@@ -365,9 +365,10 @@ class DFlashDrafter:
         for d, n in zip(drafters, n_rows):
             d.cache.reserve(n)
         caches, starts, masks = [d.cache for d in drafters], [d.known for d in drafters], [None] * len(drafters)
-        mix = mix_many(caches, starts, n_rows, masks, d0.scale)  # context and block, both ways
+        # context and block, both ways: the same ops from C++ (`speclab.core.native`), or each layer from Python
+        mix = None if native.active(x) else mix_many(caches, starts, n_rows, masks, d0.scale)
         for i, L in enumerate(m.layers):
-            if native.active(x):  # the same ops from C++ (`speclab.core.native`)
+            if mix is None:
                 x = native.decoder_layer(L, i, L.input_layernorm(x), x, cos, sin, caches, starts, n_rows, masks,
                                          d0.scale)
             else:

@@ -299,10 +299,8 @@ class Eagle3Drafter:
         cos, sin = self._rope(torch.arange(start, end, device=self.device))
         n_q = 1 if self.kv_only else m
         if native.active(emb):  # the same ops from C++ (`speclab.core.native`)
-            mask = self._slots(start, m, n_q, None)
-            h = native.decoder_layer(self.m.midlayer, 0, self.m.attn_input(emb, h), h[m - n_q :], cos, sin,
-                                     [self.cache], [start], [m], [mask], self.scale,
-                                     q_rows=torch.tensor([m - 1], device=self.device) if self.kv_only else None)
+            h = Eagle3Drafter._native_layer([self], [start], [m], [n_q], emb, h, h[m - n_q :], cos, sin,
+                                            q_rows=torch.tensor([m - 1], device=self.device) if self.kv_only else None)
         else:
             q, k, v = self.m.qkv(emb, h, cos, sin, q_rows=slice(m - 1, m) if self.kv_only else None)
             out = self._attend(q, k, v, start, mask=None)  # the last row sees everything; rows of a full pass, causal
@@ -370,11 +368,8 @@ class Eagle3Drafter:
         kv_only = all(d.kv_only for d in drafters)
         rows = torch.tensor(bounds[1:], device=d0.device) - 1 if kv_only else None
         if native.active(emb):  # the same ops from C++ (`speclab.core.native`)
-            starts = [d.known for d in drafters]
-            masks = [d._slots(d.known, n, 1 if kv_only else n, None) for d, n in zip(drafters, ns)]
-            h = native.decoder_layer(m.midlayer, 0, m.attn_input(emb, h), h[rows] if kv_only else h, cos, sin,
-                                     [d.cache for d in drafters], starts, ns, masks, d0.scale, q_rows=rows,
-                                     nqs=[1] * len(ns) if kv_only else ns)
+            h = Eagle3Drafter._native_layer(drafters, [d.known for d in drafters], ns, [1] * len(ns) if kv_only else ns,
+                                            emb, h, h[rows] if kv_only else h, cos, sin, q_rows=rows)
         else:
             q, k, v = m.qkv(emb, h, cos, sin, q_rows=rows)
             outs = [d._attend(q[:, j : j + 1] if kv_only else q[:, a:b], k[:, a:b], v[:, a:b], d.known, None)
@@ -424,11 +419,9 @@ class Eagle3Drafter:
                 hp = torch.cat([h[j] for j in nxt])
                 emb = torch.cat([drafters[j]._embed(tokens[j][-1]) for j in nxt])
                 if native.active(emb):  # the same ops from C++ (`speclab.core.native`)
-                    starts = [drafters[j].cache.length for j in nxt]
-                    masks = [drafters[j]._slots(s, 1, 1, None) for j, s in zip(nxt, starts)]
-                    hn = native.decoder_layer(m.midlayer, 0, m.attn_input(emb, hp), hp, cos, sin,
-                                              [drafters[j].cache for j in nxt], starts, [1] * len(nxt), masks,
-                                              d0.scale)
+                    live_d, ones = [drafters[j] for j in nxt], [1] * len(nxt)
+                    hn = Eagle3Drafter._native_layer(live_d, [d.cache.length for d in live_d], ones, ones, emb, hp,
+                                                     hp, cos, sin)
                 else:
                     q, k, v = m.qkv(emb, hp, cos, sin)
                     o = torch.cat([drafters[j]._attend(q[:, i : i + 1], k[:, i : i + 1], v[:, i : i + 1],
@@ -466,6 +459,18 @@ class Eagle3Drafter:
             mask = causal_mask(n_q, self.cache.length, self.device)
         return mask
 
+    @staticmethod
+    def _native_layer(drafters: list[Eagle3Drafter], starts: list[int], ns: list[int], nqs: list[int], emb, h, h_q,
+                      cos, sin, masks: list | None = None, q_rows: torch.Tensor | None = None) -> torch.Tensor:
+        """The layer from C++ (`speclab.core.native.decoder_layer`) for drafters of one model: each one's ns[j] rows
+        (embeddings `emb`, hidden `h`) written at its cache slots starts[j].. (`_slots`), its last nqs[j] rows querying
+        (`q_rows` of all rows; None: every row) with residual `h_q`, under masks[j] (None: causal) -> their outputs."""
+        masks = [d._slots(s, n, nq, mk) for d, s, n, nq, mk in
+                 zip(drafters, starts, ns, nqs, masks or [None] * len(drafters))]
+        m = drafters[0].m
+        return native.decoder_layer(m.midlayer, 0, m.attn_input(emb, h), h_q, cos, sin, [d.cache for d in drafters],
+                                    starts, ns, masks, drafters[0].scale, q_rows, nqs)
+
     @torch.inference_mode()
     def propose(self, max_depth: int, sampling: Sampling, generator: torch.Generator | None = None) -> DraftTree:
         depth = min(self.depth, max_depth)
@@ -486,9 +491,7 @@ class Eagle3Drafter:
         with forward_clock:
             emb = self._embed(tokens)
             if native.active(emb):  # the same ops from C++ (`speclab.core.native`)
-                mask = self._slots(start, f, f, mask)
-                h = native.decoder_layer(self.m.midlayer, 0, self.m.attn_input(emb, h_parent), h_parent, cos, sin,
-                                         [self.cache], [start], [f], [mask], self.scale)
+                h = Eagle3Drafter._native_layer([self], [start], [f], [f], emb, h_parent, h_parent, cos, sin, [mask])
             else:
                 q, k, v = self.m.qkv(emb, h_parent, cos, sin)
                 h = self.m.finish(h_parent, self._attend(q, k, v, start, mask))
