@@ -9,6 +9,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 mkdir -p .gpu
 grep -qx "/.gpu/" .git/info/exclude 2>/dev/null || echo "/.gpu/" >> .git/info/exclude
-tar -cf - data/zoo/target data/zoo/eagle3 data/zoo/draft data/zoo/tokenizer data/zoo/router data/zoo/calibration.json \
+tar -cf - --exclude=data/zoo/dflash/flashhead data/zoo/target data/zoo/eagle3 data/zoo/draft data/zoo/dflash data/zoo/tokenizer \
+  data/zoo/router data/zoo/route data/zoo/calibration.json \
   data/zoo/README.md data/prompts/zoo_domains.jsonl | xz -T2 -6 > .gpu/zoo.tar.xz
 ls -la .gpu

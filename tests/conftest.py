@@ -29,6 +29,12 @@ torch.set_num_threads(THREADS)
 if WORKERS > 1:
     os.environ["OMP_NUM_THREADS"] = str(THREADS)
 
+# SPECLAB_TEST_DEVICE=cuda (scripts/device_tests.sh, on the lent GPU machine): the tiny models below load on that
+# device, and only the tests that use one of them run (the rest are the CPU suite's, which CI runs)
+DEVICE = os.environ.get("SPECLAB_TEST_DEVICE", "cpu")
+DEVICE_FIXTURES = {"qwen3", "llama", "qwen3_hf", "qwen3_draft_hf", "qwen3_draft", "deep", "tiny_v8", "tiny_vocab",
+                   "trained_eagle3", "trained_dflash"}
+
 
 @pytest.fixture(scope="session", autouse=True)
 def dtype_cache(tmp_path_factory):
@@ -53,35 +59,45 @@ def model_dir(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def qwen3(model_dir) -> Target:
-    return Target.load(model_dir["qwen3"], dtype="fp32")
+    return Target.load(model_dir["qwen3"], dtype="fp32", device=DEVICE)
 
 
 @pytest.fixture(scope="session")
 def llama(model_dir) -> Target:
-    return Target.load(model_dir["llama"], dtype="fp32")
+    return Target.load(model_dir["llama"], dtype="fp32", device=DEVICE)
 
 
 @pytest.fixture(scope="session")
 def qwen3_hf(model_dir) -> Target:
     """The same tiny Qwen3 on the transformers forward (DynamicCache) instead of speclab's lean forward."""
-    return Target.load(model_dir["qwen3"], dtype="fp32", backend="hf")
+    return Target.load(model_dir["qwen3"], dtype="fp32", backend="hf", device=DEVICE)
 
 
 @pytest.fixture(scope="session")
 def qwen3_draft_hf(model_dir) -> Target:
-    return Target.load(model_dir["qwen3_draft"], dtype="fp32", backend="hf")
+    return Target.load(model_dir["qwen3_draft"], dtype="fp32", backend="hf", device=DEVICE)
 
 
 @pytest.fixture(scope="session")
 def qwen3_draft(model_dir) -> Target:
-    return Target.load(model_dir["qwen3_draft"], dtype="fp32")
+    return Target.load(model_dir["qwen3_draft"], dtype="fp32", device=DEVICE)
 
 
 @pytest.fixture(scope="session")
-def deep(tmp_path_factory):
+def deep_path(tmp_path_factory):
+    return build_tiny("qwen3", tmp_path_factory.mktemp("deep") / "t4", seed=7, layers=4)
+
+
+@pytest.fixture(scope="session")
+def deep(deep_path):
     """A tiny 4-layer Qwen3 target with the zoo tokenizer (which reserves <|mask|> = 2): EAGLE-3 reads three
     distinct layers of it, DFlash three as well."""
-    return Target.load(build_tiny("qwen3", tmp_path_factory.mktemp("deep") / "t4", seed=7, layers=4), dtype="fp32")
+    return Target.load(deep_path, dtype="fp32", device=DEVICE)
+
+
+def on_cpu(deep, deep_path) -> Target:
+    """`deep` where training runs: on the CPU, as `speclab train` does (its teacher loads there)."""
+    return deep if DEVICE == "cpu" else Target.load(deep_path, dtype="fp32")
 
 
 @pytest.fixture(scope="session")
@@ -94,7 +110,7 @@ def tiny_v8(tmp_path_factory):
 
     path = build_tiny("qwen3", tmp_path_factory.mktemp("v8") / "t", seed=5, vocab_size=V, tokenizer=False,
                       hidden=32, init=0.08, layers=4)
-    target = Target(AutoModelForCausalLM.from_pretrained(path).eval(), NoTok())
+    target = Target(AutoModelForCausalLM.from_pretrained(path).eval().to(DEVICE), NoTok())
     target.eos_ids = []
     return target
 
@@ -111,22 +127,22 @@ def tiny_vocab(tmp_path_factory):
 
     def make(seed, name):
         path = build_tiny("qwen3", d / name, seed=seed, vocab_size=V, tokenizer=False, hidden=32, init=0.08)
-        model = Target(AutoModelForCausalLM.from_pretrained(path).eval(), NoTok())
+        model = Target(AutoModelForCausalLM.from_pretrained(path).eval().to(DEVICE), NoTok())
         model.eos_ids = []
         return model
     return make(3, "target"), make(4, "draft")
 
 
 @pytest.fixture(scope="session")
-def trained_eagle3(deep):
+def trained_eagle3(deep, deep_path):
     """The tiny EAGLE-3 drafter trained on `deep` (a few seconds), once for every module that decodes with it."""
-    return train_tiny_eagle3(deep)
+    return train_tiny_eagle3(on_cpu(deep, deep_path)).to(DEVICE)
 
 
 @pytest.fixture(scope="session")
-def trained_dflash(deep):
+def trained_dflash(deep, deep_path):
     """The tiny DFlash drafter (Markov head of rank 8) trained on `deep`, once for every module that decodes with it."""
-    return train_tiny_dflash(deep)
+    return train_tiny_dflash(on_cpu(deep, deep_path)).to(DEVICE)
 
 
 # fixtures that cost tens of seconds of CPU on a 2-core machine: every test that needs one, directly or through
@@ -135,6 +151,10 @@ SLOW_FIXTURES = {"trained_eagle3", "trained_dflash"}
 
 
 def pytest_collection_modifyitems(config, items):
+    off_device = pytest.mark.skip(reason=f"SPECLAB_TEST_DEVICE={DEVICE}: uses none of the tiny models' fixtures")
     for item in items:
-        if SLOW_FIXTURES & set(getattr(item, "fixturenames", ())):
+        names = set(getattr(item, "fixturenames", ()))
+        if SLOW_FIXTURES & names:
             item.add_marker(pytest.mark.slow)
+        if DEVICE != "cpu" and not DEVICE_FIXTURES & names:
+            item.add_marker(off_device)

@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
-os.environ["TRITON_INTERPRET"] = "1"  # read when the kernels are first built: before any test here runs them
+if os.environ.get("SPECLAB_TEST_DEVICE", "cpu") == "cpu":  # on a GPU run the CUDA kernels compile (conftest.DEVICE)
+    os.environ["TRITON_INTERPRET"] = "1"  # read when the kernels are first built: before any test here runs them
 try:
     import triton  # noqa: F401
 except ImportError:

@@ -194,7 +194,7 @@ N_NEW = 3  # room for a depth-2 draft in the first round (the bonus token always
 
 def exact_joint(target, prompt, s: Sampling, n=2) -> np.ndarray:
     """The exact distribution of the next n tokens under sampling `s`, flattened (index a * V + b for n = 2)."""
-    probs = logits_to_probs(target.forward(prompt, target.new_cache(), last=1).logits, s)[0].double().numpy()
+    probs = logits_to_probs(target.forward(prompt, target.new_cache(), last=1).logits, s)[0].double().cpu().numpy()
     if n == 1:
         return probs
     return np.concatenate([probs[t] * exact_joint(target, torch.cat([prompt, torch.tensor([t])]), s, n - 1)

@@ -106,7 +106,7 @@ def roofline(target: Target, models: dict, rows=ROWS, context: int = 200, reps: 
     from speclab.core.precision import cpu_label, dtype_name
     bw = bw or bandwidths()
     g = torch.Generator().manual_seed(0)
-    ids = torch.randint(3, target.vocab_size, (context + max(rows) + 1,), generator=g, device=target.device)
+    ids = torch.randint(3, target.vocab_size, (context + max(rows) + 1,), generator=g).to(target.device)
     callers = {"target": row_call(target, ids, context), **drafter_calls(target, models, ids, context)}
     dtypes = {name: dtype_name(_dtype_of(target if name == "target" else models[name])) for name in callers}
     fns, nbytes = {}, {}
