@@ -10,7 +10,8 @@ def softmax_entropy(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     x = logits.float()
     logp = torch.log_softmax(x, -1)  # torch's fused kernel: the cheapest way on CPU
     # max(logp) = max(x) - lse, and max(logp) >= -ln V, so this is as exact as logsumexp without a third pass
-    return x.amax(-1) - logp.amax(-1), -torch.linalg.vecdot(logp.exp(), logp)
+    # sum(p * logp) as a product and a sum: linalg.vecdot takes a path 7x slower over a few hundred rows on CPU
+    return x.amax(-1) - logp.amax(-1), -(logp.exp() * logp).sum(-1)
 
 
 def greedy_accept(tokens: torch.Tensor, parents: torch.Tensor, target_argmax: torch.Tensor,

@@ -90,34 +90,40 @@ def test_dspark_cuts_drafts_and_each_request_decodes_as_alone(deep, dspark):
         assert torch.equal(batch.done[i].new_ids, decode(deep, x, ds, FixedRouter("dflash"), 24).new_ids), i
 
 
-def test_measured_scheduling_takes_the_faster_side_and_keeps_measuring_the_other():
+@pytest.mark.parametrize("probe_ms", [0.5, 14.95])
+def test_measured_scheduling_takes_the_faster_side_and_keeps_measuring_the_other(probe_ms):
     """With `measured` (the default) the batch drafts or not by the measured throughput of each (committed tokens per
     ms of the steps that drafted and of those that did not): each measured first, then the faster one, with the
-    slower one probed after PROBE_EVERY steps and then less often while it stays slower; drafting that turns faster
-    moves the choice."""
+    slower one probed after PROBE_EVERY steps and then less often while it stays slower, and never more than
+    PROBE_BUDGET of the time (a probe that costs 14.95 ms more than the faster side would for its tokens waits 150
+    5-ms steps; one that costs 0.5 ms waits for the step count); drafting that turns faster moves the choice."""
     from types import SimpleNamespace
 
     from speclab.core.batch import StepEvent
     p = DSpark(k=4, cost=StepCost(1.0, 0.1, 0.0))
     streams = [SimpleNamespace(req=SimpleNamespace(rid=i)) for i in range(4)]
 
-    def step(drafting: bool, ms: float, accepted: int) -> list[int]:
+    def step(drafting: bool, ms: float) -> None:
         ks = p.lengths(streams)
         assert (sum(ks) > 0) == drafting, ks
-        p.observe(StepEvent(0, 0.0, [0, 1, 2, 3], ks, [accepted] * 4, 4 + sum(ks), 1, int(drafting), 0,
-                            {"prefill": 50.0, "policy": 0.1, "draft": ms / 2 if drafting else 0.0,
-                             "verify": ms / 2 if drafting else ms, "commit": 0.1}))
-        return ks
-    step(True, 20.0, 0)  # drafting first: 4 tokens in 20 ms, then not drafting: 4 in 5 ms
-    step(False, 5.0, 0)
+        half = ms / 2 if drafting else 0.0
+        p.observe(StepEvent(0, 0.0, [0, 1, 2, 3], ks, [0] * 4, 4 + sum(ks), 1, int(drafting), 0,
+                            {"prefill": 50.0, "draft": half, "verify": ms - half}))
+    step(True, 5.0 + probe_ms)  # drafting first: 4 tokens (no draft accepted) in 5 + probe_ms ms,
+    step(False, 5.0)  # then not drafting: 4 tokens in 5 ms
+    assert p.rate == {True: pytest.approx(4 / (5.0 + probe_ms)), False: pytest.approx(0.8)}
+    assert p.probe_ms * 4 == pytest.approx(probe_ms)  # the slower side's cost: over 5 ms for its 4 tokens
+    wait = max(p.PROBE_EVERY, math.ceil(probe_ms / (p.PROBE_BUDGET * 5.0)))  # steps before the first probe
     choices = []
-    for _ in range(3 * p.PROBE_EVERY + 2):
+    for _ in range(2 * wait + 2 * p.PROBE_EVERY + 2):
         drafts = sum(p.lengths(streams)) > 0
         choices.append(drafts)
         p.observe(StepEvent(0, 0.0, [0, 1, 2, 3], [4 * drafts] * 4, [0] * 4, 4, 1, int(drafts), 0,
-                            {"draft": 10.0 * drafts, "verify": 5.0 + 5.0 * drafts}))
-    # the slower side probed after PROBE_EVERY steps, then after twice as many (it stayed slower)
-    assert [i for i, c in enumerate(choices) if c] == [p.PROBE_EVERY, 3 * p.PROBE_EVERY + 1]
+                            {"draft": probe_ms / 2 * drafts, "verify": 5.0 + probe_ms / 2 * drafts}))
+    # the slower side probed after PROBE_EVERY steps (or its time budget), then after twice as many (it stayed
+    # slower; or its time budget again)
+    second = max(2 * p.PROBE_EVERY, wait) + 1
+    assert [i for i, c in enumerate(choices) if c] == [wait, wait + second]
     for _ in range(6):  # drafting turns faster (every draft accepted): the choice moves to it
         p.observe(StepEvent(0, 0.0, [0, 1, 2, 3], [4] * 4, [4] * 4, 20, 1, 1, 0, {"draft": 2.0, "verify": 3.0}))
     assert sum(p.lengths(streams)) > 0

@@ -160,6 +160,9 @@ class DSpark:
     # `measured`, steps after which the choice measured slower is taken once more (a fresh measurement), doubled
     # after every probe that left it slower (up to PROBE_MAX) and back to PROBE_EVERY when the faster side changes
     PROBE_MAX = 64
+    PROBE_BUDGET = 0.02  # and at most this share of the time: a probe waits until its expected cost (what the last
+    # one cost per request, over the faster side's time for the tokens it committed, times the requests now) is this
+    # share of the time since the last one (at 32 requests a drafting probe costs several steps)
     RATE_WEIGHT = 0.2  # a step's weight in the moving averages of measured throughput
 
     def __init__(self, k: int = 8, cost: StepCost | None = None, measured: int = 1):
@@ -173,22 +176,28 @@ class DSpark:
         self.since = 0  # steps since the choice measured slower was last taken
         self.every = self.PROBE_EVERY  # steps between two such probes now
         self.best: bool | None = None  # the faster side at the last decision
+        self.probing = False  # whether this step takes the side measured slower (a probe)
+        self.probe_ms = 0.0  # the last probe's cost per request: its ms over the faster side's for its tokens
+        self.since_ms = 0.0  # ms of steps since the last probe
+        self.last: dict[bool, tuple[float, int, int]] = {}  # drafted or not -> its last step's ms, tokens, requests
 
     def drafts_now(self, streams, old) -> bool:
         """Whether the batch drafts this step. `measured`: the choice with the higher measured throughput (committed
         tokens per ms of the steps that drafted, and of those that did not: each tried first, then the slower one
-        again after PROBE_EVERY steps, less and less often while it stays slower), so the batch does not stay on the
-        slower side; a probe of drafting after idle steps pays for the drafters' catch-up. Otherwise the modeled
-        test: the admission of the last survivals against the verification rows plus one drafter call."""
+        again after PROBE_EVERY steps, less and less often while it stays slower, and never more than PROBE_BUDGET of
+        the time), so the batch does not stay on the slower side; a probe of drafting after idle steps pays for the
+        drafters' catch-up. Otherwise the modeled test: the admission of the last survivals against the verification
+        rows plus one drafter call."""
         if self.measured and len(self.rate) < 2:
             return True not in self.rate  # measure drafting first, then not drafting
         if self.measured:
             best = self.rate[True] >= self.rate[False]
             if best != self.best:  # the faster side changed (or is known for the first time): look often again
-                self.best, self.every = best, self.PROBE_EVERY
+                self.best, self.every, self.since = best, self.PROBE_EVERY, 0
             self.since += 1
-            if self.since > self.every:
+            if self.since > self.every and self.since_ms * self.PROBE_BUDGET >= self.probe_ms * len(streams):
                 self.since, self.every = 0, min(2 * self.every, self.PROBE_MAX)
+                self.probing = True
                 return not best
             return best
         if self.cost is not None and self.call_ms and all(o is not None for o in old) \
@@ -231,9 +240,18 @@ class DSpark:
             self.call_ms = ev.ms["draft"] if not self.call_ms else 0.8 * self.call_ms + 0.2 * ev.ms["draft"]
         ms = sum(v for phase, v in ev.ms.items() if phase != "prefill")  # admissions are not the choice's
         if ev.rids and ms > 0:
-            key, r = ev.drafter_calls > 0, (len(ev.rids) + sum(ev.accepted)) / ms  # drafted: the call was paid
-            w = self.RATE_WEIGHT
-            self.rate[key] = r if key not in self.rate else (1 - w) * self.rate[key] + w * r
+            key, tokens = ev.drafter_calls > 0, len(ev.rids) + sum(ev.accepted)  # drafted: the call was paid
+            first = key not in self.rate
+            w, r = self.RATE_WEIGHT, tokens / ms
+            self.rate[key] = r if first else (1 - w) * self.rate[key] + w * r
+            self.last[key] = (ms, tokens, len(ev.rids))
+            if self.probing or first and len(self.rate) == 2:  # a probe, or both sides measured once: the cost of
+                side = key if self.probing else self.rate[True] < self.rate[False]  # the slower side's step
+                ms_, tokens_, n = self.last[side]  # over the other side's time for its tokens, per request
+                self.probe_ms = max(0.0, ms_ - tokens_ / self.rate[not side]) / n
+                self.probing, self.since_ms = False, 0.0
+            else:
+                self.since_ms += ms
 
 
 def parse_policy(spec: str) -> tuple[str, dict]:
