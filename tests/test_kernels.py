@@ -10,7 +10,9 @@ from pathlib import Path
 import pytest
 import torch
 
-if os.environ.get("SPECLAB_TEST_DEVICE", "cpu") == "cpu":  # on a GPU run the CUDA kernels compile (conftest.DEVICE)
+from conftest import DEVICE
+
+if DEVICE == "cpu":  # on a GPU run (SPECLAB_TEST_DEVICE=cuda) the CUDA kernels compile
     os.environ["TRITON_INTERPRET"] = "1"  # read when the kernels are first built: before any test here runs them
 try:
     import triton  # noqa: F401

@@ -165,9 +165,7 @@ def roofline_report(df: pd.DataFrame) -> Report:
     a = df.attrs
     per, across = fits(df)
     head = (f"{a['cpu']}, {a['threads']} threads, layers {a['layers']}; {a['device']}, the target in {a['dtype']} "
-            f"(each model's dtype in "
-            f"the table); read bandwidth "
-            f"{a['dram_gbs']:.1f} GB/s for "
+            f"(each model's dtype in the table); read bandwidth {a['dram_gbs']:.1f} GB/s for "
             f"{a['large_mb']:.0f} MB (beyond the {a['llc_mb']:.0f} MB last-level cache), {a['cache_gbs']:.1f} GB/s "
             f"for {a['small_mb']:.2f} MB (in a core's cache); calls after a {a['context']}-token cache. bound_ms = "
             "MB read / the first bandwidth; ratio = ms / bound_ms.")

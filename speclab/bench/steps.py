@@ -76,10 +76,9 @@ def steps_report(summaries: list[dict], ops: pd.DataFrame, cpu: str, dtype: str,
                   {"method": m, "part": "outside ops (Python)", "ms": row["outside_ms"]}]
         tables.append(f"### {m}\n\n" + top.drop(columns="method").to_markdown(index=False, floatfmt=".3f"))
     text = (f"{cpu}, {dtype}, {torch.get_num_threads()} threads, layers {native.mode()}; {what}. plain_ms: ms per "
-            "round without the "
-            "profiler; the rest is from the profiled decode (the profiler slows every op, the small ones most): "
-            "in_ops_ms is the time inside the ops Python called, outside_ms the time between them; python_ops and "
-            "all_ops count the ops called from Python and every op they ran, per round.\n\n"
+            "round without the profiler; the rest is from the profiled decode (the profiler slows every op, the "
+            "small ones most): in_ops_ms is the time inside the ops Python called, outside_ms the time between them; "
+            "python_ops and all_ops count the ops called from Python and every op they ran, per round.\n\n"
             + s.to_markdown(index=False, floatfmt=".3g") + "\n\nTop ops by self time per round (ms, calls per "
             "round):\n\n" + "\n\n".join(tables) + "\n")
     fig = stacked_bars(pd.DataFrame(parts), "method", "part", "ms", f"One round's time by op, profiled ({cpu}, "
