@@ -5,10 +5,12 @@ import shutil
 
 import pytest
 import torch
+import torch.nn.functional as F
 from transformers import AutoModelForCausalLM
 
 from helpers import PROMPTS, NoTok, tiny_config
 from speclab.core import native
+from speclab.core.layers import apply_rope, rope_tables
 from speclab.core.target import Target
 from speclab.drafters.registry import drafters
 from speclab.generate import generate
@@ -27,6 +29,34 @@ def test_the_native_layers_build_and_run_on_the_cpu():
     with torch.inference_mode():
         assert native.active(torch.zeros(1))
     assert not native.active(torch.zeros(1))  # autograd on: training's forwards stay Python's
+
+
+@needs_build
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_one_pass_rms_norm_and_rope_are_bitwise_torchs_ops(dtype):
+    """The module's own RMSNorm and rotary loops on every shape the models give them (widths of the zoo's and the
+    tests' models, one row to a prefill's, head slices of a fused qkv, no weight, tiny and large values, the eps
+    values in use): bitwise torch's ops. This torch passes the module's own check, so the loops are what runs."""
+    mod = native.build()
+    assert native._fused_ops_agree(mod)
+    g = torch.Generator().manual_seed(1)
+    for n in (32, 64, 100, 192, 512, 1536):
+        for shape in ((1,), (7,), (300,), (2, 12)):
+            for scale in (1e-3, 1.0, 300.0):
+                x = (torch.randn(*shape, n, generator=g) * scale).to(dtype)
+                w = torch.randn(n, generator=g).to(dtype)
+                for eps in (1e-6, 1e-5, torch.finfo(dtype).eps):
+                    assert torch.equal(mod.rms_norm(x, w, eps), F.rms_norm(x, (n,), w, eps)), (n, shape, scale, eps)
+                    assert torch.equal(mod.rms_norm(x, None, eps), F.rms_norm(x, (n,), None, eps))
+    for d in (32, 64, 128):
+        cos, sin = rope_tables(1.0 / 10000 ** (torch.arange(0, d, 2).float() / d), 1.0, 400, dtype)
+        for rows, heads in ((1, 4), (5, 12), (300, 1)):
+            pos = torch.randint(0, 400, (rows,), generator=g)
+            c, s = cos[pos][:, None], sin[pos][:, None]
+            qkv = (torch.randn(rows, 2 * heads, d, generator=g) * 3).to(dtype)
+            for x in (qkv, qkv[:, :heads]):  # whole, and q and k sliced out of a fused qkv (strided)
+                a, b = mod.rope(x, c, s), apply_rope(x, c, s)
+                assert torch.equal(a, b) and a.stride() == b.stride(), (d, rows, heads)
 
 
 @needs_build

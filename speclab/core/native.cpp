@@ -21,9 +21,110 @@ static Tensor linear(const Tensor& x, const Tensor& w, const OptT& b, const OptT
   return at::linear(x, w, b);
 }
 
-// `layers.apply_rope`: x * cos + swap_halves(x) * sin
+// Whether `rms_norm` and `rope` run their loops (true) or ATen's ops: `speclab.core.native.build` checks once per
+// process that the loops are bitwise this torch's ops (whose composite may change between versions) and sets it
+static bool fused = true;
+static void set_fused(bool on) { fused = on; }
+
+// the offset of row r of x (its elements before the last dim, in order) by x's strides
+static int64_t row_offset(const Tensor& x, int64_t r) {
+  int64_t off = 0;
+  for (int64_t d = x.dim() - 2; d >= 0; --d) {
+    off += (r % x.size(d)) * x.stride(d);
+    r /= x.size(d);
+  }
+  return off;
+}
+
+// `torch.rms_norm` (ATen's composite: x32 = x.float(); (x32 * rsqrt(mean(x32^2) + eps) * w).to(x's dtype))
+// in three ATen calls instead of about fifteen: the squares and the scaling are loops here; the row sums stay ATen's
+// sum over the same [.., N] fp32 tensor the composite's mean reduces, so the reduction order is its own. Every other
+// step is one IEEE operation per element, rounded as ATen rounds it (fp32, then RNE to bf16 where the op's output
+// is bf16), so the output is bitwise at::rms_norm's (`tests/test_native.py`). Where it does not apply (another
+// dtype, a weight of another dtype, a last dim that is not contiguous) it is at::rms_norm.
+template <typename T>
+static void rms_rows(const Tensor& x, const Tensor& out, const float* sums, const OptT& w, double eps) {
+  const int64_t N = x.size(-1), rows = out.numel() / N;
+  const T* wp = w.has_value() ? w->data_ptr<T>() : nullptr;
+  const float fN = (float)N, feps = (float)eps;
+  for (int64_t r = 0; r < rows; ++r) {
+    const T* xr = x.data_ptr<T>() + row_offset(x, r);
+    T* yr = out.data_ptr<T>() + r * N;
+    const float m = sums[r] / fN;        // mean's div_ by the element count
+    const float v = m + feps;            // add_(eps)
+    const float s = 1.0f / std::sqrt(v);  // rsqrt
+    for (int64_t i = 0; i < N; ++i) {
+      float y = static_cast<float>(xr[i]) * s;                // mul
+      if (wp) y = y * static_cast<float>(wp[i]);              // mul(weight), in fp32
+      yr[i] = static_cast<T>(y);                              // type_as
+    }
+  }
+}
+
+static Tensor rms_norm(const Tensor& x, const OptT& w, double eps) {
+  auto t = x.scalar_type();
+  bool ok = fused && (t == at::kFloat || t == at::kBFloat16) && x.dim() >= 1 && x.stride(-1) == 1 && x.numel() > 0 &&
+            (!w.has_value() || (w->scalar_type() == t && w->is_contiguous() && w->numel() == x.size(-1)));
+  if (!ok) return at::rms_norm(x, {x.size(-1)}, w, eps);
+  const int64_t N = x.size(-1), rows = x.numel() / N;
+  auto sq = at::empty(x.sizes(), x.options().dtype(at::kFloat));  // pow(x32, 2), contiguous as ATen makes it
+  float* q = sq.data_ptr<float>();
+  for (int64_t r = 0; r < rows; ++r) {
+    int64_t off = row_offset(x, r);
+    if (t == at::kFloat) {
+      const float* xr = x.data_ptr<float>() + off;
+      for (int64_t i = 0; i < N; ++i) q[r * N + i] = xr[i] * xr[i];
+    } else {
+      const at::BFloat16* xr = x.data_ptr<at::BFloat16>() + off;
+      for (int64_t i = 0; i < N; ++i) {
+        float f = static_cast<float>(xr[i]);
+        q[r * N + i] = f * f;
+      }
+    }
+  }
+  auto sums = at::sum(sq, {x.dim() - 1}, true).contiguous();
+  auto out = at::empty(x.sizes(), x.options().memory_format(at::MemoryFormat::Contiguous));
+  if (t == at::kFloat)
+    rms_rows<float>(x, out, sums.data_ptr<float>(), w, eps);
+  else
+    rms_rows<at::BFloat16>(x, out, sums.data_ptr<float>(), w, eps);
+  return out;
+}
+
+// `layers.apply_rope`: x * cos + swap_halves(x) * sin, in one pass instead of four ATen ops (two products, the
+// flip's copy, the sum): each product and the sum rounded to x's dtype as ATen's elementwise ops round them (fp32
+// arithmetic, RNE to bf16), so bitwise theirs (`tests/test_native.py`). cos and sin broadcast against x; another
+// dtype or a layout this loop does not read is ATen's ops.
+template <typename T>
+static void rope_rows(const Tensor& x, const Tensor& c, const Tensor& s, const Tensor& out) {
+  const int64_t D = x.size(-1), h = D / 2, rows = x.numel() / D;
+  for (int64_t r = 0; r < rows; ++r) {
+    const T* xr = x.data_ptr<T>() + row_offset(x, r);
+    const T* cr = c.data_ptr<T>() + row_offset(c, r);
+    const T* sr = s.data_ptr<T>() + row_offset(s, r);
+    T* yr = out.data_ptr<T>() + r * D;
+    for (int64_t i = 0; i < D; ++i) {
+      T a = static_cast<T>(static_cast<float>(xr[i]) * static_cast<float>(cr[i]));
+      T b = static_cast<T>(static_cast<float>(xr[i < h ? i + h : i - h]) * static_cast<float>(sr[i]));
+      yr[i] = static_cast<T>(static_cast<float>(a) + static_cast<float>(b));
+    }
+  }
+}
+
 static Tensor rope(const Tensor& x, const Tensor& cos, const Tensor& sin) {
-  return x * cos + x.unflatten(-1, {2, -1}).flip({-2}).flatten(-2) * sin;
+  auto t = x.scalar_type();
+  bool ok = fused && (t == at::kFloat || t == at::kBFloat16) && cos.scalar_type() == t && sin.scalar_type() == t &&
+            x.numel() > 0 && x.size(-1) % 2 == 0 && x.stride(-1) == 1 && cos.stride(-1) == 1 && sin.stride(-1) == 1 &&
+            cos.dim() <= x.dim() && sin.dim() <= x.dim() && at::infer_size(x.sizes(), cos.sizes()) == x.sizes() &&
+            at::infer_size(x.sizes(), sin.sizes()) == x.sizes();
+  if (!ok) return x * cos + x.unflatten(-1, {2, -1}).flip({-2}).flatten(-2) * sin;
+  auto out = at::empty(x.sizes(), x.options().memory_format(at::MemoryFormat::Contiguous));
+  auto c = cos.expand(x.sizes()), s = sin.expand(x.sizes());
+  if (t == at::kFloat)
+    rope_rows<float>(x, c, s, out);
+  else
+    rope_rows<at::BFloat16>(x, c, s, out);
+  return out;
 }
 
 // `layers.attend` of queries [heads, n, D] over layer i's cache slots [0, end) (`lean.KVCache.attend`)
@@ -57,7 +158,7 @@ static Tensor mix(int64_t i, const Tensor& q, const Tensor& k, const Tensor& v, 
 static Tensor finish(const Tensor& h, const Tensor& a, const Tensor& o, const OptT& ob, const OptT& op,
                      const Tensor& post, double eps, const std::vector<OptT>& mlp) {
   auto h1 = h + linear(a.transpose(-2, -3).flatten(-2), o, ob, op);
-  auto x = at::rms_norm(h1, {h1.size(-1)}, post, eps);
+  auto x = rms_norm(h1, post, eps);
   Tensor g, u;
   if (mlp.size() == 4) {  // gate_up, its packed copy, down, its packed copy
     auto gu = linear(x, *mlp[0], std::nullopt, mlp[1]).chunk(2, -1);
@@ -83,10 +184,10 @@ std::vector<Tensor> fused_layers(Tensor h, const Tensor& cos, const Tensor& sin,
   std::vector<Tensor> out{Tensor()};
   for (size_t i = 0; i < W.size(); ++i) {
     const auto& w = W[i];
-    auto qkv = linear(at::rms_norm(h, {d}, w[0], eps), *w[1], w[2], w[3]).unflatten(-1, {H + 2 * KV, D});
+    auto qkv = linear(rms_norm(h, w[0], eps), *w[1], w[2], w[3]).unflatten(-1, {H + 2 * KV, D});
     auto qk = qkv.slice(-2, 0, H + KV);
     auto v = qkv.slice(-2, H + KV).transpose(-2, -3);
-    if (w[4].has_value()) qk = at::rms_norm(qk, {D}, std::nullopt, eps) * *w[4];
+    if (w[4].has_value()) qk = rms_norm(qk, std::nullopt, eps) * *w[4];
     qk = rope(qk, cos, sin).transpose(-2, -3);
     auto a = mix(i, qk.slice(-3, 0, H), qk.slice(-3, H), v, ck, cv, starts, ns, masks, scale);
     h = finish(h, a, *w[5], w[6], w[7], *w[8], eps, {w[9], w[10], w[11], w[12]});
@@ -108,9 +209,9 @@ Tensor decoder_layer(const Tensor& x, const Tensor& h, const Tensor& cos, const 
                      const std::vector<OptT>& masks, double scale, double qk_eps, double eps, int64_t H, int64_t KV,
                      int64_t D, const OptT& q_rows, const std::vector<int64_t>& nqs) {
   auto q = linear(q_rows ? x.index({*q_rows}) : x, *w[0], w[1], w[2]).unflatten(-1, {H, D});
-  if (w[9].has_value()) q = at::rms_norm(q, {D}, *w[9], qk_eps);
+  if (w[9].has_value()) q = rms_norm(q, w[9], qk_eps);
   auto k = linear(x, *w[3], w[4], w[5]).unflatten(-1, {KV, D});
-  if (w[10].has_value()) k = at::rms_norm(k, {D}, *w[10], qk_eps);
+  if (w[10].has_value()) k = rms_norm(k, w[10], qk_eps);
   auto v = linear(x, *w[6], w[7], w[8]).unflatten(-1, {KV, D});
   k = rope(k, cos, sin).transpose(-2, -3);
   v = v.transpose(-2, -3);
@@ -149,4 +250,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("fused_layers", &fused_layers, release());
   m.def("decoder_layer", &decoder_layer, release());
   m.def("refined_head", &refined_head, release());
+  m.def("rms_norm", &rms_norm, release());
+  m.def("rope", &rope, release());
+  m.def("set_fused", &set_fused);
 }

@@ -4,6 +4,10 @@ A decode step of the zoo target calls about 300 ATen ops from Python, and on a 2
 microseconds of interpreter and dispatch besides its work: a third of the step (`speclab costs step`). `native.cpp`
 runs the same ops, in the same order, from C++: every output is bitwise the Python path's (checked by the tests in
 fp32 and bf16), so this is a faster way to call the model code of `speclab.core.layers`, not a second model.
+Two of those ops are loops of its own, because ATen runs them as chains of small ops: RMSNorm (about fifteen ops
+in ATen's composite; `rms` and `rms_norm` offer it to Python's norms too) and the rotary embedding (four). Each
+reproduces ATen's arithmetic element by element and leaves the one reduction to ATen's sum, so it is bitwise
+ATen's; `build` checks that once per process (`_fused_ops_agree`) and otherwise keeps ATen's ops.
 
 It is built once per machine and torch version with torch's C++ extension loader (a C++ compiler and ninja; about
 25 s; `native.main()` builds it ahead, as `scripts/setup.sh` does) into torch's extensions folder.
@@ -20,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 
 from speclab.core import layers as L
 
@@ -40,12 +45,31 @@ def build(verbose: bool = False) -> Any:
         bindir = str(Path(sys.executable).parent)  # ninja from the environment's own bin folder (the PyPI wheel)
         if bindir not in os.environ.get("PATH", "").split(os.pathsep):
             os.environ["PATH"] = bindir + os.pathsep + os.environ.get("PATH", "")
-        mod = load("speclab_native", [str(SOURCE)], extra_cflags=["-O2"], verbose=verbose)
+        mod = load("speclab_native", [str(SOURCE)], extra_cflags=["-O2", "-ffp-contract=off"], verbose=verbose)
     except Exception as e:  # no compiler, no ninja, a failed build: the Python path, said once
         print(f"speclab: the native CPU layers are not available ({str(e).splitlines()[0] if str(e) else type(e)}"
               "); decoding runs from Python", file=sys.stderr)
+    if mod is not None:
+        mod.set_fused(_fused_ops_agree(mod))
     _state["module"] = mod
     return mod
+
+
+def _fused_ops_agree(mod) -> bool:
+    """Whether the module's one-pass RMSNorm and rotary embedding are bitwise this torch's ops on a few random
+    inputs (they follow ATen's composite, which may change between torch versions; where they are not, the module
+    runs ATen's ops instead)."""
+    g = torch.Generator().manual_seed(0)
+    for dtype in (torch.float32, torch.bfloat16):
+        x = (torch.randn(3, 5, 64, generator=g) * 4).to(dtype)
+        w = torch.randn(64, generator=g).to(dtype)
+        cos, sin = torch.randn(3, 1, 64, generator=g).to(dtype), torch.randn(3, 1, 64, generator=g).to(dtype)
+        same = [(mod.rms_norm(x, w, 1e-6), F.rms_norm(x, (64,), w, 1e-6)),
+                (mod.rms_norm(x[:, :3], None, 1e-5), F.rms_norm(x[:, :3], (64,), None, 1e-5)),
+                (mod.rope(x, cos, sin), L.apply_rope(x, cos, sin))]
+        if not all(torch.equal(a, b) for a, b in same):
+            return False
+    return True
 
 
 def active(x: torch.Tensor) -> bool:
@@ -59,6 +83,18 @@ def mode() -> str:
     """How the model layers run in this process: "native" (built and enabled) or "python"; for the figures that
     depend on it (`--dtype auto`'s cache key, a bench's config)."""
     return "native" if ENABLED and build() is not None else "python"
+
+
+def rms(norm: torch.nn.RMSNorm, x: torch.Tensor) -> torch.Tensor:
+    """`norm(x)`, in `native.cpp`'s one-pass RMSNorm where x runs natively (bitwise the module's output)."""
+    if not active(x):
+        return norm(x)
+    return _state["module"].rms_norm(x, norm.weight, torch.finfo(x.dtype).eps if norm.eps is None else norm.eps)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
+    """`F.rms_norm` over the last dim, in `native.cpp`'s one pass (bitwise; call where `active(x)`)."""
+    return build().rms_norm(x, weight, eps)
 
 
 def _packed(w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor | None:

@@ -325,6 +325,8 @@ def pick_dtype(device: torch.device, dtype: str | torch.dtype | None = None, fam
 
 def rms_norm32(h: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm in fp32 of a (bf16) hidden state: the input of an fp32 head."""
+    if native.active(h):  # the same op in one pass (`speclab.core.native`)
+        return native.rms_norm(h.float(), weight.float(), eps)
     return F.rms_norm(h.float(), h.shape[-1:], weight.float(), eps)
 
 

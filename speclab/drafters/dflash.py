@@ -173,7 +173,7 @@ class DFlashModel(nn.Module):
     # -- the forward, in pieces -------------------------------------------------------------------------------
     def context(self, feats: torch.Tensor) -> torch.Tensor:
         """The target context feature hidden_norm(fc(features)) [.., n, H]."""
-        return self.hidden_norm(self.fc(feats))
+        return native.rms(self.hidden_norm, self.fc(feats))
 
     def context_kv(self, i: int, ctx: torch.Tensor, cos, sin):
         """Layer i's keys and values [.., kv_heads, n, D] of context rows (rope applied; KV injection: the context
@@ -369,14 +369,14 @@ class DFlashDrafter:
         mix = None if native.active(x) else mix_many(caches, starts, n_rows, masks, d0.scale)
         for i, L in enumerate(m.layers):
             if mix is None:
-                x = native.decoder_layer(L, i, L.input_layernorm(x), x, cos, sin, caches, starts, n_rows, masks,
-                                         d0.scale)
+                x = native.decoder_layer(L, i, native.rms(L.input_layernorm, x), x, cos, sin, caches, starts, n_rows,
+                                         masks, d0.scale)
             else:
                 q, k, v = m.block_qkv(i, x, cos, sin)
                 x = m.finish(i, x, mix(i, q, k, v))
         keep = torch.cat([torch.arange(a + 1, a + n) for a, n in
                           zip([0, *torch.tensor(n_rows).cumsum(0).tolist()], n_rows)]).to(x.device)
-        h = m.norm(x[keep])  # the mask rows' final-norm states (DSpark's confidence head reads them)
+        h = native.rms(m.norm, x[keep])  # the mask rows' final-norm states (DSpark's confidence head reads them)
         # the target's head weight after the drafter's own norm, in the drafter's dtype: draft logits only choose what
         # to propose (verification accepts by the target's), so they skip the fp32 refinement of the target's
         # (`speclab.core.precision.Head`; measured: it cost 7% of DFlash's tokens/s here)

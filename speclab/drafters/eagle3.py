@@ -172,7 +172,7 @@ class Eagle3Model(nn.Module):
     def attn_input(self, emb: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
         """What attention reads: [input_layernorm(embedding), hidden_norm(hidden)] [.., n, 2 x H]."""
         L = self.midlayer
-        return torch.cat([L.input_layernorm(emb), L.hidden_norm(h)], -1)
+        return torch.cat([native.rms(L.input_layernorm, emb), native.rms(L.hidden_norm, h)], -1)
 
     def finish(self, h: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
         """The rest of the layer (`speclab.core.layers.Layer.finish`): residual + o_proj(attention output
@@ -181,7 +181,7 @@ class Eagle3Model(nn.Module):
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """Logits over the draft vocabulary of pre-norm outputs h [.., H]."""
-        return self.lm_head(self.norm(h))
+        return self.lm_head(native.rms(self.norm, h))
 
     def rope(self, n: int, dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos / sin tables for positions 0..n-1 (speclab.core.lean's convention), on the model's device."""
@@ -437,7 +437,7 @@ class Eagle3Drafter:
         """The drafter's logits of pre-norm outputs h, computed in its dtype and returned as float32. Unlike the
         target's, they are not refined to fp32 (`speclab.core.precision.Head`): they only choose what to propose,
         and verification accepts by the target's logits (measured: refining cost 4% of EAGLE-3's tokens/s here)."""
-        return self.flash(self.m.norm(h)) if self.flash is not None else self.m.logits(h).float()
+        return self.flash(native.rms(self.m.norm, h)) if self.flash is not None else self.m.logits(h).float()
 
     def _cands(self) -> torch.Tensor:
         """The FlashHead's candidates of its last call, in target ids [rows, C]."""
