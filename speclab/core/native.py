@@ -97,6 +97,15 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.
     return build().rms_norm(x, weight, eps)
 
 
+def source_hash() -> str | None:
+    """A short hash of `native.cpp` where the layers run from it (None: from Python), for the figures measured with
+    it (`--dtype auto`'s cache key)."""
+    if mode() != "native":
+        return None
+    import hashlib
+    return hashlib.sha1(SOURCE.read_bytes()).hexdigest()[:12]
+
+
 def _packed(w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor | None:
     """The weight's prepacked bf16 copy where `layers.linear` uses one (None: F.linear)."""
     if L.PACKED and L._PACKED_LINEAR is not None and w.dtype is torch.bfloat16 and w.device.type == "cpu":

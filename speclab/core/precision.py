@@ -120,14 +120,15 @@ def family(method: str) -> str:
 
 def machine() -> dict:
     """What the decision depends on besides the models: CPU model, a hash of all its flags, cores, threads, torch,
-    how bf16 matmuls run (`speclab.core.layers.linear`) and whether the layers run from C++ (`speclab.core.native`)."""
+    how bf16 matmuls run (`speclab.core.layers.linear`) and whether the layers run from C++ (`speclab.core.native`),
+    and from which source (a change to it measures again)."""
     import hashlib
     import os
     name, flags = _cpu()
     return {"cpu": name, "flags": hashlib.sha1(" ".join(sorted(flags)).encode()).hexdigest()[:12],
             "bf16": list(cpu_info()[1]), "cores": os.cpu_count(), "threads": torch.get_num_threads(),
             "torch": torch.__version__, "linear": "prepacked" if layers.PACKED else "F.linear",
-            "layers": native.mode()}
+            "layers": native.mode(), "native_source": native.source_hash()}
 
 
 def other_load(window_s: float = 0.3) -> float:
