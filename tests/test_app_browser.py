@@ -108,7 +108,8 @@ def error_toast(page, says: str | re.Pattern) -> str:
     """Bad input is answered in a toast: wait for one saying `says` (text, or a pattern), return its text, close
     it."""
     toast = page.locator(".toast-body").filter(has_text=says).first
-    toast.wait_for(timeout=30000)
+    toast.wait_for(timeout=60000)  # 30 s once ran out in a fresh clone's suite on a loaded 2-core machine (the
+    # Serving tab's first check; alone it passes in seconds)
     text = toast.inner_text()
     shown = toast.element_handle()
     toast.locator(".toast-close").click()  # this toast, not whichever is first

@@ -3,6 +3,8 @@
 // CPU a Python-level op costs a few microseconds of dispatch, and a decode step of the target calls about 300 of
 // them: this file is that step's loop, not new math. Built on first use by `speclab.core.native`.
 #include <torch/extension.h>
+#include <cstring>
+#include <ATen/Parallel.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 
 using at::Tensor;
@@ -26,6 +28,27 @@ static Tensor linear(const Tensor& x, const Tensor& w, const OptT& b, const OptT
 static bool fused = true;
 static void set_fused(bool on) { fused = on; }
 
+// rows per task of the loops below: a decode step's few rows run inline, a prefill's split over the threads
+static constexpr int64_t ROW_GRAIN = 256;
+
+// bf16 <-> fp32 as c10::BFloat16 converts (round to nearest even; NaN to a quiet NaN), written so the loops below
+// vectorize; `load` and `store` are that for bf16 and nothing for fp32
+static inline float load(float v) { return v; }
+static inline float load(at::BFloat16 v) {
+  uint32_t u = (uint32_t)v.x << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+template <typename T> static inline T store(float f);
+template <> inline float store<float>(float f) { return f; }
+template <> inline at::BFloat16 store<at::BFloat16>(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  uint16_t r = (uint16_t)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+  return at::BFloat16(f != f ? (uint16_t)0x7FC0 : r, at::BFloat16::from_bits());
+}
+
 // the offset of row r of x (its elements before the last dim, in order) by x's strides
 static int64_t row_offset(const Tensor& x, int64_t r) {
   int64_t off = 0;
@@ -47,18 +70,19 @@ static void rms_rows(const Tensor& x, const Tensor& out, const float* sums, cons
   const int64_t N = x.size(-1), rows = out.numel() / N;
   const T* wp = w.has_value() ? w->data_ptr<T>() : nullptr;
   const float fN = (float)N, feps = (float)eps;
-  for (int64_t r = 0; r < rows; ++r) {
-    const T* xr = x.data_ptr<T>() + row_offset(x, r);
-    T* yr = out.data_ptr<T>() + r * N;
-    const float m = sums[r] / fN;        // mean's div_ by the element count
-    const float v = m + feps;            // add_(eps)
-    const float s = 1.0f / std::sqrt(v);  // rsqrt
-    for (int64_t i = 0; i < N; ++i) {
-      float y = static_cast<float>(xr[i]) * s;                // mul
-      if (wp) y = y * static_cast<float>(wp[i]);              // mul(weight), in fp32
-      yr[i] = static_cast<T>(y);                              // type_as
+  at::parallel_for(0, rows, ROW_GRAIN, [&](int64_t r0, int64_t r1) {  // rows are independent: any split, same bits
+    for (int64_t r = r0; r < r1; ++r) {
+      const T* xr = x.data_ptr<T>() + row_offset(x, r);
+      T* yr = out.data_ptr<T>() + r * N;
+      const float m = sums[r] / fN;        // mean's div_ by the element count
+      const float v = m + feps;            // add_(eps)
+      const float s = 1.0f / std::sqrt(v);  // rsqrt
+      if (wp)
+        for (int64_t i = 0; i < N; ++i) yr[i] = store<T>(load(xr[i]) * s * load(wp[i]));  // mul, mul(weight), type_as
+      else
+        for (int64_t i = 0; i < N; ++i) yr[i] = store<T>(load(xr[i]) * s);
     }
-  }
+  });
 }
 
 static Tensor rms_norm(const Tensor& x, const OptT& w, double eps) {
@@ -69,19 +93,19 @@ static Tensor rms_norm(const Tensor& x, const OptT& w, double eps) {
   const int64_t N = x.size(-1), rows = x.numel() / N;
   auto sq = at::empty(x.sizes(), x.options().dtype(at::kFloat));  // pow(x32, 2), contiguous as ATen makes it
   float* q = sq.data_ptr<float>();
-  for (int64_t r = 0; r < rows; ++r) {
-    int64_t off = row_offset(x, r);
-    if (t == at::kFloat) {
-      const float* xr = x.data_ptr<float>() + off;
-      for (int64_t i = 0; i < N; ++i) q[r * N + i] = xr[i] * xr[i];
-    } else {
-      const at::BFloat16* xr = x.data_ptr<at::BFloat16>() + off;
-      for (int64_t i = 0; i < N; ++i) {
-        float f = static_cast<float>(xr[i]);
-        q[r * N + i] = f * f;
+  at::parallel_for(0, rows, ROW_GRAIN, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      int64_t off = row_offset(x, r);
+      float* qr = q + r * N;
+      if (t == at::kFloat) {
+        const float* xr = x.data_ptr<float>() + off;
+        for (int64_t i = 0; i < N; ++i) qr[i] = xr[i] * xr[i];
+      } else {
+        const at::BFloat16* xr = x.data_ptr<at::BFloat16>() + off;
+        for (int64_t i = 0; i < N; ++i) qr[i] = load(xr[i]) * load(xr[i]);
       }
     }
-  }
+  });
   auto sums = at::sum(sq, {x.dim() - 1}, true).contiguous();
   auto out = at::empty(x.sizes(), x.options().memory_format(at::MemoryFormat::Contiguous));
   if (t == at::kFloat)
@@ -98,17 +122,18 @@ static Tensor rms_norm(const Tensor& x, const OptT& w, double eps) {
 template <typename T>
 static void rope_rows(const Tensor& x, const Tensor& c, const Tensor& s, const Tensor& out) {
   const int64_t D = x.size(-1), h = D / 2, rows = x.numel() / D;
-  for (int64_t r = 0; r < rows; ++r) {
-    const T* xr = x.data_ptr<T>() + row_offset(x, r);
-    const T* cr = c.data_ptr<T>() + row_offset(c, r);
-    const T* sr = s.data_ptr<T>() + row_offset(s, r);
-    T* yr = out.data_ptr<T>() + r * D;
-    for (int64_t i = 0; i < D; ++i) {
-      T a = static_cast<T>(static_cast<float>(xr[i]) * static_cast<float>(cr[i]));
-      T b = static_cast<T>(static_cast<float>(xr[i < h ? i + h : i - h]) * static_cast<float>(sr[i]));
-      yr[i] = static_cast<T>(static_cast<float>(a) + static_cast<float>(b));
+  at::parallel_for(0, rows, ROW_GRAIN, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      const T* xr = x.data_ptr<T>() + row_offset(x, r);
+      const T* cr = c.data_ptr<T>() + row_offset(c, r);
+      const T* sr = s.data_ptr<T>() + row_offset(s, r);
+      T* yr = out.data_ptr<T>() + r * D;
+      for (int64_t i = 0; i < h; ++i)  // each product rounded to T, then their sum
+        yr[i] = store<T>(load(store<T>(load(xr[i]) * load(cr[i]))) + load(store<T>(load(xr[i + h]) * load(sr[i]))));
+      for (int64_t i = h; i < D; ++i)
+        yr[i] = store<T>(load(store<T>(load(xr[i]) * load(cr[i]))) + load(store<T>(load(xr[i - h]) * load(sr[i]))));
     }
-  }
+  });
 }
 
 static Tensor rope(const Tensor& x, const Tensor& cos, const Tensor& sin) {

@@ -45,7 +45,7 @@ def build(verbose: bool = False) -> Any:
         bindir = str(Path(sys.executable).parent)  # ninja from the environment's own bin folder (the PyPI wheel)
         if bindir not in os.environ.get("PATH", "").split(os.pathsep):
             os.environ["PATH"] = bindir + os.pathsep + os.environ.get("PATH", "")
-        mod = load("speclab_native", [str(SOURCE)], extra_cflags=["-O2", "-ffp-contract=off"], verbose=verbose)
+        mod = load("speclab_native", [str(SOURCE)], extra_cflags=["-O3", "-ffp-contract=off"], verbose=verbose)
     except Exception as e:  # no compiler, no ninja, a failed build: the Python path, said once
         print(f"speclab: the native CPU layers are not available ({str(e).splitlines()[0] if str(e) else type(e)}"
               "); decoding runs from Python", file=sys.stderr)
