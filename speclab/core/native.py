@@ -85,11 +85,14 @@ def mode() -> str:
     return "native" if ENABLED and build() is not None else "python"
 
 
+def _eps(norm: torch.nn.RMSNorm, dtype: torch.dtype) -> float:
+    """The eps an `nn.RMSNorm` applies to inputs of `dtype` (eps=None: the dtype's machine epsilon)."""
+    return torch.finfo(dtype).eps if norm.eps is None else norm.eps
+
+
 def rms(norm: torch.nn.RMSNorm, x: torch.Tensor) -> torch.Tensor:
     """`norm(x)`, in `native.cpp`'s one-pass RMSNorm where x runs natively (bitwise the module's output)."""
-    if not active(x):
-        return norm(x)
-    return _state["module"].rms_norm(x, norm.weight, torch.finfo(x.dtype).eps if norm.eps is None else norm.eps)
+    return rms_norm(x, norm.weight, _eps(norm, x.dtype)) if active(x) else norm(x)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
@@ -163,12 +166,11 @@ def decoder_layer(layer: L.DecoderLayer, i: int, x, h, cos, sin, caches: list, s
     h: the residual of the query rows: `q_rows`, the last nqs[j] rows of sequence j; None: every row) for one
     sequence or a ragged batch (see `native.cpp`) -> the layer's output of the query rows."""
     a = layer.self_attn
-    tiny = torch.finfo(x.dtype).eps  # nn.RMSNorm's eps=None
-    qk_eps = (a.q_norm.eps if a.q_norm.eps is not None else tiny) if a.qk_norm else 0.0
-    eps = layer.post_attention_layernorm.eps
+    qk_eps = _eps(a.q_norm, x.dtype) if a.qk_norm else 0.0
     return build().decoder_layer(x, h, cos, sin, decoder_weights(layer), i, [c.k for c in caches],
-                                 [c.v for c in caches], starts, ns, masks, scale, qk_eps, tiny if eps is None else eps,
-                                 a.heads, a.kv_heads, a.head_dim, q_rows, nqs or [])
+                                 [c.v for c in caches], starts, ns, masks, scale, qk_eps,
+                                 _eps(layer.post_attention_layernorm, x.dtype), a.heads, a.kv_heads, a.head_dim,
+                                 q_rows, nqs or [])
 
 
 def refined_head(h, w, k: int, w_norm: float):

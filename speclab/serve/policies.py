@@ -245,7 +245,7 @@ class DSpark:
             w, r = self.RATE_WEIGHT, tokens / ms
             self.rate[key] = r if first else (1 - w) * self.rate[key] + w * r
             self.last[key] = (ms, tokens, len(ev.rids))
-            if self.probing or first and len(self.rate) == 2:  # a probe, or both sides measured once: the cost of
+            if self.probing or (first and len(self.rate) == 2):  # a probe, or both sides measured once: the cost of
                 side = key if self.probing else self.rate[True] < self.rate[False]  # the slower side's step
                 ms_, tokens_, n = self.last[side]  # over the other side's time for its tokens, per request
                 self.probe_ms = max(0.0, ms_ - tokens_ / self.rate[not side]) / n
