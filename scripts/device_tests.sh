@@ -6,9 +6,11 @@
 #   pip download --no-deps --only-binary=:all: --python-version 3.12 --platform manylinux_2_28_x86_64 -d .whl \
 #     duckdb plotly gguf
 # The big zoo models stay behind (the 64 MiB limit on what travels): move data/ aside for the call and bring back only
-# data/prompts and data/zoo/{tokenizer,README.md,calibration.json}. With -v each test's outcome is printed as it ends, so a
-# run cut by its time limit still names what failed (the tracebacks come at the end). On an H200 (2026-11-27) the
-# whole set took over 200 s: give it TEST_S=420 and nothing else in the call.
+# data/prompts, data/corpus/*.txt (15 MB: the training tests read it) and
+# data/zoo/{tokenizer,README.md,calibration.json}. With -v each test's outcome is printed as it ends, so a run cut by
+# its time limit still names what failed (the tracebacks come at the end, so a cut run has none: rerun the failed
+# ones alone with --tb=short). On an H200 (2026-11-27) the whole set took over 390 s with 14 workers: the session-
+# scoped tiny drafters are trained in every worker. Give it the whole call (TEST_S=540).
 set -uo pipefail
 OUT=${OUT:-/tmp/speclab-device}
 mkdir -p "$OUT"

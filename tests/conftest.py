@@ -97,7 +97,7 @@ def deep(deep_path):
 
 def on_cpu(deep, deep_path) -> Target:
     """`deep` where training runs: on the CPU, as `speclab train` does (its teacher loads there)."""
-    return deep if DEVICE == "cpu" else Target.load(deep_path, dtype="fp32")
+    return deep if DEVICE == "cpu" else Target.load(deep_path, device="cpu", dtype="fp32")
 
 
 @pytest.fixture(scope="session")

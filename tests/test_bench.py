@@ -6,6 +6,7 @@ import pytest
 import torch
 from scipy.stats import t as scipy_t
 
+from conftest import DEVICE
 from speclab.bench.costs import forward_costs
 from speclab.bench.results import LLAMACPP, bench_overall, bench_report, bench_table, llamacpp_table, peer_ratios
 from speclab.bench.run import BenchConfig, run_bench
@@ -47,7 +48,8 @@ def test_bench_runs_methods_and_peers_and_reports(qwen3, qwen3_draft, model_dir,
     assert {(r["speclab"], r["peer"]) for r in peer_ratios(overall)} == {
         ("sps-untraced", "hf_assisted"), ("sps", "hf_assisted"), ("pld-untraced", "hf_pld"), ("pld", "hf_pld")}
     untraced = overall[overall.method.str.endswith("-untraced")].set_index("method")
-    assert untraced.model_call_share.between(0.2, 1.0).all()  # measured on CPU: time inside model forwards
+    if DEVICE == "cpu":  # measured on the CPU only (`speclab.generate.model_ms`): time inside model forwards
+        assert untraced.model_call_share.between(0.2, 1.0).all()
     assert store.query("SELECT count(*) AS n FROM runs WHERE diverges_at IS NOT NULL AND engine IS NULL").n[0] == 0
     bench = store.query("SELECT * FROM benches").iloc[0]
     assert bench.status == "done" and bench.trace_overhead > 0

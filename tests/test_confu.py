@@ -28,7 +28,8 @@ def soft_prompts(target, s: int, seed: int, scale: float = 1.0):
     g = torch.Generator().manual_seed(seed)
     c = target.config
     shape = (target.num_layers, c.num_key_value_heads, s, c.head_dim)
-    return torch.randn(shape, generator=g) * scale, torch.randn(shape, generator=g) * scale
+    k, v = torch.randn(shape, generator=g) * scale, torch.randn(shape, generator=g) * scale
+    return k.to(target.device), v.to(target.device)
 
 
 def reference_future(target, tokens: torch.Tensor, emb: torch.Tensor, soft_k, soft_v) -> torch.Tensor:
@@ -53,7 +54,7 @@ def test_a_contemplate_row_after_a_prefix_is_transformers_own(qwen3, qwen3_hf):
     equals the brute-force reference, and leaves the cache as it was."""
     ids = torch.tensor([5, 17, 3, 99, 42, 7, 64, 11])
     soft_k, soft_v = soft_prompts(qwen3, 4, seed=0)
-    emb = torch.randn(qwen3.config.hidden_size, generator=torch.Generator().manual_seed(1))
+    emb = torch.randn(qwen3.config.hidden_size, generator=torch.Generator().manual_seed(1)).to(qwen3.device)
     ref = reference_future(qwen3, ids, emb, soft_k, soft_v)
     for target in (qwen3, qwen3_hf):
         cache = target.new_cache(32)
@@ -71,7 +72,7 @@ def test_soft_prompts_reach_only_the_contemplate_row(qwen3):
     """Other soft prompts change f; with no soft prompt seen at all (s = 0) f is the plain target's final-norm
     state of the contemplate embedding in the prefix's context."""
     ids = torch.tensor([5, 17, 3, 99, 42])
-    emb = torch.randn(1, qwen3.config.hidden_size, generator=torch.Generator().manual_seed(2))
+    emb = torch.randn(1, qwen3.config.hidden_size, generator=torch.Generator().manual_seed(2)).to(qwen3.device)
     cache = qwen3.new_cache(16)
     qwen3.prefill(ids, cache)
     pos, visible = last_token_rows(ids.numel(), ids.numel())
@@ -91,7 +92,8 @@ def test_each_node_of_a_tree_gets_the_future_of_its_own_path(qwen3):
     root = torch.tensor([7])
     tree = DraftTree(torch.tensor([64, 11, 23, 31]), torch.tensor([-1, -1, 0, 1]), torch.ones(4))
     soft_k, soft_v = soft_prompts(qwen3, 3, seed=4)
-    emb = torch.randn(tree.tokens.numel() + 1, qwen3.config.hidden_size, generator=torch.Generator().manual_seed(5))
+    emb = torch.randn(tree.tokens.numel() + 1, qwen3.config.hidden_size,
+                      generator=torch.Generator().manual_seed(5)).to(qwen3.device)
     paths = [torch.cat([prefix, root])] + [torch.cat([prefix, root, tree.tokens[p]]) for p in
                                            ([0], [1], [0, 2], [1, 3])]
     refs = torch.stack([reference_future(qwen3, p, e, soft_k, soft_v) for p, e in zip(paths, emb)])

@@ -168,9 +168,9 @@ def test_flash_drafters_draft_from_their_candidates_only(deep, flash_models):
     ids = deep.tokenizer(PROMPTS[0], return_tensors="pt")["input_ids"][0]
     out = generate(deep, PROMPTS[0], "specblock", models=flash_models, max_new_tokens=8, head="flash", probes=1)
     assert d.flash is not None and d.flash.probes == 1 and out.token_ids and ids.numel()
-    x = torch.randn(3, 4, d.m.config.hidden_size)
+    x = torch.randn(3, 4, d.m.config.hidden_size).to(deep.device)
     logits = d.flash(d.m.norm(x))
-    assert torch.equal(torch.isfinite(logits).sum(-1), torch.full((3, 4), deep.vocab_size // 64))
+    assert torch.equal(torch.isfinite(logits).sum(-1).cpu(), torch.full((3, 4), deep.vocab_size // 64))
 
 
 # ---- sampling through a FlashHead keeps the target distribution ----------------------------------------------

@@ -211,10 +211,10 @@ class IIDTree:
         self.model, self.width = model, width
 
     def reset(self, ids, feats, capacity=None):
-        self.ids = ids.clone()
+        self.ids = ids.to(self.model.device).clone()
 
     def catch_up(self, ids, feats):
-        self.ids = torch.cat([self.ids, ids])
+        self.ids = torch.cat([self.ids, ids.to(self.ids.device)])
 
     def _q(self, ids, s):
         return logits_to_probs(self.model.forward(ids, self.model.new_cache(), last=1).logits, s)

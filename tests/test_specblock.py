@@ -43,7 +43,7 @@ def test_drafting_forward_is_trainings_forward(deep, model):
     """The first block at a committed position and a second block from a cut inside it: the drafter's logits are
     training's `block_forward` at that anchor and cut."""
     text = PROMPTS[0] + " " + PROMPTS[1]
-    ids = deep.tokenizer(text, return_tensors="pt")["input_ids"][:, :24]
+    ids = deep.tokenizer(text, return_tensors="pt")["input_ids"][:, :24].to(deep.device)
     feats, _ = target_features(deep.model, ids, model.config.target_layers, 8)
     r, s = 10, 3
     with torch.no_grad():

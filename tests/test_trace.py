@@ -254,7 +254,7 @@ def test_token_probabilities_equal_a_full_forward(qwen3, qwen3_draft, store, par
     res = generate(qwen3, PROMPTS[0], "sps", models={"draft": qwen3_draft}, max_new_tokens=30, trace=store, **params)
     prompt = encode_prompt(qwen3, PROMPTS[0])
     seq = torch.cat([prompt, torch.tensor(res.token_ids)])
-    logp = torch.log_softmax(qwen3.forward(seq, qwen3.new_cache()).logits, -1)[prompt.numel() - 1 : -1]
+    logp = torch.log_softmax(qwen3.forward(seq, qwen3.new_cache()).logits, -1)[prompt.numel() - 1 : -1].cpu()
     toks = store.tokens(res.run_id)
     want_p = logp.gather(1, torch.tensor(res.token_ids)[:, None])[:, 0].exp()
     want_h = -(logp.exp() * logp).sum(-1)
