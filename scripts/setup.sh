@@ -15,9 +15,38 @@ PY=${PYTHON:-python3}
 quiet() { grep -v "^WARNING: Location" || true; }
 stamp=.venv/.speclab-setup
 want=$(cat pyproject.toml scripts/setup.sh | sha256sum | cut -d' ' -f1)
-if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
+fresh=$([ "$(cat "$stamp" 2>/dev/null)" != "$want" ] && echo 1 || true)
+if [ -n "$fresh" ]; then
   echo "speclab setup: installing into .venv (first run takes a few minutes) ..."
   python -m pip install -q --upgrade "pip>=24" 2>&1 | quiet
+fi
+# llama.cpp, the CPU peer of the bench (speclab.llamacpp), for `setup.sh test` and `setup.sh peers` (make test,
+# make bench; the app does not need it): llama-cpp-python built from its source distribution for
+# this CPU (-march=native), kept in .venv. The first build takes about 4 minutes on 2 cores, so it runs in the
+# background (a wheel built outside the venv, in pip's own build environment) while the packages install and the
+# native layers build, and is installed at the end. The CPU's name and flags are stamped beside it: sessions move
+# between machines, and a build for another CPU's instructions would crash on this one, so a changed CPU rebuilds
+# (never from pip's wheel cache, which does not know the CPU).
+LLAMA_CPP_PYTHON="llama-cpp-python==0.3.36"
+cpu_stamp=.venv/.llamacpp-cpu
+cpu_now=$( (grep -m1 "model name" /proc/cpuinfo; grep -m1 "^flags" /proc/cpuinfo; echo "$LLAMA_CPP_PYTHON") 2>/dev/null \
+  | sha256sum | cut -d' ' -f1)
+want_peers=$([ "${1:-}" = "test" ] || [ "${1:-}" = "peers" ] && echo 1 || true)
+llama_pid=
+if [ -n "$want_peers" ] && { [ "$(cat "$cpu_stamp" 2>/dev/null)" != "$cpu_now" ] || \
+   ! python -c "import llama_cpp" >/dev/null 2>&1; }; then
+  echo "speclab setup: building $LLAMA_CPP_PYTHON from source for this CPU in the background (the llama.cpp peers;" \
+       "about 4 minutes) ..."
+  llama_start=$(date +%s)
+  rm -rf .venv/.llamacpp-wheel
+  CMAKE_ARGS="-DGGML_NATIVE=ON -DLLAVA_BUILD=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF \
+-DLLAMA_BUILD_TOOLS=OFF -DLLAMA_BUILD_SERVER=OFF" CMAKE_BUILD_PARALLEL_LEVEL="$(nproc 2>/dev/null || echo 2)" \
+    python -m pip wheel -q --no-cache-dir --no-deps --no-binary llama-cpp-python -w .venv/.llamacpp-wheel \
+    "$LLAMA_CPP_PYTHON" > .venv/.llamacpp-build.log 2>&1 &
+  llama_pid=$!
+  trap 'kill "$llama_pid" 2>/dev/null || true' EXIT  # a failed set-up leaves no build running
+fi
+if [ -n "$fresh" ]; then
   if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
     echo "speclab setup: NVIDIA GPU found: installing a CUDA build of torch"
     python -m pip install -q "torch>=2.13,<=2.14.1" 2>&1 | quiet
@@ -37,35 +66,6 @@ fi
 # the decoder layers' C++ loop (speclab/core/native.cpp; about 25 s once per machine and torch, rebuilt when the
 # source changes): built here so a first decode does not wait for it; without a compiler, decoding runs from Python
 python -c "from speclab.core import native; native.main()"
-# llama.cpp, the CPU peer of the bench (speclab.llamacpp), for `setup.sh test` and `setup.sh peers` (make test,
-# make bench; the app does not need it): llama-cpp-python built from its source distribution for
-# this CPU (-march=native), kept in .venv. The first build takes about 4 minutes on 2 cores. The CPU's name and flags
-# are stamped beside it: sessions move between machines, and a build for another CPU's instructions would crash on
-# this one, so a changed CPU rebuilds (never from pip's wheel cache, which does not know the CPU).
-LLAMA_CPP_PYTHON="llama-cpp-python==0.3.36"
-cpu_stamp=.venv/.llamacpp-cpu
-cpu_now=$( (grep -m1 "model name" /proc/cpuinfo; grep -m1 "^flags" /proc/cpuinfo; echo "$LLAMA_CPP_PYTHON") 2>/dev/null \
-  | sha256sum | cut -d' ' -f1)
-want_peers=$([ "${1:-}" = "test" ] || [ "${1:-}" = "peers" ] && echo 1 || true)
-if [ -n "$want_peers" ] && { [ "$(cat "$cpu_stamp" 2>/dev/null)" != "$cpu_now" ] || \
-   ! python -c "import llama_cpp" >/dev/null 2>&1; }; then
-  echo "speclab setup: building $LLAMA_CPP_PYTHON from source for this CPU (the llama.cpp peers; about 4 minutes) ..."
-  start=$(date +%s)
-  if CMAKE_ARGS="-DGGML_NATIVE=ON -DLLAVA_BUILD=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF \
--DLLAMA_BUILD_TOOLS=OFF -DLLAMA_BUILD_SERVER=OFF" CMAKE_BUILD_PARALLEL_LEVEL="$(nproc 2>/dev/null || echo 2)" \
-     python -m pip install -q --no-cache-dir --force-reinstall --no-deps --no-binary llama-cpp-python \
-       "$LLAMA_CPP_PYTHON" 2>&1 | quiet && python -m pip install -q "diskcache>=5.6.1" "jinja2>=2.11.3" 2>&1 | quiet \
-     && python -c "import llama_cpp" >/dev/null 2>&1; then
-    echo "$cpu_now" > "$cpu_stamp"
-    rm -f .venv/.llamacpp-failed
-    echo "speclab setup: llama-cpp-python built in $(( $(date +%s) - start )) s"
-  else
-    rm -f "$cpu_stamp"
-    touch .venv/.llamacpp-failed  # the llama.cpp tests skip, saying why, instead of failing
-    echo "speclab setup: warning: llama-cpp-python did not build (a C++ compiler and cmake are needed): the bench" \
-         "runs without its llama.cpp peers and their tests skip" >&2
-  fi
-fi
 if [ "${1:-}" = "test" ] && ! command -v chromium >/dev/null 2>&1; then
   # the app's browser tests drive Debian's chromium (Playwright's own browser download is not reachable here)
   if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
@@ -74,4 +74,20 @@ if [ "${1:-}" = "test" ] && ! command -v chromium >/dev/null 2>&1; then
   else
     echo "speclab setup: warning: chromium is missing and needs root + apt to install; browser tests will skip" >&2
   fi
+fi
+if [ -n "$llama_pid" ]; then
+  if wait "$llama_pid" && python -m pip install -q --no-deps --force-reinstall .venv/.llamacpp-wheel/*.whl 2>&1 \
+       | quiet && python -m pip install -q "diskcache>=5.6.1" "jinja2>=2.11.3" 2>&1 | quiet \
+     && python -c "import llama_cpp" >/dev/null 2>&1; then
+    echo "$cpu_now" > "$cpu_stamp"
+    rm -f .venv/.llamacpp-failed
+    echo "speclab setup: llama-cpp-python built in $(( $(date +%s) - llama_start )) s"
+  else
+    rm -f "$cpu_stamp"
+    touch .venv/.llamacpp-failed  # the llama.cpp tests skip, saying why, instead of failing
+    tail -5 .venv/.llamacpp-build.log >&2 || true
+    echo "speclab setup: warning: llama-cpp-python did not build (a C++ compiler and cmake are needed): the bench" \
+         "runs without its llama.cpp peers and their tests skip" >&2
+  fi
+  rm -rf .venv/.llamacpp-wheel
 fi
