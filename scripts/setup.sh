@@ -76,7 +76,9 @@ if [ "${1:-}" = "test" ] && ! command -v chromium >/dev/null 2>&1; then
   fi
 fi
 if [ -n "$llama_pid" ]; then
-  if wait "$llama_pid" && python -m pip install -q --no-deps --force-reinstall .venv/.llamacpp-wheel/*.whl 2>&1 \
+  wait "$llama_pid" && built=1 || built=
+  trap - EXIT  # the build is over: nothing to kill on exit
+  if [ -n "$built" ] && python -m pip install -q --no-deps --force-reinstall .venv/.llamacpp-wheel/*.whl 2>&1 \
        | quiet && python -m pip install -q "diskcache>=5.6.1" "jinja2>=2.11.3" 2>&1 | quiet \
      && python -c "import llama_cpp" >/dev/null 2>&1; then
     echo "$cpu_now" > "$cpu_stamp"
