@@ -1,5 +1,7 @@
-"""bf16 matmuls on this CPU: F.linear against `speclab.core.layers.linear` (a weight prepacked once for oneDNN) on the
-zoo's shapes, at the row counts a decode uses; every pair checked bit for bit. Prints a markdown table.
+"""bf16 matmuls on this CPU: F.linear against the two packed products of `speclab.core.layers.linear` on the zoo's
+shapes, at the row counts a decode uses: oneDNN's (a weight prepacked once into its layout) and, where this process
+has AMX, `native.cpp`'s tile product (`speclab::tile_linear`); each checked bit for bit against F.linear. Prints a
+markdown table.
 
     python scripts/linear_bench.py [THREADS=2]
 """
@@ -9,7 +11,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from speclab.core.layers import linear
+from speclab.core import layers, native
 from speclab.core.precision import cpu_info
 
 torch.set_num_threads(int(sys.argv[1]) if len(sys.argv) > 1 else 2)
@@ -32,13 +34,20 @@ def best_us(f, n=300, reps=5):
 
 print(f"CPU: {cpu_info()[0]} (bf16 flags: {', '.join(cpu_info()[1]) or 'none'}), {torch.get_num_threads()} threads, "
       f"torch {torch.__version__}\n")
-print("| weight | in x out | rows | F.linear (us) | prepacked (us) | speedup | bitwise equal |")
+tiles = native.tile_module()
+print("| weight | in x out | rows | F.linear (us) | oneDNN prepacked (us) | tiles (us) | bitwise F.linear |")
 print("|---|---|---|---|---|---|---|")
 with torch.inference_mode():
     for name, (i, o) in SHAPES.items():
         w = torch.randn(o, i).bfloat16()
+        onednn = torch.ops.mkldnn._reorder_linear_weight(w, layers.PACK_ROWS)
+        products = {"prepacked": lambda x, p=onednn: layers._PACKED_LINEAR(x, p, None, "none", [], "")}
+        if tiles is not None:
+            packed = tiles.tile_pack(w)
+            products["tiles"] = lambda x, p=packed, n=o, k=i: torch.ops.speclab.tile_linear(x, p, None, n, k)
         for rows in (1, 5, 16):
             x = torch.randn(rows, i).bfloat16()
-            a, b = best_us(lambda: F.linear(x, w)), best_us(lambda: linear(x, w))  # noqa: B023 (called at once)
-            print(f"| {name} | {i} x {o} | {rows} | {a:.0f} | {b:.0f} | {a / b:.2f}x | "
-                  f"{torch.equal(F.linear(x, w), linear(x, w))} |", flush=True)
+            us = {k: f"{best_us(lambda f=f: f(x)):.0f}" for k, f in products.items()}  # noqa: B023 (called at once)
+            same = all(torch.equal(f(x), F.linear(x, w)) for f in products.values())
+            print(f"| {name} | {i} x {o} | {rows} | {best_us(lambda: F.linear(x, w)):.0f} | {us['prepacked']} | "  # noqa: B023
+                  f"{us.get('tiles', '-')} | {same} |", flush=True)

@@ -201,9 +201,10 @@ def test_projections_keep_the_checkpoints_order():
 
 @pytest.mark.parametrize("bias", [False, True])
 def test_linear_is_f_linear_bit_for_bit_and_repacks_a_changed_weight(bias):
-    """`linear` (bf16 on a CPU through a prepacked weight) returns F.linear's bits at every row count a decode uses,
-    in 2-D and 3-D; a weight changed in place is packed again (no stale copy); autograd and fp32 take F.linear."""
-    from speclab.core import layers
+    """`linear` (bf16 on a CPU through a packed weight: AMX tiles where this process has them, else oneDNN's
+    layout) returns F.linear's bits at every row count a decode uses, in 2-D and 3-D; a weight changed in place is
+    packed again (no stale copy); autograd and fp32 take F.linear."""
+    from speclab.core import layers, native
 
     torch.manual_seed(0)
     w = torch.randn(96, 80).bfloat16()
@@ -215,12 +216,15 @@ def test_linear_is_f_linear_bit_for_bit_and_repacks_a_changed_weight(bias):
         x3 = torch.randn(2, 7, 80).bfloat16()
         assert torch.equal(layers.linear(x3, w, b), F.linear(x3, w, b))
     # the fast path is taken exactly where the packed product is F.linear's on this machine (checked here directly)
-    same = layers._PACKED_LINEAR is not None  # a torch built without oneDNN: never packed
-    if same:
-        packed = torch.ops.mkldnn._reorder_linear_weight(w, layers.PACK_ROWS)
-        same = all(torch.equal(layers._PACKED_LINEAR(x, packed, b, "none", [], ""), F.linear(x, w, b))
-                   for x in (torch.randn(r, 80).bfloat16() for r in (1, 5, 37)))
-    assert (w._speclab_packed[1] is not None) == same
+    if native.tile_module() is not None:  # a tile copy (its product at every row count: tests/test_native.py)
+        assert w._speclab_packed[1].dim() == 6
+    else:
+        same = layers._PACKED_LINEAR is not None  # a torch built without oneDNN: never packed
+        if same:
+            packed = torch.ops.mkldnn._reorder_linear_weight(w, layers.PACK_ROWS)
+            same = all(torch.equal(layers._PACKED_LINEAR(x, packed, b, "none", [], ""), F.linear(x, w, b))
+                       for x in (torch.randn(r, 80).bfloat16() for r in (1, 5, 37)))
+        assert (w._speclab_packed[1] is not None) == same
     w.mul_(-1)
     with torch.inference_mode():
         assert torch.equal(layers.linear(x3, w, b), F.linear(x3, w, b))

@@ -179,3 +179,69 @@ def test_batched_eagle3_decodes_natively_as_from_python(dtype, deep, trained_eag
     _python(monkeypatch)
     assert run() == fast
     assert sum(a for _, a in fast) > 0  # drafts were accepted: the drafter's outputs mattered
+
+
+needs_tiles = pytest.mark.skipif(native.tile_module() is None,
+                                 reason="no AMX tile product in this process (no build, or a CPU without AMX)")
+
+
+@needs_build
+@needs_tiles
+def test_the_tile_product_is_f_linears_bits_and_each_rows_alone():
+    """`speclab::tile_linear` by a `tile_pack`ed weight: bit for bit F.linear at every row count up to
+    `layers.TILE_ROWS` (one to three tiles of 16 rows), with and without a bias, at widths and output counts that are
+    and are not multiples of its 32 inputs and 64 outputs, in 2-D and 3-D; every row's outputs are those of the row
+    alone (so a verification's rows are an AR step's, bit for bit); and `layers.linear` takes F.linear's own product
+    above TILE_ROWS rows. Bad operands are refused, not read out of bounds."""
+    from speclab.core import layers
+
+    mod = native.tile_module()
+    g = torch.Generator().manual_seed(0)
+    with torch.inference_mode():
+        for k, n in ((512, 1024), (1536, 512), (80, 96), (33, 7), (5, 3), (64, 130)):
+            w = torch.randn(n, k, generator=g).bfloat16()
+            packed = mod.tile_pack(w)
+            for bias in (None, torch.randn(n, generator=g).bfloat16()):
+                x = (torch.randn(layers.TILE_ROWS + 8, k, generator=g) * 3).bfloat16()
+                many = torch.ops.speclab.tile_linear(x, packed, bias, n, k)  # 40 rows: the op takes any count
+                for rows in range(1, layers.TILE_ROWS + 1):
+                    got = torch.ops.speclab.tile_linear(x[:rows], packed, bias, n, k)
+                    assert torch.equal(got, F.linear(x[:rows], w, bias)), (k, n, rows)
+                    assert torch.equal(got, many[:rows])
+                for r in (0, 17, 39):
+                    assert torch.equal(torch.ops.speclab.tile_linear(x[r : r + 1], packed, bias, n, k)[0], many[r])
+                assert torch.equal(torch.ops.speclab.tile_linear(x[None, :5], packed, bias, n, k), many[None, :5])
+                w2 = w.clone()
+                assert torch.equal(layers.linear(x, w2, bias), F.linear(x, w2, bias))  # 40 rows: F.linear
+                assert w2._speclab_packed[1].dim() == 6
+        for bad in ((x.float(), packed, None, n, k), (x[:, :-1], packed, None, n, k), (x, packed, None, n + 64, k),
+                    (x, packed, None, n, k + 32), (x, w, None, n, k), (x, packed, torch.zeros(n + 1).bfloat16(), n, k)):
+            with pytest.raises(RuntimeError, match="speclab::tile_linear"):
+                torch.ops.speclab.tile_linear(*bad)
+
+
+@needs_build
+@needs_tiles
+def test_the_tile_product_is_an_operator_the_byte_count_and_profiler_see():
+    """A decode step's and a verification's forward of the lean target dispatch `speclab::tile_linear` for their
+    products (none of oneDNN's), and `speclab costs roofline` counts the bytes it reads: every weight once."""
+    from speclab.bench.roofline import call_bytes
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(tiny_config("qwen3", 300, layers=2)).eval().to(torch.bfloat16)
+    lean = Target(model, NoTok(), backend="lean").lean
+    ids = torch.randint(3, 300, (48,))
+    embed = model.get_input_embeddings().weight  # a lookup, unless it is the head's weight too
+    weights = sum(p.numel() * p.element_size() for p in model.parameters()
+                  if p.dim() == 2 and (p is not embed or model.config.tie_word_embeddings))
+    with torch.inference_mode():
+        cache = lean.new_cache(64)
+        lean.forward(ids[:40], cache)
+        for n in (1, 8):
+            with torch.profiler.profile() as prof:
+                lean.forward(ids[40 : 40 + n], cache)
+            cache.crop(40)
+            names = {e.key for e in prof.key_averages()}
+            assert "speclab::tile_linear" in names and "mkldnn::_linear_pointwise" not in names
+            nbytes = call_bytes(lambda n=n: (lean.forward(ids[40 : 40 + n], cache), cache.crop(40)))
+            assert weights <= nbytes <= weights * 1.25, (n, weights, nbytes)

@@ -27,8 +27,9 @@ from speclab.viz import Report, lines_figure
 
 ROWS = (1, 2, 4, 8, 16, 64)
 
-# the ops whose inputs a call reads from memory: matrix products (weights) and attention (the KV cache)
-_READS = ("linear", "mm", "addmm", "bmm", "mv", "matmul", "_linear_pointwise")
+# the ops whose inputs a call reads from memory: matrix products (weights; `tile_linear`: `speclab::tile_linear`,
+# the AMX product of `native.cpp`) and attention (the KV cache)
+_READS = ("linear", "mm", "addmm", "bmm", "mv", "matmul", "_linear_pointwise", "tile_linear")
 _ATTENTION = ("scaled_dot_product", "_scaled_dot_product")  # the public op and the kernels it dispatches to
 
 

@@ -24,6 +24,7 @@ its own way (a fused matmul is not bitwise the split ones, so each keeps the one
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -32,11 +33,18 @@ import torch.nn.functional as F
 
 # -- the matmul -----------------------------------------------------------------------------------------------------
 
-# bf16 weights on a CPU through oneDNN's prepacked layout (`linear`); False (or SPECLAB_PACKED=0 in the environment,
-# to compare): F.linear everywhere
+# bf16 weights on a CPU through a packed copy (`linear`): the tile layout of `native.cpp`'s AMX product where this
+# process has AMX tiles (`TILE_SOURCE`), else oneDNN's prepacked layout; False (or SPECLAB_PACKED=0 in the
+# environment, to compare): F.linear everywhere
 PACKED = os.environ.get("SPECLAB_PACKED", "1") != "0"
-PACK_ROWS = 8  # the batch size the layout is chosen for (a packing chosen for 1 row differs in the last bit from
+PACK_ROWS = 8  # the batch size oneDNN's layout is chosen for (a packing chosen for 1 row differs in the last bit from
 # F.linear from about 40 rows on; 8 matched F.linear at 1 to 200 rows here)
+CHECK_ROWS = (1, 5, 37)  # a decode step, a verification, a prefill: where oneDNN's copy must be F.linear's bits
+TILE_ROWS = 32  # the most rows the tile product takes (oneDNN's product of 33 rows and more sums in another order,
+# so a few outputs in 10,000 differ in the last bit); more rows by a tile copy: F.linear
+# `speclab.core.native` sets this to a function that returns its compiled module where the tile product runs in
+# this process (AMX, and the kernel lets it use the tile registers), else None
+TILE_SOURCE: Callable[[], Any] | None = None
 _PACKED_LINEAR: Any
 try:
     _PACKED_LINEAR = torch.ops.mkldnn._linear_pointwise
@@ -45,38 +53,53 @@ except (AttributeError, RuntimeError):  # a torch built without oneDNN: F.linear
 
 
 def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
-    """`F.linear(x, w, b)`, bitwise. A bf16 call on a CPU outside autograd runs on a copy of w prepacked once into
-    oneDNN's blocked layout: F.linear reorders the weight into it on every call, which on the zoo's shapes (1-16
-    rows) is a third to half of the call (measured: docs/ARCHITECTURE.md "Prepacked weights"). The copy is checked
-    against F.linear when it is made, and a weight whose packed product differs in any bit (or a torch without the
-    op) keeps F.linear."""
-    if PACKED and _PACKED_LINEAR is not None and w.dtype is torch.bfloat16 and x.dtype is torch.bfloat16 \
-            and w.device.type == "cpu" and not torch.is_grad_enabled():
+    """`F.linear(x, w, b)`, bitwise. A bf16 call on a CPU outside autograd multiplies by a copy of w packed once:
+    F.linear reorders the weight on every call, which on the zoo's shapes (1-16 rows) is a third to half of the
+    call, and oneDNN's product of a few rows costs 1.4-1.6x what `native.cpp`'s AMX tile product costs (measured:
+    docs/ARCHITECTURE.md "Prepacked weights"). The copy is checked against F.linear when it is made, and a weight
+    whose packed product differs in any bit (or a torch and CPU with neither product) keeps F.linear."""
+    if PACKED and w.dtype is torch.bfloat16 and x.dtype is torch.bfloat16 and w.device.type == "cpu" \
+            and not torch.is_grad_enabled():
         packed = _packed(w, b)
         if packed is not None:
-            return _PACKED_LINEAR(x, packed, b, "none", [], "")
+            return by_packed(x, w, packed, b)
     return F.linear(x, w, b)
 
 
+def by_packed(x: torch.Tensor, w: torch.Tensor, packed: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+    """x times w by its packed copy (`_packed`): the tile product's (a 6-D copy; F.linear above `TILE_ROWS` rows)
+    or oneDNN's."""
+    if packed.dim() == 6:
+        if x.numel() <= TILE_ROWS * x.shape[-1]:
+            return torch.ops.speclab.tile_linear(x, packed, b, w.shape[0], w.shape[1])
+        return F.linear(x, w, b)
+    return _PACKED_LINEAR(x, packed, b, "none", [], "")
+
+
 def _packed(w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor | None:
-    """w's prepacked copy, made on first use and kept on w itself (so it lives and dies with w; a weight changed in
-    place since is packed again); None where packing is not bitwise F.linear."""
+    """w's packed copy, made on first use and kept on w itself (so it lives and dies with w; a weight changed in
+    place since is packed again): the tile layout where this process has the tile product and its products are
+    F.linear's bits at 1 to `TILE_ROWS` rows (checked at four), else oneDNN's where they are at `CHECK_ROWS`;
+    None where neither is."""
     version = w._version if not w.is_inference() else -1
     held = getattr(w, "_speclab_packed", None)
     if held is not None and held[0] == version:
         return held[1]
+    tiles = TILE_SOURCE() if TILE_SOURCE is not None else None
+    makers = ([(tiles.tile_pack, (1, 5, 16, TILE_ROWS))] if tiles is not None else []) + \
+        ([(lambda w: torch.ops.mkldnn._reorder_linear_weight(w, PACK_ROWS), CHECK_ROWS)]
+         if _PACKED_LINEAR is not None else [])
     packed = None
-    try:
-        cand = torch.ops.mkldnn._reorder_linear_weight(w, PACK_ROWS)
-        gen = torch.Generator().manual_seed(0)
-        for rows in (1, 5, 37):  # a decode step, a verification, a prefill
-            x = torch.randn(rows, w.shape[1], generator=gen).to(w.dtype)
-            if not torch.equal(_PACKED_LINEAR(x, cand, b, "none", [], ""), F.linear(x, w, b)):
+    for make, rows in makers:
+        try:
+            cand = make(w)
+            gen = torch.Generator().manual_seed(0)
+            if all(torch.equal(by_packed(x, w, cand, b), F.linear(x, w, b))
+                   for x in (torch.randn(n, w.shape[1], generator=gen).to(w.dtype) for n in rows)):
+                packed = cand
                 break
-        else:
-            packed = cand
-    except RuntimeError:  # a shape oneDNN refuses
-        packed = None
+        except RuntimeError:  # a shape the product refuses
+            continue
     w._speclab_packed = (version, packed)  # type: ignore[attr-defined]  # kept on the weight itself
     return packed
 

@@ -3,33 +3,16 @@
 // CPU a Python-level op costs a few microseconds of dispatch, and a decode step of the target calls about 300 of
 // them: this file is that step's loop, not new math. Built on first use by `speclab.core.native`.
 #include <torch/extension.h>
+#include <algorithm>
 #include <cstring>
+#include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
 #include <ATen/Parallel.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 
 using at::Tensor;
 using OptT = std::optional<Tensor>;
-
-// `layers.linear`: oneDNN's prepacked bf16 product where Python has a packed copy of the weight, else F.linear
-static Tensor linear(const Tensor& x, const Tensor& w, const OptT& b, const OptT& packed) {
-  if (packed.has_value()) {
-    static auto op = c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_linear_pointwise", "");
-    static const c10::IValue attr{std::string("none")}, scalars{c10::List<std::optional<at::Scalar>>()},
-        algorithm{std::string("")};  // made once: every call passes the same
-    std::vector<c10::IValue> stack{x, *packed, b, attr, scalars, algorithm};
-    op.callBoxed(&stack);
-    return stack[0].toTensor();
-  }
-  return at::linear(x, w, b);
-}
-
-// Whether `rms_norm` and `rope` run their loops (true) or ATen's ops: `speclab.core.native.build` checks once per
-// process that the loops are bitwise this torch's ops (whose composite may change between versions) and sets it
-static bool fused = true;
-static void set_fused(bool on) { fused = on; }
-
-// rows per task of the loops below: a decode step's few rows run inline, a prefill's split over the threads
-static constexpr int64_t ROW_GRAIN = 256;
 
 // bf16 <-> fp32 as c10::BFloat16 converts (round to nearest even; NaN to a quiet NaN), written so the loops below
 // vectorize; `load` and `store` are that for bf16 and nothing for fp32
@@ -48,6 +31,153 @@ template <> inline at::BFloat16 store<at::BFloat16>(float f) {
   uint16_t r = (uint16_t)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
   return at::BFloat16(f != f ? (uint16_t)0x7FC0 : r, at::BFloat16::from_bits());
 }
+
+// ---- The tile product: bf16 x [M, K] times a weight [N, K] on AMX, for `layers.linear` -----------------------------
+// oneDNN's product of a decode's few rows (1-16) costs 1.4-1.6x what reading its weight costs on the Intel Xeon with
+// AMX (its per-call set-up and threading, not the arithmetic): this is the same arithmetic without them. The weight is
+// packed once (`tile_pack`) into AMX's layout, 64 outputs x 32 inputs per 4 KB block, the blocks of 64 outputs in
+// input order so that a thread reads its share of the weight front to back; `tile_linear` multiplies by it, each
+// tile of up to 16 rows x 16 outputs summing the inputs 32 at a time in fp32 (TDPBF16PS), then rounds once to bf16
+// (after the bias). Every output's sum is the same instructions in the same order whatever the other rows are, so a
+// row's result does not depend on the row count; `layers._packed` takes a weight's tile copy only where its products
+// are bit for bit F.linear's (checked when the copy is made: oneDNN's AMX kernel sums alike up to 32 rows), so no
+// decode's output changes, only its time (`docs/ARCHITECTURE.md` "Prepacked weights"). Above `tile_max_rows` rows
+// (a prefill), at::linear.
+static bool tile_ok = false;
+static int64_t tile_max_rows = 32;  // `layers.TILE_ROWS` (set_tile_rows): more rows by a tile copy are at::linear's
+static void set_tile_rows(int64_t n) { tile_max_rows = n; }
+
+// Whether this CPU has AMX (bf16) and this process may use its tile registers (Linux asks each process to request
+// them); once asked, kept
+static bool tile_init() {
+  static const bool ok = __builtin_cpu_supports("amx-tile") && __builtin_cpu_supports("amx-bf16") &&
+                         syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XFEATURE_XTILEDATA */) == 0;
+  tile_ok = ok;
+  return ok;
+}
+
+// w [N, K] bf16 -> [ceil(N / 64), ceil(K / 32), 4, 16, 16, 2] bf16: per block of 64 outputs and 32 inputs, four
+// 16 x 16 tiles (one per 16 outputs), row r of a tile holding inputs 2r and 2r + 1 of its 16 outputs; zeros past N, K
+static Tensor tile_pack(const Tensor& w_) {
+  TORCH_CHECK(w_.dim() == 2 && w_.scalar_type() == at::kBFloat16, "tile_pack: a 2-D bf16 weight");
+  auto w = w_.contiguous();
+  const int64_t N = w.size(0), K = w.size(1), G = (N + 63) / 64, KC = (K + 31) / 32;
+  auto out = at::zeros({G, KC, 4, 16, 16, 2}, w.options());
+  const uint16_t* src = (const uint16_t*)w.data_ptr();
+  uint16_t* dst = (uint16_t*)out.data_ptr();
+  at::parallel_for(0, N, 64, [&](int64_t n0, int64_t n1) {
+    for (int64_t n = n0; n < n1; ++n)
+      for (int64_t k = 0; k < K; ++k)
+        dst[((((n / 64) * KC + k / 32) * 4 + (n % 64) / 16) * 16 + (k % 32) / 2) * 32 + (n % 16) * 2 + k % 2] =
+            src[n * K + k];
+  });
+  return out;
+}
+
+struct TileConfig {  // AMX's 64-byte tile configuration (palette 1)
+  uint8_t palette = 1, start_row = 0, reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// Outputs of blocks [g0, g1) for rows [m0, m0 + rows): tiles 0-3 sum one block's four 16-output tiles, tile 4 holds
+// 32 inputs of the rows, tiles 5-7 the weight's tiles; the fp32 sums go to acc [M, G * 64]
+__attribute__((target("amx-tile,amx-bf16"))) static void tile_rows(const uint16_t* x, int64_t ldx, const uint16_t* p,
+                                                                   int64_t KC, int64_t g0, int64_t g1, int64_t m0,
+                                                                   int64_t rows, float* acc, int64_t ldacc) {
+  TileConfig cfg;
+  for (int t = 0; t < 5; ++t) cfg.rows[t] = (uint8_t)rows, cfg.colsb[t] = 64;
+  for (int t = 5; t < 8; ++t) cfg.rows[t] = 16, cfg.colsb[t] = 64;
+  _tile_loadconfig(&cfg);
+  for (int64_t g = g0; g < g1; ++g) {
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+    const uint16_t* blk = p + g * KC * 2048;
+    for (int64_t kc = 0; kc < KC; ++kc, blk += 2048) {
+      for (int l = 0; l < 64; ++l) _mm_prefetch((const char*)(blk + 2048 + l * 32), _MM_HINT_T0);  // the next 4 KB
+      _tile_loadd(4, x + m0 * ldx + kc * 32, ldx * 2);
+      _tile_loadd(5, blk, 64);
+      _tile_dpbf16ps(0, 4, 5);
+      _tile_loadd(6, blk + 512, 64);
+      _tile_dpbf16ps(1, 4, 6);
+      _tile_loadd(7, blk + 1024, 64);
+      _tile_dpbf16ps(2, 4, 7);
+      _tile_loadd(5, blk + 1536, 64);
+      _tile_dpbf16ps(3, 4, 5);
+    }
+    float* out = acc + m0 * ldacc + g * 64;
+    _tile_stored(0, out, ldacc * 4);
+    _tile_stored(1, out + 16, ldacc * 4);
+    _tile_stored(2, out + 32, ldacc * 4);
+    _tile_stored(3, out + 48, ldacc * 4);
+  }
+  _tile_release();
+}
+
+// `speclab::tile_linear`: x [.., K] bf16 by a `tile_pack`ed weight [N, K] (+ bias b [N] bf16) -> [.., N] bf16
+static Tensor tile_linear(const Tensor& x, const Tensor& p, const OptT& b, int64_t N, int64_t K) {
+  TORCH_CHECK(tile_ok, "speclab::tile_linear: no AMX tiles in this process (native.tile_module)");
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && p.scalar_type() == at::kBFloat16 && p.dim() == 6 &&
+              x.device().is_cpu() && p.is_contiguous(), "speclab::tile_linear: bf16 rows by a tile_pack'ed weight");
+  const int64_t G = p.size(0), KC = p.size(1), Kp = KC * 32, M = x.numel() / std::max<int64_t>(K, 1);
+  TORCH_CHECK(x.dim() >= 1 && x.size(-1) == K && K > 0 && (K + 31) / 32 == KC && N > 0 && (N + 63) / 64 == G,
+              "speclab::tile_linear: the inputs' width or N does not match the packed weight");
+  TORCH_CHECK(!b.has_value() || (b->scalar_type() == at::kBFloat16 && b->numel() == N), "speclab::tile_linear: bias");
+  auto sizes = x.sizes().vec();
+  sizes.back() = N;
+  auto y = at::empty(sizes, x.options().memory_format(at::MemoryFormat::Contiguous));
+  if (M == 0) return y;
+  Tensor xs = x.reshape({M, K});
+  if (K != Kp || !xs.is_contiguous()) xs = at::constant_pad_nd(xs, {0, Kp - K}).contiguous();  // zeros past K
+  auto acc = at::empty({M, G * 64}, x.options().dtype(at::kFloat));
+  auto bias = b.has_value() ? b->contiguous() : Tensor();
+  const uint16_t* xp = (const uint16_t*)xs.data_ptr();
+  const uint16_t* pp = (const uint16_t*)p.data_ptr();
+  const at::BFloat16* bp = b.has_value() ? bias.data_ptr<at::BFloat16>() : nullptr;
+  float* ap = acc.data_ptr<float>();
+  at::BFloat16* yp = y.data_ptr<at::BFloat16>();
+  at::parallel_for(0, G, 1, [&](int64_t g0, int64_t g1) {  // blocks of outputs are independent: any split, same bits
+    for (int64_t m0 = 0; m0 < M; m0 += 16) tile_rows(xp, Kp, pp, KC, g0, g1, m0, std::min<int64_t>(16, M - m0), ap, G * 64);
+    const int64_t n0 = g0 * 64, n1 = std::min(N, g1 * 64);
+    for (int64_t m = 0; m < M; ++m)
+      for (int64_t n = n0; n < n1; ++n)
+        yp[m * N + n] = store<at::BFloat16>(bp ? ap[m * G * 64 + n] + load(bp[n]) : ap[m * G * 64 + n]);
+  });
+  return y;
+}
+
+TORCH_LIBRARY(speclab, m) { m.def("tile_linear(Tensor x, Tensor packed, Tensor? b, int n, int k) -> Tensor"); }
+TORCH_LIBRARY_IMPL(speclab, CPU, m) { m.impl("tile_linear", &tile_linear); }
+
+// `layers.linear`: the product by Python's packed copy of the weight where it has one (the tile product's, 6-D, or
+// oneDNN's prepacked layout), else F.linear
+static Tensor linear(const Tensor& x, const Tensor& w, const OptT& b, const OptT& packed) {
+  if (packed.has_value() && packed->dim() == 6) {  // through the dispatcher, as torch's ops: the profiler sees it
+    if (x.numel() > tile_max_rows * x.size(-1)) return at::linear(x, w, b);
+    static auto op = c10::Dispatcher::singleton().findSchemaOrThrow("speclab::tile_linear", "")
+                         .typed<Tensor(const Tensor&, const Tensor&, const OptT&, int64_t, int64_t)>();
+    return op.call(x, *packed, b, w.size(0), w.size(1));
+  }
+  if (packed.has_value()) {
+    static auto op = c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_linear_pointwise", "");
+    static const c10::IValue attr{std::string("none")}, scalars{c10::List<std::optional<at::Scalar>>()},
+        algorithm{std::string("")};  // made once: every call passes the same
+    std::vector<c10::IValue> stack{x, *packed, b, attr, scalars, algorithm};
+    op.callBoxed(&stack);
+    return stack[0].toTensor();
+  }
+  return at::linear(x, w, b);
+}
+
+// Whether `rms_norm` and `rope` run their loops (true) or ATen's ops: `speclab.core.native.build` checks once per
+// process that the loops are bitwise this torch's ops (whose composite may change between versions) and sets it
+static bool fused = true;
+static void set_fused(bool on) { fused = on; }
+
+// rows per task of the loops below: a decode step's few rows run inline, a prefill's split over the threads
+static constexpr int64_t ROW_GRAIN = 256;
 
 // the offset of row r of x (its elements before the last dim, in order) by x's strides
 static int64_t row_offset(const Tensor& x, int64_t r) {
@@ -278,4 +408,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm", &rms_norm, release());
   m.def("rope", &rope, release());
   m.def("set_fused", &set_fused);
+  m.def("tile_init", &tile_init);
+  m.def("set_tile_rows", &set_tile_rows);
+  m.def("tile_pack", &tile_pack, release());
 }

@@ -9,11 +9,15 @@ in ATen's composite; `rms` and `rms_norm` offer it to Python's norms too) and th
 reproduces ATen's arithmetic element by element and leaves the one reduction to ATen's sum, so it is bitwise
 ATen's; `build` checks that once per process (`_fused_ops_agree`) and otherwise keeps ATen's ops.
 
+It also holds the bf16 product of a decode's few rows on AMX (`tile_pack`, `speclab::tile_linear`), which
+`layers.linear` uses through a packed copy of each weight where its products are F.linear's bits (`tile_module`).
+
 It is built once per machine and torch version with torch's C++ extension loader (a C++ compiler and ninja; about
-25 s; `native.main()` builds it ahead, as `scripts/setup.sh` does) into torch's extensions folder.
+30 s; `native.main()` builds it ahead, as `scripts/setup.sh` does) into torch's extensions folder, with OpenMP (so
+its `at::parallel_for` loops run on torch's threads; without it they run on one).
 Where it cannot be built, or with `SPECLAB_NATIVE=0` in the environment (to compare), everything runs from Python
-as before. It runs only outside autograd, on the CPU, and never in exact mode (whose fixed-shape attention is
-Python's).
+as before. The layers' loop runs only outside autograd, on the CPU, and never in exact mode (whose fixed-shape
+attention is Python's); the tile product wherever `layers.linear` multiplies bf16 on the CPU outside autograd.
 """
 from __future__ import annotations
 
@@ -30,6 +34,9 @@ from speclab.core import layers as L
 
 SOURCE = Path(__file__).with_name("native.cpp")
 ENABLED = os.environ.get("SPECLAB_NATIVE", "1") != "0"
+# the AMX tile product (`native.cpp`'s `tile_linear`) for the bf16 products of `layers.linear`, Python's and the
+# native layers' alike; SPECLAB_TILES=0 in the environment (to compare): oneDNN's
+TILES = os.environ.get("SPECLAB_TILES", "1") != "0"
 _state: dict[str, Any] = {}
 
 
@@ -45,14 +52,30 @@ def build(verbose: bool = False) -> Any:
         bindir = str(Path(sys.executable).parent)  # ninja from the environment's own bin folder (the PyPI wheel)
         if bindir not in os.environ.get("PATH", "").split(os.pathsep):
             os.environ["PATH"] = bindir + os.pathsep + os.environ.get("PATH", "")
-        mod = load("speclab_native", [str(SOURCE)], extra_cflags=["-O3", "-ffp-contract=off"], verbose=verbose)
+        mod = load("speclab_native", [str(SOURCE)], extra_cflags=["-O3", "-ffp-contract=off", "-fopenmp"],
+                   extra_ldflags=["-fopenmp"], verbose=verbose)  # OpenMP: at::parallel_for on torch's threads
     except Exception as e:  # no compiler, no ninja, a failed build: the Python path, said once
         print(f"speclab: the native CPU layers are not available ({str(e).splitlines()[0] if str(e) else type(e)}"
               "); decoding runs from Python", file=sys.stderr)
     if mod is not None:
         mod.set_fused(_fused_ops_agree(mod))
+        mod.set_tile_rows(L.TILE_ROWS)
     _state["module"] = mod
     return mod
+
+
+def tile_module():
+    """The compiled module where its AMX tile product runs in this process (`layers.TILE_SOURCE`: its `tile_pack`
+    and the operator `speclab::tile_linear`), else None: `SPECLAB_NATIVE=0` or `SPECLAB_TILES=0`, no build, a CPU
+    without AMX, or a kernel that refuses the tile registers. Fixed for the process once asked, so that every
+    packed copy is of one kind (a test that turns `ENABLED` off later still multiplies alike)."""
+    if "tiles" not in _state:
+        mod = build() if ENABLED and TILES else None
+        _state["tiles"] = mod if mod is not None and mod.tile_init() else None
+    return _state["tiles"]
+
+
+L.TILE_SOURCE = tile_module
 
 
 def _fused_ops_agree(mod) -> bool:
@@ -111,7 +134,7 @@ def source_hash() -> str | None:
 
 def _packed(w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor | None:
     """The weight's prepacked bf16 copy where `layers.linear` uses one (None: F.linear)."""
-    if L.PACKED and L._PACKED_LINEAR is not None and w.dtype is torch.bfloat16 and w.device.type == "cpu":
+    if L.PACKED and w.dtype is torch.bfloat16 and w.device.type == "cpu":
         return L._packed(w, b)
     return None
 

@@ -120,14 +120,16 @@ def family(method: str) -> str:
 
 def machine() -> dict:
     """What the decision depends on besides the models: CPU model, a hash of all its flags, cores, threads, torch,
-    how bf16 matmuls run (`speclab.core.layers.linear`) and whether the layers run from C++ (`speclab.core.native`),
-    and from which source (a change to it measures again)."""
+    how bf16 matmuls run (`speclab.core.layers.linear`: AMX tiles, oneDNN's prepacked layout or F.linear) and
+    whether the layers run from C++ (`speclab.core.native`), and from which source (a change to it measures
+    again)."""
     import hashlib
     import os
     name, flags = _cpu()
     return {"cpu": name, "flags": hashlib.sha1(" ".join(sorted(flags)).encode()).hexdigest()[:12],
             "bf16": list(cpu_info()[1]), "cores": os.cpu_count(), "threads": torch.get_num_threads(),
-            "torch": torch.__version__, "linear": "prepacked" if layers.PACKED else "F.linear",
+            "torch": torch.__version__,
+            "linear": "F.linear" if not layers.PACKED else "tiles" if native.tile_module() is not None else "prepacked",
             "layers": native.mode(), "native_source": native.source_hash()}
 
 
