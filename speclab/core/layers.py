@@ -39,7 +39,8 @@ import torch.nn.functional as F
 PACKED = os.environ.get("SPECLAB_PACKED", "1") != "0"
 PACK_ROWS = 8  # the batch size oneDNN's layout is chosen for (a packing chosen for 1 row differs in the last bit from
 # F.linear from about 40 rows on; 8 matched F.linear at 1 to 200 rows here)
-CHECK_ROWS = (1, 5, 37)  # a decode step, a verification, a prefill: where oneDNN's copy must be F.linear's bits
+CHECK_ROWS = (1, 5, 37, 200)  # a decode step, a verification, prefills: where oneDNN's copy must be F.linear's bits;
+# above the last, F.linear (oneDNN's product of 257 rows differed from F.linear's in the last bit on 512 x 1536)
 TILE_ROWS = 32  # the most rows the tile product takes (oneDNN's product of 33 rows and more sums in another order,
 # so a few outputs in 10,000 differ in the last bit); more rows by a tile copy: F.linear
 # `speclab.core.native` sets this to a function that returns its compiled module where the tile product runs in
@@ -67,13 +68,14 @@ def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> t
 
 
 def by_packed(x: torch.Tensor, w: torch.Tensor, packed: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
-    """x times w by its packed copy (`_packed`): the tile product's (a 6-D copy; F.linear above `TILE_ROWS` rows)
-    or oneDNN's."""
+    """x times w by its packed copy (`_packed`): the tile product's (a 6-D copy) up to `TILE_ROWS` rows, oneDNN's
+    up to the last of `CHECK_ROWS`; F.linear above."""
     if packed.dim() == 6:
         if x.numel() <= TILE_ROWS * x.shape[-1]:
             return torch.ops.speclab.tile_linear(x, packed, b, w.shape[0], w.shape[1])
-        return F.linear(x, w, b)
-    return _PACKED_LINEAR(x, packed, b, "none", [], "")
+    elif x.numel() <= CHECK_ROWS[-1] * x.shape[-1]:
+        return _PACKED_LINEAR(x, packed, b, "none", [], "")
+    return F.linear(x, w, b)
 
 
 def _packed(w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor | None:

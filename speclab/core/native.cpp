@@ -44,8 +44,10 @@ template <> inline at::BFloat16 store<at::BFloat16>(float f) {
 // decode's output changes, only its time (`docs/ARCHITECTURE.md` "Prepacked weights"). Above `tile_max_rows` rows
 // (a prefill), at::linear.
 static bool tile_ok = false;
-static int64_t tile_max_rows = 32;  // `layers.TILE_ROWS` (set_tile_rows): more rows by a tile copy are at::linear's
-static void set_tile_rows(int64_t n) { tile_max_rows = n; }
+// the most rows `linear` multiplies by a packed copy, tiles' and oneDNN's (`layers.TILE_ROWS`, `layers.CHECK_ROWS`'s
+// last; `set_row_limits`): more are at::linear's, where the copy's product was not checked against it
+static int64_t tile_max_rows = 32, packed_max_rows = 200;
+static void set_row_limits(int64_t tiles, int64_t packed) { tile_max_rows = tiles, packed_max_rows = packed; }
 
 // Whether this CPU has AMX (bf16) and this process may use its tile registers (Linux asks each process to request
 // them); once asked, kept
@@ -160,7 +162,7 @@ static Tensor linear(const Tensor& x, const Tensor& w, const OptT& b, const OptT
                          .typed<Tensor(const Tensor&, const Tensor&, const OptT&, int64_t, int64_t)>();
     return op.call(x, *packed, b, w.size(0), w.size(1));
   }
-  if (packed.has_value()) {
+  if (packed.has_value() && x.numel() <= packed_max_rows * x.size(-1)) {
     static auto op = c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_linear_pointwise", "");
     static const c10::IValue attr{std::string("none")}, scalars{c10::List<std::optional<at::Scalar>>()},
         algorithm{std::string("")};  // made once: every call passes the same
@@ -409,6 +411,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rope", &rope, release());
   m.def("set_fused", &set_fused);
   m.def("tile_init", &tile_init);
-  m.def("set_tile_rows", &set_tile_rows);
+  m.def("set_row_limits", &set_row_limits);
   m.def("tile_pack", &tile_pack, release());
 }

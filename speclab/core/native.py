@@ -59,7 +59,7 @@ def build(verbose: bool = False) -> Any:
               "); decoding runs from Python", file=sys.stderr)
     if mod is not None:
         mod.set_fused(_fused_ops_agree(mod))
-        mod.set_tile_rows(L.TILE_ROWS)
+        mod.set_row_limits(L.TILE_ROWS, L.CHECK_ROWS[-1])
     _state["module"] = mod
     return mod
 
