@@ -143,9 +143,14 @@ static Tensor tile_linear(const Tensor& x, const Tensor& p, const OptT& b, int64
   at::parallel_for(0, G, 1, [&](int64_t g0, int64_t g1) {  // blocks of outputs are independent: any split, same bits
     for (int64_t m0 = 0; m0 < M; m0 += 16) tile_rows(xp, Kp, pp, KC, g0, g1, m0, std::min<int64_t>(16, M - m0), ap, G * 64);
     const int64_t n0 = g0 * 64, n1 = std::min(N, g1 * 64);
-    for (int64_t m = 0; m < M; ++m)
-      for (int64_t n = n0; n < n1; ++n)
-        yp[m * N + n] = store<at::BFloat16>(bp ? ap[m * G * 64 + n] + load(bp[n]) : ap[m * G * 64 + n]);
+    for (int64_t m = 0; m < M; ++m) {  // two loops, so that each vectorizes
+      const float* a = ap + m * G * 64;
+      at::BFloat16* out = yp + m * N;
+      if (bp)
+        for (int64_t n = n0; n < n1; ++n) out[n] = store<at::BFloat16>(a[n] + load(bp[n]));
+      else
+        for (int64_t n = n0; n < n1; ++n) out[n] = store<at::BFloat16>(a[n]);
+    }
   });
   return y;
 }
