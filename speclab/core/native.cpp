@@ -118,6 +118,47 @@ __attribute__((target("amx-tile,amx-bf16"))) static void tile_rows(const uint16_
   _tile_release();
 }
 
+// Rows [m0, m0 + 16 + rows2) of blocks [g0, g1), two row tiles at once (17-32 rows): each weight tile is loaded
+// once for both (tiles 0-3: the sums of 2 row tiles x 2 tiles of 16 outputs, tiles 4-5 the rows' inputs, 6-7 the
+// weight's), half a block of outputs per pass. Every output's sum is the same TDPBF16PS sequence as in `tile_rows`
+// (its row, its 16 outputs, the inputs in order), so the bits are the same as there.
+__attribute__((target("amx-tile,amx-bf16"))) static void tile_rows2(const uint16_t* x, int64_t ldx, const uint16_t* p,
+                                                                    int64_t KC, int64_t g0, int64_t g1, int64_t m0,
+                                                                    int64_t rows2, float* acc, int64_t ldacc) {
+  TileConfig cfg;
+  for (int t : {0, 1, 4}) cfg.rows[t] = 16, cfg.colsb[t] = 64;
+  for (int t : {2, 3, 5}) cfg.rows[t] = (uint8_t)rows2, cfg.colsb[t] = 64;
+  for (int t : {6, 7}) cfg.rows[t] = 16, cfg.colsb[t] = 64;
+  _tile_loadconfig(&cfg);
+  const uint16_t* x0 = x + m0 * ldx;
+  const uint16_t* x1 = x0 + 16 * ldx;
+  for (int64_t g = g0; g < g1; ++g)
+    for (int half = 0; half < 2; ++half) {
+      _tile_zero(0);
+      _tile_zero(1);
+      _tile_zero(2);
+      _tile_zero(3);
+      const uint16_t* blk = p + g * KC * 2048 + half * 1024;
+      for (int64_t kc = 0; kc < KC; ++kc, blk += 2048) {
+        for (int l = 0; l < 32; ++l) _mm_prefetch((const char*)(blk + 2048 + l * 32), _MM_HINT_T0);  // the next 2 KB
+        _tile_loadd(4, x0 + kc * 32, ldx * 2);
+        _tile_loadd(5, x1 + kc * 32, ldx * 2);
+        _tile_loadd(6, blk, 64);
+        _tile_loadd(7, blk + 512, 64);
+        _tile_dpbf16ps(0, 4, 6);
+        _tile_dpbf16ps(1, 4, 7);
+        _tile_dpbf16ps(2, 5, 6);
+        _tile_dpbf16ps(3, 5, 7);
+      }
+      float* out = acc + m0 * ldacc + g * 64 + half * 32;
+      _tile_stored(0, out, ldacc * 4);
+      _tile_stored(1, out + 16, ldacc * 4);
+      _tile_stored(2, out + 16 * ldacc, ldacc * 4);
+      _tile_stored(3, out + 16 * ldacc + 16, ldacc * 4);
+    }
+  _tile_release();
+}
+
 // `speclab::tile_linear`: x [.., K] bf16 by a `tile_pack`ed weight [N, K] (+ bias b [N] bf16) -> [.., N] bf16
 static Tensor tile_linear(const Tensor& x, const Tensor& p, const OptT& b, int64_t N, int64_t K) {
   TORCH_CHECK(tile_ok, "speclab::tile_linear: no AMX tiles in this process (native.tile_module)");
@@ -141,7 +182,12 @@ static Tensor tile_linear(const Tensor& x, const Tensor& p, const OptT& b, int64
   float* ap = acc.data_ptr<float>();
   at::BFloat16* yp = y.data_ptr<at::BFloat16>();
   at::parallel_for(0, G, 1, [&](int64_t g0, int64_t g1) {  // blocks of outputs are independent: any split, same bits
-    for (int64_t m0 = 0; m0 < M; m0 += 16) tile_rows(xp, Kp, pp, KC, g0, g1, m0, std::min<int64_t>(16, M - m0), ap, G * 64);
+    for (int64_t m0 = 0; m0 < M; m0 += 32) {  // 32 rows at a time: two row tiles sharing each weight tile
+      if (M - m0 > 16)
+        tile_rows2(xp, Kp, pp, KC, g0, g1, m0, std::min<int64_t>(16, M - m0 - 16), ap, G * 64);
+      else
+        tile_rows(xp, Kp, pp, KC, g0, g1, m0, M - m0, ap, G * 64);
+    }
     const int64_t n0 = g0 * 64, n1 = std::min(N, g1 * 64);
     for (int64_t m = 0; m < M; ++m) {  // two loops, so that each vectorizes
       const float* a = ap + m * G * 64;

@@ -13,7 +13,7 @@ It also holds the bf16 product of a decode's few rows on AMX (`tile_pack`, `spec
 `layers.linear` uses through a packed copy of each weight where its products are F.linear's bits (`tile_module`).
 
 It is built once per machine and torch version with torch's C++ extension loader (a C++ compiler and ninja; about
-30 s; `native.main()` builds it ahead, as `scripts/setup.sh` does) into torch's extensions folder, with OpenMP (so
+40 s; `native.main()` builds it ahead, as `scripts/setup.sh` does) into torch's extensions folder, with OpenMP (so
 its `at::parallel_for` loops run on torch's threads; without it they run on one).
 Where it cannot be built, or with `SPECLAB_NATIVE=0` in the environment (to compare), everything runs from Python
 as before. The layers' loop runs only outside autograd, on the CPU, and never in exact mode (whose fixed-shape
