@@ -224,7 +224,8 @@ def test_the_tile_product_is_f_linears_bits_and_each_rows_alone():
 @needs_tiles
 def test_the_tile_product_is_an_operator_the_byte_count_and_profiler_see():
     """A decode step's and a verification's forward of the lean target dispatch `speclab::tile_linear` for their
-    products (none of oneDNN's), and `speclab costs roofline` counts the bytes it reads: every weight once."""
+    products (none of oneDNN's), and `speclab costs roofline` counts the bytes it reads: every weight once. A call
+    of more rows than the tiles take (a big tree, a batch, a prefill) takes oneDNN's copy kept beside them."""
     from speclab.bench.roofline import call_bytes
 
     torch.manual_seed(0)
@@ -245,3 +246,7 @@ def test_the_tile_product_is_an_operator_the_byte_count_and_profiler_see():
             assert "speclab::tile_linear" in names and "mkldnn::_linear_pointwise" not in names
             nbytes = call_bytes(lambda n=n: (lean.forward(ids[40 : 40 + n], cache), cache.crop(40)))
             assert weights <= nbytes <= weights * 1.25, (n, weights, nbytes)
+        with torch.profiler.profile() as prof:
+            lean.forward(ids[:40], lean.new_cache(64))  # 40 rows
+        names = {e.key for e in prof.key_averages()}
+        assert "mkldnn::_linear_pointwise" in names and "speclab::tile_linear" not in names

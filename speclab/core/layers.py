@@ -68,12 +68,14 @@ def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> t
 
 
 def by_packed(x: torch.Tensor, w: torch.Tensor, packed: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
-    """x times w by its packed copy (`_packed`): the tile product's (a 6-D copy) up to `TILE_ROWS` rows, oneDNN's
-    up to the last of `CHECK_ROWS`; F.linear above."""
+    """x times w by its packed copy (`_packed`): the tile product's (a 6-D copy) up to `TILE_ROWS` rows; oneDNN's
+    (that copy, or `_wide`'s beside a tile copy) up to the last of `CHECK_ROWS`; F.linear above."""
+    rows = x.numel() // max(x.shape[-1], 1)
     if packed.dim() == 6:
-        if x.numel() <= TILE_ROWS * x.shape[-1]:
+        if rows <= TILE_ROWS:
             return torch.ops.speclab.tile_linear(x, packed, b, w.shape[0], w.shape[1])
-    elif x.numel() <= CHECK_ROWS[-1] * x.shape[-1]:
+        packed = _wide(w, b)  # type: ignore[assignment]
+    if packed is not None and rows <= CHECK_ROWS[-1]:
         return _PACKED_LINEAR(x, packed, b, "none", [], "")
     return F.linear(x, w, b)
 
@@ -83,27 +85,60 @@ def _packed(w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor | None:
     place since is packed again): the tile layout where this process has the tile product and its products are
     F.linear's bits at 1 to `TILE_ROWS` rows (checked at four), else oneDNN's where they are at `CHECK_ROWS`;
     None where neither is."""
+    def make():
+        tiles = TILE_SOURCE() if TILE_SOURCE is not None else None
+        if tiles is not None:
+            cand = _made(tiles.tile_pack, w)
+            if cand is not None and _agrees(lambda x: by_packed(x, w, cand, b), w, b, (1, 5, 16, TILE_ROWS)):
+                return cand
+        return _onednn(w, b, CHECK_ROWS)
+    return _kept(w, "_speclab_packed", make)
+
+
+def _wide(w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor | None:
+    """oneDNN's copy of w beside its tile copy, for calls of more rows than the tiles take (a verification of a big
+    tree, a batch of many requests, a prefill), made on first use and kept on w like `_packed`'s; None where its
+    products are not F.linear's bits at `CHECK_ROWS` above `TILE_ROWS`, or there is no oneDNN."""
+    return _kept(w, "_speclab_wide",
+                 lambda: _onednn(w, b, (TILE_ROWS + 1, *[r for r in CHECK_ROWS if r > TILE_ROWS])))
+
+
+def _onednn(w: torch.Tensor, b: torch.Tensor | None, rows) -> torch.Tensor | None:
+    """w prepacked into oneDNN's layout where its products are F.linear's bits at `rows`, else None."""
+    if _PACKED_LINEAR is None:
+        return None
+    cand = _made(lambda w: torch.ops.mkldnn._reorder_linear_weight(w, PACK_ROWS), w)
+    if cand is not None and _agrees(lambda x: _PACKED_LINEAR(x, cand, b, "none", [], ""), w, b, rows):
+        return cand
+    return None
+
+
+def _made(pack, w: torch.Tensor) -> torch.Tensor | None:
+    """pack(w), or None for a shape the product refuses."""
+    try:
+        return pack(w)
+    except RuntimeError:
+        return None
+
+
+def _agrees(product, w: torch.Tensor, b: torch.Tensor | None, rows) -> bool:
+    """Whether product(x) is F.linear(x, w, b) bit for bit on random inputs of each row count in `rows`."""
+    gen = torch.Generator().manual_seed(0)
+    try:
+        return all(torch.equal(product(x), F.linear(x, w, b))
+                   for x in (torch.randn(n, w.shape[1], generator=gen).to(w.dtype) for n in rows))
+    except RuntimeError:  # a shape the product refuses
+        return False
+
+
+def _kept(w: torch.Tensor, attr: str, make):
+    """make()'s value kept on w under `attr` while w is unchanged in place (an inference tensor never changes)."""
     version = w._version if not w.is_inference() else -1
-    held = getattr(w, "_speclab_packed", None)
-    if held is not None and held[0] == version:
-        return held[1]
-    tiles = TILE_SOURCE() if TILE_SOURCE is not None else None
-    makers = ([(tiles.tile_pack, (1, 5, 16, TILE_ROWS))] if tiles is not None else []) + \
-        ([(lambda w: torch.ops.mkldnn._reorder_linear_weight(w, PACK_ROWS), CHECK_ROWS)]
-         if _PACKED_LINEAR is not None else [])
-    packed = None
-    for make, rows in makers:
-        try:
-            cand = make(w)
-            gen = torch.Generator().manual_seed(0)
-            if all(torch.equal(by_packed(x, w, cand, b), F.linear(x, w, b))
-                   for x in (torch.randn(n, w.shape[1], generator=gen).to(w.dtype) for n in rows)):
-                packed = cand
-                break
-        except RuntimeError:  # a shape the product refuses
-            continue
-    w._speclab_packed = (version, packed)  # type: ignore[attr-defined]  # kept on the weight itself
-    return packed
+    held = getattr(w, attr, None)
+    if held is None or held[0] != version:
+        held = (version, make())
+        setattr(w, attr, held)
+    return held[1]
 
 
 class Linear(nn.Linear):

@@ -204,20 +204,24 @@ static Tensor tile_linear(const Tensor& x, const Tensor& p, const OptT& b, int64
 TORCH_LIBRARY(speclab, m) { m.def("tile_linear(Tensor x, Tensor packed, Tensor? b, int n, int k) -> Tensor"); }
 TORCH_LIBRARY_IMPL(speclab, CPU, m) { m.impl("tile_linear", &tile_linear); }
 
-// `layers.linear`: the product by Python's packed copy of the weight where it has one (the tile product's, 6-D, or
-// oneDNN's prepacked layout), else F.linear
-static Tensor linear(const Tensor& x, const Tensor& w, const OptT& b, const OptT& packed) {
-  if (packed.has_value() && packed->dim() == 6) {  // through the dispatcher, as torch's ops: the profiler sees it
-    if (x.numel() > tile_max_rows * x.size(-1)) return at::linear(x, w, b);
-    static auto op = c10::Dispatcher::singleton().findSchemaOrThrow("speclab::tile_linear", "")
-                         .typed<Tensor(const Tensor&, const Tensor&, const OptT&, int64_t, int64_t)>();
-    return op.call(x, *packed, b, w.size(0), w.size(1));
+// `layers.linear` (`layers.by_packed`): the product by Python's packed copy of the weight where it has one (the
+// tile product's, 6-D, up to `tile_max_rows` rows; oneDNN's prepacked layout up to `packed_max_rows`: `packed`, or
+// `wide` where `packed` is tiles), else F.linear
+static Tensor linear(const Tensor& x, const Tensor& w, const OptT& b, const OptT& packed, const OptT& wide) {
+  OptT p = packed;
+  if (p.has_value() && p->dim() == 6) {  // through the dispatcher, as torch's ops: the profiler sees it
+    if (x.numel() <= tile_max_rows * x.size(-1)) {
+      static auto op = c10::Dispatcher::singleton().findSchemaOrThrow("speclab::tile_linear", "")
+                           .typed<Tensor(const Tensor&, const Tensor&, const OptT&, int64_t, int64_t)>();
+      return op.call(x, *p, b, w.size(0), w.size(1));
+    }
+    p = wide;
   }
-  if (packed.has_value() && x.numel() <= packed_max_rows * x.size(-1)) {
+  if (p.has_value() && x.numel() <= packed_max_rows * x.size(-1)) {
     static auto op = c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_linear_pointwise", "");
     static const c10::IValue attr{std::string("none")}, scalars{c10::List<std::optional<at::Scalar>>()},
         algorithm{std::string("")};  // made once: every call passes the same
-    std::vector<c10::IValue> stack{x, *packed, b, attr, scalars, algorithm};
+    std::vector<c10::IValue> stack{x, *p, b, attr, scalars, algorithm};
     op.callBoxed(&stack);
     return stack[0].toTensor();
   }
@@ -363,26 +367,28 @@ static Tensor mix(int64_t i, const Tensor& q, const Tensor& k, const Tensor& v, 
 }
 
 // `Layer.finish` with the MLP `down(silu(gate(x)) * up(x))`; gate and up fused (`FusedLayer`) or not (`MLP`)
+// (each weight with its two packed copies, `native._copies`)
 static Tensor finish(const Tensor& h, const Tensor& a, const Tensor& o, const OptT& ob, const OptT& op,
-                     const Tensor& post, double eps, const std::vector<OptT>& mlp) {
-  auto h1 = h + linear(a.transpose(-2, -3).flatten(-2), o, ob, op);
+                     const OptT& owide, const Tensor& post, double eps, const std::vector<OptT>& mlp) {
+  auto h1 = h + linear(a.transpose(-2, -3).flatten(-2), o, ob, op, owide);
   auto x = rms_norm(h1, post, eps);
   Tensor g, u;
-  if (mlp.size() == 4) {  // gate_up, its packed copy, down, its packed copy
-    auto gu = linear(x, *mlp[0], std::nullopt, mlp[1]).chunk(2, -1);
+  if (mlp.size() == 6) {  // gate_up, its copies, down, its copies
+    auto gu = linear(x, *mlp[0], std::nullopt, mlp[1], mlp[2]).chunk(2, -1);
     g = gu[0], u = gu[1];
-    return h1 + linear(at::silu(g) * u, *mlp[2], std::nullopt, mlp[3]);
+    return h1 + linear(at::silu(g) * u, *mlp[3], std::nullopt, mlp[4], mlp[5]);
   }
-  // gate, packed, up, packed, down, packed
-  g = linear(x, *mlp[0], std::nullopt, mlp[1]);
-  u = linear(x, *mlp[2], std::nullopt, mlp[3]);
-  return h1 + linear(at::silu(g) * u, *mlp[4], std::nullopt, mlp[5]);
+  // gate, its copies, up, its copies, down, its copies
+  g = linear(x, *mlp[0], std::nullopt, mlp[1], mlp[2]);
+  u = linear(x, *mlp[3], std::nullopt, mlp[4], mlp[5]);
+  return h1 + linear(at::silu(g) * u, *mlp[6], std::nullopt, mlp[7], mlp[8]);
 }
 
 // The lean forward's layers (`LeanDecoder._layers` over `KVCache`s: `_mix` for one sequence, `mix_many` for a
 // ragged batch): rows h [rows, d] of the sequences (see `mix`). Each layer's weights, as
-// `speclab.core.native.fused_weights` lists them: in_norm, qkv, qkv bias, qkv packed, qk norm, o, o bias, o packed,
-// post norm, gate_up, gate_up packed, down, down packed. -> [h, the outputs of the layers in `keep` (ascending)]
+// `speclab.core.native.fused_weights` lists them (each projection with its two packed copies): in_norm, qkv, qkv
+// bias, 2 copies, qk norm, o, o bias, 2 copies, post norm, gate_up, 2 copies, down, 2 copies. -> [h, the outputs of
+// the layers in `keep` (ascending)]
 std::vector<Tensor> fused_layers(Tensor h, const Tensor& cos, const Tensor& sin, const std::vector<std::vector<OptT>>& W,
                                  const std::vector<Tensor>& ck, const std::vector<Tensor>& cv,
                                  const std::vector<int64_t>& starts, const std::vector<int64_t>& ns,
@@ -392,13 +398,13 @@ std::vector<Tensor> fused_layers(Tensor h, const Tensor& cos, const Tensor& sin,
   std::vector<Tensor> out{Tensor()};
   for (size_t i = 0; i < W.size(); ++i) {
     const auto& w = W[i];
-    auto qkv = linear(rms_norm(h, w[0], eps), *w[1], w[2], w[3]).unflatten(-1, {H + 2 * KV, D});
+    auto qkv = linear(rms_norm(h, w[0], eps), *w[1], w[2], w[3], w[4]).unflatten(-1, {H + 2 * KV, D});
     auto qk = qkv.slice(-2, 0, H + KV);
     auto v = qkv.slice(-2, H + KV).transpose(-2, -3);
-    if (w[4].has_value()) qk = rms_norm(qk, std::nullopt, eps) * *w[4];
+    if (w[5].has_value()) qk = rms_norm(qk, std::nullopt, eps) * *w[5];
     qk = rope(qk, cos, sin).transpose(-2, -3);
     auto a = mix(i, qk.slice(-3, 0, H), qk.slice(-3, H), v, ck, cv, starts, ns, masks, scale);
-    h = finish(h, a, *w[5], w[6], w[7], *w[8], eps, {w[9], w[10], w[11], w[12]});
+    h = finish(h, a, *w[6], w[7], w[8], w[9], *w[10], eps, {w[11], w[12], w[13], w[14], w[15], w[16]});
     for (auto j : keep)
       if (j == (int64_t)i) out.push_back(h);
   }
@@ -409,30 +415,32 @@ std::vector<Tensor> fused_layers(Tensor h, const Tensor& cos, const Tensor& sin,
 // One `DecoderLayer` (a drafter's: one Linear a projection), layer i of its caches, after its input norm: attention
 // input x [rows, d_in] of the sequences (see `mix`); queries of the rows `q_rows` (`Attention.qkv`'s q_rows; None:
 // every row), nqs[j] of them the last rows of sequence j, with the residual h of those rows. Weights as
-// `speclab.core.native.decoder_weights` lists them: q, q bias, q packed, k .., v .., q norm, k norm, o, o bias,
-// o packed, post norm, then gate, packed, up, packed, down, packed. -> the layer's output of the query rows
+// `speclab.core.native.decoder_weights` lists them: q, q bias, its 2 packed copies, k .., v .., q norm, k norm, o,
+// o bias, 2 copies, post norm, then gate, 2 copies, up, 2 copies, down, 2 copies. -> the layer's output of the query
+// rows
 Tensor decoder_layer(const Tensor& x, const Tensor& h, const Tensor& cos, const Tensor& sin, const std::vector<OptT>& w,
                      int64_t i, const std::vector<Tensor>& ck, const std::vector<Tensor>& cv,
                      const std::vector<int64_t>& starts, const std::vector<int64_t>& ns,
                      const std::vector<OptT>& masks, double scale, double qk_eps, double eps, int64_t H, int64_t KV,
                      int64_t D, const OptT& q_rows, const std::vector<int64_t>& nqs) {
-  auto q = linear(q_rows ? x.index({*q_rows}) : x, *w[0], w[1], w[2]).unflatten(-1, {H, D});
-  if (w[9].has_value()) q = rms_norm(q, w[9], qk_eps);
-  auto k = linear(x, *w[3], w[4], w[5]).unflatten(-1, {KV, D});
-  if (w[10].has_value()) k = rms_norm(k, w[10], qk_eps);
-  auto v = linear(x, *w[6], w[7], w[8]).unflatten(-1, {KV, D});
+  auto q = linear(q_rows ? x.index({*q_rows}) : x, *w[0], w[1], w[2], w[3]).unflatten(-1, {H, D});
+  if (w[12].has_value()) q = rms_norm(q, w[12], qk_eps);
+  auto k = linear(x, *w[4], w[5], w[6], w[7]).unflatten(-1, {KV, D});
+  if (w[13].has_value()) k = rms_norm(k, w[13], qk_eps);
+  auto v = linear(x, *w[8], w[9], w[10], w[11]).unflatten(-1, {KV, D});
   k = rope(k, cos, sin).transpose(-2, -3);
   v = v.transpose(-2, -3);
   q = (q_rows ? rope(q, cos.index({*q_rows}), sin.index({*q_rows})) : rope(q, cos, sin)).transpose(-2, -3);
-  return finish(h, mix(i, q, k, v, ck, cv, starts, ns, masks, scale, nqs), *w[11], w[12], w[13], *w[14], eps,
-                {w[15], w[16], w[17], w[18], w[19], w[20]});
+  return finish(h, mix(i, q, k, v, ck, cv, starts, ns, masks, scale, nqs), *w[14], w[15], w[16], w[17], *w[18], eps,
+                {w[19], w[20], w[21], w[22], w[23], w[24], w[25], w[26], w[27]});
 }
 
 // `precision.Head` with fp32 refinement: logits of the weight's dtype upcast, the top k of each row recomputed as fp32
 // dot products; and which rows an unrefined logit could still reach the refined maximum in (Python recomputes those
 // in full fp32, rarely). h [.., d] (fp32 or the weight's dtype) -> (logits [.., V], unsafe rows [rows] bool)
-std::vector<Tensor> refined_head(const Tensor& h, const Tensor& w, const OptT& packed, int64_t k, double w_norm) {
-  auto low = linear(h.to(w.scalar_type()), w, std::nullopt, packed).to(at::kFloat);
+std::vector<Tensor> refined_head(const Tensor& h, const Tensor& w, const OptT& packed, const OptT& wide, int64_t k,
+                                 double w_norm) {
+  auto low = linear(h.to(w.scalar_type()), w, std::nullopt, packed, wide).to(at::kFloat);
   auto shape = low.sizes().vec();
   low = low.reshape({-1, shape.back()});
   auto hf = h.reshape({-1, h.size(-1)}).to(at::kFloat);

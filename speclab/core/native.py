@@ -132,11 +132,13 @@ def source_hash() -> str | None:
     return hashlib.sha1(SOURCE.read_bytes()).hexdigest()[:12]
 
 
-def _packed(w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor | None:
-    """The weight's prepacked bf16 copy where `layers.linear` uses one (None: F.linear)."""
+def _copies(w: torch.Tensor, b: torch.Tensor | None = None) -> list:
+    """The weight's two packed bf16 copies as `layers.by_packed` takes them: [its packed copy, oneDNN's copy for
+    calls above the tiles' rows where the first is tiles] (None where `layers.linear` uses none)."""
     if L.PACKED and w.dtype is torch.bfloat16 and w.device.type == "cpu":
-        return L._packed(w, b)
-    return None
+        packed = L._packed(w, b)
+        return [packed, L._wide(w, b) if packed is not None and packed.dim() == 6 else None]
+    return [None, None]
 
 
 def _cached(layer, base: tuple, make) -> list:
@@ -154,9 +156,9 @@ def fused_weights(layer: L.FusedLayer) -> list:
     base = (layer.in_norm, layer.qkv_w, layer.qkv_b, layer.qk_norm, layer.o, layer.o_bias, layer.post,
             layer.gate_up, layer.down)
     return _cached(layer, base, lambda: [
-        layer.in_norm, layer.qkv_w, layer.qkv_b, _packed(layer.qkv_w, layer.qkv_b), layer.qk_norm, layer.o,
-        layer.o_bias, _packed(layer.o, layer.o_bias), layer.post, layer.gate_up, _packed(layer.gate_up), layer.down,
-        _packed(layer.down)])
+        layer.in_norm, layer.qkv_w, layer.qkv_b, *_copies(layer.qkv_w, layer.qkv_b), layer.qk_norm, layer.o,
+        layer.o_bias, *_copies(layer.o, layer.o_bias), layer.post, layer.gate_up, *_copies(layer.gate_up),
+        layer.down, *_copies(layer.down)])
 
 
 def decoder_weights(layer: L.DecoderLayer) -> list:
@@ -167,10 +169,10 @@ def decoder_weights(layer: L.DecoderLayer) -> list:
     base = (*[p for lin in (*lins, a.o_proj) for p in (lin.weight, lin.bias)], *norms,
             layer.post_attention_layernorm.weight, m.gate_proj.weight, m.up_proj.weight, m.down_proj.weight)
     return _cached(layer, base, lambda: [
-        *[t for lin in lins for t in (lin.weight, lin.bias, _packed(lin.weight, lin.bias))],
-        *norms, a.o_proj.weight, a.o_proj.bias, _packed(a.o_proj.weight, a.o_proj.bias),
+        *[t for lin in lins for t in (lin.weight, lin.bias, *_copies(lin.weight, lin.bias))],
+        *norms, a.o_proj.weight, a.o_proj.bias, *_copies(a.o_proj.weight, a.o_proj.bias),
         layer.post_attention_layernorm.weight,
-        *[t for lin in (m.gate_proj, m.up_proj, m.down_proj) for t in (lin.weight, _packed(lin.weight))]])
+        *[t for lin in (m.gate_proj, m.up_proj, m.down_proj) for t in (lin.weight, *_copies(lin.weight))]])
 
 
 def fused_layers(layers: list[L.FusedLayer], h, cos, sin, caches: list, starts: list[int], ns: list[int],
@@ -198,7 +200,7 @@ def decoder_layer(layer: L.DecoderLayer, i: int, x, h, cos, sin, caches: list, s
 
 def refined_head(h, w, k: int, w_norm: float):
     """`precision.Head`'s refined fp32 logits (see `native.cpp`) -> (logits, the rows Python recomputes in full)."""
-    return build().refined_head(h, w, _packed(w), k, w_norm)
+    return build().refined_head(h, w, *_copies(w), k, w_norm)
 
 
 def main() -> None:
