@@ -41,8 +41,8 @@ template <> inline at::BFloat16 store<at::BFloat16>(float f) {
 // (after the bias). Every output's sum is the same instructions in the same order whatever the other rows are, so a
 // row's result does not depend on the row count; `layers._packed` takes a weight's tile copy only where its products
 // are bit for bit F.linear's (checked when the copy is made: oneDNN's AMX kernel sums alike up to 32 rows), so no
-// decode's output changes, only its time (`docs/ARCHITECTURE.md` "Prepacked weights"). Above `tile_max_rows` rows
-// (a prefill), at::linear.
+// decode's output changes, only its time (`docs/ARCHITECTURE.md` "Prepacked weights"). Calls of more rows than
+// `tile_max_rows` take oneDNN's copy kept beside the tile copy (`linear`'s `wide`).
 static bool tile_ok = false;
 // the most rows `linear` multiplies by a packed copy, tiles' and oneDNN's (`layers.TILE_ROWS`, `layers.CHECK_ROWS`'s
 // last; `set_row_limits`): more are at::linear's, where the copy's product was not checked against it
