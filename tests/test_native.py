@@ -189,10 +189,11 @@ needs_tiles = pytest.mark.skipif(native.tile_module() is None,
 @needs_tiles
 def test_the_tile_product_is_f_linears_bits_and_each_rows_alone():
     """`speclab::tile_linear` by a `tile_pack`ed weight: bit for bit F.linear at every row count up to
-    `layers.TILE_ROWS` (one to three tiles of 16 rows), with and without a bias, at widths and output counts that are
+    `layers.TILE_ROWS` (one or two tiles of 16 rows), with and without a bias, at widths and output counts that are
     and are not multiples of its 32 inputs and 64 outputs, in 2-D and 3-D; every row's outputs are those of the row
-    alone (so a verification's rows are an AR step's, bit for bit); and `layers.linear` takes F.linear's own product
-    above TILE_ROWS rows. Bad operands are refused, not read out of bounds."""
+    alone, also in a call of 40 rows (three tiles), so a verification's rows are an AR step's, bit for bit; and
+    `layers.linear` of 40 rows (above TILE_ROWS: oneDNN's copy kept beside the tiles) is F.linear's too. Bad operands
+    are refused, not read out of bounds."""
     from speclab.core import layers
 
     mod = native.tile_module()
@@ -212,7 +213,7 @@ def test_the_tile_product_is_f_linears_bits_and_each_rows_alone():
                     assert torch.equal(torch.ops.speclab.tile_linear(x[r : r + 1], packed, bias, n, k)[0], many[r])
                 assert torch.equal(torch.ops.speclab.tile_linear(x[None, :5], packed, bias, n, k), many[None, :5])
                 w2 = w.clone()
-                assert torch.equal(layers.linear(x, w2, bias), F.linear(x, w2, bias))  # 40 rows: F.linear
+                assert torch.equal(layers.linear(x, w2, bias), F.linear(x, w2, bias))  # 40 rows
                 assert w2._speclab_packed[1].dim() == 6
         for bad in ((x.float(), packed, None, n, k), (x[:, :-1], packed, None, n, k), (x, packed, None, n + 64, k),
                     (x, packed, None, n, k + 32), (x, w, None, n, k), (x, packed, torch.zeros(n + 1).bfloat16(), n, k)):
