@@ -1,7 +1,9 @@
 // speclab's decoder layers in C++: the same ATen ops, in the same order, as `speclab.core.layers` runs them from
 // Python (so every output is bitwise the Python path's), without the interpreter between them. On the zoo's 2-core
 // CPU a Python-level op costs a few microseconds of dispatch, and a decode step of the target calls about 300 of
-// them: this file is that step's loop, not new math. Built on first use by `speclab.core.native`.
+// them: this file is that step's loop, not new math. It also holds the bf16 product of a decode's few rows on AMX
+// tiles (`tile_linear`, below), whose products are F.linear's bits where `layers.linear` takes it. Built on first use
+// by `speclab.core.native`.
 #include <torch/extension.h>
 #include <algorithm>
 #include <cstring>
