@@ -42,7 +42,7 @@ PACK_ROWS = 8  # the batch size oneDNN's layout is chosen for (a packing chosen 
 CHECK_ROWS = (1, 5, 37, 200)  # a decode step, a verification, prefills: where oneDNN's copy must be F.linear's bits;
 # above the last, F.linear (oneDNN's product of 257 rows differed from F.linear's in the last bit on 512 x 1536)
 TILE_ROWS = 32  # the most rows the tile product takes (oneDNN's product of 33 rows and more sums in another order,
-# so a few outputs in 10,000 differ in the last bit); more rows by a tile copy: F.linear
+# so a few outputs in 10,000 differ in the last bit); more rows beside a tile copy: oneDNN's kept copy (`_wide`)
 # `speclab.core.native` sets this to a function that returns its compiled module where the tile product runs in
 # this process (AMX, and the kernel lets it use the tile registers), else None
 TILE_SOURCE: Callable[[], Any] | None = None
@@ -71,12 +71,13 @@ def by_packed(x: torch.Tensor, w: torch.Tensor, packed: torch.Tensor, b: torch.T
     """x times w by its packed copy (`_packed`): the tile product's (a 6-D copy) up to `TILE_ROWS` rows; oneDNN's
     (that copy, or `_wide`'s beside a tile copy) up to the last of `CHECK_ROWS`; F.linear above."""
     rows = x.numel() // max(x.shape[-1], 1)
+    onednn: torch.Tensor | None = packed
     if packed.dim() == 6:
         if rows <= TILE_ROWS:
             return torch.ops.speclab.tile_linear(x, packed, b, w.shape[0], w.shape[1])
-        packed = _wide(w, b)  # type: ignore[assignment]
-    if packed is not None and rows <= CHECK_ROWS[-1]:
-        return _PACKED_LINEAR(x, packed, b, "none", [], "")
+        onednn = _wide(w, b)
+    if onednn is not None and rows <= CHECK_ROWS[-1]:
+        return _PACKED_LINEAR(x, onednn, b, "none", [], "")
     return F.linear(x, w, b)
 
 
