@@ -222,23 +222,25 @@ class Adapter:
         lambda KL(p_theta || p_theta0)."""
         from speclab.train import lm
         from speclab.train.specblock import block_forward
-        total = torch.zeros(())
+        dev = self.embed_w.device  # the buffered rows are on the CPU (Rejection), the models on the target's device
+        total = torch.zeros((), device=dev)
         for q in batch:
-            ids = q.ids[None].long()
-            feats = torch.cat([q.feats.float(), q.feats.new_zeros(1, q.feats.shape[1]).float()])[None]
-            anchors = torch.tensor([[x.anchor for x in q.rejections]])
+            ids = q.ids[None].long().to(dev)
+            feats = torch.cat([q.feats.float(), q.feats.new_zeros(1, q.feats.shape[1]).float()])[None].to(dev)
+            anchors = torch.tensor([[x.anchor for x in q.rejections]], device=dev)
             cuts = torch.ones_like(anchors)
-            rows = torch.tensor([x.depth - 1 for x in q.rejections])
+            rows = torch.tensor([x.depth - 1 for x in q.rejections], device=dev)
+            at = torch.arange(len(rows), device=dev)
             h, lg, *_ = block_forward(self.train, self.embed_w, ids, feats, anchors, cuts)
-            lg, h = lg[0, torch.arange(len(rows)), rows].float(), h[0, torch.arange(len(rows)), rows]
-            p_top = torch.stack([x.p_top for x in q.rejections])
-            idx = torch.stack([x.idx for x in q.rejections])
+            lg, h = lg[0, at, rows].float(), h[0, at, rows]
+            p_top = torch.stack([x.p_top for x in q.rejections]).to(dev)
+            idx = torch.stack([x.idx for x in q.rejections]).to(dev)
             kl_target = lm.topk_soft_ce(lg, p_top, idx).mean()
-            label = bucket_of_rank(rank_of(lg.detach(), torch.tensor([x.token for x in q.rejections])))
+            label = bucket_of_rank(rank_of(lg.detach(), torch.tensor([x.token for x in q.rejections], device=dev)))
             rank = F.cross_entropy(self.train.rank_logits(h, lg).float(), label)
             with torch.no_grad():
                 _, lg0, *_ = block_forward(self.theta0, self.embed_w, ids, feats, anchors, cuts)
-                lg0 = lg0[0, torch.arange(len(rows)), rows].float()
+                lg0 = lg0[0, at, rows].float()
             logp = torch.log_softmax(lg, -1)
             drift = (logp.exp() * (logp - torch.log_softmax(lg0, -1))).sum(-1).mean()
             total = total + kl_target + rank + self.cfg.kl_weight * drift

@@ -152,9 +152,12 @@ SLOW_FIXTURES = {"trained_eagle3", "trained_dflash"}
 
 def pytest_collection_modifyitems(config, items):
     off_device = pytest.mark.skip(reason=f"SPECLAB_TEST_DEVICE={DEVICE}: uses none of the tiny models' fixtures")
+    training = pytest.mark.skip(reason=f"SPECLAB_TEST_DEVICE={DEVICE}: checks training code, which runs on the CPU")
     for item in items:
         names = set(getattr(item, "fixturenames", ()))
         if SLOW_FIXTURES & names:
             item.add_marker(pytest.mark.slow)
         if DEVICE != "cpu" and not DEVICE_FIXTURES & names:
             item.add_marker(off_device)
+        elif DEVICE != "cpu" and item.get_closest_marker("cpu_only"):
+            item.add_marker(training)

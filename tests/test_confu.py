@@ -35,17 +35,18 @@ def soft_prompts(target, s: int, seed: int, scale: float = 1.0):
 def reference_future(target, tokens: torch.Tensor, emb: torch.Tensor, soft_k, soft_v) -> torch.Tensor:
     """f of one contemplate row after `tokens`, by transformers alone: the soft prompts in a DynamicCache, then
     [token rows ; the contemplate row] with the soft prompts hidden from the token rows, positions 0..T."""
-    T, s = tokens.numel(), soft_k.shape[2]
+    T, s, dev = tokens.numel(), soft_k.shape[2], target.device
+    tokens = tokens.to(dev)
     ctx = DynamicCache(config=target.config)
     for i in range(target.num_layers):
         ctx.update(soft_k[i][None], soft_v[i][None], i)
-    allowed = torch.ones(T + 1, s + T + 1, dtype=torch.bool).tril(s)
+    allowed = torch.ones(T + 1, s + T + 1, dtype=torch.bool, device=dev).tril(s)
     allowed[:T, :s] = False  # only the contemplate row sees the soft prompts
-    mask = torch.zeros(1, 1, T + 1, s + T + 1).masked_fill(~allowed, torch.finfo(torch.float32).min)
+    mask = torch.zeros(1, 1, T + 1, s + T + 1, device=dev).masked_fill(~allowed, torch.finfo(torch.float32).min)
     embeds = torch.cat([target.model.get_input_embeddings()(tokens), emb[None]])[None]
     with torch.no_grad():
-        out = target.decoder(inputs_embeds=embeds, position_ids=torch.arange(T + 1)[None], attention_mask=mask,
-                             past_key_values=ctx, use_cache=True)
+        out = target.decoder(inputs_embeds=embeds, position_ids=torch.arange(T + 1, device=dev)[None],
+                             attention_mask=mask, past_key_values=ctx, use_cache=True)
     return out.last_hidden_state[0, -1]
 
 
@@ -232,6 +233,7 @@ def test_checkpoint_round_trip_and_refusals(deep, tmp_path):
         load_confu(tmp_path / "c", deep)
 
 
+@pytest.mark.cpu_only
 def test_training_forward_is_the_drafting_forward(deep):
     """At an anchor a, training's forward (the frozen target's keys and values from transformers, the contemplate
     row through `contemplate_lean`, the unroll with the future slot) equals decoding's: the engine's f over a lean

@@ -107,6 +107,7 @@ def test_bad_checkpoints_are_refused_by_name(deep, drafters, tmp_path):
         load_dflash(good, other)
 
 
+@pytest.mark.cpu_only
 @pytest.mark.parametrize("markov", [False, True], ids=["plain", "markov"])
 def test_cached_context_drafts_what_a_full_recomputation_drafts(deep, trained_dflash, markov):
     """A drafter whose context K/V were cached over rounds of various lengths (catch-up after catch-up) and
@@ -147,7 +148,7 @@ def test_tree_from_the_rows_top_k(deep, trained_dflash):
     d = DFlashDrafter(m, deep, block_size=5, markov=True, tree_topk=3, total_tokens=9)
     start_drafter(d, deep, PROMPTS[0])
     t = d.propose(64, Sampling(), None)
-    assert len(t) == 9 and int(t.depth.max()) <= 4 and bool((t.parents < torch.arange(len(t))).all())
+    assert len(t) == 9 and int(t.depth.max()) <= 4 and bool((t.parents.cpu() < torch.arange(len(t))).all())
     first = [i for i in range(len(t)) if int(t.parents[i]) == -1]
     assert int(t.tokens[first[0]]) == int(chain.tokens[0])  # the best child of the root is the chain's first token
 
@@ -161,7 +162,8 @@ def test_markov_head_changes_the_draft_and_block_size_bounds_it(deep, drafters):
     assert len(plain) == len(markov) == 5
     assert not torch.equal(plain.tokens, markov.tokens)  # the bias of the previous token matters
     with torch.no_grad():  # and it is the bias of the token drafted just before, row by row
-        prev = torch.cat([deep.tokenizer(PROMPTS[0], return_tensors="pt")["input_ids"][0][-1:], markov.tokens[:-1]])
+        prev = torch.cat([deep.tokenizer(PROMPTS[0], return_tensors="pt")["input_ids"][0][-1:].to(deep.device),
+                          markov.tokens[:-1]])
         d = DFlashDrafter(m, deep, block_size=6, markov=True, tree_topk=1, total_tokens=16)
         start_drafter(d, deep, PROMPTS[0])
         want = (d.block_logits(6) + m.markov_bias(prev)).argmax(-1)

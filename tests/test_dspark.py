@@ -68,7 +68,7 @@ def test_the_head_gives_every_drafted_row_its_confidence(deep, dspark):
     tree = d.propose(5, Sampling(), None)
     c = tree.extra["confidence"]
     assert c.shape == (5,) and ((c > 0) & (c < 1)).all()
-    prev = torch.cat([ids[-1:], tree.tokens[:-1]])
+    prev = torch.cat([ids[-1:].to(tree.tokens.device), tree.tokens[:-1]])
     torch.testing.assert_close(c, torch.sigmoid(dspark.confidence_logits(d.last_h[:5], prev).float()))
 
 

@@ -32,7 +32,7 @@ def models(deep, trained_eagle3, trained_dflash):
     """Trained tiny EAGLE-3 and DFlash drafters (they agree with the target often, so rounds accept drafts) and a
     random neural router."""
     torch.manual_seed(3)
-    mlp = RouterMLP(RouterConfig(deep.hidden_size, max(deep.hidden_size // 8, 1), 0.0)).eval()
+    mlp = RouterMLP(RouterConfig(deep.hidden_size, max(deep.hidden_size // 8, 1), 0.0)).eval().to(deep.device)
     return {"eagle3": trained_eagle3, "dflash": trained_dflash, "router": mlp}
 
 
@@ -41,7 +41,7 @@ def entropies(target, prompt: str, n: int = 40) -> np.ndarray:
     ids = _ids(target, prompt)
     seq = torch.cat([ids, torch.tensor(generate(target, ids, "ar", max_new_tokens=n).token_ids)])
     logp = torch.log_softmax(target.forward(seq, target.new_cache()).logits, -1)
-    return (-(logp.exp() * logp).sum(-1)).numpy()
+    return (-(logp.exp() * logp).sum(-1)).cpu().numpy()
 
 
 def profile(target, models, ids, out, n):
@@ -173,7 +173,7 @@ def test_routed_sampling_keeps_target_distribution(tiny_v8):
     target = tiny_v8
     want = exact_joint(target, PROMPT, Sampling(1.0))
     torch.manual_seed(0)
-    mlp = RouterMLP(RouterConfig(target.hidden_size, 4, 0.0)).eval()
+    mlp = RouterMLP(RouterConfig(target.hidden_size, 4, 0.0)).eval().to(target.device)
     # thresholds that split the signals of the positions after the prompt and one more token (any next token)
     after = torch.stack([torch.cat([PROMPT, torch.tensor([v])]) for v in range(V)])
     outs = [target.forward(x, target.new_cache(), hidden=True) for x in after]
@@ -239,9 +239,9 @@ def test_router_checkpoint_round_trip(deep, tmp_path):
     torch.manual_seed(0)
     m = RouterMLP(RouterConfig(deep.hidden_size, 8, 0.1, hardware_threshold=0.4)).eval()
     m.save(tmp_path / "r")
-    back = load_router(tmp_path / "r", deep)
+    back = load_router(tmp_path / "r", deep)  # on the target's device
     h = torch.randn(5, deep.hidden_size)
-    assert torch.allclose(m(h), back(h)) and back.config.hardware_threshold == 0.4
+    assert torch.allclose(m(h), back(h.to(deep.device)).cpu()) and back.config.hardware_threshold == 0.4
     small = RouterMLP(RouterConfig(deep.hidden_size + 1, 8))
     small.save(tmp_path / "s")
     with pytest.raises(InvalidInput, match="hidden states of size"):
@@ -667,7 +667,7 @@ def route_models(deep, models):
     from speclab.routing.routers import ArmRouterConfig, ArmRouterMLP
     torch.manual_seed(1)
     arms = ["eagle3", "dflash", "pld", "pld.eagle3", "none"]
-    mlp = ArmRouterMLP(ArmRouterConfig(deep.hidden_size, arms, COSTS, 16, 0.0)).eval()
+    mlp = ArmRouterMLP(ArmRouterConfig(deep.hidden_size, arms, COSTS, 16, 0.0)).eval().to(deep.device)
     with torch.no_grad():
         mlp.net[-1].weight.mul_(40.0)  # predictions that move with the hidden state: the router switches
     return {**models, "route": mlp}
@@ -756,9 +756,10 @@ def test_route_router_trains_saves_and_replays_as_live(deep, route_models, tmp_p
     m, records, held = fit(data, cfg, deep.hidden_size, list(arms), COSTS)
     assert len(records) == 3 and held["rows_heldout"] > 0
     m.save(tmp_path / "r")
-    back = load_arm_router(tmp_path / "r", deep)
+    back = load_arm_router(tmp_path / "r", deep)  # on the target's device; training ran on the CPU
     x = data["extras"][:5]
-    assert torch.allclose(back(data["hidden"][:5], x), m.eval()(data["hidden"][:5], x))
+    assert torch.allclose(back(data["hidden"][:5].to(deep.device), x.to(deep.device)).cpu(),
+                          m.eval()(data["hidden"][:5], x))
     models = {**route_models, "route": back}
     for prof, p in zip(profs, PROMPTS[:3]):
         evs = []

@@ -39,6 +39,7 @@ def model(deep):
     return random_specblock(deep, 2)
 
 
+@pytest.mark.cpu_only
 def test_drafting_forward_is_trainings_forward(deep, model):
     """The first block at a committed position and a second block from a cut inside it: the drafter's logits are
     training's `block_forward` at that anchor and cut."""

@@ -128,6 +128,7 @@ def test_token_data_joins_rows_by_eos_and_folders_by_domain(deep, corpus, regene
         assert len(both[d]["val"]) == len(one[d]["val"]) + len(text[d]["val"])
 
 
+@pytest.mark.cpu_only
 def test_topk_loss_equals_the_full_loss_when_k_is_the_vocabulary(deep):
     """The top-k loss over all tokens is the full soft cross-entropy (and its accuracy and tau are the same);
     with a reduced head the top-k form drops the tokens outside the head as the full form does."""
@@ -153,6 +154,7 @@ def test_topk_loss_equals_the_full_loss_when_k_is_the_vocabulary(deep):
     assert by_step == pytest.approx([0.5 * (1 - alpha) for alpha in a[4]], rel=1e-4)
 
 
+@pytest.mark.cpu_only
 def test_dflash_acceptance_term_is_one_minus_sum_min_p_q_per_block_row(deep):
     """DFlash's --loss-tv adds tv x (1 - sum min(p, q)) per block row under the rows' weights, on each readout (base
     and Markov); the per-row acceptance it reports is that same sum, in (0, 1], and the term carries a gradient."""
@@ -202,6 +204,7 @@ def test_topk_loss_keeps_a_bucket_for_the_rest():
     assert torch.allclose(1 - q.gather(-1, idx).sum(-1), 1 - p.sum(-1), atol=1e-3)
 
 
+@pytest.mark.cpu_only
 def test_a_shrunk_head_keeps_the_kept_tokens_logits(deep):
     from speclab.train.eagle3 import shrink_vocab
 

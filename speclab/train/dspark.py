@@ -56,14 +56,14 @@ class DSparkTrainConfig(lm.OnlineSchedule):
 
 
 def with_head(m) -> None:
-    """The drafter with a confidence head (a new one, zero weights and a bias at sigmoid = 0.5, when it has none),
-    everything else frozen."""
+    """The drafter with a confidence head (a new one, zero weights and a bias at sigmoid = 0.5, when it has none,
+    on the drafter's device), everything else frozen."""
     m.requires_grad_(False)
     if not m.has_confidence:
         from speclab.core.layers import Linear
         c = m.config
         c.confidence, c.confidence_temperatures = True, ()
-        m.confidence_head = Linear(c.hidden_size + c.markov_rank, 1, bias=True)
+        m.confidence_head = Linear(c.hidden_size + c.markov_rank, 1, bias=True, device=m.fc.weight.device)
         torch.nn.init.zeros_(m.confidence_head.weight)
         torch.nn.init.zeros_(m.confidence_head.bias)
     m.confidence_head.requires_grad_(True)
