@@ -16,6 +16,7 @@ from speclab.generate import generate
 from speclab.methods import build_method, method_params
 from speclab.routing import replay
 from speclab.routing.routers import (
+    ArmCosts,
     Calibration,
     EntropyRouter,
     NeuralRouter,
@@ -732,6 +733,24 @@ def test_merged_arm_sampling_keeps_target_distribution(tiny_v8):
     assert told_apart(exact_joint(target, prompt, Sampling(0.7)), want)
 
 
+def test_decision_loss_is_the_soft_choices_lost_share_of_the_best_rate():
+    """Arms A, B and none with true rates 1.0, 2.0 and 0.5 tokens/ms: a prediction that makes B's predicted rate the
+    highest loses almost nothing, one that makes A's loses A's half (none's prediction never counts), `captured`
+    is the chosen arms' share of the best rate, and the loss has a gradient."""
+    from speclab.train.route import captured, decision_loss
+    y, ms = torch.tensor([[3.0, 1.0, 0.0]]), torch.tensor([[4.0, 1.0, 2.0]])
+    none = torch.tensor([False, False, True])
+    good = torch.tensor([[0.0, 1.0, 100.0]], requires_grad=True)
+    assert float(decision_loss(good, y, ms, ms, none, 0.1)) < 1e-5
+    assert float(decision_loss(torch.tensor([[20.0, 0.0, 0.0]]), y, ms, ms, none, 0.1)) == pytest.approx(0.5, abs=1e-3)
+    soft = torch.tensor([[3.0, 1.0, 0.0]], requires_grad=True)  # the truth: B wins, A keeps some weight at temp 1
+    loss = decision_loss(soft, y, ms, ms, none, 1.0)
+    assert 0.1 < float(loss) < 0.5
+    loss.backward()
+    assert soft.grad[0, 0] > 0 and soft.grad[0, 2] == 0  # more A: more lost; none's prediction is masked
+    assert captured(torch.tensor([1, 0]), y.repeat(2, 1), ms.repeat(2, 1)) == pytest.approx(0.75)
+
+
 def test_route_router_trains_saves_and_replays_as_live(deep, route_models, tmp_path):
     """Routing v2's learned router end to end on the tiny target: N-arm profiles (a merged arm accepts what its best
     member does, none nothing), training rows from replayed policies, a fit, a save / load round trip, and the
@@ -751,10 +770,15 @@ def test_route_router_trains_saves_and_replays_as_live(deep, route_models, tmp_p
         assert (p.accepted[3] == np.maximum(p.accepted[0], p.accepted[2])).all() and (p.accepted[4] == 0).all()
         assert (p.width[3] <= p.width[0] + p.width[2]).all() and "pld_match" in p.probe
     cfg = RouteTrainConfig("", str(tmp_path), "+".join(arms), epochs=3, random_walks=2, heldout=0.34, width=16)
-    data = rows(profs, cfg)
-    assert data["y"].shape[1] == 5 and len(data["y"]) == len(data["hidden"]) == len(data["extras"])
+    data = rows(profs, cfg, ArmCosts(**COSTS))
+    assert data["y"].shape[1] == 5 and len(data["y"]) == len(data["hidden"]) == len(data["extras"]) == len(data["ms"])
+    assert (data["ms"] > 0).all() and (data["ms_true"] > 0).all()
     m, records, held = fit(data, cfg, deep.hidden_size, list(arms), COSTS)
-    assert len(records) == 3 and held["rows_heldout"] > 0
+    assert len(records) == 3 and held["rows_heldout"] > 0 and "train_loss" in records[0]
+    assert set(held["captured"]) == {"router", "rule (min_match 3)", *arms}
+    assert all(0 < v <= 1 for v in held["captured"].values())
+    with pytest.raises(ValueError, match="round times"):
+        fit(rows(profs, cfg), cfg, deep.hidden_size, list(arms), COSTS)
     m.save(tmp_path / "r")
     back = load_arm_router(tmp_path / "r", deep)  # on the target's device; training ran on the CPU
     x = data["extras"][:5]

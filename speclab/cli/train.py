@@ -180,7 +180,8 @@ def _train_route(a: argparse.Namespace, corpus: str) -> int:
                        dtype="auto" if a.precision == "auto" else a.precision)
     target, models = load_models(paths, roles=get_method(spec).needs, fam="speculative")
     cfg = RouteTrainConfig(corpus_dir=corpus, out_dir=a.out, arms=arms, sequences=a.sequences, seed=a.seed,
-                           lr=a.lr or 1e-3, new_tokens=a.new_tokens, cost_prompts=a.cost_prompts, epochs=a.epochs)
+                           lr=a.lr or 1e-3, new_tokens=a.new_tokens, cost_prompts=a.cost_prompts, epochs=a.epochs,
+                           objective=a.objective)
     s = train_route(cfg, target, models, log=lambda m: print(m, file=sys.stderr, flush=True))
     print(json.dumps({k: s[k] for k in ("collect_minutes", "heldout", "al_profiled", "costs", "machine")}, indent=1))
     return 0
@@ -395,6 +396,8 @@ def add_parsers(sub) -> None:
                    "collected once and reused from OUT/profiles.pt when the run is repeated)")
     r.add_argument("--cost-prompts", type=_positive_int, default=4, help="prompts decoded live per arm to measure "
                    "its round time")
+    r.add_argument("--objective", choices=("rate", "mse"), default="rate", help="rate: the decision's lost tokens "
+                   "per ms against the best arm's at each row (default); mse: the accept lengths alone")
     router_args(r, ("eagle3", "dflash", "draft"))
 
     c = ts.add_parser("curve", help="decode the zoo prompts with every checkpoint a drafter training (--out) kept")

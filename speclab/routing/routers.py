@@ -29,6 +29,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from speclab.core.protocol import Decision, Signals
@@ -254,6 +255,7 @@ def default_threshold(policy: str, category: str | None, target: str | None = No
 N_RECENT = 2  # recent rounds' accept lengths among its features
 LOOKUP_K = 8.0  # prompt lookup's default proposal length: scales its `pld_tokens` signal
 MATCH_STEPS = (1, 2, 3, 4, 6, 8, 12, 16)  # prompt lookup's match length as indicators (match >= k)
+MATCH_STEP_ARRAY = np.array(MATCH_STEPS, np.float64)
 
 
 def arm_extras(entropy, match, tokens, recent: list, last, generated, n_arms: int) -> torch.Tensor:
@@ -262,17 +264,19 @@ def arm_extras(entropy, match, tokens, recent: list, last, generated, n_arms: in
     index, -1 before the first round): entropy, prompt lookup's match and proposal length, the recent accept lengths,
     the position (log), the last arm one-hot (one slot more: none yet). One definition for training
     (`speclab.train.route`) and routing (`ArmRouter`)."""
-    def col(x, scale):
-        return np.nan_to_num(np.asarray(x, np.float64), nan=0.0) / scale
-    m = col(match, 1.0)
-    cols = [col(entropy, 5.0), m / 32.0, col(tokens, LOOKUP_K)]
-    cols += [(m >= k).astype(np.float64) for k in MATCH_STEPS]  # the match as steps: a rule is one of them
-    cols += [np.maximum(col(r, 1.0), -1) / LOOKUP_K for r in recent]
-    cols.append(np.log1p(col(generated, 1.0)) / 5.0)
+    m = np.nan_to_num(np.asarray(match, np.float64), nan=0.0)
+    n = len(m)
+    out = np.zeros((n, n_extras(n_arms)), np.float32)  # one array written column block by column block: a router
+    out[:, 0] = np.nan_to_num(np.asarray(entropy, np.float64), nan=0.0) / 5.0  # calls it every round
+    out[:, 1] = m / 32.0
+    out[:, 2] = np.nan_to_num(np.asarray(tokens, np.float64), nan=0.0) / LOOKUP_K
+    j = 3 + len(MATCH_STEPS)
+    out[:, 3:j] = m[:, None] >= MATCH_STEP_ARRAY  # the match as steps: a rule is one of them
+    out[:, j : j + N_RECENT] = np.maximum(np.nan_to_num(np.asarray(recent, np.float64).T, nan=0.0), -1) / LOOKUP_K
+    out[:, j + N_RECENT] = np.log1p(np.nan_to_num(np.asarray(generated, np.float64), nan=0.0)) / 5.0
     last = np.asarray(last, np.int64)
-    one_hot = np.zeros((len(last), n_arms + 1))
-    one_hot[np.arange(len(last)), np.where(last < 0, n_arms, last)] = 1.0
-    return torch.from_numpy(np.concatenate([np.stack(cols, -1), one_hot], -1).astype(np.float32))
+    out[np.arange(n), j + N_RECENT + 1 + np.where(last < 0, n_arms, last)] = 1.0  # the last arm one-hot
+    return torch.from_numpy(out)
 
 
 def n_extras(n_arms: int) -> int:
@@ -312,11 +316,18 @@ class ArmCosts:
         return (np.take(self.draft, a) + catch + self.verify0 + self.verify1 * (width + 1) + np.take(self.other, a)
                 + (self.router_ms if routed else 0.0))
 
+    def expected_ms(self, pld_tokens, backlogs) -> np.ndarray:
+        """What a router expects every arm's round to cost at round starts ([n, A], or [A] for one): its mean draft
+        width (prompt lookup alone: its proposal now, `pld_tokens` [n]) and its drafters' backlogs [n, A]."""
+        lookup = np.array([a == LOOKUP for a in self.arms])
+        width = np.where(lookup, np.asarray(pld_tokens, np.float64)[..., None], np.asarray(self.width, np.float64))
+        return self.round_ms(np.arange(len(self.arms)), width, backlogs)
+
 
 def fit_arm_costs(rounds, arms: list) -> ArmCosts:
     """`ArmCosts` by least squares on live rounds (a DataFrame: arm, width, backlog, draft_ms, catchup_ms, verify_ms,
     other_ms): verification by rows over every round, each arm's drafting and other time as means, its catch-up as a
-    line in the backlog over its rounds with one (a mean where all backlogs are alike)."""
+    line in the backlog over its rounds with one (`robust_line`; a mean where all backlogs are alike)."""
     v = np.linalg.lstsq(np.c_[np.ones(len(rounds)), rounds.width + 1], rounds.verify_ms, rcond=None)[0]
     draft, c0, c1, other, width = [], [], [], [], []
     for a in arms:
@@ -326,11 +337,23 @@ def fit_arm_costs(rounds, arms: list) -> ArmCosts:
         width.append(float(r.width.mean()) if len(r) else 0.0)
         b = r[r.backlog > 0]
         x, y = b.backlog.to_numpy(float), b.catchup_ms.to_numpy(float)
-        line = np.linalg.lstsq(np.c_[np.ones(len(x)), x], y, rcond=None)[0] if len(np.unique(x)) > 1 else \
-            (float(y.mean()) if len(y) else 0.0, 0.0)
+        line = robust_line(x, y) if len(np.unique(x)) > 1 else (float(y.mean()) if len(y) else 0.0, 0.0)
         c0.append(float(max(line[0], 0.0)))
         c1.append(float(max(line[1], 0.0)))
     return ArmCosts(list(arms), draft, c0, c1, other, width, float(v[0]), float(v[1]), rounds_fitted=len(rounds))
+
+
+def robust_line(x: np.ndarray, y: np.ndarray, most: int = 1500) -> tuple[float, float]:
+    """(intercept, slope) by Theil-Sen: the median of the slopes between pairs of points with different x, then the
+    median intercept (on at most `most` points, an even sample). Least squares let a few slow catch-ups at long
+    backlogs (a decode's first, the prompt's) set the slope: 0.26 ms a token where the rounds' medians rose 0.02."""
+    if len(x) > most:
+        keep = np.linspace(0, len(x) - 1, most).astype(int)
+        x, y = x[keep], y[keep]
+    i, j = np.triu_indices(len(x), 1)
+    dx = x[j] - x[i]
+    slope = float(np.median((y[j] - y[i])[dx != 0] / dx[dx != 0]))
+    return float(np.median(y - slope * x)), slope
 
 
 def arm_backlogs(arms: list, accepted: list, used: list) -> np.ndarray:
@@ -382,6 +405,17 @@ class ArmRouterMLP(nn.Module):
     def forward(self, h: torch.Tensor, extras: torch.Tensor) -> torch.Tensor:
         return self.net((torch.cat([h.float(), extras.float()], -1) - self.shift) / self.scale)
 
+    @torch.no_grad()
+    def folded(self) -> tuple[torch.Tensor, ...]:
+        """The eval-mode forward's weights with the standardisation folded into the first layer: (W1 / scale over the
+        hidden state's inputs, the same over the extras', b1 - (W1 / scale) shift, W2, b2), fp32, on its device. One
+        row is then two products and a GELU (`ArmRouter`: its own time is a router's cost every round)."""
+        w1 = self.net[0].weight / self.scale
+        b1 = self.net[0].bias - w1 @ self.shift
+        d = self.config.hidden_size
+        w2, b2 = self.net[-1].weight.clone(), self.net[-1].bias.clone()
+        return w1[:, :d].contiguous(), w1[:, d:].contiguous(), b1, w2, b2
+
     def save(self, path: str | Path, extra: dict | None = None) -> None:
         from speclab.drafters.checkpoint import save_checkpoint
         save_checkpoint(self, {**self.config.__dict__, "kind": "speclab route router", **(extra or {})}, path,
@@ -413,14 +447,14 @@ class ArmRouter:
         self.idx = torch.tensor([known.index(a) for a in arms])
         self.names = [None if a == NONE else a for a in arms]
         self.costs = ArmCosts(**mlp.config.costs).of(self.arms)
-        self.lookup = np.array([a == LOOKUP for a in arms])  # prompt lookup alone: its proposal is known
         self.none = torch.tensor([a == NONE for a in arms])
+        w1h, w1x, b1, w2, b2 = mlp.folded()
+        self.w1h, self.w1x, self.b1 = w1h, w1x, b1
+        self.w2, self.b2 = w2[self.idx.to(w2.device)], b2[self.idx.to(b2.device)]  # the route's arms only
 
     def round_ms(self, s: Signals) -> np.ndarray:
-        """Each arm's modeled round time now: its expected draft width (prompt lookup's own proposal where it drafts
-        alone) and its drafters' backlogs."""
-        width = np.where(self.lookup, s.probe.get("pld_tokens", 0.0), self.costs.width)
-        return self.costs.round_ms(np.arange(len(self.arms)), width, arm_backlogs(self.arms, s.accepted, s.drafters))
+        """Each arm's modeled round time now (`ArmCosts.expected_ms`)."""
+        return self.costs.expected_ms(s.probe.get("pld_tokens", 0.0), arm_backlogs(self.arms, s.accepted, s.drafters))
 
     @torch.inference_mode()
     def choose(self, s: Signals) -> Decision:
@@ -431,7 +465,15 @@ class ArmRouter:
             else -1
         recent = [[s.accepted[-1 - i] if len(s.accepted) > i else -1] for i in range(N_RECENT)]
         x = arm_extras([s.entropy], [s.probe.get("pld_match", 0.0)], [s.probe.get("pld_tokens", 0.0)], recent,
-                       [last], [s.generated], len(self.known)).to(s.hidden.device)
-        pred = self.mlp(s.hidden[None], x)[0].cpu()[self.idx].clamp(min=0).masked_fill(self.none, 0.0)
-        i = int(((pred + 1) / ms).argmax())
-        return Decision(self.names[i], self.policy, float(pred[i]))  # signal: its predicted accept length
+                       [last], [s.generated], len(self.known))[0].to(s.hidden.device)
+        z = torch.addmv(torch.addmv(self.b1, self.w1x, x), self.w1h, s.hidden.float())  # the MLP, folded
+        pred = torch.addmv(self.b2, self.w2, F.gelu(z)).cpu()
+        i = int(predicted_rates(pred, ms, self.none).argmax())
+        return Decision(self.names[i], self.policy, float(pred[i].clamp(min=0)))  # signal: its predicted accept length
+
+
+def predicted_rates(pred: torch.Tensor, ms: torch.Tensor, none: torch.Tensor) -> torch.Tensor:
+    """Each arm's predicted tokens per ms ([.., A]): its predicted accept length (at least 0; `none`'s is 0) plus
+    the target's own token, over its expected round time. What `ArmRouter` maximises, and what `speclab train route`
+    trains it on (`objective="rate"`)."""
+    return (pred.clamp(min=0).masked_fill(none, 0.0) + 1) / ms

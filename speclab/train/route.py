@@ -7,7 +7,9 @@ from the training splits of the four zoo domains (`speclab.train.router.corpus_p
 router learns from). The router sees the recent rounds and the arm last used, which depend on the policy, so the
 training rows are the round starts of several policies replayed on each profile (`replay.walk`): each arm alone,
 and random choices; every row's targets are all arms' counterfactual accept lengths there. Sequences are split
-into train and held out before training. MSE, AdamW, one-cycle schedule.
+into train and held out before training. The loss (`objective`): by default the decision's own regret
+(`decision_loss`: every arm's counterfactual tokens per ms is known at every row) with a little MSE; or the accept
+lengths' MSE alone. AdamW, one-cycle schedule.
 
 Costs: each arm's rounds are measured here, live, on a few of the prompts (every phase of its rounds, each arm
 alone, `none` from AR's, and a random schedule over all arms for catch-ups after switches), a round-cost model
@@ -45,6 +47,9 @@ class RouteTrainConfig:
     weight_decay: float = 0.01
     dropout: float = 0.1
     width: int = 64
+    objective: str = "rate"  # rate: the decision's lost tokens per ms (`decision_loss`); mse: accept lengths alone
+    decision_temp: float = 0.1  # the soft decision's temperature on log tokens per ms (0.1: 10% more, e times likelier)
+    mse_weight: float = 0.05  # beside the decision loss: predictions stay accept lengths (the trace's signal)
     cost_prompts: int = 4  # prompts decoded live per arm to measure its round time
     seed: int = 0
     threads: int = 2
@@ -90,36 +95,69 @@ def collect(target, models: dict, prompts, cfg: RouteTrainConfig, cache: Path, l
     return done
 
 
-def rows(profiles, cfg: RouteTrainConfig) -> dict:
+def rows(profiles, cfg: RouteTrainConfig, costs=None) -> dict:
     """Training rows: the round starts of each arm alone and of `random_walks` random policies replayed on every
-    profile; per row the hidden state, the extras (`routers.arm_extras`), every arm's accept length there and the
-    sequence it came from."""
+    profile; per row the hidden state, the extras (`routers.arm_extras`), every arm's accept length there, prompt
+    lookup's match and the sequence it came from. With `costs` (`routers.ArmCosts` over the profiles' arms) also
+    every arm's round time there: `ms`, what the router expects (`ArmCosts.expected_ms`: mean widths, prompt
+    lookup's proposal), and `ms_true`, at the width the arm drafts there; both with the drafters' backlogs after
+    the rounds before it (`routers.arm_backlogs` over the engine's `HISTORY` rounds, as live)."""
+    from speclab.core.engine import HISTORY
     from speclab.routing.replay import walk
-    from speclab.routing.routers import N_RECENT, arm_extras
-    out: dict = {"hidden": [], "extras": [], "y": [], "seq": []}
+    from speclab.routing.routers import N_RECENT, NONE, arm_backlogs, arm_extras
+    out: dict = {"hidden": [], "extras": [], "y": [], "seq": [], "match": [], "ms": [], "ms_true": []}
     rng = np.random.default_rng(cfg.seed)
     for s, p in enumerate(profiles):
         A, N = p.accepted.shape
+        names = [None if a == NONE else a for a in p.arms]
         choice = np.concatenate([np.repeat(np.arange(A)[:, None], N, 1),
                                  rng.integers(0, A, size=(cfg.random_walks, N))])
         w = walk(p, choice)
+        probe = p.probe
+        match, tokens = probe.get("pld_match", np.zeros(N)), probe.get("pld_tokens", np.zeros(N))
         for k in range(choice.shape[0]):
             live = w.start[:, k] >= 0
             g, acc, arm = w.start[live, k], w.accepted[live, k], w.drafter[live, k]
             recent = [np.concatenate([np.full(i + 1, -1), acc[: len(acc) - i - 1]]) for i in range(N_RECENT)]
             last = np.concatenate([[-1], arm[:-1]])
-            probe = p.probe
-            out["extras"].append(arm_extras(p.entropy[g], probe.get("pld_match", np.zeros(N))[g],
-                                            probe.get("pld_tokens", np.zeros(N))[g], recent, last, g, A))
+            out["extras"].append(arm_extras(p.entropy[g], match[g], tokens[g], recent, last, g, A))
             out["hidden"].append(p.hidden[torch.from_numpy(g)].float())
             out["y"].append(torch.from_numpy(p.accepted[:, g].T.astype(np.float32)))
             out["seq"].append(torch.full((len(g),), s))
-    return {k: torch.cat(v) for k, v in out.items()}
+            out["match"].append(torch.from_numpy(np.nan_to_num(match[g]).astype(np.float32)))
+            if costs is not None:
+                back = np.array([arm_backlogs(p.arms, acc[max(0, r - HISTORY): r].tolist(),
+                                              [names[x] for x in arm[max(0, r - HISTORY): r]]) for r in range(len(g))])
+                out["ms"].append(torch.from_numpy(costs.expected_ms(tokens[g], back)).float())
+                out["ms_true"].append(torch.from_numpy(costs.round_ms(np.arange(A), p.width[:, g].T, back)).float())
+    return {k: torch.cat(v) for k, v in out.items() if v}
+
+
+def decision_loss(pred, y, ms, ms_true, none, temp: float) -> torch.Tensor:
+    """The router's decision as a soft choice (softmax over arms of log `routers.predicted_rates` / temp), and the
+    share of the best arm's tokens per ms it loses in expectation: an arm's true rate is its accept length + 1 over
+    its round time at the width it drafts there (`ms_true`). Every arm's counterfactual is known at every row, so
+    this is the decision's own regret, not a proxy for it."""
+    from speclab.routing.routers import predicted_rates
+    rate = (y + 1) / ms_true
+    lost = 1 - rate / rate.max(-1, keepdim=True).values
+    return (torch.softmax(predicted_rates(pred, ms, none).log() / temp, -1) * lost).sum(-1).mean()
+
+
+def captured(choice: torch.Tensor, y, ms_true) -> float:
+    """The mean share of the best arm's tokens per ms that the arms chosen ([n] indices) get, row by row."""
+    rate = (y + 1) / ms_true
+    return float((rate.gather(-1, choice[:, None])[:, 0] / rate.max(-1).values).mean())
 
 
 def fit(data: dict, cfg: RouteTrainConfig, hidden_size: int, arms: list[str], costs: dict):
-    """Train the MLP; -> (ArmRouterMLP, per-epoch records, held-out metrics per arm)."""
-    from speclab.routing.routers import ArmRouterConfig, ArmRouterMLP
+    """Train the MLP on `cfg.objective` (rows with `ms` and `ms_true` for "rate"); -> (ArmRouterMLP, per-epoch
+    records, held-out metrics: per arm the accept length's fit, and with round times the tokens per ms each policy
+    captures of the row's best arm: the router, the rule (min_match `MIN_MATCH`) and each arm alone)."""
+    import torch.nn.functional as F
+
+    from speclab.routing.arms import rule_other
+    from speclab.routing.routers import LOOKUP, MIN_MATCH, NONE, ArmRouterConfig, ArmRouterMLP, predicted_rates
     from speclab.train.router import fit_mse, heldout_split, pearson
     torch.manual_seed(cfg.seed)
     h, x, y, seq = data["hidden"], data["extras"], data["y"], data["seq"]
@@ -128,14 +166,38 @@ def fit(data: dict, cfg: RouteTrainConfig, hidden_size: int, arms: list[str], co
     m.standardise(h[~val], x[~val])
     hv, xv, yv = h[val], x[val], y[val]
     n = int((~val).sum())
-    records = fit_mse(m, (h[~val], x[~val]), y[~val], (hv, xv), yv, cfg, "train route router (epochs)")
+    none = torch.tensor([a == NONE for a in arms])
+    timed = "ms" in data
+    if cfg.objective == "rate" and not timed:
+        raise ValueError("the rate objective needs the rows' round times: rows(profiles, cfg, costs)")
+    loss, more = None, None
+    if timed:
+        yt, mt, tt = y[~val], data["ms"][~val], data["ms_true"][~val]
+        mv, tv = data["ms"][val], data["ms_true"][val]
+
+        def more(pv):
+            return {"val_captured": captured(predicted_rates(pv, mv, none).argmax(-1), yv, tv)}
+        if cfg.objective == "rate":
+            def loss(pred, idx):
+                return (decision_loss(pred, yt[idx], mt[idx], tt[idx], none, cfg.decision_temp)
+                        + cfg.mse_weight * F.mse_loss(pred, yt[idx]))
+    records = fit_mse(m, (h[~val], x[~val]), y[~val], (hv, xv), yv, cfg, "train route router (epochs)", more=more,
+                      loss=loss)
     with torch.no_grad():
-        pv = m(hv, xv).numpy()
-    yvn = yv.numpy()
-    per_arm = {a: {"corr": pearson(pv[:, i], yvn[:, i]), "mse": float(((pv[:, i] - yvn[:, i]) ** 2).mean()),
+        pv = m(hv, xv)
+    pvn, yvn = pv.numpy(), yv.numpy()
+    per_arm = {a: {"corr": pearson(pvn[:, i], yvn[:, i]), "mse": float(((pvn[:, i] - yvn[:, i]) ** 2).mean()),
                    "mean": float(yvn[:, i].mean())} for i, a in enumerate(arms) if yvn[:, i].std() > 0}
     heldout = {"rows_train": n, "rows_heldout": int(val.sum()), "sequences": n_seq, "sequences_heldout": len(held),
                "per_arm": per_arm}
+    if timed:
+        pick = {"router": predicted_rates(pv, mv, none).argmax(-1)}
+        if LOOKUP in arms:
+            other = rule_other(arms) or NONE
+            pick[f"rule (min_match {MIN_MATCH})"] = torch.where(data["match"][val] >= MIN_MATCH, arms.index(LOOKUP),
+                                                                 arms.index(other))
+        pick.update({a: torch.full((len(yv),), i) for i, a in enumerate(arms)})
+        heldout["captured"] = {k: captured(c, yv, tv) for k, c in pick.items()}
     return m, records, heldout
 
 
@@ -205,7 +267,7 @@ def train_route(cfg: RouteTrainConfig, target, models: dict, log=print) -> dict:
     data = collect(target, models, prompts, cfg, out / "profiles.pt", log)
     arms = cfg.arms.split("+")
     costs, how = measure_costs(target, models, prompts, cfg)
-    m, records, heldout = fit(rows(data["profiles"], cfg), cfg, target.hidden_size, arms, asdict(costs))
+    m, records, heldout = fit(rows(data["profiles"], cfg, costs), cfg, target.hidden_size, arms, asdict(costs))
     costs.router_ms = router_overhead(target, models, prompts, cfg, m.eval())
     al = np.mean([p.accepted.mean(1) + 1 for p in data["profiles"]], 0)
     m.config.costs = asdict(costs)
@@ -253,6 +315,19 @@ def card(s: dict) -> str:
     lines += ["", "## Held-out quality (per arm: predicted vs true accept length)", "",
               "| arm | Pearson r | MSE | true mean |", "|---|---|---|---|"]
     lines += [f"| {a} | {v['corr']:.3f} | {v['mse']:.3f} | {v['mean']:.3f} |" for a, v in h["per_arm"].items()]
+    if "captured" in h:
+        lines += ["", "## Held-out decisions (tokens per ms captured of each row's best arm)", "",
+                  "Every held-out row (a round start of one of the replayed policies) with every arm's true tokens "
+                  "per ms there (accept length + 1 over its modeled round time at the width it drafts there, after "
+                  "its backlog): the mean share of the best arm's that each policy's choice gets. Myopic (one round "
+                  "at a time), so a guide to the live result, not the live result.", "",
+                  "| policy | captured |", "|---|---|"]
+        lines += [f"| {k} | {v:.3f} |" for k, v in h["captured"].items()]
+    objective = cfg.get("objective", "mse")
+    how = ("the decision's expected lost share of the best arm's tokens per ms (softmax temperature "
+           f"{cfg['decision_temp']:g} on log tokens per ms) + {cfg['mse_weight']:g} x the accept lengths' MSE"
+           if objective == "rate" else "the accept lengths' MSE")
     lines += ["", f"Command: `speclab train route --out runs/route --sequences {cfg['sequences']} --new-tokens "
-              f"{cfg['new_tokens']}`; {cfg['epochs']} epochs, AdamW lr {cfg['lr']:g}, seed {cfg['seed']}."]
+              f"{cfg['new_tokens']} --objective {objective}`; loss: {how}; {cfg['epochs']} epochs, AdamW lr "
+              f"{cfg['lr']:g}, seed {cfg['seed']}."]
     return "\n".join(lines) + "\n"

@@ -167,10 +167,11 @@ def heldout_split(seq: torch.Tensor, cfg) -> tuple[torch.Tensor, torch.Tensor, i
 
 
 def fit_mse(m: torch.nn.Module, xt: tuple, yt: torch.Tensor, xv: tuple, yv: torch.Tensor, cfg, label: str,
-            more=None) -> list[dict]:
-    """A router's training loop (WhiFlash's and routing v2's): MSE of `m(*inputs)` against y, AdamW, one one-cycle
-    schedule over `cfg.epochs` passes in batches of `cfg.batch_size`, the held-out MSE (and `more(predictions)`'s
-    figures) after each epoch, with progress. Returns the per-epoch records; `m` ends in eval mode."""
+            more=None, loss=None) -> list[dict]:
+    """A router's training loop (WhiFlash's and routing v2's): MSE of `m(*inputs)` against y (or `loss(predictions,
+    the batch's row indices)`), AdamW, one one-cycle schedule over `cfg.epochs` passes in batches of
+    `cfg.batch_size`, the held-out MSE (and `more(predictions)`'s figures) after each epoch, with progress. Returns
+    the per-epoch records; `m` ends in eval mode."""
     n = len(yt)
     opt = torch.optim.AdamW(m.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
     steps = cfg.epochs * math.ceil(n / cfg.batch_size)
@@ -183,16 +184,18 @@ def fit_mse(m: torch.nn.Module, xt: tuple, yt: torch.Tensor, xv: tuple, yv: torc
         tot = 0.0
         for b in range(0, n, cfg.batch_size):
             idx = perm[b : b + cfg.batch_size]
-            loss = torch.nn.functional.mse_loss(m(*(x[idx] for x in xt)), yt[idx])
+            pred = m(*(x[idx] for x in xt))
+            step = torch.nn.functional.mse_loss(pred, yt[idx]) if loss is None else loss(pred, idx)
             opt.zero_grad()
-            loss.backward()
+            step.backward()
             opt.step()
             sched.step()
-            tot += loss.item() * len(idx)
+            tot += step.item() * len(idx)
         m.eval()
         with torch.no_grad():
             pv = m(*xv)
-        rec = {"epoch": ep + 1, "train_mse": tot / n, "val_mse": float(((pv - yv) ** 2).mean()),
+        rec = {"epoch": ep + 1, "train_mse" if loss is None else "train_loss": tot / n,
+               "val_mse": float(((pv - yv) ** 2).mean()),
                **(more(pv) if more else {})}
         records.append(rec)
         prog.update(ep + 1, **{k: f"{v:.3f}" for k, v in rec.items() if k != "epoch"})
