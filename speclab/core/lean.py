@@ -377,6 +377,8 @@ class LeanDecoder:
         """The final RMSNorm: in fp32 when the logits are (`speclab.core.precision`), else in the model's dtype."""
         if self.lm.refine:
             return rms_norm32(h, self.norm, self.eps)
+        if native.active(h):  # the same op in one pass (about a fifth of ATen's time on a decode's row)
+            return native.rms_norm(h, self.norm, self.eps)
         return F.rms_norm(h, h.shape[-1:], self.norm, self.eps)
 
     def head(self, h: torch.Tensor) -> torch.Tensor:

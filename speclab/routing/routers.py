@@ -256,6 +256,7 @@ N_RECENT = 2  # recent rounds' accept lengths among its features
 LOOKUP_K = 8.0  # prompt lookup's default proposal length: scales its `pld_tokens` signal
 MATCH_STEPS = (1, 2, 3, 4, 6, 8, 12, 16)  # prompt lookup's match length as indicators (match >= k)
 MATCH_STEP_ARRAY = np.array(MATCH_STEPS, np.float64)
+EXTRA_SCALES = np.array([[5.0], [32.0], [LOOKUP_K]])  # the entropy's, the match's and the proposal length's scales
 
 
 def arm_extras(entropy, match, tokens, recent: list, last, generated, n_arms: int) -> torch.Tensor:
@@ -264,16 +265,16 @@ def arm_extras(entropy, match, tokens, recent: list, last, generated, n_arms: in
     index, -1 before the first round): entropy, prompt lookup's match and proposal length, the recent accept lengths,
     the position (log), the last arm one-hot (one slot more: none yet). One definition for training
     (`speclab.train.route`) and routing (`ArmRouter`)."""
-    m = np.nan_to_num(np.asarray(match, np.float64), nan=0.0)
-    n = len(m)
-    out = np.zeros((n, n_extras(n_arms)), np.float32)  # one array written column block by column block: a router
-    out[:, 0] = np.nan_to_num(np.asarray(entropy, np.float64), nan=0.0) / 5.0  # calls it every round
-    out[:, 1] = m / 32.0
-    out[:, 2] = np.nan_to_num(np.asarray(tokens, np.float64), nan=0.0) / LOOKUP_K
+    # every numeric input as one [K, n] array, then one output array written block by block (a router calls this
+    # every round, so a dozen numpy calls, not forty)
+    x = np.nan_to_num(np.array([entropy, match, tokens, generated, *recent], np.float64), nan=0.0)
+    n = x.shape[1]
+    out = np.zeros((n, n_extras(n_arms)), np.float32)
+    out[:, :3] = (x[:3] / EXTRA_SCALES).T  # entropy, prompt lookup's match and its proposal length
     j = 3 + len(MATCH_STEPS)
-    out[:, 3:j] = m[:, None] >= MATCH_STEP_ARRAY  # the match as steps: a rule is one of them
-    out[:, j : j + N_RECENT] = np.maximum(np.nan_to_num(np.asarray(recent, np.float64).T, nan=0.0), -1) / LOOKUP_K
-    out[:, j + N_RECENT] = np.log1p(np.nan_to_num(np.asarray(generated, np.float64), nan=0.0)) / 5.0
+    out[:, 3:j] = x[1][:, None] >= MATCH_STEP_ARRAY  # the match as steps: a rule is one of them
+    out[:, j : j + N_RECENT] = np.maximum(x[4:], -1).T / LOOKUP_K
+    out[:, j + N_RECENT] = np.log1p(x[3]) / 5.0
     last = np.asarray(last, np.int64)
     out[np.arange(n), j + N_RECENT + 1 + np.where(last < 0, n_arms, last)] = 1.0  # the last arm one-hot
     return torch.from_numpy(out)
@@ -300,6 +301,11 @@ class ArmCosts:
     router_ms: float = 0.0
     rounds_fitted: int = 0
 
+    def __post_init__(self) -> None:  # the per-arm terms as arrays once: a router reads them every round
+        self._terms = {k: np.asarray(getattr(self, k), np.float64)
+                       for k in ("draft", "catchup0", "catchup1", "other", "width")}
+        self._lookup = np.array([a == LOOKUP for a in self.arms])
+
     def of(self, arms: list) -> ArmCosts:
         """The same model over some of its arms, in that order (a route's arms among those it was fitted to)."""
         at = [self.arms.index(a) for a in arms]
@@ -311,16 +317,16 @@ class ArmCosts:
 
     def round_ms(self, a, width, backlog, routed: bool = False) -> np.ndarray:
         """Modeled ms of rounds by arm index `a`, draft nodes `width` and catch-up backlog (arrays alike)."""
-        a, width, backlog = np.asarray(a), np.asarray(width, np.float64), np.asarray(backlog, np.float64)
-        catch = np.where(backlog > 0, np.take(self.catchup0, a) + np.take(self.catchup1, a) * backlog, 0.0)
-        return (np.take(self.draft, a) + catch + self.verify0 + self.verify1 * (width + 1) + np.take(self.other, a)
+        t, a = self._terms, np.asarray(a)
+        width, backlog = np.asarray(width, np.float64), np.asarray(backlog, np.float64)
+        catch = (t["catchup0"][a] + t["catchup1"][a] * backlog) * (backlog > 0)
+        return (t["draft"][a] + catch + self.verify0 + self.verify1 * (width + 1) + t["other"][a]
                 + (self.router_ms if routed else 0.0))
 
     def expected_ms(self, pld_tokens, backlogs) -> np.ndarray:
         """What a router expects every arm's round to cost at round starts ([n, A], or [A] for one): its mean draft
         width (prompt lookup alone: its proposal now, `pld_tokens` [n]) and its drafters' backlogs [n, A]."""
-        lookup = np.array([a == LOOKUP for a in self.arms])
-        width = np.where(lookup, np.asarray(pld_tokens, np.float64)[..., None], np.asarray(self.width, np.float64))
+        width = np.where(self._lookup, np.asarray(pld_tokens, np.float64)[..., None], self._terms["width"])
         return self.round_ms(np.arange(len(self.arms)), width, backlogs)
 
 
@@ -447,7 +453,7 @@ class ArmRouter:
         self.idx = torch.tensor([known.index(a) for a in arms])
         self.names = [None if a == NONE else a for a in arms]
         self.costs = ArmCosts(**mlp.config.costs).of(self.arms)
-        self.none = torch.tensor([a == NONE for a in arms])
+        self.none = np.array([a == NONE for a in arms])
         w1h, w1x, b1, w2, b2 = mlp.folded()
         self.w1h, self.w1x, self.b1 = w1h, w1x, b1
         self.w2, self.b2 = w2[self.idx.to(w2.device)], b2[self.idx.to(b2.device)]  # the route's arms only
@@ -458,22 +464,23 @@ class ArmRouter:
 
     @torch.inference_mode()
     def choose(self, s: Signals) -> Decision:
-        ms = torch.from_numpy(self.round_ms(s)).float()
+        ms = self.round_ms(s)
         if s.hidden is None:  # no row yet (a one-token prompt's first round): the cheapest drafting arm
-            return Decision(self.names[int(torch.where(self.none, math.inf, ms).argmin())], self.policy)
+            return Decision(self.names[int(np.where(self.none, math.inf, ms).argmin())], self.policy)
         last = self.known.index(s.drafters[-1] or NONE) if s.drafters and (s.drafters[-1] or NONE) in self.known \
             else -1
         recent = [[s.accepted[-1 - i] if len(s.accepted) > i else -1] for i in range(N_RECENT)]
         x = arm_extras([s.entropy], [s.probe.get("pld_match", 0.0)], [s.probe.get("pld_tokens", 0.0)], recent,
                        [last], [s.generated], len(self.known))[0].to(s.hidden.device)
         z = torch.addmv(torch.addmv(self.b1, self.w1x, x), self.w1h, s.hidden.float())  # the MLP, folded
-        pred = torch.addmv(self.b2, self.w2, F.gelu(z)).cpu()
+        pred = torch.addmv(self.b2, self.w2, F.gelu(z)).cpu().numpy()
         i = int(predicted_rates(pred, ms, self.none).argmax())
-        return Decision(self.names[i], self.policy, float(pred[i].clamp(min=0)))  # signal: its predicted accept length
+        return Decision(self.names[i], self.policy, max(float(pred[i]), 0.0))  # signal: its predicted accept length
 
 
-def predicted_rates(pred: torch.Tensor, ms: torch.Tensor, none: torch.Tensor) -> torch.Tensor:
+def predicted_rates(pred, ms, none):
     """Each arm's predicted tokens per ms ([.., A]): its predicted accept length (at least 0; `none`'s is 0) plus
-    the target's own token, over its expected round time. What `ArmRouter` maximises, and what `speclab train route`
-    trains it on (`objective="rate"`)."""
-    return (pred.clamp(min=0).masked_fill(none, 0.0) + 1) / ms
+    the target's own token, over its expected round time. What `ArmRouter` maximises (numpy arrays: five numbers a
+    round) and what `speclab train route` trains it on (`objective="rate"`: torch tensors, with gradients), one
+    definition for both: `none` a boolean mask of the arms."""
+    return (pred * (pred > 0) * ~none + 1) / ms
