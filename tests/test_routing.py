@@ -751,6 +751,26 @@ def test_decision_loss_is_the_soft_choices_lost_share_of_the_best_rate():
     assert captured(torch.tensor([1, 0]), y.repeat(2, 1), ms.repeat(2, 1)) == pytest.approx(0.75)
 
 
+def test_catch_up_line_resists_a_few_slow_rounds_and_the_folded_router_is_the_mlp():
+    """`robust_line` (the cost model's catch-up line) recovers 0.7 ms + 0.02 a token from rounds where a few slow
+    ones at long backlogs pull least squares' slope up fivefold; `ArmRouterMLP.folded` (what `ArmRouter` runs) gives
+    the MLP's outputs."""
+    from speclab.routing.routers import ArmRouterConfig, ArmRouterMLP, n_extras, robust_line
+    rng = np.random.default_rng(0)
+    x = np.concatenate([rng.integers(1, 8, 400), rng.integers(20, 60, 40)]).astype(float)
+    y = 0.7 + 0.02 * x + rng.normal(0, 0.02, len(x))
+    y[-6:] += 25.0  # six slow rounds
+    lsq = np.linalg.lstsq(np.c_[np.ones(len(x)), x], y, rcond=None)[0]
+    c0, c1 = robust_line(x, y)
+    assert abs(c0 - 0.7) < 0.03 and abs(c1 - 0.02) < 0.003 and lsq[1] > 0.08
+    torch.manual_seed(0)
+    m = ArmRouterMLP(ArmRouterConfig(16, ["a", "b", "none"], COSTS, 8, 0.0)).eval()
+    h, e = torch.randn(5, 16), torch.randn(5, n_extras(3))
+    m.standardise(h * 3 + 1, e * 2)
+    w1h, w1x, b1, w2, b2 = m.folded()
+    torch.testing.assert_close(torch.nn.functional.gelu(h @ w1h.T + e @ w1x.T + b1) @ w2.T + b2, m(h, e))
+
+
 def test_route_router_trains_saves_and_replays_as_live(deep, route_models, tmp_path):
     """Routing v2's learned router end to end on the tiny target: N-arm profiles (a merged arm accepts what its best
     member does, none nothing), training rows from replayed policies, a fit, a save / load round trip, and the
