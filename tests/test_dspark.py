@@ -93,7 +93,8 @@ def test_dspark_cuts_drafts_and_each_request_decodes_as_alone(deep, dspark):
 @pytest.mark.parametrize("probe_ms", [0.5, 14.95])
 def test_measured_scheduling_takes_the_faster_side_and_keeps_measuring_the_other(probe_ms):
     """With `measured` (the default) the batch drafts or not by the measured throughput of each (committed tokens per
-    ms of the steps that drafted and of those that did not): each measured first, then the faster one, with the
+    ms of the steps that drafted and of those that did not, a step after the other side not counted): each measured
+    first, then the faster one, with the
     slower one probed after PROBE_EVERY steps and then less often while it stays slower, and never more than
     PROBE_BUDGET of the time (a probe that costs 14.95 ms more than the faster side would for its tokens waits 150
     5-ms steps; one that costs 0.5 ms waits for the step count); drafting that turns faster moves the choice."""
@@ -109,8 +110,10 @@ def test_measured_scheduling_takes_the_faster_side_and_keeps_measuring_the_other
         half = ms / 2 if drafting else 0.0
         p.observe(StepEvent(0, 0.0, [0, 1, 2, 3], ks, [0] * 4, 4 + sum(ks), 1, int(drafting), 0,
                             {"prefill": 50.0, "draft": half, "verify": ms - half}))
-    step(True, 5.0 + probe_ms)  # drafting first: 4 tokens (no draft accepted) in 5 + probe_ms ms,
-    step(False, 5.0)  # then not drafting: 4 tokens in 5 ms
+    step(True, 5.0 + probe_ms)  # drafting first, twice (the first step pays the switch and is not counted): 4 tokens
+    step(True, 5.0 + probe_ms)  # (no draft accepted) in 5 + probe_ms ms,
+    step(False, 5.0)  # then not drafting, twice: 4 tokens in 5 ms
+    step(False, 5.0)
     assert p.rate == {True: pytest.approx(4 / (5.0 + probe_ms)), False: pytest.approx(0.8)}
     assert p.probe_ms * 4 == pytest.approx(probe_ms)  # the slower side's cost: over 5 ms for its 4 tokens
     wait = max(p.PROBE_EVERY, math.ceil(probe_ms / (p.PROBE_BUDGET * 5.0)))  # steps before the first probe
@@ -120,15 +123,36 @@ def test_measured_scheduling_takes_the_faster_side_and_keeps_measuring_the_other
         choices.append(drafts)
         p.observe(StepEvent(0, 0.0, [0, 1, 2, 3], [4 * drafts] * 4, [0] * 4, 4, 1, int(drafts), 0,
                             {"draft": probe_ms / 2 * drafts, "verify": 5.0 + probe_ms / 2 * drafts}))
-    # the slower side probed after PROBE_EVERY steps (or its time budget), then after twice as many (it stayed
-    # slower; or its time budget again)
-    second = max(2 * p.PROBE_EVERY, wait) + 1
-    assert [i for i, c in enumerate(choices) if c] == [wait, wait + second]
+    # the slower side probed after PROBE_EVERY steps (or its time budget), two steps in a row (the switch, then one
+    # measured), then after twice as many steps (it stayed slower; or its time budget again)
+    on = [i for i, c in enumerate(choices) if c]
+    assert len(on) == 4 and on[:2] == [wait, wait + 1] and on[3] == on[2] + 1, on
+    assert on[2] - on[1] > 2 * p.PROBE_EVERY and on[2] - on[1] >= 0.95 * probe_ms / (p.PROBE_BUDGET * 5.0), on
     for _ in range(6):  # drafting turns faster (every draft accepted): the choice moves to it
         p.observe(StepEvent(0, 0.0, [0, 1, 2, 3], [4] * 4, [4] * 4, 20, 1, 1, 0, {"draft": 2.0, "verify": 3.0}))
     assert sum(p.lengths(streams)) > 0
     off = DSpark(k=4, cost=StepCost(1.0, 0.1, 0.0), measured=0)  # measured=0: the modeled test alone
     assert sum(off.lengths(streams)) > 0 and not off.rate
+
+
+def test_a_switch_steps_catch_up_is_not_counted_as_drafting():
+    """Drafting whose first step after idle steps pays a long catch-up (50 ms) but whose next steps commit twice the
+    tokens of a plain step in the same time: the measured choice settles on drafting (counting the catch-up as
+    drafting's own cost had kept it measured slower, and probed only rarely)."""
+    from types import SimpleNamespace
+
+    from speclab.core.batch import StepEvent
+    p = DSpark(k=4, cost=StepCost(1.0, 0.1, 0.0))
+    streams = [SimpleNamespace(req=SimpleNamespace(rid=i)) for i in range(2)]
+    choices, prev = [], False
+    for _ in range(40):
+        drafts = sum(p.lengths(streams)) > 0
+        choices.append(drafts)
+        ms = 50.0 if drafts and not prev else 5.0  # a switch to drafting: the drafters catch up first
+        p.observe(StepEvent(0, 0.0, [0, 1], [4 * drafts] * 2, [2 * drafts] * 2, 2 + 8 * drafts, 1, int(drafts), 0,
+                            {"draft": ms / 2 * drafts, "verify": ms - ms / 2 * drafts}))
+        prev = drafts
+    assert sum(choices[4:]) >= 0.9 * len(choices[4:]) and p.rate[True] > p.rate[False]  # (not drafting: probes)
 
 
 class Retrospective(DSpark):

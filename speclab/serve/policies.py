@@ -164,6 +164,9 @@ class DSpark:
     # one cost per request, over the faster side's time for the tokens it committed, times the requests now) is this
     # share of the time since the last one (at 32 requests a drafting probe costs several steps)
     RATE_WEIGHT = 0.2  # a step's weight in the moving averages of measured throughput
+    PROBE_STEPS = 2  # a measurement takes its side for this many steps in a row: the first after the other side (a
+    # switch) pays for it (drafting after idle steps: the drafters' catch-up of every one of them), so only the
+    # steps after it measure the side itself
 
     def __init__(self, k: int = 8, cost: StepCost | None = None, measured: int = 1):
         self.k, self.measured = k, bool(measured)
@@ -180,16 +183,25 @@ class DSpark:
         self.probe_ms = 0.0  # the last probe's cost per request: its ms over the faster side's for its tokens
         self.since_ms = 0.0  # ms of steps since the last probe
         self.last: dict[bool, tuple[float, int, int]] = {}  # drafted or not -> its last step's ms, tokens, requests
+        self.prev: bool | None = None  # whether the last step drafted (None: no step yet)
+        self.window = 0  # steps left that keep `self.side` (a measurement of it)
+        self.side = True
 
     def drafts_now(self, streams, old) -> bool:
         """Whether the batch drafts this step. `measured`: the choice with the higher measured throughput (committed
         tokens per ms of the steps that drafted, and of those that did not: each tried first, then the slower one
         again after PROBE_EVERY steps, less and less often while it stays slower, and never more than PROBE_BUDGET of
-        the time), so the batch does not stay on the slower side; a probe of drafting after idle steps pays for the
-        drafters' catch-up. Otherwise the modeled test: the admission of the last survivals against the verification
-        rows plus one drafter call."""
-        if self.measured and len(self.rate) < 2:
-            return True not in self.rate  # measure drafting first, then not drafting
+        the time), so the batch does not stay on the slower side. Each measurement takes its side PROBE_STEPS steps
+        in a row and counts only those after the first: a step after the other side pays for the switch (drafting
+        after idle steps: the drafters' catch-up of every one of them). Counted as drafting's, those catch-ups had
+        kept drafting measured slower at one request, where it is faster. Otherwise the modeled test: the admission
+        of the last survivals against the verification rows plus one drafter call."""
+        if self.measured and self.window:  # inside a measurement: its side
+            self.window -= 1
+            return self.side
+        if self.measured and len(self.rate) < 2:  # measure drafting first, then not drafting
+            self.side, self.window = True not in self.rate, self.PROBE_STEPS - 1
+            return self.side
         if self.measured:
             best = self.rate[True] >= self.rate[False]
             if best != self.best:  # the faster side changed (or is known for the first time): look often again
@@ -198,6 +210,7 @@ class DSpark:
             if self.since > self.every and self.since_ms * self.PROBE_BUDGET >= self.probe_ms * len(streams):
                 self.since, self.every = 0, min(2 * self.every, self.PROBE_MAX)
                 self.probing = True
+                self.side, self.window = not best, self.PROBE_STEPS - 1
                 return not best
             return best
         if self.cost is not None and self.call_ms and all(o is not None for o in old) \
@@ -239,19 +252,27 @@ class DSpark:
         if ev.drafter_calls:
             self.call_ms = ev.ms["draft"] if not self.call_ms else 0.8 * self.call_ms + 0.2 * ev.ms["draft"]
         ms = sum(v for phase, v in ev.ms.items() if phase != "prefill")  # admissions are not the choice's
-        if ev.rids and ms > 0:
-            key, tokens = ev.drafter_calls > 0, len(ev.rids) + sum(ev.accepted)  # drafted: the call was paid
-            first = key not in self.rate
-            w, r = self.RATE_WEIGHT, tokens / ms
-            self.rate[key] = r if first else (1 - w) * self.rate[key] + w * r
-            self.last[key] = (ms, tokens, len(ev.rids))
-            if self.probing or (first and len(self.rate) == 2):  # a probe, or both sides measured once: the cost of
-                side = key if self.probing else self.rate[True] < self.rate[False]  # the slower side's step
-                ms_, tokens_, n = self.last[side]  # over the other side's time for its tokens, per request
-                self.probe_ms = max(0.0, ms_ - tokens_ / self.rate[not side]) / n
-                self.probing, self.since_ms = False, 0.0
+        if not ev.rids or ms <= 0:
+            return
+        key, tokens = ev.drafter_calls > 0, len(ev.rids) + sum(ev.accepted)  # drafted: the call was paid
+        switch, self.prev = key != self.prev, key
+        self.last[key] = (ms, tokens, len(ev.rids))
+        if switch:  # the step pays for the switch (drafting after idle steps: the drafters' catch-up of every
+            if self.probing:  # one), not for its side: not measured; a probe's switch is what a probe costs (its ms
+                self.probe_ms = max(0.0, ms - tokens / self.rate[not key]) / len(ev.rids)  # over the other side's
+                self.probing, self.since_ms = False, 0.0  # time for its tokens, per request)
             else:
                 self.since_ms += ms
+            return
+        first = key not in self.rate
+        w, r = self.RATE_WEIGHT, tokens / ms
+        self.rate[key] = r if first else (1 - w) * self.rate[key] + w * r
+        if first and len(self.rate) == 2:  # both sides measured once: a probe's cost, as the slower side's step
+            side = self.rate[True] < self.rate[False]
+            ms_, tokens_, n = self.last[side]
+            self.probe_ms, self.since_ms = max(0.0, ms_ - tokens_ / self.rate[not side]) / n, 0.0
+        else:
+            self.since_ms += ms
 
 
 def parse_policy(spec: str) -> tuple[str, dict]:
