@@ -257,10 +257,12 @@ class DSpark:
         key, tokens = ev.drafter_calls > 0, len(ev.rids) + sum(ev.accepted)  # drafted: the call was paid
         switch, self.prev = key != self.prev, key
         self.last[key] = (ms, tokens, len(ev.rids))
-        if switch:  # the step pays for the switch (drafting after idle steps: the drafters' catch-up of every
-            if self.probing:  # one), not for its side: not measured; a probe's switch is what a probe costs (its ms
-                self.probe_ms = max(0.0, ms - tokens / self.rate[not key]) / len(ev.rids)  # over the other side's
-                self.probing, self.since_ms = False, 0.0  # time for its tokens, per request)
+        if switch:  # the step pays for the switch (drafting after idle steps: the drafters' catch-up of every one),
+            # not for its side, so it is not measured. A probe's switch is what a probe costs: its ms over the other
+            # side's time for its tokens, per request
+            if self.probing:
+                self.probe_ms = max(0.0, ms - tokens / self.rate[not key]) / len(ev.rids)
+                self.probing, self.since_ms = False, 0.0
             else:
                 self.since_ms += ms
             return
