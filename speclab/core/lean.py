@@ -173,6 +173,9 @@ class LeanDecoder:
         self.layers = [FusedLayer(layer, self.n_heads, self.n_kv, self.head_dim, self.eps) for layer in inner.layers]
         self.scaling = getattr(inner.layers[0].self_attn, "scaling", self.head_dim ** -0.5)
         self.dtype, self.device = self.embed.dtype, self.embed.device
+        # causal masks additive in the queries' dtype, made once per forward (`layers.causal_mask`); on the CPU only,
+        # where the same bits were checked
+        self.mask_dtype = self.dtype if self.device.type == "cpu" else None
         rope = inner.rotary_emb
         self.inv_freq = rope.inv_freq.float()
         self.rope_scale = float(getattr(rope, "attention_scaling", 1.0))
@@ -222,7 +225,7 @@ class LeanDecoder:
         cache.reserve(n)
         cos, sin = self.cos[pos][:, None], self.sin[pos][:, None]  # [n, 1, D]; sin carries rotate_half's sign
         if mask is None and n > 1:
-            mask = causal_mask(n, end, self.device)
+            mask = causal_mask(n, end, self.device, self.mask_dtype)
         elif mask is not None:
             mask = mask[0, 0]  # Target has cast it to the model's dtype
         h = self.embed[ids]
@@ -262,7 +265,8 @@ class LeanDecoder:
         for s, n in zip(segs, ns):
             s.cache.reserve(n)
             end = s.cache.length + n
-            masks.append(s.mask[0, 0] if s.mask is not None else causal_mask(n, end, self.device) if n > 1 else None)
+            masks.append(s.mask[0, 0] if s.mask is not None else
+                         causal_mask(n, end, self.device, self.mask_dtype) if n > 1 else None)
         h, cos, sin = self.embed[torch.cat([s.ids for s in segs]).to(self.device)], self.cos[pos][:, None], \
             self.sin[pos][:, None]
         caches, starts = [s.cache for s in segs], [s.cache.length for s in segs]
