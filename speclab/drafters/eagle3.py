@@ -56,6 +56,7 @@ from speclab.drafters.checkpoint import (
 )
 from speclab.drafters.flashhead import HEAD_PARAMS, head_same_decode, with_head
 from speclab.drafters.registry import SAMPLING_PARAMS, CostBench, DrafterEntry, ModelRole, Param, Shape, TrainEntry
+from speclab.drafters.schedule import LengthSchedule, adaptive_param
 from speclab.errors import ModelNotFound
 
 
@@ -234,12 +235,13 @@ class Eagle3Drafter:
     flash = None  # a FlashHead over the draft vocabulary (speclab.drafters.flashhead), or None: the dense LM head
 
     def __init__(self, model: Eagle3Model, target, *, depth: int, tree_topk: int, total_tokens: int,
-                 draft_temp: float = 1.0, scheme: str = "wor", kv_only: bool = True):
+                 draft_temp: float = 1.0, scheme: str = "wor", kv_only: bool = True, adaptive: str = "off"):
         if depth < 1 or tree_topk < 1 or total_tokens < 1:
             raise ValueError(f"eagle3 needs depth, tree_topk and total_tokens >= 1 (got {depth}, {tree_topk}, "
                              f"{total_tokens})")
         self.m, self.depth, self.tree_topk, self.total_tokens = model, depth, tree_topk, total_tokens
         self.kv_only, self.draft_temp, self.scheme = kv_only, draft_temp, scheme
+        self.lengths = LengthSchedule(min(depth, total_tokens), adaptive)  # a chain's next length (`adaptive`)
         self.layers = model.config.target_layers
         c = model.config
         self.H, self.KV, self.D = c.num_attention_heads, c.num_key_value_heads, c.head_dim
@@ -277,6 +279,7 @@ class Eagle3Drafter:
         self.cache = KVCache(1, self.KV, self.D, self.dtype, self.device,
                              None if capacity is None else capacity + self.draft_slots)
         self.known, self.root_logits, self.root_h = 0, None, None
+        self.lengths.reset()
         self.pending_ids = prompt_ids[1:].to(self.device)
         self.pending_feats = prompt_features if prompt_features is not None else \
             torch.zeros(0, len(self.layers) * self.m.config.target_hidden_size, device=self.device, dtype=self.dtype)
@@ -478,7 +481,7 @@ class Eagle3Drafter:
             return DraftTree.empty(self.device)
         drawn = not sampling.greedy and self.scheme != "topk"
         if self.tree_topk == 1:
-            return self._chain(min(depth, self.total_tokens), sampling if drawn else None, generator)
+            return self._chain(min(self.lengths.length(sampling), max_depth), sampling if drawn else None, generator)
         return self._tree(depth, sampling if drawn else None, generator)
 
     def _forward_nodes(self, tokens, h_parent, depth_of_rows: int, mask):
@@ -559,6 +562,8 @@ class Eagle3Drafter:
         if self.cache is not None:
             self.cache.crop(self.known)
         self.root_logits = self.root_h = None
+        if self.tree_topk == 1:
+            self.lengths.update(len(tree), accepted.numel())
 
 
 def _check(p: dict, target) -> None:
@@ -579,11 +584,13 @@ PARAMS = (Param("depth", 4, lambda t: Bound(1, t.max_context), gpu=8, grid=(3, 4
           Param("tree_topk", 1, lambda t: Bound(1, t.vocab_size), gpu=10, grid=(1, 2, 3, 4),
                 help="children per expanded node (1 = a chain)"),
           Param("total_tokens", 8, lambda t: Bound(1, min(MAX_TREE_NODES, t.max_context)), gpu=60,
-                grid=(4, 6, 8, 12, 16), help="draft nodes kept from the expanded tree"))
+                grid=(4, 6, 8, 12, 16), help="draft nodes kept from the expanded tree"),
+          adaptive_param("off", "a chain's length (at most min(depth, total_tokens); trees: off)"))
 
 # the shapes the conformance suite checks for this drafter (tests/test_conformance.py: greedy equals AR, sampling
 # keeps the target's distribution, catch-up, reset), each with the random model `ModelRole.random` builds
 SHAPES = (Shape("chain", dict(depth=4, tree_topk=1, total_tokens=4)),
+          Shape("chain-adaptive", dict(depth=4, tree_topk=1, total_tokens=4, adaptive="always")),
           Shape("tree", dict(depth=4, tree_topk=3, total_tokens=10)),
           Shape("tree-narrow", dict(depth=3, tree_topk=2, total_tokens=6)),
           Shape("tree-cut", dict(depth=5, tree_topk=4, total_tokens=4)),  # fewer nodes than the depth

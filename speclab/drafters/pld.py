@@ -1,11 +1,10 @@
 """Prompt lookup decoding: match the last n tokens earlier in prompt + output and propose what followed.
 
-`adaptive` sizes each proposal by how the last ones fared, with the heuristic schedule of Hugging Face's assisted
-generation (`num_assistant_tokens_schedule="heuristic"`): two tokens more after a proposal accepted whole, one
-fewer (down to 1) after a rejection, never more than `k`. Under sampling a looked-up token is a point mass, accepted
-with the target's probability p(x), so long proposals are mostly rejected and each costs a verification row.
-Measured on the zoo (32 prompts, bf16, Intel Xeon AMX): +4% tokens/s at T = 0.7 and at T = 1, -5% at T = 0 (a
-greedy lookup that matched once tends to go on matching), so the default adapts under sampling only."""
+`adaptive` sizes each proposal by how the last ones fared (`speclab.drafters.schedule`). Under sampling a looked-up
+token is a point mass, accepted with the target's probability p(x), so long proposals are mostly rejected and each
+costs a verification row. Measured on the zoo (32 prompts, bf16, Intel Xeon AMX): +4% tokens/s at T = 0.7 and at
+T = 1, -5% at T = 0 (a greedy lookup that matched once tends to go on matching), so the default adapts under
+sampling only."""
 from __future__ import annotations
 
 import torch
@@ -14,9 +13,9 @@ from speclab.checks import Bound
 from speclab.core.sampling import Sampling
 from speclab.core.tree import DraftTree
 from speclab.drafters.registry import DrafterEntry, Param, Shape
+from speclab.drafters.schedule import LengthSchedule, adaptive_param
 from speclab.errors import InvalidInput
 
-ADAPTIVE = ("off", "sampled", "always")  # where the proposal length adapts: never, at T > 0, always
 MATCH_CAP = 32  # the longest match `probe` measures
 
 
@@ -28,16 +27,14 @@ class PromptLookup:
         if k < 1 or min_ngram < 1 or max_ngram < min_ngram:
             raise ValueError(f"pld needs k >= 1 and 1 <= min_ngram <= max_ngram "
                              f"(got k={k}, ngram {min_ngram}..{max_ngram})")
-        if adaptive not in ADAPTIVE:
-            raise ValueError(f"pld: adaptive must be one of {', '.join(ADAPTIVE)} (got {adaptive!r})")
-        self.k, self.max_ngram, self.min_ngram, self.adaptive = k, max_ngram, min_ngram, adaptive
+        self.k, self.max_ngram, self.min_ngram = k, max_ngram, min_ngram
+        self.schedule = LengthSchedule(k, adaptive)  # the next proposal's length where `adaptive` applies
         self.ids = torch.zeros(0, dtype=torch.long)
-        self.k_now = k  # the heuristic schedule's next proposal length (used where `adaptive` applies)
         self._looked: tuple[int, int] = (-1, -1)  # (sequence length, `_lookup` there)
 
     def reset(self, prompt_ids: torch.Tensor, prompt_features=None, capacity: int | None = None) -> None:
         self.ids = prompt_ids.detach().cpu().long().clone()
-        self.k_now = self.k
+        self.schedule.reset()
         self._looked = (-1, -1)
 
     def catch_up(self, ids: torch.Tensor, features=None) -> None:
@@ -45,8 +42,7 @@ class PromptLookup:
             self.ids = torch.cat([self.ids, ids.detach().cpu().long()])
 
     def propose(self, max_depth: int, sampling: Sampling, generator=None) -> DraftTree:
-        adapt = self.adaptive == "always" or (self.adaptive == "sampled" and not sampling.greedy)
-        k = min(self.k_now if adapt else self.k, max_depth)
+        k = min(self.schedule.length(sampling), max_depth)
         start = self._lookup()
         if k <= 0 or start < 0:
             return DraftTree.empty()
@@ -83,9 +79,7 @@ class PromptLookup:
         return found
 
     def commit(self, tree: DraftTree, accepted: torch.Tensor) -> None:
-        if self.adaptive != "off" and len(tree):
-            whole = accepted.numel() == len(tree)
-            self.k_now = min(self.k, self.k_now + 2) if whole else max(1, self.k_now - 1)
+        self.schedule.update(len(tree), accepted.numel())
 
 
 def _check(p: dict, target) -> None:
@@ -104,6 +98,4 @@ ENTRY = DrafterEntry(
     params=(Param("k", 8, lambda t: Bound(1, t.max_context), help="tokens proposed after a match"),
             Param("max_ngram", 3, lambda t: Bound(1, 64), help="longest n-gram matched"),
             Param("min_ngram", 1, lambda t: Bound(1, 64), help="shortest n-gram matched"),
-            Param("adaptive", "sampled", choices=ADAPTIVE,
-                  help="where each proposal's length follows how the last fared (+2 after one accepted whole, -1 "
-                  "after a rejection; at most k; Hugging Face's heuristic schedule): off, sampled (T > 0), always")))
+            adaptive_param("sampled", "each proposal's length (at most k)")))
