@@ -261,8 +261,7 @@ class DSpark:
             # not for its side, so it is not measured. A probe's switch is what a probe costs: its ms over the other
             # side's time for its tokens, per request
             if self.probing:
-                self.probe_ms = max(0.0, ms - tokens / self.rate[not key]) / len(ev.rids)
-                self.probing, self.since_ms = False, 0.0
+                self.probe_ms, self.probing, self.since_ms = self._extra_ms(key, ms, tokens, len(ev.rids)), False, 0.0
             else:
                 self.since_ms += ms
             return
@@ -271,10 +270,13 @@ class DSpark:
         self.rate[key] = r if first else (1 - w) * self.rate[key] + w * r
         if first and len(self.rate) == 2:  # both sides measured once: a probe's cost, as the slower side's step
             side = self.rate[True] < self.rate[False]
-            ms_, tokens_, n = self.last[side]
-            self.probe_ms, self.since_ms = max(0.0, ms_ - tokens_ / self.rate[not side]) / n, 0.0
+            self.probe_ms, self.since_ms = self._extra_ms(side, *self.last[side]), 0.0
         else:
             self.since_ms += ms
+
+    def _extra_ms(self, side: bool, ms: float, tokens: int, n: int) -> float:
+        """A step of `side`'s cost beyond the other side's time for its tokens, per request (a probe's cost)."""
+        return max(0.0, ms - tokens / self.rate[not side]) / n
 
 
 def parse_policy(spec: str) -> tuple[str, dict]:

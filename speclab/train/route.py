@@ -156,8 +156,17 @@ def fit(data: dict, cfg: RouteTrainConfig, hidden_size: int, arms: list[str], co
     captures of the row's best arm: the router, the rule (min_match `MIN_MATCH`) and each arm alone)."""
     import torch.nn.functional as F
 
+    from speclab.core.protocol import Signals
     from speclab.routing.arms import rule_other
-    from speclab.routing.routers import LOOKUP, MIN_MATCH, NONE, ArmRouterConfig, ArmRouterMLP, predicted_rates
+    from speclab.routing.routers import (
+        LOOKUP,
+        MIN_MATCH,
+        NONE,
+        ArmRouterConfig,
+        ArmRouterMLP,
+        RuleRouter,
+        predicted_rates,
+    )
     from speclab.train.router import fit_mse, heldout_split, pearson
     torch.manual_seed(cfg.seed)
     h, x, y, seq = data["hidden"], data["extras"], data["y"], data["seq"]
@@ -192,10 +201,11 @@ def fit(data: dict, cfg: RouteTrainConfig, hidden_size: int, arms: list[str], co
                "per_arm": per_arm}
     if timed:
         pick = {"router": predicted_rates(pv, mv, none).argmax(-1)}
-        if LOOKUP in arms:
-            other = rule_other(arms) or NONE
-            pick[f"rule (min_match {MIN_MATCH})"] = torch.where(data["match"][val] >= MIN_MATCH, arms.index(LOOKUP),
-                                                                 arms.index(other))
+        if LOOKUP in arms:  # the rule router itself on each row's match (its choice depends on nothing else)
+            rule = RuleRouter(LOOKUP, rule_other(arms), MIN_MATCH)
+            pick[f"rule (min_match {MIN_MATCH})"] = torch.tensor(
+                [arms.index(rule.choose(Signals(0, probe={"pld_match": m})).choice or NONE)
+                 for m in data["match"][val].tolist()])
         pick.update({a: torch.full((len(yv),), i) for i, a in enumerate(arms)})
         heldout["captured"] = {k: captured(c, yv, tv) for k, c in pick.items()}
     return m, records, heldout
