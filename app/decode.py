@@ -33,6 +33,14 @@ STREAM_EVERY_S = 0.25  # at most four page updates a second while decoding
 ROUTER_EVERY_S = 2.0  # router plots are whole figures (~10 KB, and costly to draw): refreshed less often, not in
 # the first update (which carries only tokens, so they show at once)
 MAX_COLUMNS = 4
+# once a decode is drawn: its verdict and its columns' start on screen (the columns' start alone when both don't fit)
+SHOW_RESULTS = """() => requestAnimationFrame(() => requestAnimationFrame(() => {
+    const status = document.querySelector('#status'), col = document.querySelector('#col0');
+    if (!status || !col) return;
+    const top = status.getBoundingClientRect().top + window.scrollY;
+    const cols = col.getBoundingClientRect().top + window.scrollY;
+    window.scrollTo(0, cols - top > 0.6 * window.innerHeight ? cols - 0.4 * window.innerHeight : top);
+}))"""
 MAX_PROMPT_CHARS = 20000  # beyond this a prompt cannot fit any context speclab decodes in
 DEFAULT_METHODS = ("ar", "eagle3", "dflash", "whiflash-neural")
 # a column is one card: its header block on top of its token block, no gap between them (item 13 of app v4: Gradio
@@ -186,8 +194,11 @@ def build(lab: Lab) -> dict:
     # no Gradio concurrency limit: decodes wait their turn for the models in `lab.line`, saying how many are ahead
     event = run.click(decoder.decode, [prompt, chosen, max_new, temperature, seed, deferred, shade, *widgets],
                       [status, legend, *heads, *toks, *plots, shown], concurrency_limit=None, api_name="decode")
-    # the results in view once Decode is pressed (the parameter panels above can fill the screen)
+    # the results in view once Decode is pressed (the parameter panels above can fill the screen): the status while
+    # it runs, then, once the columns are drawn, the verdict and the columns' start together (when the verdict is too
+    # long for both, the columns' start in the screen's upper part)
     run.click(None, None, None, js="() => { document.querySelector('#status')?.scrollIntoView({block: 'start'}); }")
+    event.then(None, None, None, js=SHOW_RESULTS)
     shade.change(decoder.reshade, [shown, shade], [legend, *toks])
     return {"run": event, "suite": suite, "pick": pick, "prompts": _prompts}
 
