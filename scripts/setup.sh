@@ -21,12 +21,13 @@ if [ -n "$fresh" ]; then
   python -m pip install -q --upgrade "pip>=24" 2>&1 | quiet
 fi
 # llama.cpp, the CPU peer of the bench (speclab.llamacpp), for `setup.sh test` and `setup.sh peers` (make test,
-# make bench; the app does not need it): llama-cpp-python built from its source distribution for
-# this CPU (-march=native), kept in .venv. The first build takes about 4 minutes on 2 cores, so it runs in the
-# background (a wheel built outside the venv, in pip's own build environment) while the packages install and the
-# native layers build, and is installed at the end. The CPU's name and flags are stamped beside it: sessions move
-# between machines, and a build for another CPU's instructions would crash on this one, so a changed CPU rebuilds
-# (never from pip's wheel cache, which does not know the CPU).
+# make bench; the app does not need it): llama-cpp-python built from its source distribution for this CPU
+# (-march=native), kept in .venv, and without llama.cpp's common library, which its wheel does not ship
+# (scripts/llamacpp-no-common.cmake: half the compile time). The first build takes about 3 minutes on 2 cores, so it
+# runs in the background (a wheel built outside the venv, in pip's own build environment) while the packages install
+# and the native layers build, and is installed at the end. The CPU's name and flags are stamped beside it: sessions
+# move between machines, and a build for another CPU's instructions would crash on this one, so a changed CPU
+# rebuilds (never from pip's wheel cache, which does not know the CPU).
 LLAMA_CPP_PYTHON="llama-cpp-python==0.3.36"
 cpu_stamp=.venv/.llamacpp-cpu
 cpu_now=$( (grep -m1 "model name" /proc/cpuinfo; grep -m1 "^flags" /proc/cpuinfo; echo "$LLAMA_CPP_PYTHON") 2>/dev/null \
@@ -36,11 +37,12 @@ llama_pid=
 if [ -n "$want_peers" ] && { [ "$(cat "$cpu_stamp" 2>/dev/null)" != "$cpu_now" ] || \
    ! python -c "import llama_cpp" >/dev/null 2>&1; }; then
   echo "speclab setup: building $LLAMA_CPP_PYTHON from source for this CPU in the background (the llama.cpp peers;" \
-       "about 4 minutes) ..."
+       "about 3 minutes) ..."
   llama_start=$(date +%s)
   rm -rf .venv/.llamacpp-wheel
   CMAKE_ARGS="-DGGML_NATIVE=ON -DLLAVA_BUILD=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF \
--DLLAMA_BUILD_TOOLS=OFF -DLLAMA_BUILD_SERVER=OFF" CMAKE_BUILD_PARALLEL_LEVEL="$(nproc 2>/dev/null || echo 2)" \
+-DLLAMA_BUILD_TOOLS=OFF -DLLAMA_BUILD_SERVER=OFF -DCMAKE_PROJECT_INCLUDE=$PWD/scripts/llamacpp-no-common.cmake" \
+    CMAKE_BUILD_PARALLEL_LEVEL="$(nproc 2>/dev/null || echo 2)" \
     python -m pip wheel -q --no-cache-dir --no-deps --no-binary llama-cpp-python -w .venv/.llamacpp-wheel \
     "$LLAMA_CPP_PYTHON" > .venv/.llamacpp-build.log 2>&1 &
   llama_pid=$!

@@ -133,16 +133,36 @@ def tiny_vocab(tmp_path_factory):
     return make(3, "target"), make(4, "draft")
 
 
-@pytest.fixture(scope="session")
-def trained_eagle3(deep, deep_path):
-    """The tiny EAGLE-3 drafter trained on `deep` (a few seconds), once for every module that decodes with it."""
-    return train_tiny_eagle3(on_cpu(deep, deep_path)).to(DEVICE)
+def once_per_run(tmp_path_factory, name: str, build):
+    """`build()` in the first pytest-xdist worker that asks, saved where this run's workers all look (the workers'
+    common base folder), and loaded by the others instead of built again (pytest-xdist's recipe for a session
+    fixture made once). Only for builds that are deterministic: the workers' own fixtures they start from (`deep`,
+    from a fixed seed) are equal. Without xdist it just builds (the base folder's parent is then shared by runs)."""
+    if not os.environ.get("PYTEST_XDIST_WORKER"):
+        return build()
+    from filelock import FileLock
+    path = tmp_path_factory.getbasetemp().parent / f"{name}.pt"
+    with FileLock(f"{path}.lock"):
+        if path.is_file():
+            return torch.load(path, weights_only=False)
+        made = build()
+        torch.save(made, path)
+        return made
 
 
 @pytest.fixture(scope="session")
-def trained_dflash(deep, deep_path):
-    """The tiny DFlash drafter (Markov head of rank 8) trained on `deep`, once for every module that decodes with it."""
-    return train_tiny_dflash(on_cpu(deep, deep_path)).to(DEVICE)
+def trained_eagle3(deep, deep_path, tmp_path_factory):
+    """The tiny EAGLE-3 drafter trained on `deep` (about 15 s), once per run for every module that decodes with it."""
+    made = once_per_run(tmp_path_factory, "trained_eagle3", lambda: train_tiny_eagle3(on_cpu(deep, deep_path)))
+    return made.to(DEVICE)
+
+
+@pytest.fixture(scope="session")
+def trained_dflash(deep, deep_path, tmp_path_factory):
+    """The tiny DFlash drafter (Markov head of rank 8) trained on `deep` (about 15 s), once per run for every module
+    that decodes with it."""
+    made = once_per_run(tmp_path_factory, "trained_dflash", lambda: train_tiny_dflash(on_cpu(deep, deep_path)))
+    return made.to(DEVICE)
 
 
 # fixtures that cost tens of seconds of CPU on a 2-core machine: every test that needs one, directly or through
