@@ -53,7 +53,9 @@ def dspark(deep, trained_dflash):
     import copy
     m = copy.deepcopy(trained_dflash)
     with_head(m)
-    torch.nn.init.normal_(m.confidence_head.weight, std=0.5, generator=torch.Generator().manual_seed(1))
+    w = m.confidence_head.weight  # drawn on the CPU (its generator's device), then put where the head is
+    with torch.no_grad():
+        w.copy_(torch.empty(w.shape).normal_(0, 0.5, generator=torch.Generator().manual_seed(1)))
     return m.requires_grad_(False)
 
 

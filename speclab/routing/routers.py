@@ -127,10 +127,11 @@ class NeuralRouter:
 
     def __init__(self, mlp: RouterMLP, threshold: float, eager: bool = False):
         self.mlp, self.threshold, self.eager = mlp, float(threshold), bool(eager)
+        self.device = next(mlp.parameters()).device
 
     @torch.inference_mode()
-    def choose(self, s: Signals) -> Decision:
-        pred = float(self.mlp(s.hidden)) if s.hidden is not None else math.nan
+    def choose(self, s: Signals) -> Decision:  # (a replayed profile's row is on the CPU: moved to the MLP)
+        pred = float(self.mlp(s.hidden.to(self.device))) if s.hidden is not None else math.nan
         return Decision(pick(pred, self.threshold), self.policy, pred, self.threshold)
 
 
@@ -471,8 +472,9 @@ class ArmRouter:
             else -1
         recent = [[s.accepted[-1 - i] if len(s.accepted) > i else -1] for i in range(N_RECENT)]
         x = arm_extras([s.entropy], [s.probe.get("pld_match", 0.0)], [s.probe.get("pld_tokens", 0.0)], recent,
-                       [last], [s.generated], len(self.known))[0].to(s.hidden.device)
-        z = torch.addmv(torch.addmv(self.b1, self.w1x, x), self.w1h, s.hidden.float())  # the MLP, folded
+                       [last], [s.generated], len(self.known))[0].to(self.b1.device)
+        h = s.hidden.to(self.b1.device, torch.float32)  # live: already there; replayed: a profile's CPU row
+        z = torch.addmv(torch.addmv(self.b1, self.w1x, x), self.w1h, h)  # the MLP, folded
         pred = torch.addmv(self.b2, self.w2, F.gelu(z)).cpu().numpy()
         i = int(predicted_rates(pred, ms, self.none).argmax())
         return Decision(self.names[i], self.policy, max(float(pred[i]), 0.0))  # signal: its predicted accept length
