@@ -3,6 +3,7 @@ EAGLE-3 and DFlash drafters trained once per session on the 4-layer target. The 
 names re-exported here keep `from conftest import ...` working)."""
 from __future__ import annotations
 
+import gc
 import os
 
 import pytest
@@ -47,6 +48,18 @@ def dtype_cache(tmp_path_factory):
         os.environ.pop("SPECLAB_CACHE_DIR", None)
     else:
         os.environ["SPECLAB_CACHE_DIR"] = old
+
+
+@pytest.fixture(scope="module", autouse=True)
+def frozen_heap():
+    """Everything alive when a test file starts (the imports, the session's models and caches: millions of objects
+    in a long-lived xdist worker) kept out of the garbage collector's walks for that file (`gc.freeze`), and handed
+    back after it (`gc.unfreeze`: garbage among them is still collected later). Behind 3 million live objects a
+    sampling test's 1,200 decodes took 41 s against 4 s, in the collector; in the full suite such tests ran up to
+    10 times slower than alone."""
+    gc.freeze()
+    yield
+    gc.unfreeze()
 
 
 @pytest.fixture(scope="session")
