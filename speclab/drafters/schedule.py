@@ -4,7 +4,7 @@ whole, one fewer (down to 1) after a rejection, never more than the drafter's ow
 proposals are cut early (a drafted token is accepted with min(1, p/q), a looked-up one with p), and every drafted
 token costs a drafter call or a verification row, so the default adapts under sampling only (`adaptive`: "sampled").
 The length depends on past rounds only, so the decode stays lossless. Used by prompt lookup and by EAGLE-3's chains
-(a drafter's `Param("adaptive", ...)`: `ADAPTIVE_PARAM`)."""
+(a drafter's `Param("adaptive", ...)`: `adaptive_param`)."""
 from __future__ import annotations
 
 from speclab.core.sampling import Sampling
