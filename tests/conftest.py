@@ -52,10 +52,11 @@ def dtype_cache(tmp_path_factory):
 
 @pytest.fixture(autouse=True)
 def worker_threads():
-    """Every test ends with the worker's share of the cores (THREADS) for torch. An in-process training sets torch's
-    threads to its own `threads` (2) and leaves them so: afterwards each small op of that worker ran on two threads,
-    the second one spinning beside the first, and with the other worker on the second core every later test of the
-    worker ran up to 10 times slower (a sampling test 40 s instead of 4)."""
+    """Every test ends with the worker's share of the cores (THREADS) for torch. An in-process training used to set
+    torch's threads to its own `threads` (2) and leave them so: afterwards each small op of that worker ran on two
+    threads, the second one spinning beside the first, and with the other worker on the second core every later test
+    of the worker ran up to 10 times slower (a sampling test 40 s instead of 4). The trainings now hand the threads
+    back (`speclab.train.lm.own_threads`); this keeps any other test from leaving another count behind."""
     yield
     if torch.get_num_threads() != THREADS:
         torch.set_num_threads(THREADS)

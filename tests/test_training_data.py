@@ -244,7 +244,9 @@ def test_training_on_regenerated_data_in_bf16_keeps_checkpoints_and_curve(deep, 
     cfg = Eagle3TrainConfig(target_dir=deep.name, corpus_dir=str(regenerated), out_dir=str(tmp_path / "run"),
                             max_minutes=0.05, seq_len=16, batch_size=2, eval_windows=1, eval_every_s=0.5,
                             precision="bf16", loss_topk=8, draft_vocab_size=64, ttt_steps=2)
+    torch.set_num_threads(1)  # the caller's; the training runs on cfg.threads (2) and hands the caller's back
     summary = train_eagle3(cfg, log=lambda s: None)
+    assert torch.get_num_threads() == 1
     assert summary["steps"] > 0 and set(summary["val"]) == set(DOMAINS)
     assert all(v["tau"] >= 1 and v["tau_sampled"] >= 1 for v in summary["val"].values())
     cps = checkpoints(tmp_path / "run")

@@ -39,6 +39,7 @@ from speclab.metrics import implied_tau
 from speclab.train import lm
 from speclab.train.corpus import DOMAINS
 from speclab.train.eagle3 import ttt_forward, ttt_loss, val_table  # noqa: F401 (the CLI prints it)
+from speclab.train.threads import own_threads
 
 
 @dataclass
@@ -189,6 +190,7 @@ class _Shape:
         self.config, self.num_layers = model.config, model.config.num_hidden_layers
 
 
+@own_threads
 def train_confu(cfg: ConFuTrainConfig, log=print) -> dict:
     _, data, target, rng = lm.frozen_target_setup(cfg)
     embed = target.get_input_embeddings()

@@ -36,6 +36,7 @@ from speclab.drafters.dflash import (
 from speclab.metrics import implied_tau
 from speclab.train import lm
 from speclab.train.corpus import DOMAINS
+from speclab.train.threads import own_threads
 
 
 @dataclass
@@ -182,6 +183,7 @@ def evaluate(m, embed_w, head_w, target, data, cfg: DFlashTrainConfig) -> dict:
     return res
 
 
+@own_threads
 def train_dflash(cfg: DFlashTrainConfig, log=print) -> dict:
     tok, data, target, rng = lm.frozen_target_setup(cfg)
     mask_id = tok.convert_tokens_to_ids(tok.mask_token) if tok.mask_token else None

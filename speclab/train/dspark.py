@@ -33,6 +33,7 @@ from speclab.metrics import auroc, brier, ece
 from speclab.train import lm
 from speclab.train.corpus import DOMAINS
 from speclab.train.dflash import block_forward, pick_blocks, target_features, val_blocks
+from speclab.train.threads import own_threads
 
 TEMPERATURES = np.exp(np.linspace(math.log(0.05), math.log(20.0), 121))  # the grid of the sequential scaling
 
@@ -182,6 +183,7 @@ def evaluate(m, embed_w, head_w, target, data, cfg: DSparkTrainConfig) -> dict:
     return res
 
 
+@own_threads
 def train_dspark(cfg: DSparkTrainConfig, log=print) -> dict:
     if cfg.label not in LABELS:
         raise ValueError(f"--label must be one of {', '.join(LABELS)} (got {cfg.label!r})")

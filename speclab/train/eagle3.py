@@ -36,6 +36,7 @@ from speclab.drafters.eagle3 import (
 from speclab.metrics import implied_tau
 from speclab.train import lm
 from speclab.train.corpus import DOMAINS
+from speclab.train.threads import own_threads
 
 
 @dataclass
@@ -238,6 +239,7 @@ def evaluate(m, embed, target, data, cfg: Eagle3TrainConfig) -> dict:
     return res
 
 
+@own_threads
 def train_eagle3(cfg: Eagle3TrainConfig, log=print) -> dict:
     _, data, target, rng = lm.frozen_target_setup(cfg)
     embed = target.get_input_embeddings()

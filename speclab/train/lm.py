@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from speclab.files import write_atomic
 from speclab.progress import Progress
 from speclab.train.corpus import DOMAINS, tokenize_corpus
+from speclab.train.threads import own_threads
 
 DOMAIN_WEIGHTS = {"code": 0.3, "stories": 0.15, "literature": 0.3, "math": 0.25}  # the training mix of every recipe
 
@@ -283,6 +284,7 @@ def save_hf(model, tokenizer, out_dir: Path, dtype=torch.bfloat16) -> None:
     tmp.rename(out_dir)
 
 
+@own_threads
 def train_lm(cfg: TrainConfig) -> dict:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 

@@ -33,6 +33,7 @@ import torch.nn.functional as F
 from speclab.files import write_atomic
 from speclab.progress import Progress
 from speclab.train.corpus import DOMAINS
+from speclab.train.threads import own_threads
 
 MODES = ("greedy", "sample", "mix")
 PROVENANCE = "provenance.json"
@@ -113,6 +114,7 @@ class _Continuer:
         return torch.cat([prompts, *toks], 1)
 
 
+@own_threads
 def regenerate(cfg: RegenConfig, log=print) -> dict:
     """Generate every shard not yet on disk, then assemble the per-domain files and the provenance."""
     from transformers import AutoModelForCausalLM, AutoTokenizer

@@ -27,6 +27,7 @@ import numpy as np
 import torch
 
 from speclab.progress import Progress
+from speclab.train.threads import own_threads
 
 DEFAULT_ARMS = "eagle3+dflash+pld+pld.eagle3+none"
 
@@ -269,6 +270,7 @@ def router_overhead(target, models: dict, prompts, cfg: RouteTrainConfig, mlp) -
     return float(np.mean([ev.timings_ms["route"] for ev in evs]))
 
 
+@own_threads
 def train_route(cfg: RouteTrainConfig, target, models: dict, log=print) -> dict:
     from speclab.core.precision import cpu_label
     from speclab.train.router import setup

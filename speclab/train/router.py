@@ -21,6 +21,7 @@ import numpy as np
 import torch
 
 from speclab.progress import Progress
+from speclab.train.threads import own_threads
 
 
 @dataclass
@@ -244,6 +245,7 @@ def setup(cfg, target) -> tuple[Path, list]:
     return out, corpus_prompts(data_c, cfg)
 
 
+@own_threads
 def train_router(cfg: RouterTrainConfig, target, models: dict, log=print, profiles=None) -> dict:
     """Collect the pairs (`collect`; `profiles`: on a Ray cluster, `speclab.cluster.router_profiles`), fit the MLP,
     measure the round costs here and save the router with its card."""

@@ -30,6 +30,7 @@ from speclab.drafters.specblock import BUCKETS, SpecBlockModel, bucket_of_rank, 
 from speclab.metrics import implied_tau
 from speclab.train import lm
 from speclab.train.corpus import DOMAINS
+from speclab.train.threads import own_threads
 
 
 @dataclass(kw_only=True)
@@ -242,6 +243,7 @@ def val_line(val: dict) -> str:
         " · rank acc " + " ".join(f"{d}={v['rank_acc'] or 0:.2f}" for d, v in val.items())
 
 
+@own_threads
 def train_specblock(cfg: SpecBlockTrainConfig, log=print) -> dict:
     from speclab.drafters.specblock import new_specblock
 

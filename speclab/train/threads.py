@@ -1,0 +1,20 @@
+"""The threads of a training: each entry point runs on its config's `threads` and hands the caller's back."""
+from __future__ import annotations
+
+import functools
+
+import torch
+
+
+def own_threads(train):
+    """A training entry point runs on its config's `threads` (its set-up sets torch's) and hands the caller's count
+    back when it ends, however it ends: a training inside a long-lived process (a notebook, the tests) leaves that
+    process's later decodes on the threads they had (they kept the training's before)."""
+    @functools.wraps(train)
+    def wrapped(*args, **kwargs):
+        threads = torch.get_num_threads()
+        try:
+            return train(*args, **kwargs)
+        finally:
+            torch.set_num_threads(threads)
+    return wrapped
