@@ -11,17 +11,24 @@ import argparse
 import os
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import gradio as gr
-
-from app import calibrate, decode, runs, serve
-from app.lab import Lab
 from speclab.errors import InvalidInput, SpeclabError
 from speclab.models import ModelPaths, add_model_args, available_roles, check_model_args, load_models
 from speclab.trace import TraceStore
 
+if TYPE_CHECKING:
+    import gradio as gr
+
+    from app.lab import Lab
+
 
 def build_app(lab: Lab) -> gr.Blocks:
+    # Gradio and the tabs load here, after `main` has checked the options: a bad option answers in under 2 s, not
+    # after the 3 s these imports take
+    import gradio as gr
+
+    from app import calibrate, decode, runs, serve
     r = runs.Runs(lab)
     with gr.Blocks(title="speclab", analytics_enabled=False) as demo:  # no calls home: the lab runs offline
         gr.Markdown(lab.header(), elem_id="header")
@@ -99,6 +106,8 @@ def main(argv: list[str] | None = None) -> int:
     except SpeclabError as e:
         print(f"speclab app: error: {e}", file=sys.stderr)
         return 2
+    from app import calibrate, decode
+    from app.lab import Lab
     lab = Lab(target, models, store, costs)
     print("speclab app: warming up every method ...", flush=True)
     lab.warm_up()
