@@ -8,8 +8,8 @@ import torch
 
 def own_threads(train):
     """A training entry point runs on its config's `threads` (its set-up sets torch's) and hands the caller's count
-    back when it ends, however it ends: a training inside a long-lived process (a notebook, the tests) leaves that
-    process's later decodes on the threads they had (they kept the training's before)."""
+    back when it ends, however it ends: after a training inside a long-lived process (a notebook, the tests) that
+    process decodes on its own thread count again, not on the training's."""
     @functools.wraps(train)
     def wrapped(*args, **kwargs):
         threads = torch.get_num_threads()
