@@ -374,7 +374,10 @@ def auroc(prob, outcome) -> float:
     return float((r[y].sum() - pos * (pos + 1) / 2) / (pos * neg))
 
 
-def brier(prob, outcome) -> float:
-    """Mean squared gap between the predicted probability and the 0/1 outcome."""
+def brier(prob, outcome, axis: int | None = None):
+    """Mean squared gap between the predicted probability and the 0/1 outcome (a float; with `axis`, an array of the
+    means along it: many predictions of the same outcomes scored at once)."""
     p, y = np.asarray(prob, float), np.asarray(outcome, float)
-    return float(np.mean((p - y) ** 2)) if p.size else math.nan
+    if not p.size:
+        return math.nan
+    return float(np.mean((p - y) ** 2)) if axis is None else np.mean((p - y) ** 2, axis=axis)

@@ -19,7 +19,7 @@ from speclab.core.tree import DraftTree
 from speclab.drafters.registry import build_drafter
 from speclab.metrics import auroc, brier, ece
 from speclab.serve.policies import DSpark, StepCost, admit
-from speclab.train.dspark import calibration_table, fit_temperatures, survival, with_head
+from speclab.train.dspark import calibration_table, fit_scaling, survival, with_head
 
 
 def test_calibration_metrics_follow_their_definitions():
@@ -30,20 +30,37 @@ def test_calibration_metrics_follow_their_definitions():
     assert math.isnan(auroc(p, np.ones(4)))
 
 
-def test_sequential_temperatures_undo_an_overconfident_head():
-    """Logits twice as sharp as the truth: row by row the fitted temperatures come out near 2 and the cumulative
-    product's ECE falls to a few hundredths at every row, with AUROC unchanged (scaling keeps the order)."""
+def test_sequential_scaling_undoes_an_overconfident_head():
+    """Logits twice as sharp as the truth: row by row the fitted temperatures come out near 2, the biases near 0, and
+    the cumulative product's ECE falls to a few hundredths at every row, with AUROC unchanged (scaling keeps the
+    order)."""
     g = torch.Generator().manual_seed(0)
     true = torch.randn(20000, 4, generator=g) + 1.0
     accepted = (torch.rand(20000, 4, generator=g) < torch.sigmoid(true)).long().cumprod(-1).bool()
-    temps = fit_temperatures(2 * true, accepted)
-    assert all(1.5 < t < 2.7 for t in temps), temps
-    table = calibration_table(2 * true, accepted, temps)
+    temps, biases = fit_scaling(2 * true, accepted)
+    assert all(1.5 < t < 2.7 for t in temps) and all(abs(b) <= 0.25 for b in biases), (temps, biases)
+    table = calibration_table(2 * true, accepted, temps, biases)
     assert all(r["ece_after"] < 0.03 < r["ece_before"] for r in table[:2]), table
     assert all(r["ece_after"] < 0.03 for r in table)
     assert all(math.isclose(r["auroc_before"], r["auroc_after"], rel_tol=1e-6) for r in table[:1])
-    np.testing.assert_allclose(survival(2 * true[:3], temps)[:, 0], torch.sigmoid(2 * true[:3, 0] / temps[0]),
-                               rtol=1e-5)
+    np.testing.assert_allclose(survival(2 * true[:3], temps, biases)[:, 0],
+                               torch.sigmoid(2 * true[:3, 0] / temps[0] + biases[0]), rtol=1e-5)
+
+
+def test_the_bias_moves_a_mean_no_temperature_can():
+    """A head whose logits are the truth's plus 1.5 (too confident on average, not too sharp): the bias comes out
+    near -1.5, the temperature near 1, and the first row's ECE falls below 0.02; with a temperature alone the best
+    ECE stays above 0.05 (a temperature rescales the logits around 0: it cannot move their mean)."""
+    from speclab.metrics import ece
+    from speclab.train.dspark import TEMPERATURES
+    g = torch.Generator().manual_seed(1)
+    true = torch.randn(20000, 2, generator=g) * 2.0
+    accepted = (torch.rand(20000, 2, generator=g) < torch.sigmoid(true)).long().cumprod(-1).bool()
+    temps, biases = fit_scaling(true + 1.5, accepted)
+    assert abs(biases[0] + 1.5) <= 0.2 and 0.8 < temps[0] < 1.25, (temps, biases)
+    assert calibration_table(true + 1.5, accepted, temps, biases)[0]["ece_after"] < 0.02
+    y = accepted[:, 0].numpy()
+    assert min(ece(torch.sigmoid((true[:, 0] + 1.5) / t).numpy(), y) for t in TEMPERATURES) > 0.05
 
 
 @pytest.fixture(scope="module")

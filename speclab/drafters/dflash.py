@@ -92,7 +92,8 @@ class DFlashConfig:
     attention_bias: bool = False
     markov_rank: int = 0  # DSpark's Markov head (0: none)
     confidence: bool = False  # DSpark's confidence head (`dspark_config`)
-    confidence_temperatures: tuple[float, ...] = ()  # its sequential temperature scaling, one per block row (fitted)
+    confidence_temperatures: tuple[float, ...] = ()  # its sequential scaling, one temperature per block row (fitted)
+    confidence_biases: tuple[float, ...] = ()  # and one bias per row (sigmoid(z / T + b); none: 0)
     input_embedding_scale: float = 1.0
     output_multiplier: float = 1.0
     extra: dict = field(default_factory=dict)  # other keys of the file, written back unchanged
@@ -134,19 +135,22 @@ class DFlashConfig:
                    output_multiplier=float(get("output_multiplier", 1.0)),
                    confidence=bool(ds.get("confidence_head", False)),
                    confidence_temperatures=tuple(float(t) for t in ds.get("confidence_temperatures") or ()),
+                   confidence_biases=tuple(float(b) for b in ds.get("confidence_biases") or ()),
                    extra={k: v for k, v in d.items() if k not in known})
 
     def to_dict(self) -> dict:
         d = {k: v for k, v in asdict(self).items()
              if k not in ("extra", "target_layer_ids", "mask_token_id", "input_embedding_scale", "output_multiplier",
-                          "confidence", "confidence_temperatures")}
+                          "confidence", "confidence_temperatures", "confidence_biases")}
         out = {"architectures": ["DFlashDraftModel"], "model_type": "qwen3", "hidden_act": "silu",
                "tie_word_embeddings": False, **self.extra, **d}
         out["dflash_config"] = {**(self.extra.get("dflash_config") or {}),
                                 "target_layer_ids": list(self.target_layer_ids), "mask_token_id": self.mask_token_id}
         if self.confidence:
             out["dspark_config"] = {"confidence_head": True,
-                                    "confidence_temperatures": list(self.confidence_temperatures)}
+                                    "confidence_temperatures": list(self.confidence_temperatures),
+                                    **({"confidence_biases": list(self.confidence_biases)}
+                                       if self.confidence_biases else {})}
         return out
 
 
@@ -200,13 +204,14 @@ class DFlashModel(nn.Module):
 
     def confidence(self, h: torch.Tensor, prev: torch.Tensor) -> torch.Tensor:
         """c_k, each block row's probability of being accepted given the rows before it were, with the fitted
-        temperatures of the sequential scaling (row k's, the last one past them) applied: [.., rows] float32."""
+        sequential scaling applied, sigmoid(z_k / T_k + b_k) (row k's temperature and bias, the last ones past
+        them): [.., rows] float32."""
         z = self.confidence_logits(h, prev).float()
-        temps = self.config.confidence_temperatures
-        if temps:
-            k = min(z.shape[-1], len(temps))
-            t = torch.tensor(temps[:k] + (temps[-1],) * (z.shape[-1] - k), device=z.device)
-            z = z / t
+        for values, scale in ((self.config.confidence_temperatures, True), (self.config.confidence_biases, False)):
+            if values:
+                k = min(z.shape[-1], len(values))
+                v = torch.tensor(values[:k] + (values[-1],) * (z.shape[-1] - k), device=z.device)
+                z = z / v if scale else z + v
         return torch.sigmoid(z)
 
     @property

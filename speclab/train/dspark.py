@@ -14,10 +14,14 @@ with the true previous token (teacher forcing, as DFlash trains).
 
 Calibration (`calibrate`): on held-out windows of the target's own greedy text, every block is drafted as a decode
 drafts it (row k's token from row k's logits plus the Markov bias of the drafted token before it), and a prefix of
-k drafts is accepted when all k equal the text (the target's greedy continuation). Sequential temperature scaling
-fits one temperature per row, left to right, each minimising the ECE of the cumulative product at that row given
-the rows before it (grid search), on half the windows; per-row ECE, AUROC and Brier of the cumulative product are
-reported on the other half, before and after. The temperatures go into the drafter's config (`dspark_config`).
+k drafts is accepted when all k equal the text (the target's greedy continuation). The sequential scaling fits per
+row, left to right, a temperature and a bias, c_k = sigmoid(z_k / T_k + b_k), the pair that minimises the Brier
+score of the cumulative product at that row given the rows before it (grid search), on half the windows; per-row
+ECE, AUROC and Brier of the cumulative product are reported on the other half, before and after. They go into the
+drafter's config (`dspark_config`). DSpark's paper fits temperatures alone, by ECE: a temperature rescales a row's
+logits around 0 and cannot move their mean, which the zoo head's first row needed (ECE 0.055 after it). A bias per
+row is Platt's scaling. It is fitted by the Brier score, a proper score that rewards ranking as well as calibration
+(DSpark's admission ranks tokens by the products): by ECE the same grid shrank most rows' logits toward a constant.
 """
 from __future__ import annotations
 
@@ -35,7 +39,8 @@ from speclab.train.corpus import DOMAINS
 from speclab.train.dflash import block_forward, pick_blocks, target_features, val_blocks
 from speclab.train.threads import own_threads
 
-TEMPERATURES = np.exp(np.linspace(math.log(0.05), math.log(20.0), 121))  # the grid of the sequential scaling
+TEMPERATURES = np.exp(np.linspace(math.log(0.05), math.log(20.0), 121))  # the grids of the sequential scaling
+BIASES = np.linspace(-2.0, 2.0, 81)
 
 
 @dataclass
@@ -116,39 +121,51 @@ def block_outcomes(m, embed_w, head_w, target, windows: torch.Tensor, size: int,
     return z.flatten(0, 1), accepted.flatten(0, 1)
 
 
-def survival(z: torch.Tensor, temps) -> np.ndarray:
-    """The cumulative product of sigmoid(z_k / T_k) along each block's rows (temps: one per row, or none)."""
+def survival(z: torch.Tensor, temps, biases=()) -> np.ndarray:
+    """The cumulative product of sigmoid(z_k / T_k + b_k) along each block's rows (temps, biases: one per row, or
+    none: 1 and 0)."""
     t = torch.tensor(list(temps) or [1.0] * z.shape[1], dtype=torch.float32)
-    return torch.sigmoid(z / t[: z.shape[1]]).cumprod(-1).numpy()
+    b = torch.tensor(list(biases) or [0.0] * z.shape[1], dtype=torch.float32)
+    return torch.sigmoid(z / t[: z.shape[1]] + b[: z.shape[1]]).cumprod(-1).numpy()
 
 
-def fit_temperatures(z: torch.Tensor, accepted: torch.Tensor) -> tuple[float, ...]:
-    """Sequential temperature scaling: row by row, the temperature (of `TEMPERATURES`) whose cumulative product at
-    that row, the earlier rows' temperatures fixed, has the least ECE against the accepted prefixes."""
+def fit_scaling(z: torch.Tensor, accepted: torch.Tensor) -> tuple[tuple[float, ...], tuple[float, ...]]:
+    """The sequential scaling: row by row, the temperature and bias (of `TEMPERATURES` x `BIASES`) whose cumulative
+    product at that row, the earlier rows' fixed, has the least Brier score against the accepted prefixes.
+    -> (temperatures, biases)."""
     temps: list[float] = []
-    acc = accepted.numpy()
+    biases: list[float] = []
+    acc = accepted.numpy().astype(np.float64)
     for k in range(z.shape[1]):
-        before = survival(z[:, :k], temps)[:, -1] if k else np.ones(z.shape[0])
-        errs = [ece(before * torch.sigmoid(z[:, k] / t).numpy(), acc[:, k]) for t in TEMPERATURES]
-        temps.append(float(TEMPERATURES[int(np.argmin(errs))]))
-    return tuple(temps)
+        before = survival(z[:, :k], temps, biases)[:, -1:] if k else np.ones((z.shape[0], 1))
+        best = (math.inf, 1.0, 0.0)
+        for t in TEMPERATURES:  # every bias at once: [n, biases]
+            p = before / (1.0 + np.exp(-((z[:, k] / float(t)).numpy()[:, None] + BIASES[None])))
+            err = brier(p, acc[:, k : k + 1], axis=0)
+            j = int(err.argmin())
+            if err[j] < best[0]:
+                best = (float(err[j]), float(t), float(BIASES[j]))
+        temps.append(best[1])
+        biases.append(best[2])
+    return tuple(temps), tuple(biases)
 
 
-def calibration_table(z: torch.Tensor, accepted: torch.Tensor, temps) -> list[dict]:
+def calibration_table(z: torch.Tensor, accepted: torch.Tensor, temps, biases=()) -> list[dict]:
     """Per block row: ECE, AUROC and Brier of the cumulative product against the accepted prefixes, before and
-    after the temperatures, and the acceptance rate."""
-    raw, scaled, acc = survival(z, ()), survival(z, temps), accepted.numpy()
+    after the scaling, the acceptance rate and the row's temperature and bias."""
+    raw, scaled, acc = survival(z, ()), survival(z, temps, biases), accepted.numpy()
     return [{"row": k + 1, "accepted": float(acc[:, k].mean()), "ece_before": ece(raw[:, k], acc[:, k]),
              "ece_after": ece(scaled[:, k], acc[:, k]), "auroc_before": auroc(raw[:, k], acc[:, k]),
              "auroc_after": auroc(scaled[:, k], acc[:, k]), "brier_before": brier(raw[:, k], acc[:, k]),
-             "brier_after": brier(scaled[:, k], acc[:, k]), "temperature": temps[k] if temps else 1.0}
+             "brier_after": brier(scaled[:, k], acc[:, k]), "temperature": temps[k] if temps else 1.0,
+             "bias": biases[k] if biases else 0.0}
             for k in range(z.shape[1])]
 
 
 def calibrate(m, embed_w, head_w, target, cfg: DSparkTrainConfig) -> list[dict]:
-    """Fit the sequential temperatures on half the held-out windows of every domain of the target's greedy text
-    (`cfg.calibration_corpus`) and report the other half (`calibration_table`); the temperatures are set in m's
-    config."""
+    """Fit the sequential scaling on half the held-out windows of every domain of the target's greedy text
+    (`cfg.calibration_corpus`) and report the other half (`calibration_table`); the temperatures and biases are set
+    in m's config."""
     from transformers import AutoTokenizer
 
     from speclab.train.regenerate import load_token_data
@@ -162,10 +179,10 @@ def calibrate(m, embed_w, head_w, target, cfg: DSparkTrainConfig) -> list[dict]:
         test.append(block_outcomes(m, embed_w, head_w, target, w[half:], size, cfg.precision))
     zf, af = (torch.cat(x) for x in zip(*fit))
     zt, at = (torch.cat(x) for x in zip(*test))
-    m.config.confidence_temperatures = ()
-    temps = fit_temperatures(zf, af)
-    m.config.confidence_temperatures = temps
-    return calibration_table(zt, at, temps)
+    m.config.confidence_temperatures, m.config.confidence_biases = (), ()
+    temps, biases = fit_scaling(zf, af)
+    m.config.confidence_temperatures, m.config.confidence_biases = temps, biases
+    return calibration_table(zt, at, temps, biases)
 
 
 @torch.no_grad()
@@ -215,7 +232,7 @@ def train_dspark(cfg: DSparkTrainConfig, log=print) -> dict:
         "dspark", m, cfg, step, lambda: evaluate(m, embed_w, head_w, target, data, cfg),
         lambda val: "val bce " + " ".join(f"{d}={v['bce']:.3f}" for d, v in val.items()), log,
         f" (the confidence head; DFlash frozen, blocks up to {cfg.block_size})")
-    log("calibrating: sequential temperature scaling on held-out greedy text ...")
+    log("calibrating: the sequential scaling (a temperature and a bias per row) on held-out greedy text ...")
     m.eval()
     summary["calibration"] = calibrate(m, embed_w, head_w, target, cfg)
     from pathlib import Path
@@ -227,11 +244,11 @@ def train_dspark(cfg: DSparkTrainConfig, log=print) -> dict:
 
 def val_table(val: dict) -> str:
     """Markdown: per block row, the acceptance rate and ECE / AUROC / Brier of the cumulative product, before and
-    after the sequential temperature scaling (with the fitted temperature)."""
-    rows = ["| row | accepted | ECE before | ECE after | AUROC before | AUROC after | Brier before | Brier after | T |",
-            "|---|---|---|---|---|---|---|---|---|"]
+    after the sequential scaling (with the fitted temperature and bias)."""
+    rows = ["| row | accepted | ECE before | ECE after | AUROC before | AUROC after | Brier before | Brier after | T "
+            "| b |", "|---|---|---|---|---|---|---|---|---|---|"]
     for r in val.get("calibration", []):
         rows.append(f"| {r['row']} | {r['accepted']:.3f} | {r['ece_before']:.3f} | {r['ece_after']:.3f} | "
                     f"{r['auroc_before']:.3f} | {r['auroc_after']:.3f} | {r['brier_before']:.3f} | "
-                    f"{r['brier_after']:.3f} | {r['temperature']:.2f} |")
+                    f"{r['brier_after']:.3f} | {r['temperature']:.2f} | {r['bias']:+.2f} |")
     return "\n".join(rows)
