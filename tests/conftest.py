@@ -56,7 +56,7 @@ def worker_threads():
     torch's threads to its own `threads` (2) and leave them so: afterwards each small op of that worker ran on two
     threads, the second one spinning beside the first, and with the other worker on the second core every later test
     of the worker ran up to 10 times slower (a sampling test 40 s instead of 4). The trainings now hand the threads
-    back (`speclab.train.lm.own_threads`); this keeps any other test from leaving another count behind."""
+    back (`speclab.train.threads.own_threads`); this keeps any other test from leaving another count behind."""
     yield
     if torch.get_num_threads() != THREADS:
         torch.set_num_threads(THREADS)
@@ -67,8 +67,8 @@ def frozen_heap():
     """Everything alive when a test file starts (the imports, the session's models and caches: millions of objects
     in a long-lived xdist worker) kept out of the garbage collector's walks for that file (`gc.freeze`), and handed
     back after it (`gc.unfreeze`: garbage among them is still collected later). Behind 3 million live objects a
-    sampling test's 1,200 decodes took 41 s against 4 s, in the collector; in the full suite such tests ran up to
-    10 times slower than alone."""
+    sampling test's 1,200 decodes took 41 s against 4 s, in the collector (the suite's other 10x slowdown was torch's
+    threads: `worker_threads`)."""
     gc.freeze()
     yield
     gc.unfreeze()

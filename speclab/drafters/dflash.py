@@ -154,6 +154,12 @@ class DFlashConfig:
         return out
 
 
+def _per_row(values: tuple[float, ...], z: torch.Tensor) -> torch.Tensor:
+    """One value per block row of `z` [.., rows]: row k's, the last one past them."""
+    k = min(z.shape[-1], len(values))
+    return torch.tensor(values[:k] + (values[-1],) * (z.shape[-1] - k), device=z.device)
+
+
 class DFlashModel(nn.Module):
     """The drafter's weights in the public layout and the pieces of its forward (drafting and training share
     them). It has no embedding and no LM head: the target's are used."""
@@ -207,11 +213,11 @@ class DFlashModel(nn.Module):
         sequential scaling applied, sigmoid(z_k / T_k + b_k) (row k's temperature and bias, the last ones past
         them): [.., rows] float32."""
         z = self.confidence_logits(h, prev).float()
-        for values, scale in ((self.config.confidence_temperatures, True), (self.config.confidence_biases, False)):
-            if values:
-                k = min(z.shape[-1], len(values))
-                v = torch.tensor(values[:k] + (values[-1],) * (z.shape[-1] - k), device=z.device)
-                z = z / v if scale else z + v
+        temps, biases = self.config.confidence_temperatures, self.config.confidence_biases
+        if temps:
+            z = z / _per_row(temps, z)
+        if biases:
+            z = z + _per_row(biases, z)
         return torch.sigmoid(z)
 
     @property
