@@ -1,7 +1,7 @@
 """bf16 matmuls on this CPU: F.linear against the two packed products of `speclab.core.layers.linear` on the zoo's
 shapes, at the row counts a decode uses: oneDNN's (a weight prepacked once into its layout) and, where this process
-has AMX, `native.cpp`'s tile product (`speclab::tile_linear`); each checked bit for bit against F.linear. Prints a
-markdown table.
+has one, `native.cpp`'s own product (`speclab::tile_linear` on AMX, `speclab::dp_linear` on AVX512-BF16 without
+it); each checked bit for bit against F.linear. Prints a markdown table.
 
     python scripts/linear_bench.py [THREADS=2]
 """
@@ -34,20 +34,22 @@ def best_us(f, n=300, reps=5):
 
 print(f"CPU: {cpu_info()[0]} (bf16 flags: {', '.join(cpu_info()[1]) or 'none'}), {torch.get_num_threads()} threads, "
       f"torch {torch.__version__}\n")
-tiles = native.tile_module()
-print("| weight | in x out | rows | F.linear (us) | oneDNN prepacked (us) | tiles (us) | bitwise F.linear |")
+mod, kind = native.product_module(), native.product()
+print(f"| weight | in x out | rows | F.linear (us) | oneDNN prepacked (us) | native: {kind or 'none'} (us) | "
+      "bitwise F.linear |")
 print("|---|---|---|---|---|---|---|")
 with torch.inference_mode():
     for name, (i, o) in SHAPES.items():
         w = torch.randn(o, i).bfloat16()
         onednn = torch.ops.mkldnn._reorder_linear_weight(w, layers.PACK_ROWS)
         products = {"prepacked": lambda x, p=onednn: layers._PACKED_LINEAR(x, p, None, "none", [], "")}
-        if tiles is not None:
-            packed = tiles.tile_pack(w)
-            products["tiles"] = lambda x, p=packed, n=o, k=i: torch.ops.speclab.tile_linear(x, p, None, n, k)
+        if mod is not None:
+            packed = mod.native_pack(w)
+            op = getattr(torch.ops.speclab, layers._NATIVE_OPS[packed.dim()])
+            products["native"] = lambda x, p=packed, n=o, k=i, op=op: op(x, p, None, n, k)
         for rows in (1, 5, 16):
             x = torch.randn(rows, i).bfloat16()
             us = {k: f"{best_us(lambda f=f: f(x)):.0f}" for k, f in products.items()}  # noqa: B023 (called at once)
             same = all(torch.equal(f(x), F.linear(x, w)) for f in products.values())
             print(f"| {name} | {i} x {o} | {rows} | {best_us(lambda: F.linear(x, w)):.0f} | {us['prepacked']} | "  # noqa: B023
-                  f"{us.get('tiles', '-')} | {same} |", flush=True)
+                  f"{us.get('native', '-')} | {same} |", flush=True)

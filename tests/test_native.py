@@ -181,54 +181,75 @@ def test_batched_eagle3_decodes_natively_as_from_python(dtype, deep, trained_eag
     assert sum(a for _, a in fast) > 0  # drafts were accepted: the drafter's outputs mattered
 
 
-needs_tiles = pytest.mark.skipif(native.tile_module() is None,
-                                 reason="no AMX tile product in this process (no build, or a CPU without AMX)")
+needs_product = pytest.mark.skipif(native.product_module() is None,
+                                   reason="no native product in this process (no build, or a CPU with neither AMX "
+                                          "nor AVX512-BF16)")
 
 
-@needs_build
-@needs_tiles
-def test_the_tile_product_is_f_linears_bits_and_each_rows_alone():
-    """`speclab::tile_linear` by a `tile_pack`ed weight: bit for bit F.linear at every row count up to
-    `layers.TILE_ROWS` (one or two tiles of 16 rows), with and without a bias, at widths and output counts that are
-    and are not multiples of its 32 inputs and 64 outputs, in 2-D and 3-D; every row's outputs are those of the row
-    alone, also in a call of 40 rows (three tiles), so a verification's rows are an AR step's, bit for bit; and
-    `layers.linear` of 40 rows (above TILE_ROWS: oneDNN's copy kept beside the tiles) is F.linear's too. Bad operands
-    are refused, not read out of bounds."""
+def _native_op():
+    """This process's native product: its operator's name and the operator (`speclab::tile_linear` on AMX,
+    `speclab::dp_linear` on AVX512-BF16)."""
     from speclab.core import layers
 
-    mod = native.tile_module()
-    g = torch.Generator().manual_seed(0)
-    with torch.inference_mode():
-        for k, n in ((512, 1024), (1536, 512), (80, 96), (33, 7), (5, 3), (64, 130)):
-            w = torch.randn(n, k, generator=g).bfloat16()
-            packed = mod.tile_pack(w)
-            for bias in (None, torch.randn(n, generator=g).bfloat16()):
-                x = (torch.randn(layers.TILE_ROWS + 8, k, generator=g) * 3).bfloat16()
-                many = torch.ops.speclab.tile_linear(x, packed, bias, n, k)  # 40 rows: the op takes any count
-                for rows in range(1, layers.TILE_ROWS + 1):
-                    got = torch.ops.speclab.tile_linear(x[:rows], packed, bias, n, k)
-                    assert torch.equal(got, F.linear(x[:rows], w, bias)), (k, n, rows)
-                    assert torch.equal(got, many[:rows])
-                for r in (0, 17, 39):
-                    assert torch.equal(torch.ops.speclab.tile_linear(x[r : r + 1], packed, bias, n, k)[0], many[r])
-                assert torch.equal(torch.ops.speclab.tile_linear(x[None, :5], packed, bias, n, k), many[None, :5])
-                w2 = w.clone()
-                assert torch.equal(layers.linear(x, w2, bias), F.linear(x, w2, bias))  # 40 rows
-                assert w2._speclab_packed[1].dim() == 6
-        for bad in ((x.float(), packed, None, n, k), (x[:, :-1], packed, None, n, k), (x, packed, None, n + 64, k),
-                    (x, packed, None, n, k + 32), (x, w, None, n, k), (x, packed, torch.zeros(n + 1).bfloat16(), n, k)):
-            with pytest.raises(RuntimeError, match="speclab::tile_linear"):
-                torch.ops.speclab.tile_linear(*bad)
+    name = {"tiles": "tile_linear", "dp": "dp_linear"}[native.product()]
+    assert name in layers._NATIVE_OPS.values()
+    return f"speclab::{name}", getattr(torch.ops.speclab, name)
 
 
 @needs_build
-@needs_tiles
-def test_the_tile_product_is_an_operator_the_byte_count_and_profiler_see():
-    """A decode step's and a verification's forward of the lean target dispatch `speclab::tile_linear` for their
-    products (none of oneDNN's), and `speclab costs roofline` counts the bytes it reads: every weight once. A call
-    of more rows than the tiles take (a big tree, a batch, a prefill) takes oneDNN's copy kept beside them."""
+@needs_product
+def test_the_native_product_is_f_linears_bits_and_each_rows_alone():
+    """This process's native product (the AMX tiles' `speclab::tile_linear` or AVX512-BF16's `speclab::dp_linear`)
+    by its packed weight: bit for bit F.linear at every row count up to `layers.TILE_ROWS`, with and without a bias,
+    at widths and output counts that are and are not multiples of its blocks (32 inputs and 64 outputs for the
+    tiles; 64 outputs and oneDNN's blocks of 512 or 1024 inputs for the dot product: 512, 1024, 1536 and 2048
+    inputs), in 2-D and 3-D, on normal and SwiGLU-like inputs (whose sums tell summation orders apart more often);
+    a row alone and a row in a call of 40 are F.linear's too (on the tiles the same bits; F.linear sums a row alone
+    in other blocks than many rows where K is above 1024, and so does the dot product); and `layers.linear` of 40
+    rows (above TILE_ROWS: oneDNN's copy kept beside the native one) is F.linear's. Bad operands are refused, not
+    read out of bounds."""
+    from speclab.core import layers
+
+    mod = native.product_module()
+    name, op = _native_op()
+    g = torch.Generator().manual_seed(0)
+    with torch.inference_mode():
+        for k, n in ((512, 1024), (1536, 512), (2048, 256), (1024, 320), (80, 96), (33, 7), (5, 3), (64, 130)):
+            w = torch.randn(n, k, generator=g).bfloat16()
+            packed = mod.native_pack(w)
+            for bias, swiglu in ((None, False), (torch.randn(n, generator=g).bfloat16(), False), (None, True)):
+                x = torch.randn(layers.TILE_ROWS + 8, k, generator=g) * 3
+                if swiglu:  # silu(gate) * up: many small values beside a few large ones
+                    x = F.silu(x) * torch.randn(x.shape, generator=g)
+                x = x.bfloat16()
+                many = op(x, packed, bias, n, k)  # 40 rows: the op takes any count
+                assert torch.equal(many, F.linear(x, w, bias))
+                for rows in range(1, layers.TILE_ROWS + 1):
+                    got = op(x[:rows], packed, bias, n, k)
+                    assert torch.equal(got, F.linear(x[:rows], w, bias)), (k, n, rows)
+                    if rows > 1:
+                        assert torch.equal(got, many[:rows])
+                for r in range(0, 40, 3):  # a row alone, as F.linear sums it alone
+                    assert torch.equal(op(x[r : r + 1], packed, bias, n, k), F.linear(x[r : r + 1], w, bias)), (k, r)
+                assert torch.equal(op(x[None, :5], packed, bias, n, k), many[None, :5])
+                w2 = w.clone()
+                assert torch.equal(layers.linear(x, w2, bias), F.linear(x, w2, bias))  # 40 rows
+                assert layers.is_native(w2._speclab_packed[1])
+        for bad in ((x.float(), packed, None, n, k), (x[:, :-1], packed, None, n, k), (x, packed, None, n + 64, k),
+                    (x, packed, None, n, k + 32), (x, w, None, n, k), (x, packed, torch.zeros(n + 1).bfloat16(), n, k)):
+            with pytest.raises(RuntimeError, match=name):
+                op(*bad)
+
+
+@needs_build
+@needs_product
+def test_the_native_product_is_an_operator_the_byte_count_and_profiler_see():
+    """A decode step's and a verification's forward of the lean target dispatch the native product's operator for
+    their products (none of oneDNN's), and `speclab costs roofline` counts the bytes it reads: every weight once. A
+    call of more rows than it takes (a big tree, a batch, a prefill) takes oneDNN's copy kept beside it."""
     from speclab.bench.roofline import call_bytes
 
+    name, _ = _native_op()
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(tiny_config("qwen3", 300, layers=2)).eval().to(torch.bfloat16)
     lean = Target(model, NoTok(), backend="lean").lean
@@ -244,10 +265,10 @@ def test_the_tile_product_is_an_operator_the_byte_count_and_profiler_see():
                 lean.forward(ids[40 : 40 + n], cache)
             cache.crop(40)
             names = {e.key for e in prof.key_averages()}
-            assert "speclab::tile_linear" in names and "mkldnn::_linear_pointwise" not in names
+            assert name in names and "mkldnn::_linear_pointwise" not in names
             nbytes = call_bytes(lambda n=n: (lean.forward(ids[40 : 40 + n], cache), cache.crop(40)))
             assert weights <= nbytes <= weights * 1.25, (n, weights, nbytes)
         with torch.profiler.profile() as prof:
             lean.forward(ids[:40], lean.new_cache(64))  # 40 rows
         names = {e.key for e in prof.key_averages()}
-        assert "mkldnn::_linear_pointwise" in names and "speclab::tile_linear" not in names
+        assert "mkldnn::_linear_pointwise" in names and name not in names

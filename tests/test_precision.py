@@ -111,7 +111,7 @@ def test_a_corrupt_or_foreign_cache_is_ignored_in_one_line_and_measured_again(au
         data = json.loads(path.read_text())
         e = data["entries"][d.key]
         if bad == "FOREIGN_ENTRY":
-            e["machine"] = {**e["machine"], "cpu": "AMD EPYC"}
+            e["machine"] = {**e["machine"], "cpu": e["machine"]["cpu"] + " (another)"}  # not this machine's
         else:
             e["dtypes"]["speculative"] = "int4"
         bad = json.dumps(data)

@@ -27,9 +27,9 @@ from speclab.viz import Report, lines_figure
 
 ROWS = (1, 2, 4, 8, 16, 64)
 
-# the ops whose inputs a call reads from memory: matrix products (weights; `tile_linear`: `speclab::tile_linear`,
-# the AMX product of `native.cpp`) and attention (the KV cache)
-_READS = ("linear", "mm", "addmm", "bmm", "mv", "matmul", "_linear_pointwise", "tile_linear")
+# the ops whose inputs a call reads from memory: matrix products (weights; `tile_linear` and `dp_linear`: the AMX and
+# AVX512-BF16 products of `native.cpp`) and attention (the KV cache)
+_READS = ("linear", "mm", "addmm", "bmm", "mv", "matmul", "_linear_pointwise", "tile_linear", "dp_linear")
 _ATTENTION = ("scaled_dot_product", "_scaled_dot_product")  # the public op and the kernels it dispatches to
 
 

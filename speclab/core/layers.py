@@ -33,19 +33,22 @@ import torch.nn.functional as F
 
 # -- the matmul -----------------------------------------------------------------------------------------------------
 
-# bf16 weights on a CPU through a packed copy (`linear`): the tile layout of `native.cpp`'s AMX product where this
-# process has AMX tiles (`TILE_SOURCE`), else oneDNN's prepacked layout; False (or SPECLAB_PACKED=0 in the
-# environment, to compare): F.linear everywhere
+# bf16 weights on a CPU through a packed copy (`linear`): the layout of `native.cpp`'s own product where this process
+# has one (`NATIVE_SOURCE`: AMX tiles, or AVX512-BF16 dot products), else oneDNN's prepacked layout; False (or
+# SPECLAB_PACKED=0 in the environment, to compare): F.linear everywhere
 PACKED = os.environ.get("SPECLAB_PACKED", "1") != "0"
 PACK_ROWS = 8  # the batch size oneDNN's layout is chosen for (a packing chosen for 1 row differs in the last bit from
 # F.linear from about 40 rows on; 8 matched F.linear at 1 to 200 rows here)
 CHECK_ROWS = (1, 5, 37, 200)  # a decode step, a verification, prefills: where oneDNN's copy must be F.linear's bits;
 # above the last, F.linear (oneDNN's product of 257 rows differed from F.linear's in the last bit on 512 x 1536)
-TILE_ROWS = 32  # the most rows the tile product takes (oneDNN's product of 33 rows and more sums in another order,
-# so a few outputs in 10,000 differ in the last bit); more rows beside a tile copy: oneDNN's kept copy (`_wide`)
-# `speclab.core.native` sets this to a function that returns its compiled module where the tile product runs in
-# this process (AMX, and the kernel lets it use the tile registers), else None
-TILE_SOURCE: Callable[[], Any] | None = None
+TILE_ROWS = 32  # the most rows a native product takes (oneDNN's AMX product of 33 rows and more sums in another
+# order, so a few outputs in 10,000 differ in the last bit); more rows beside a native copy: oneDNN's kept copy
+# (`_wide`)
+# `speclab.core.native` sets this to a function that returns its compiled module where one of its products runs in
+# this process (AMX tiles the kernel lets it use, or AVX512-BF16), else None
+NATIVE_SOURCE: Callable[[], Any] | None = None
+# a native product's copy by its dims: the operator that multiplies by it
+_NATIVE_OPS = {6: "tile_linear", 4: "dp_linear"}
 _PACKED_LINEAR: Any
 try:
     _PACKED_LINEAR = torch.ops.mkldnn._linear_pointwise
@@ -56,9 +59,10 @@ except (AttributeError, RuntimeError):  # a torch built without oneDNN: F.linear
 def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
     """`F.linear(x, w, b)`, bitwise. A bf16 call on a CPU outside autograd multiplies by a copy of w packed once:
     F.linear reorders the weight on every call, which on the zoo's shapes (1-16 rows) is a third to half of the
-    call, and oneDNN's product of a few rows costs 1.4-1.6x what `native.cpp`'s AMX tile product costs (measured:
-    docs/ARCHITECTURE.md "Prepacked weights"). The copy is checked against F.linear when it is made, and a weight
-    whose packed product differs in any bit (or a torch and CPU with neither product) keeps F.linear."""
+    call, and oneDNN's product of a few rows costs 1.4-1.6x what `native.cpp`'s AMX tile product costs, and up to
+    3-4x what its AVX512-BF16 product costs on a CPU without AMX (measured: docs/ARCHITECTURE.md "Prepacked
+    weights"). The copy is checked against F.linear when it is made, and a weight whose packed product differs in
+    any bit (or a torch and CPU with no product) keeps F.linear."""
     if PACKED and w.dtype is torch.bfloat16 and x.dtype is torch.bfloat16 and w.device.type == "cpu" \
             and not torch.is_grad_enabled():
         packed = _packed(w, b)
@@ -68,13 +72,13 @@ def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> t
 
 
 def by_packed(x: torch.Tensor, w: torch.Tensor, packed: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
-    """x times w by its packed copy (`_packed`): the tile product's (a 6-D copy) up to `TILE_ROWS` rows; oneDNN's
-    (that copy, or `_wide`'s beside a tile copy) up to the last of `CHECK_ROWS`; F.linear above."""
+    """x times w by its packed copy (`_packed`): a native product's (`is_native`) up to `TILE_ROWS` rows; oneDNN's
+    (that copy, or `_wide`'s beside a native copy) up to the last of `CHECK_ROWS`; F.linear above."""
     rows = x.numel() // max(x.shape[-1], 1)
     onednn: torch.Tensor | None = packed
-    if packed.dim() == 6:
+    if is_native(packed):
         if rows <= TILE_ROWS:
-            return torch.ops.speclab.tile_linear(x, packed, b, w.shape[0], w.shape[1])
+            return getattr(torch.ops.speclab, _NATIVE_OPS[packed.dim()])(x, packed, b, w.shape[0], w.shape[1])
         onednn = _wide(w, b)
     if onednn is not None and rows <= CHECK_ROWS[-1]:
         return _PACKED_LINEAR(x, onednn, b, "none", [], "")
@@ -83,22 +87,28 @@ def by_packed(x: torch.Tensor, w: torch.Tensor, packed: torch.Tensor, b: torch.T
 
 def _packed(w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor | None:
     """w's packed copy, made on first use and kept on w itself (so it lives and dies with w; a weight changed in
-    place since is packed again): the tile layout where this process has the tile product and its products are
-    F.linear's bits at 1 to `TILE_ROWS` rows (checked at four), else oneDNN's where they are at `CHECK_ROWS`;
+    place since is packed again): the layout of this process's native product where it has one and its products
+    are F.linear's bits at 1 to `TILE_ROWS` rows (checked at four), else oneDNN's where they are at `CHECK_ROWS`;
     None where neither is."""
     def make():
-        tiles = TILE_SOURCE() if TILE_SOURCE is not None else None
-        if tiles is not None:
-            cand = _made(tiles.tile_pack, w)
+        mod = NATIVE_SOURCE() if NATIVE_SOURCE is not None else None
+        if mod is not None:
+            cand = _made(mod.native_pack, w)
             if cand is not None and _agrees(lambda x: by_packed(x, w, cand, b), w, b, (1, 5, 16, TILE_ROWS)):
                 return cand
         return _onednn(w, b, CHECK_ROWS)
     return _kept(w, "_speclab_packed", make)
 
 
+def is_native(packed: torch.Tensor) -> bool:
+    """Whether a packed copy is a native product's (`native.cpp`'s tile or dot-product layout), not oneDNN's."""
+    return packed.dim() in _NATIVE_OPS
+
+
 def _wide(w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor | None:
-    """oneDNN's copy of w beside its tile copy, for calls of more rows than the tiles take (a verification of a big
-    tree, a batch of many requests, a prefill), made on first use and kept on w like `_packed`'s; None where its
+    """oneDNN's copy of w beside its native copy, for calls of more rows than the native product takes (a
+    verification of a big tree, a batch of many requests, a prefill), made on first use and kept on w like
+    `_packed`'s; None where its
     products are not F.linear's bits at `CHECK_ROWS` above `TILE_ROWS`, or there is no oneDNN."""
     return _kept(w, "_speclab_wide",
                  lambda: _onednn(w, b, (TILE_ROWS + 1, *[r for r in CHECK_ROWS if r > TILE_ROWS])))
@@ -123,11 +133,16 @@ def _made(pack, w: torch.Tensor) -> torch.Tensor | None:
 
 
 def _agrees(product, w: torch.Tensor, b: torch.Tensor | None, rows) -> bool:
-    """Whether product(x) is F.linear(x, w, b) bit for bit on random inputs of each row count in `rows`."""
+    """Whether product(x) is F.linear(x, w, b) bit for bit on random inputs of each row count in `rows`: normal ones
+    and SwiGLU-like ones (silu(gate) * up: many small values beside a few large), whose sums tell two summation
+    orders apart several times more often (a one-row blocking that normal inputs passed, `native.cpp`'s `dp_block`)."""
     gen = torch.Generator().manual_seed(0)
+
+    def inputs(n):
+        x = torch.randn(n, w.shape[1], generator=gen)
+        return x.to(w.dtype), (F.silu(3 * x) * torch.randn(x.shape, generator=gen)).to(w.dtype)
     try:
-        return all(torch.equal(product(x), F.linear(x, w, b))
-                   for x in (torch.randn(n, w.shape[1], generator=gen).to(w.dtype) for n in rows))
+        return all(torch.equal(product(x), F.linear(x, w, b)) for n in rows for x in inputs(n))
     except RuntimeError:  # a shape the product refuses
         return False
 

@@ -2,8 +2,8 @@
 // Python (so every output is bitwise the Python path's), without the interpreter between them. On the zoo's 2-core
 // CPU a Python-level op costs a few microseconds of dispatch, and a decode step of the target calls about 300 of
 // them: this file is that step's loop, not new math. It also holds the bf16 product of a decode's few rows on AMX
-// tiles (`tile_linear`, below), whose products are F.linear's bits where `layers.linear` takes it. Built on first use
-// by `speclab.core.native`.
+// tiles (`tile_linear`, below) and, on CPUs with AVX512-BF16 and no AMX, in dot-product instructions (`dp_linear`),
+// whose products are F.linear's bits where `layers.linear` takes them. Built on first use by `speclab.core.native`.
 #include <torch/extension.h>
 #include <algorithm>
 #include <cstring>
@@ -203,19 +203,169 @@ static Tensor tile_linear(const Tensor& x, const Tensor& p, const OptT& b, int64
   return y;
 }
 
-TORCH_LIBRARY(speclab, m) { m.def("tile_linear(Tensor x, Tensor packed, Tensor? b, int n, int k) -> Tensor"); }
-TORCH_LIBRARY_IMPL(speclab, CPU, m) { m.impl("tile_linear", &tile_linear); }
+// ---- The dot product: bf16 x [M, K] times a weight [N, K] in AVX512-BF16, for `layers.linear` where there is no AMX -
+// On the AMD EPYC (avx512_bf16, no AMX) oneDNN's product of a decode's few rows costs 3-4x what its arithmetic costs
+// on the zoo's small weights (13 us for a 512 x 512 weight at one row, 4 us here: `scripts/linear_bench.py`), its
+// per-call set-up again. This is oneDNN's arithmetic on that CPU without it: each output a sum of input pairs in
+// input order by VDPBF16PS, 16 outputs to a register, in blocks of `dp_block` inputs, each block summed from zero and
+// added to the total as oneDNN's kernel blocks them there (one row: blocks of 512; more rows: 512 up to 1024 inputs,
+// else 1024; measured bit for bit against F.linear at 6 widths from 576 to 3072, 1-64 rows, 1 and 2 threads, on
+// normal, sparse and SwiGLU-like inputs), then the bias added in fp32 and rounded once to bf16. So, as F.linear's,
+// a row's outputs are the same in any call of 2 or more rows, and in a call of its own where K is at most 1024. The
+// weight is packed once (`dp_pack`) as blocks of 64 outputs, the 64 outputs' two weights of each input pair side by
+// side (256 bytes), the blocks' pairs in input order, so a thread streams its share front to back. `layers._packed`
+// takes a weight's copy only where its products are F.linear's bits (checked at 1, 5, 16 and 32 rows).
+static bool dp_ok = false;
+
+static bool dp_init() {
+  static const bool ok = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512bf16");
+  dp_ok = ok;
+  return ok;
+}
+
+// inputs per summed block, as oneDNN's kernel blocks a product of M rows by K inputs on this CPU
+static int64_t dp_block(int64_t K, int64_t M) { return K <= 512 ? K : M == 1 || K <= 1024 ? 512 : 1024; }
+
+// w [N, K] bf16 -> [ceil(N / 64), ceil(K / 2), 64, 2] bf16: per block of 64 outputs, per input pair, the 64 outputs'
+// two weights; zeros past N, K
+static Tensor dp_pack(const Tensor& w_) {
+  TORCH_CHECK(w_.dim() == 2 && w_.scalar_type() == at::kBFloat16, "dp_pack: a 2-D bf16 weight");
+  auto w = w_.contiguous();
+  const int64_t N = w.size(0), K = w.size(1), G = (N + 63) / 64, KP = (K + 1) / 2;
+  auto out = at::zeros({G, KP, 64, 2}, w.options());
+  const uint16_t* src = (const uint16_t*)w.data_ptr();
+  uint16_t* dst = (uint16_t*)out.data_ptr();
+  at::parallel_for(0, N, 64, [&](int64_t n0, int64_t n1) {
+    for (int64_t n = n0; n < n1; ++n)
+      for (int64_t k = 0; k < K; ++k) dst[(((n / 64) * KP + k / 2) * 64 + n % 64) * 2 + k % 2] = src[n * K + k];
+  });
+  return out;
+}
+
+// R rows [R, KP] (input pairs as 32-bit words) by one block of 64 outputs [KP, 64, 2] -> the fp32 sums acc [R, 64],
+// the pairs summed in blocks of KB pairs (each from zero, then added to the total)
+template <int R>
+__attribute__((target("avx512f,avx512bf16"))) static void dp_rows(const uint32_t* x, int64_t ldx, const uint16_t* p,
+                                                                  int64_t KP, int64_t KB, float* acc) {
+  __m512 tot[R][4];
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < 4; ++j) tot[r][j] = _mm512_setzero_ps();
+  for (int64_t k0 = 0; k0 < KP; k0 += KB) {
+    __m512 a[R][4];
+    for (int r = 0; r < R; ++r)
+      for (int j = 0; j < 4; ++j) a[r][j] = _mm512_setzero_ps();
+    const int64_t k1 = std::min(KP, k0 + KB);
+    for (int64_t kp = k0; kp < k1; ++kp) {
+      const uint16_t* blk = p + kp * 128;
+      for (int l = 0; l < 4; ++l) _mm_prefetch((const char*)(blk + 1024 + l * 32), _MM_HINT_T0);  // 2 KB ahead
+      const __m512bh w0 = (__m512bh)_mm512_loadu_si512(blk), w1 = (__m512bh)_mm512_loadu_si512(blk + 32),
+                     w2 = (__m512bh)_mm512_loadu_si512(blk + 64), w3 = (__m512bh)_mm512_loadu_si512(blk + 96);
+      for (int r = 0; r < R; ++r) {
+        const __m512bh xb = (__m512bh)_mm512_set1_epi32((int)x[r * ldx + kp]);
+        a[r][0] = _mm512_dpbf16_ps(a[r][0], xb, w0);
+        a[r][1] = _mm512_dpbf16_ps(a[r][1], xb, w1);
+        a[r][2] = _mm512_dpbf16_ps(a[r][2], xb, w2);
+        a[r][3] = _mm512_dpbf16_ps(a[r][3], xb, w3);
+      }
+    }
+    for (int r = 0; r < R; ++r)  // the first block's sum is the total as it is (0 + s = s, bit for bit)
+      for (int j = 0; j < 4; ++j) tot[r][j] = k0 == 0 ? a[r][j] : _mm512_add_ps(tot[r][j], a[r][j]);
+  }
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < 4; ++j) _mm512_storeu_ps(acc + r * 64 + j * 16, tot[r][j]);
+}
+
+// acc [n] fp32 (+ bias b [n] bf16) -> out [n] bf16, rounded as `store` rounds (to nearest even, NaN to a quiet NaN)
+__attribute__((target("avx512f,avx512bw,avx512vl"))) static void dp_round(const float* acc, const uint16_t* b,
+                                                                          uint16_t* out, int64_t n) {
+  for (int64_t i = 0; i < n; i += 16) {
+    const __mmask16 m = n - i >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (n - i)) - 1);
+    __m512 v = _mm512_maskz_loadu_ps(m, acc + i);
+    if (b) v = _mm512_add_ps(v, _mm512_castsi512_ps(_mm512_slli_epi32(
+                                    _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, b + i)), 16)));
+    const __m512i u = _mm512_castps_si512(v);
+    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    __m512i r = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7FFF)), lsb), 16);
+    r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_set1_epi32(0x7FC0));
+    _mm256_mask_storeu_epi16(out + i, m, _mm512_cvtepi32_epi16(r));
+  }
+}
+
+// `speclab::dp_linear`: x [.., K] bf16 by a `dp_pack`ed weight [N, K] (+ bias b [N] bf16) -> [.., N] bf16
+static Tensor dp_linear(const Tensor& x, const Tensor& p, const OptT& b, int64_t N, int64_t K) {
+  TORCH_CHECK(dp_ok, "speclab::dp_linear: no AVX512-BF16 on this CPU (native.product_module)");
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && p.scalar_type() == at::kBFloat16 && p.dim() == 4 &&
+              x.device().is_cpu() && p.is_contiguous(), "speclab::dp_linear: bf16 rows by a dp_pack'ed weight");
+  const int64_t G = p.size(0), KP = p.size(1), M = x.numel() / std::max<int64_t>(K, 1);
+  TORCH_CHECK(x.dim() >= 1 && x.size(-1) == K && K > 0 && (K + 1) / 2 == KP && N > 0 && (N + 63) / 64 == G &&
+              p.size(2) == 64 && p.size(3) == 2, "speclab::dp_linear: the inputs' width or N does not match the packed weight");
+  TORCH_CHECK(!b.has_value() || (b->scalar_type() == at::kBFloat16 && b->numel() == N), "speclab::dp_linear: bias");
+  auto sizes = x.sizes().vec();
+  sizes.back() = N;
+  auto y = at::empty(sizes, x.options().memory_format(at::MemoryFormat::Contiguous));
+  if (M == 0) return y;
+  Tensor xs = x.reshape({M, K});
+  if (K % 2 || !xs.is_contiguous()) xs = at::constant_pad_nd(xs, {0, KP * 2 - K}).contiguous();  // a zero past K
+  auto bias = b.has_value() ? b->contiguous() : Tensor();
+  const uint32_t* xp = (const uint32_t*)xs.data_ptr();
+  const uint16_t* pp = (const uint16_t*)p.data_ptr();
+  const uint16_t* bp = b.has_value() ? (const uint16_t*)bias.data_ptr() : nullptr;
+  uint16_t* yp = (uint16_t*)y.data_ptr();
+  const int64_t KB = dp_block(K, M) / 2;
+  at::parallel_for(0, G, 1, [&](int64_t g0, int64_t g1) {  // blocks of outputs are independent: any split, same bits
+    alignas(64) float acc[6 * 64];
+    for (int64_t g = g0; g < g1; ++g) {
+      const uint16_t* blk = pp + g * KP * 128;
+      const int64_t n0 = g * 64, nn = std::min<int64_t>(64, N - n0);
+      for (int64_t m0 = 0; m0 < M; m0 += 6) {  // 6 rows at a time (24 sums in registers), the block's weights from
+        const int64_t R = std::min<int64_t>(6, M - m0);  // the cache after the first
+        const uint32_t* xr = xp + m0 * KP;
+        switch (R) {
+          case 6: dp_rows<6>(xr, KP, blk, KP, KB, acc); break;
+          case 5: dp_rows<5>(xr, KP, blk, KP, KB, acc); break;
+          case 4: dp_rows<4>(xr, KP, blk, KP, KB, acc); break;
+          case 3: dp_rows<3>(xr, KP, blk, KP, KB, acc); break;
+          case 2: dp_rows<2>(xr, KP, blk, KP, KB, acc); break;
+          default: dp_rows<1>(xr, KP, blk, KP, KB, acc);
+        }
+        for (int64_t r = 0; r < R; ++r) dp_round(acc + r * 64, bp ? bp + n0 : nullptr, yp + (m0 + r) * N + n0, nn);
+      }
+    }
+  });
+  return y;
+}
+
+// The native product this process multiplies bf16 by (`layers.linear`): "tiles" (AMX), else "dp" (AVX512-BF16),
+// else "" (none: oneDNN's prepacked copies)
+static std::string product_init() { return tile_init() ? "tiles" : dp_init() ? "dp" : ""; }
+
+// The weight packed for this process's native product (`product_init`)
+static Tensor native_pack(const Tensor& w) {
+  TORCH_CHECK(tile_ok || dp_ok, "native_pack: no native product in this process");
+  return tile_ok ? tile_pack(w) : dp_pack(w);
+}
+
+TORCH_LIBRARY(speclab, m) {
+  m.def("tile_linear(Tensor x, Tensor packed, Tensor? b, int n, int k) -> Tensor");
+  m.def("dp_linear(Tensor x, Tensor packed, Tensor? b, int n, int k) -> Tensor");
+}
+TORCH_LIBRARY_IMPL(speclab, CPU, m) {
+  m.impl("tile_linear", &tile_linear);
+  m.impl("dp_linear", &dp_linear);
+}
 
 // `layers.linear` (`layers.by_packed`): the product by Python's packed copy of the weight where it has one (the
-// tile product's, 6-D, up to `tile_max_rows` rows; oneDNN's prepacked layout up to `packed_max_rows`: `packed`, or
-// `wide` where `packed` is tiles), else F.linear
+// tile product's, 6-D, or the dot product's, 4-D, up to `tile_max_rows` rows; oneDNN's prepacked layout up to
+// `packed_max_rows`: `packed`, or `wide` where `packed` is a native product's), else F.linear
 static Tensor linear(const Tensor& x, const Tensor& w, const OptT& b, const OptT& packed, const OptT& wide) {
   OptT p = packed;
-  if (p.has_value() && p->dim() == 6) {  // through the dispatcher, as torch's ops: the profiler sees it
-    if (x.numel() <= tile_max_rows * x.size(-1)) {
-      static auto op = c10::Dispatcher::singleton().findSchemaOrThrow("speclab::tile_linear", "")
-                           .typed<Tensor(const Tensor&, const Tensor&, const OptT&, int64_t, int64_t)>();
-      return op.call(x, *p, b, w.size(0), w.size(1));
+  if (p.has_value() && (p->dim() == 6 || p->dim() == 4)) {  // through the dispatcher, as torch's ops: the profiler
+    if (x.numel() <= tile_max_rows * x.size(-1)) {         // sees them
+      using Op = Tensor(const Tensor&, const Tensor&, const OptT&, int64_t, int64_t);
+      static auto tiles = c10::Dispatcher::singleton().findSchemaOrThrow("speclab::tile_linear", "").typed<Op>();
+      static auto dp = c10::Dispatcher::singleton().findSchemaOrThrow("speclab::dp_linear", "").typed<Op>();
+      return (p->dim() == 6 ? tiles : dp).call(x, *p, b, w.size(0), w.size(1));
     }
     p = wide;
   }
@@ -471,7 +621,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm", &rms_norm, release());
   m.def("rope", &rope, release());
   m.def("set_fused", &set_fused);
-  m.def("tile_init", &tile_init);
+  m.def("product_init", &product_init);
   m.def("set_row_limits", &set_row_limits);
   m.def("tile_pack", &tile_pack, release());
+  m.def("dp_pack", &dp_pack, release());
+  m.def("native_pack", &native_pack, release());
 }

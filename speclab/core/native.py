@@ -9,8 +9,9 @@ in ATen's composite; `rms` and `rms_norm` offer it to Python's norms too) and th
 reproduces ATen's arithmetic element by element and leaves the one reduction to ATen's sum, so it is bitwise
 ATen's; `build` checks that once per process (`_fused_ops_agree`) and otherwise keeps ATen's ops.
 
-It also holds the bf16 product of a decode's few rows on AMX (`tile_pack`, `speclab::tile_linear`), which
-`layers.linear` uses through a packed copy of each weight where its products are F.linear's bits (`tile_module`).
+It also holds the bf16 product of a decode's few rows on AMX (`tile_pack`, `speclab::tile_linear`) and, on CPUs
+with AVX512-BF16 but no AMX, in its dot-product instructions (`dp_pack`, `speclab::dp_linear`), which
+`layers.linear` uses through a packed copy of each weight where its products are F.linear's bits (`product_module`).
 
 It is built once per machine and torch version with torch's C++ extension loader (a C++ compiler and ninja; about
 40 s; `native.main()` builds it ahead, as `scripts/setup.sh` does) into torch's extensions folder, with OpenMP (so
@@ -34,8 +35,8 @@ from speclab.core import layers as L
 
 SOURCE = Path(__file__).with_name("native.cpp")
 ENABLED = os.environ.get("SPECLAB_NATIVE", "1") != "0"
-# the AMX tile product (`native.cpp`'s `tile_linear`) for the bf16 products of `layers.linear`, Python's and the
-# native layers' alike; SPECLAB_TILES=0 in the environment (to compare): oneDNN's
+# the native products (`native.cpp`'s `tile_linear` on AMX, else `dp_linear` on AVX512-BF16) for the bf16 products of
+# `layers.linear`, Python's and the native layers' alike; SPECLAB_TILES=0 in the environment (to compare): oneDNN's
 TILES = os.environ.get("SPECLAB_TILES", "1") != "0"
 _state: dict[str, Any] = {}
 
@@ -64,18 +65,31 @@ def build(verbose: bool = False) -> Any:
     return mod
 
 
-def tile_module():
-    """The compiled module where its AMX tile product runs in this process (`layers.TILE_SOURCE`: its `tile_pack`
-    and the operator `speclab::tile_linear`), else None: `SPECLAB_NATIVE=0` or `SPECLAB_TILES=0`, no build, a CPU
-    without AMX, or a kernel that refuses the tile registers. Fixed for the process once asked, so that every
-    packed copy is of one kind (a test that turns `ENABLED` off later still multiplies alike)."""
-    if "tiles" not in _state:
+def product_module():
+    """The compiled module where one of its bf16 products runs in this process (`layers.NATIVE_SOURCE`: its
+    `native_pack` and the operator it packs for, `speclab::tile_linear` on AMX, else `speclab::dp_linear` on
+    AVX512-BF16; `product()` names it), else None: `SPECLAB_NATIVE=0` or `SPECLAB_TILES=0`, no build, a CPU with
+    neither, or AMX whose tile registers the kernel refuses and no AVX512-BF16. Fixed for the process once asked, so
+    that every packed copy is of one kind (a test that turns `ENABLED` off later still multiplies alike)."""
+    if "product" not in _state:
         mod = build() if ENABLED and TILES else None
-        _state["tiles"] = mod if mod is not None and mod.tile_init() else None
-    return _state["tiles"]
+        kind = mod.product_init() if mod is not None else ""
+        _state["product"] = (mod, kind) if kind else (None, "")
+    return _state["product"][0]
 
 
-L.TILE_SOURCE = tile_module
+def product() -> str:
+    """The native product `layers.linear` multiplies bf16 by in this process: "tiles", "dp" or "" (none)."""
+    product_module()
+    return _state["product"][1]
+
+
+def tile_module():
+    """`product_module()` where its product is the AMX tiles', else None."""
+    return product_module() if product() == "tiles" else None
+
+
+L.NATIVE_SOURCE = product_module
 
 
 def _fused_ops_agree(mod) -> bool:
@@ -134,10 +148,11 @@ def source_hash() -> str | None:
 
 def _copies(w: torch.Tensor, b: torch.Tensor | None = None) -> list:
     """The weight's two packed bf16 copies as `layers.by_packed` takes them: [its packed copy, oneDNN's copy for
-    calls above the tiles' rows where the first is tiles] (None where `layers.linear` uses none)."""
+    calls above the native product's rows where the first is that product's] (None where `layers.linear` uses
+    none)."""
     if L.PACKED and w.dtype is torch.bfloat16 and w.device.type == "cpu":
         packed = L._packed(w, b)
-        return [packed, L._wide(w, b) if packed is not None and packed.dim() == 6 else None]
+        return [packed, L._wide(w, b) if packed is not None and L.is_native(packed) else None]
     return [None, None]
 
 

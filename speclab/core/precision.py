@@ -129,7 +129,7 @@ def machine() -> dict:
     return {"cpu": name, "flags": hashlib.sha1(" ".join(sorted(flags)).encode()).hexdigest()[:12],
             "bf16": list(cpu_info()[1]), "cores": os.cpu_count(), "threads": torch.get_num_threads(),
             "torch": torch.__version__,
-            "linear": "F.linear" if not layers.PACKED else "tiles" if native.tile_module() is not None else "prepacked",
+            "linear": "F.linear" if not layers.PACKED else native.product() or "prepacked",
             "layers": native.mode(), "native_source": native.source_hash()}
 
 
