@@ -1,6 +1,7 @@
 """speclab.core.native: the decoder layers' loop run from C++ is bitwise the Python path's, for the target's lean
 forward and for the drafters that use it, in fp32 and bf16; and it is really used where a compiler is at hand."""
 import copy
+import math
 import shutil
 
 import pytest
@@ -272,3 +273,34 @@ def test_the_native_product_is_an_operator_the_byte_count_and_profiler_see():
             lean.forward(ids[:40], lean.new_cache(64))  # 40 rows
         names = {e.key for e in prof.key_averages()}
         assert "mkldnn::_linear_pointwise" in names and name not in names
+
+
+@needs_build
+def test_the_softmax_entropy_of_the_round_events_is_the_kernels_to_rounding():
+    """`native.softmax_entropy` (the trace's logsumexp and entropy of each verification row, two passes a row in
+    `native.cpp` where the CPU has AVX512F) equals `kernels.reference.softmax_entropy` up to fp32 rounding: rows of
+    the zoo's vocabulary and of widths that are not multiples of its 16 lanes, large logits, a flat row (entropy
+    log V) and a near one-hot one (entropy near 0); outside inference it is the kernels' op itself."""
+    from kernels import reference
+
+    g = torch.Generator().manual_seed(0)
+    with torch.inference_mode():
+        for v in (8192, 100, 17, 1):
+            for rows in (1, 9, 37):
+                x = torch.randn(rows, v, generator=g) * 6
+                x[0] = 0.0  # flat
+                if rows > 1 and v > 1:
+                    x[1, 0] = 60.0  # near one-hot
+                if rows > 2:
+                    x[2] += 1e4  # large logits
+                lse, ent = native.softmax_entropy(x)
+                ref_lse, ref_ent = reference.softmax_entropy(x)
+                assert lse.dtype == ent.dtype == torch.float32 and lse.shape == ent.shape == (rows,)
+                torch.testing.assert_close(lse, ref_lse, rtol=1e-6, atol=1e-5)
+                torch.testing.assert_close(ent, ref_ent, rtol=1e-5, atol=1e-5)
+                assert abs(ent[0].item() - math.log(v)) < 1e-5
+        bf16 = (torch.randn(3, 300, generator=g) * 6).bfloat16()
+        torch.testing.assert_close(native.softmax_entropy(bf16), reference.softmax_entropy(bf16), rtol=1e-5,
+                                   atol=1e-5)
+    x = torch.randn(2, 50, generator=g)
+    assert all(torch.equal(a, b) for a, b in zip(native.softmax_entropy(x), reference.softmax_entropy(x)))

@@ -40,7 +40,7 @@ from typing import NamedTuple
 
 import torch
 
-from kernels import ops as kernel_ops
+from speclab.core import native
 from speclab.core.lean import ConRows, Segment
 from speclab.core.pool import Committed, DrafterPool, feature_columns, feature_layers
 from speclab.core.protocol import Decision, Drafter, ExtraRows, FixedRouter, RoundView, Router, Signals
@@ -456,7 +456,7 @@ def round_event(rnd, name, tree, accepted, new, logits, bonus, timings, calls, b
     """What the listeners need, in five tensor ops over the verification logits (no host sync, no per-token
     work; under sampling one more over `probs`, the distributions verification tested against); `token_columns`
     derives the per-token figures from it, in batches."""
-    lse, ent = kernel_ops.softmax_entropy(logits)  # one pass over the vocabulary (a Triton kernel on CUDA)
+    lse, ent = native.softmax_entropy(logits)  # a Triton kernel on CUDA, native.cpp's two passes on a CPU
     rows = tree.parents + 1
     if tree.cands is not None:  # FlashHead: was the target's token (its argmax at the parent) retrieved?
         tree.extra["in_cands"] = (tree.cands == logits[rows].argmax(-1)[:, None]).any(-1).long()
@@ -469,8 +469,8 @@ def round_event(rnd, name, tree, accepted, new, logits, bonus, timings, calls, b
 
 
 def entropy(logits: torch.Tensor) -> torch.Tensor:
-    """Entropy (nats, T = 1) of every row of logits [..., V] (`kernels.ops.softmax_entropy`)."""
-    return kernel_ops.softmax_entropy(logits.reshape(-1, logits.shape[-1]))[1].reshape(logits.shape[:-1])
+    """Entropy (nats, T = 1) of every row of logits [..., V] (`kernels.ops.softmax_entropy`, `native`'s on a CPU)."""
+    return native.softmax_entropy(logits.reshape(-1, logits.shape[-1]))[1].reshape(logits.shape[:-1])
 
 
 def check_request(target: Target, prompt_ids: torch.Tensor, max_new_tokens: int) -> None:

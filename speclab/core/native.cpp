@@ -336,6 +336,67 @@ static Tensor dp_linear(const Tensor& x, const Tensor& p, const OptT& b, int64_t
   return y;
 }
 
+// ---- `kernels.reference.softmax_entropy` on the CPU, for the trace's round events ------------------------------------
+// The reference is seven ATen passes over the logits (log_softmax, two maxima, exp, a product, a sum): 20-80 us for
+// 1-9 rows of the zoo's 8,192 logits, most of a traced round's record time on the AMD EPYC. Here two passes a row:
+// its max m, then e = exp(x - m) summed (s) and times (x - m) summed (t): logsumexp = m + log s, entropy = log s - t / s.
+// Equal to the reference up to rounding (`tests/test_native.py`), not bit for bit: it sums in another order.
+static bool se_ok = false;
+
+static bool se_init() {
+  static const bool ok = __builtin_cpu_supports("avx512f");
+  se_ok = ok;
+  return ok;
+}
+
+// e^x for x <= 0, to within a few units in the last place: 2^n e^r with n = round(x / ln 2), |r| <= ln 2 / 2 (ln 2
+// in two parts), e^r by its Taylor polynomial to r^7 (relative error under 1e-8 there); x below -104: 0
+__attribute__((target("avx512f"))) static inline __m512 exp_nonpos(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-104.0f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.428606820309417e-6f), r);
+  __m512 p = _mm512_set1_ps(1.0f / 5040);
+  for (float c : {1.0f / 720, 1.0f / 120, 1.0f / 24, 1.0f / 6, 0.5f, 1.0f, 1.0f}) p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(c));
+  return _mm512_scalef_ps(p, n);
+}
+
+__attribute__((target("avx512f"))) static void se_row(const float* x, int64_t V, float* lse, float* ent) {
+  __m512 vm = _mm512_set1_ps(-INFINITY);
+  for (int64_t i = 0; i < V; i += 16) {
+    const __mmask16 k = V - i >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (V - i)) - 1);
+    vm = _mm512_max_ps(vm, _mm512_mask_loadu_ps(_mm512_set1_ps(-INFINITY), k, x + i));
+  }
+  const float m = _mm512_reduce_max_ps(vm);
+  const __m512 M = _mm512_set1_ps(m), lo = _mm512_set1_ps(-104.0f);
+  __m512 vs = _mm512_setzero_ps(), vt = _mm512_setzero_ps();
+  for (int64_t i = 0; i < V; i += 16) {  // lanes past V read -inf: e = 0 and e * max(d, -104) = 0
+    const __mmask16 k = V - i >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (V - i)) - 1);
+    const __m512 d = _mm512_sub_ps(_mm512_mask_loadu_ps(_mm512_set1_ps(-INFINITY), k, x + i), M);
+    const __m512 e = exp_nonpos(d);
+    vs = _mm512_add_ps(vs, e);
+    vt = _mm512_fmadd_ps(e, _mm512_max_ps(d, lo), vt);
+  }
+  const float ls = std::log(_mm512_reduce_add_ps(vs));
+  *lse = m + ls;
+  *ent = ls - _mm512_reduce_add_ps(vt) / _mm512_reduce_add_ps(vs);
+}
+
+// (logsumexp [R], entropy [R]) of rows of logits [R, V], in fp32
+static std::vector<Tensor> softmax_entropy(const Tensor& logits) {
+  TORCH_CHECK(se_ok && logits.dim() == 2 && logits.device().is_cpu(), "softmax_entropy: [R, V] CPU rows, AVX512F");
+  const Tensor x = logits.to(at::kFloat).contiguous();
+  const int64_t R = x.size(0), V = x.size(1);
+  auto lse = at::empty({R}, x.options()), ent = at::empty({R}, x.options());
+  const float* xp = x.data_ptr<float>();
+  float *lp = lse.data_ptr<float>(), *ep = ent.data_ptr<float>();
+  at::parallel_for(0, R, 1, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) se_row(xp + r * V, V, lp + r, ep + r);
+  });
+  return {lse, ent};
+}
+
 // The native product this process multiplies bf16 by (`layers.linear`): "tiles" (AMX), else "dp" (AVX512-BF16),
 // else "" (none: oneDNN's prepacked copies)
 static std::string product_init() { return tile_init() ? "tiles" : dp_init() ? "dp" : ""; }
@@ -622,6 +683,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rope", &rope, release());
   m.def("set_fused", &set_fused);
   m.def("product_init", &product_init);
+  m.def("se_init", &se_init);
+  m.def("softmax_entropy", &softmax_entropy, release());
   m.def("set_row_limits", &set_row_limits);
   m.def("tile_pack", &tile_pack, release());
   m.def("dp_pack", &dp_pack, release());
