@@ -304,3 +304,55 @@ def test_the_softmax_entropy_of_the_round_events_is_the_kernels_to_rounding():
                                    atol=1e-5)
     x = torch.randn(2, 50, generator=g)
     assert all(torch.equal(a, b) for a, b in zip(native.softmax_entropy(x), reference.softmax_entropy(x)))
+
+
+@needs_build
+@pytest.mark.skipif(native.attention_module() is None, reason="no native attention in this process (no AVX512-BF16)")
+def test_the_native_attention_is_as_close_as_the_fused_kernel_and_each_rows_alone():
+    """`speclab::attention` (`layers.attend` on a CPU outside autograd): for bf16 calls of 1 to 32 query rows over a
+    cache's strided keys, with grouped-query heads, no mask, a causal additive mask and a bool tree mask, every
+    output is within one bf16 rounding of the exact (fp64) attention, as close as torch's fused kernel is; each row
+    is the same bits alone as among the others (bool and additive masks alike). fp32, 4-D batches and more than 32
+    rows are the fused kernel's own bits."""
+    from speclab.core import layers
+
+    def exact(q, k, v, mask):
+        m = None if mask is None else (mask if mask.dtype is torch.bool else mask.double())
+        return F.scaled_dot_product_attention(q[None].double(), k[None].double(), v[None].double(), attn_mask=m,
+                                              scale=0.125, enable_gqa=q.shape[0] != k.shape[0])[0]
+
+    def fused(q, k, v, mask):
+        return F.scaled_dot_product_attention(q[None], k[None], v[None], attn_mask=mask, scale=0.125,
+                                              enable_gqa=q.shape[0] != k.shape[0])[0]
+
+    g = torch.Generator().manual_seed(0)
+    with torch.inference_mode():
+        for heads, kv, d in ((8, 4, 64), (4, 4, 32), (6, 2, 128)):
+            cache = torch.randn(2, kv, 300, d, generator=g).bfloat16()
+            for s, n in ((1, 1), (37, 1), (250, 1), (250, 5), (40, 32), (17, 9)):
+                q = torch.randn(heads, n, d, generator=g).bfloat16()
+                k, v = cache[0, :, :s], cache[1, :, :s]  # views into a longer cache, as a decode reads it
+                see = torch.rand(n, s, generator=g) < 0.7
+                see[:, 0] = True
+                for mask in (None, layers.causal_mask(n, s, dtype=torch.bfloat16), see):
+                    got = torch.ops.speclab.attention(q, k, v, mask, 0.125)
+                    ref, ours_err = exact(q, k, v, mask), None
+                    ulp = ref.abs().clamp(min=1e-3) * 2**-7  # one bf16 rounding
+                    ours_err = (got.double() - ref).abs()
+                    assert (ours_err <= ulp).all(), (heads, s, n, ours_err.max())
+                    assert ours_err.mean() <= (fused(q, k, v, mask).double() - ref).abs().mean() * 1.1
+                    for i in (0, n - 1):  # a row alone
+                        alone = torch.ops.speclab.attention(q[:, i : i + 1], k, v,
+                                                            None if mask is None else mask[i : i + 1], 0.125)
+                        assert torch.equal(alone[:, 0], got[:, i])
+                    assert torch.equal(layers.attend(q, k, v, mask, 0.125), got)
+                if n > 1:
+                    add = torch.zeros(n, s).masked_fill_(~see, float("-inf")).bfloat16()
+                    assert torch.equal(torch.ops.speclab.attention(q, k, v, add, 0.125),
+                                       torch.ops.speclab.attention(q, k, v, see, 0.125))
+        q, k = torch.randn(8, 40, 64, generator=g), torch.randn(4, 60, 64, generator=g)
+        for args in ((q, k, k), (q.bfloat16(), k.bfloat16(), k.bfloat16())):  # fp32; 40 rows
+            assert torch.equal(torch.ops.speclab.attention(*args, None, 0.125), fused(*args, None))
+        q4, k4 = q[None, :, :3].bfloat16(), k[None].bfloat16()  # a 4-D batch
+        assert torch.equal(torch.ops.speclab.attention(q4, k4, k4, None, 0.125),
+                           F.scaled_dot_product_attention(q4, k4, k4, scale=0.125, enable_gqa=True))

@@ -47,6 +47,9 @@ TILE_ROWS = 32  # the most rows a native product takes (oneDNN's AMX product of 
 # `speclab.core.native` sets this to a function that returns its compiled module where one of its products runs in
 # this process (AMX tiles the kernel lets it use, or AVX512-BF16), else None
 NATIVE_SOURCE: Callable[[], Any] | None = None
+# `speclab.core.native` sets this to a function that returns its compiled module where its attention runs in this
+# process (`attend`), else None
+ATTENTION_SOURCE: Callable[[], Any] | None = None
 # a native product's copy by its dims: the operator that multiplies by it
 _NATIVE_OPS = {6: "tile_linear", 4: "dp_linear"}
 _PACKED_LINEAR: Any
@@ -207,7 +210,13 @@ def _swap_halves(x: torch.Tensor) -> torch.Tensor:
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float) -> torch.Tensor:
     """Attention of queries q [.., heads, n, D] over keys and values [.., kv_heads, slots, D] (grouped-query when
     kv_heads < heads) under `mask` ([.., n, slots]: bool, True = seen, or additive; None: every slot), through
-    torch's fused kernel. A 3-D call runs as a batch of one: the fused CPU kernel takes 4-D inputs only."""
+    torch's fused kernel. A 3-D call runs as a batch of one: the fused CPU kernel takes 4-D inputs only. On a CPU
+    outside autograd where `native.cpp`'s attention runs (`ATTENTION_SOURCE`), through its operator
+    `speclab::attention`: a bf16 decode's few query rows by its own loop (the fused kernel's cost grows 4x from 20 to
+    200 keys; docs/ARCHITECTURE.md), everything else the fused kernel as here."""
+    if q.device.type == "cpu" and not torch.is_grad_enabled() and ATTENTION_SOURCE is not None \
+            and ATTENTION_SOURCE() is not None:
+        return torch.ops.speclab.attention(q, k, v, mask, scale)
     gqa = q.shape[-3] != k.shape[-3]
     if gqa and mask is not None and q.is_cuda:  # CUDA's kernels take a mask or enable_gqa, not both (the math
         # fallback then: a dozen kernels per call, measured on an H200), so the kv heads are repeated instead

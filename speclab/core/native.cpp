@@ -397,6 +397,110 @@ static std::vector<Tensor> softmax_entropy(const Tensor& logits) {
   return {lse, ent};
 }
 
+// ---- Attention of a decode's few bf16 query rows over a cache, for `layers.attend` ------------------------------------
+// torch's fused CPU kernel (`_scaled_dot_product_flash_attention_for_cpu`) costs 16 us for one query row over 20
+// keys (the zoo target's 8 heads of 64 over 4 kv heads) and grows to 73 us over 200 keys and 184 over 500: at the
+// zoo's contexts a third of the target's 1-row call (AMD EPYC). Here each query row alone: its scores in fp32
+// (VDPBF16PS over pairs of dimensions) times the scale, plus the mask; their max m; p = exp(s - m) (`exp_nonpos`) and
+// l = sum p; the output sum_j p_j v_j / l in fp32, rounded once to bf16. Not bit for bit the fused kernel (which
+// rounds p to bf16 before its second product and sums in other orders): its bf16 outputs differ in the last bit
+// now and then, as a batch of another size does (`tests/test_native.py`). fp32, autograd, 4-D batches, more than
+// `ATTN_ROWS` rows, head sizes that are not a multiple of 32 up to 256 and masks of other shapes take the fused
+// kernel, so fp32 outputs are unchanged. Every row is the same instructions whatever the other rows are.
+static bool attn_ok = false;
+static constexpr int64_t ATTN_ROWS = 32;
+
+static bool attn_init() {
+  attn_ok = dp_init();  // the same instructions as the dot product
+  return attn_ok;
+}
+
+// One query row q [D] of one head over keys k, values v (S rows each, `ks` / `vs` elements apart) with additive mask
+// row `madd` [S] (or none) -> out [D] bf16; `sbuf` [S] fp32 scratch
+__attribute__((target("avx512f,avx512bf16,avx512bw,avx512vl"))) static void attn_row(
+    const uint16_t* q, const uint16_t* k, int64_t ks, const uint16_t* v, int64_t vs, int64_t S, int64_t D,
+    const float* madd, float scale, float* sbuf, uint16_t* out) {
+  const int64_t C = D / 32;  // 32 dimensions (16 pairs) a register
+  __m512bh qv[8];
+  for (int64_t c = 0; c < C; ++c) qv[c] = (__m512bh)_mm512_loadu_si512(q + 32 * c);
+  float m = -INFINITY;
+  for (int64_t j = 0; j < S; ++j) {
+    const uint16_t* kj = k + j * ks;
+    __m512 acc = _mm512_dpbf16_ps(_mm512_setzero_ps(), qv[0], (__m512bh)_mm512_loadu_si512(kj));
+    for (int64_t c = 1; c < C; ++c) acc = _mm512_dpbf16_ps(acc, qv[c], (__m512bh)_mm512_loadu_si512(kj + 32 * c));
+    float sj = _mm512_reduce_add_ps(acc) * scale;
+    if (madd) sj += madd[j];
+    sbuf[j] = sj;
+    m = std::max(m, sj);
+  }
+  const __m512 M = _mm512_set1_ps(m);
+  __m512 vl = _mm512_setzero_ps();
+  for (int64_t j = 0; j < S; j += 16) {
+    const __mmask16 msk = S - j >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (S - j)) - 1);
+    const __m512 e = exp_nonpos(_mm512_sub_ps(_mm512_mask_loadu_ps(_mm512_set1_ps(-INFINITY), msk, sbuf + j), M));
+    _mm512_mask_storeu_ps(sbuf + j, msk, e);
+    vl = _mm512_add_ps(vl, e);
+  }
+  __m512 o[16];
+  for (int64_t c = 0; c < 2 * C; ++c) o[c] = _mm512_setzero_ps();
+  for (int64_t j = 0; j < S; ++j) {
+    const __m512 pj = _mm512_set1_ps(sbuf[j]);
+    const uint16_t* vj = v + j * vs;
+    for (int64_t c = 0; c < 2 * C; ++c)
+      o[c] = _mm512_fmadd_ps(pj, _mm512_castsi512_ps(_mm512_slli_epi32(
+                                     _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)(vj + 16 * c))), 16)),
+                             o[c]);
+  }
+  const __m512 inv = _mm512_set1_ps(1.0f / _mm512_reduce_add_ps(vl));
+  alignas(64) float res[256];
+  for (int64_t c = 0; c < 2 * C; ++c) _mm512_store_ps(res + 16 * c, _mm512_mul_ps(o[c], inv));
+  dp_round(res, nullptr, out, D);
+}
+
+// `layers.attend` on a CPU outside autograd: queries q [.., heads, n, D] over keys and values [.., kv_heads, S, D]
+// under `mask` ([.., n, S] bool, True = seen, or additive; None: every key). bf16 3-D calls of up to `ATTN_ROWS`
+// rows by `attn_row`; everything else torch's fused kernel, as `layers.attend` calls it
+static Tensor attention(const Tensor& q, const Tensor& k, const Tensor& v, const OptT& mask, double scale) {
+  const bool gqa = q.size(-3) != k.size(-3);
+  const bool fast = attn_ok && q.dim() == 3 && k.dim() == 3 && v.dim() == 3 && q.device().is_cpu() &&
+                    q.scalar_type() == at::kBFloat16 && k.scalar_type() == at::kBFloat16 &&
+                    v.scalar_type() == at::kBFloat16 && q.size(1) <= ATTN_ROWS && q.size(2) % 32 == 0 &&
+                    q.size(2) <= 256 && k.size(2) == q.size(2) && v.size(2) == q.size(2) && k.size(1) == v.size(1) &&
+                    k.size(0) == v.size(0) && q.size(0) % k.size(0) == 0 && k.size(1) > 0 && k.stride(2) == 1 &&
+                    v.stride(2) == 1 &&
+                    (!mask.has_value() || (mask->dim() == 2 && mask->size(0) == q.size(1) &&
+                                           mask->size(1) == k.size(1) && (mask->scalar_type() == at::kBool ||
+                                           mask->scalar_type() == at::kBFloat16 || mask->scalar_type() == at::kFloat)));
+  if (!fast) {
+    if (q.dim() == 3)
+      return at::scaled_dot_product_attention(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), mask, 0.0, false, scale,
+                                              gqa).squeeze(0);
+    return at::scaled_dot_product_attention(q, k, v, mask, 0.0, false, scale, gqa);
+  }
+  const int64_t H = q.size(0), n = q.size(1), D = q.size(2), KV = k.size(0), S = k.size(1), G = H / KV;
+  const Tensor qc = q.contiguous();
+  Tensor madd;
+  if (mask.has_value())
+    madd = mask->scalar_type() == at::kBool
+               ? at::zeros({n, S}, q.options().dtype(at::kFloat)).masked_fill_(mask->logical_not(), -INFINITY)
+               : mask->to(at::kFloat).contiguous();
+  auto out = at::empty({H, n, D}, q.options());
+  const uint16_t* qp = (const uint16_t*)qc.data_ptr();
+  const uint16_t* kp = (const uint16_t*)k.data_ptr();
+  const uint16_t* vp = (const uint16_t*)v.data_ptr();
+  const float* mp = mask.has_value() ? madd.data_ptr<float>() : nullptr;
+  uint16_t* op = (uint16_t*)out.data_ptr();
+  at::parallel_for(0, H * n, 1, [&](int64_t a, int64_t b) {  // rows are independent: any split, same bits
+    std::vector<float> sbuf(S + 16);
+    for (int64_t t = a; t < b; ++t) {
+      const int64_t h = t / n, i = t % n, g = h / G;
+      attn_row(qp + (h * n + i) * D, kp + g * k.stride(0), k.stride(1), vp + g * v.stride(0), v.stride(1), S, D,
+               mp ? mp + i * S : nullptr, (float)scale, sbuf.data(), op + (h * n + i) * D);
+    }
+  });
+  return out;
+}
+
 // The native product this process multiplies bf16 by (`layers.linear`): "tiles" (AMX), else "dp" (AVX512-BF16),
 // else "" (none: oneDNN's prepacked copies)
 static std::string product_init() { return tile_init() ? "tiles" : dp_init() ? "dp" : ""; }
@@ -410,10 +514,12 @@ static Tensor native_pack(const Tensor& w) {
 TORCH_LIBRARY(speclab, m) {
   m.def("tile_linear(Tensor x, Tensor packed, Tensor? b, int n, int k) -> Tensor");
   m.def("dp_linear(Tensor x, Tensor packed, Tensor? b, int n, int k) -> Tensor");
+  m.def("attention(Tensor q, Tensor k, Tensor v, Tensor? mask, float scale) -> Tensor");
 }
 TORCH_LIBRARY_IMPL(speclab, CPU, m) {
   m.impl("tile_linear", &tile_linear);
   m.impl("dp_linear", &dp_linear);
+  m.impl("attention", &attention);
 }
 
 // `layers.linear` (`layers.by_packed`): the product by Python's packed copy of the weight where it has one (the
@@ -554,9 +660,7 @@ static Tensor rope(const Tensor& x, const Tensor& cos, const Tensor& sin) {
 
 // `layers.attend` of queries [heads, n, D] over layer i's cache slots [0, end) (`lean.KVCache.attend`)
 static Tensor attend(const Tensor& q, const Tensor& ck, const Tensor& cv, int64_t end, const OptT& mask, double scale) {
-  bool gqa = q.size(-3) != ck.size(-3);
-  return at::scaled_dot_product_attention(q.unsqueeze(0), ck.slice(1, 0, end).unsqueeze(0),
-                                          cv.slice(1, 0, end).unsqueeze(0), mask, 0.0, false, scale, gqa).squeeze(0);
+  return attention(q, ck.slice(1, 0, end), cv.slice(1, 0, end), mask, scale);
 }
 
 // The attention step of layer i over one or several sequences' caches (`LeanDecoder._mix`, `lean.mix_many`): rows
@@ -684,6 +788,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("set_fused", &set_fused);
   m.def("product_init", &product_init);
   m.def("se_init", &se_init);
+  m.def("attn_init", &attn_init);
   m.def("softmax_entropy", &softmax_entropy, release());
   m.def("set_row_limits", &set_row_limits);
   m.def("tile_pack", &tile_pack, release());

@@ -63,6 +63,8 @@ def build(verbose: bool = False) -> Any:
         mod.set_fused(_fused_ops_agree(mod))
         mod.set_row_limits(L.TILE_ROWS, L.CHECK_ROWS[-1])
     _state["module"] = mod
+    if mod is not None:
+        attention_module()  # decided now: the native layers' attention (C++) reads it as Python's `layers.attend` does
     return mod
 
 
@@ -85,12 +87,29 @@ def product() -> str:
     return _state["product"][1]
 
 
+# `native.cpp`'s attention of a decode's few bf16 query rows (`speclab::attention`) for `layers.attend`, Python's and
+# the native layers' alike; SPECLAB_ATTENTION=0 in the environment (to compare): torch's fused kernel
+ATTENTION = os.environ.get("SPECLAB_ATTENTION", "1") != "0"
+
+
+def attention_module():
+    """The compiled module where its attention (`speclab::attention`: bf16 3-D calls of up to 32 query rows, the
+    rest torch's fused kernel as before) runs in this process (`layers.ATTENTION_SOURCE`), else None:
+    `SPECLAB_NATIVE=0` or `SPECLAB_ATTENTION=0`, no build, a CPU without AVX512-BF16. Fixed for the process once
+    asked, like `product_module`, so that Python's layers and the native ones attend alike."""
+    if "attention" not in _state:
+        mod = build() if ENABLED and ATTENTION else None
+        _state["attention"] = mod if mod is not None and mod.attn_init() else None
+    return _state["attention"]
+
+
 def tile_module():
     """`product_module()` where its product is the AMX tiles', else None."""
     return product_module() if product() == "tiles" else None
 
 
 L.NATIVE_SOURCE = product_module
+L.ATTENTION_SOURCE = attention_module
 
 
 def softmax_entropy(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
