@@ -120,9 +120,9 @@ def family(method: str) -> str:
 
 def machine() -> dict:
     """What the decision depends on besides the models: CPU model, a hash of all its flags, cores, threads, torch,
-    how bf16 matmuls run (`speclab.core.layers.linear`: AMX tiles, oneDNN's prepacked layout or F.linear) and
-    whether the layers run from C++ (`speclab.core.native`), and from which source (a change to it measures
-    again)."""
+    how bf16 matmuls run (`speclab.core.layers.linear`: AMX tiles, AVX512-BF16 dot products, oneDNN's prepacked
+    layout or F.linear) and attention (`layers.attend`: `native.cpp`'s or torch's fused kernel), and whether the
+    layers run from C++ (`speclab.core.native`), and from which source (a change to it measures again)."""
     import hashlib
     import os
     name, flags = _cpu()
@@ -130,6 +130,7 @@ def machine() -> dict:
             "bf16": list(cpu_info()[1]), "cores": os.cpu_count(), "threads": torch.get_num_threads(),
             "torch": torch.__version__,
             "linear": "F.linear" if not layers.PACKED else native.product() or "prepacked",
+            "attention": "native" if native.attention_module() is not None else "fused",
             "layers": native.mode(), "native_source": native.source_hash()}
 
 
