@@ -62,10 +62,10 @@ except (AttributeError, RuntimeError):  # a torch built without oneDNN: F.linear
 def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
     """`F.linear(x, w, b)`, bitwise. A bf16 call on a CPU outside autograd multiplies by a copy of w packed once:
     F.linear reorders the weight on every call, which on the zoo's shapes (1-16 rows) is a third to half of the
-    call, and oneDNN's product of a few rows costs 1.4-1.6x what `native.cpp`'s AMX tile product costs, and up to
-    3-4x what its AVX512-BF16 product costs on a CPU without AMX (measured: docs/ARCHITECTURE.md "Prepacked
-    weights"). The copy is checked against F.linear when it is made, and a weight whose packed product differs in
-    any bit (or a torch and CPU with no product) keeps F.linear."""
+    call, and oneDNN's product of a few rows costs 1.4-1.6x what `native.cpp`'s AMX tile product costs, and 1.5-3x
+    what its AVX512-BF16 product costs on a CPU without AMX (measured: docs/ARCHITECTURE.md "Prepacked weights").
+    The copy is checked against F.linear when it is made, and a weight whose packed product differs in any bit (or a
+    torch and CPU with no product) keeps F.linear."""
     if PACKED and w.dtype is torch.bfloat16 and x.dtype is torch.bfloat16 and w.device.type == "cpu" \
             and not torch.is_grad_enabled():
         packed = _packed(w, b)
@@ -111,8 +111,8 @@ def is_native(packed: torch.Tensor) -> bool:
 def _wide(w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor | None:
     """oneDNN's copy of w beside its native copy, for calls of more rows than the native product takes (a
     verification of a big tree, a batch of many requests, a prefill), made on first use and kept on w like
-    `_packed`'s; None where its
-    products are not F.linear's bits at `CHECK_ROWS` above `TILE_ROWS`, or there is no oneDNN."""
+    `_packed`'s; None where its products are not F.linear's bits at `CHECK_ROWS` above `TILE_ROWS`, or there is no
+    oneDNN."""
     return _kept(w, "_speclab_wide",
                  lambda: _onednn(w, b, (TILE_ROWS + 1, *[r for r in CHECK_ROWS if r > TILE_ROWS])))
 

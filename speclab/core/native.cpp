@@ -204,9 +204,9 @@ static Tensor tile_linear(const Tensor& x, const Tensor& p, const OptT& b, int64
 }
 
 // ---- The dot product: bf16 x [M, K] times a weight [N, K] in AVX512-BF16, for `layers.linear` where there is no AMX -
-// On the AMD EPYC (avx512_bf16, no AMX) oneDNN's product of a decode's few rows costs 3-4x what its arithmetic costs
-// on the zoo's small weights (13 us for a 512 x 512 weight at one row, 4 us here: `scripts/linear_bench.py`), its
-// per-call set-up again. This is oneDNN's arithmetic on that CPU without it: each output a sum of input pairs in
+// On the AMD EPYC (avx512_bf16, no AMX) oneDNN's product of a decode's few rows costs 2-3x what this one does on
+// the zoo's weights (16 us for a 512 x 512 weight at one row, 6 us here: `scripts/linear_bench.py`), its per-call
+// set-up again. This is oneDNN's arithmetic on that CPU without it: each output a sum of input pairs in
 // input order by VDPBF16PS, 16 outputs to a register, in blocks of `dp_block` inputs, each block summed from zero and
 // added to the total as oneDNN's kernel blocks them there (one row: blocks of 512; more rows: 512 up to 1024 inputs,
 // else 1024; measured bit for bit against F.linear at 6 widths from 576 to 3072, 1-64 rows, 1 and 2 threads, on
@@ -403,8 +403,8 @@ static std::vector<Tensor> softmax_entropy(const Tensor& logits) {
 // zoo's contexts a third of the target's 1-row call (AMD EPYC). Here each query row alone: its scores in fp32
 // (VDPBF16PS over pairs of dimensions) times the scale, plus the mask; their max m; p = exp(s - m) (`exp_nonpos`) and
 // l = sum p; the output sum_j p_j v_j / l in fp32, rounded once to bf16. Not bit for bit the fused kernel (which
-// rounds p to bf16 before its second product and sums in other orders): its bf16 outputs differ in the last bit
-// now and then, as a batch of another size does (`tests/test_native.py`). fp32, autograd, 4-D batches, more than
+// sums in other orders and blocks): 30-40% of the bf16 outputs differ from its in the last bit, each within one bf16
+// rounding of the exact (fp64) attention, as its are (`tests/test_native.py`). fp32, autograd, 4-D batches, more than
 // `ATTN_ROWS` rows, head sizes that are not a multiple of 32 up to 256 and masks of other shapes take the fused
 // kernel, so fp32 outputs are unchanged. Every row is the same instructions whatever the other rows are.
 static bool attn_ok = false;
