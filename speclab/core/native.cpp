@@ -161,28 +161,43 @@ __attribute__((target("amx-tile,amx-bf16"))) static void tile_rows2(const uint16
   _tile_release();
 }
 
+// What both packed products (`tile_linear`, `dp_linear`) start from: x's M rows as xs [M, Kp] (contiguous, zeros
+// past K; undefined when M is 0), the output y [.., N] (contiguous) and the bias (contiguous; undefined without one)
+struct ProductIO {
+  Tensor xs, y, bias;
+  int64_t M;
+};
+
+static ProductIO product_io(const Tensor& x, const OptT& b, int64_t N, int64_t K, int64_t Kp) {
+  auto sizes = x.sizes().vec();
+  sizes.back() = N;
+  ProductIO io{Tensor(), at::empty(sizes, x.options().memory_format(at::MemoryFormat::Contiguous)),
+               b.has_value() ? b->contiguous() : Tensor(), x.numel() / std::max<int64_t>(K, 1)};
+  if (io.M > 0) {
+    io.xs = x.reshape({io.M, K});
+    if (K != Kp || !io.xs.is_contiguous()) io.xs = at::constant_pad_nd(io.xs, {0, Kp - K}).contiguous();
+  }
+  return io;
+}
+
 // `speclab::tile_linear`: x [.., K] bf16 by a `tile_pack`ed weight [N, K] (+ bias b [N] bf16) -> [.., N] bf16
 static Tensor tile_linear(const Tensor& x, const Tensor& p, const OptT& b, int64_t N, int64_t K) {
   TORCH_CHECK(tile_ok, "speclab::tile_linear: no AMX tiles in this process (native.tile_module)");
   TORCH_CHECK(x.scalar_type() == at::kBFloat16 && p.scalar_type() == at::kBFloat16 && p.dim() == 6 &&
               x.device().is_cpu() && p.is_contiguous(), "speclab::tile_linear: bf16 rows by a tile_pack'ed weight");
-  const int64_t G = p.size(0), KC = p.size(1), Kp = KC * 32, M = x.numel() / std::max<int64_t>(K, 1);
+  const int64_t G = p.size(0), KC = p.size(1), Kp = KC * 32;
   TORCH_CHECK(x.dim() >= 1 && x.size(-1) == K && K > 0 && (K + 31) / 32 == KC && N > 0 && (N + 63) / 64 == G,
               "speclab::tile_linear: the inputs' width or N does not match the packed weight");
   TORCH_CHECK(!b.has_value() || (b->scalar_type() == at::kBFloat16 && b->numel() == N), "speclab::tile_linear: bias");
-  auto sizes = x.sizes().vec();
-  sizes.back() = N;
-  auto y = at::empty(sizes, x.options().memory_format(at::MemoryFormat::Contiguous));
-  if (M == 0) return y;
-  Tensor xs = x.reshape({M, K});
-  if (K != Kp || !xs.is_contiguous()) xs = at::constant_pad_nd(xs, {0, Kp - K}).contiguous();  // zeros past K
+  const ProductIO io = product_io(x, b, N, K, Kp);
+  const int64_t M = io.M;
+  if (M == 0) return io.y;
   auto acc = at::empty({M, G * 64}, x.options().dtype(at::kFloat));
-  auto bias = b.has_value() ? b->contiguous() : Tensor();
-  const uint16_t* xp = (const uint16_t*)xs.data_ptr();
+  const uint16_t* xp = (const uint16_t*)io.xs.data_ptr();
   const uint16_t* pp = (const uint16_t*)p.data_ptr();
-  const at::BFloat16* bp = b.has_value() ? bias.data_ptr<at::BFloat16>() : nullptr;
+  const at::BFloat16* bp = b.has_value() ? io.bias.data_ptr<at::BFloat16>() : nullptr;
   float* ap = acc.data_ptr<float>();
-  at::BFloat16* yp = y.data_ptr<at::BFloat16>();
+  at::BFloat16* yp = io.y.data_ptr<at::BFloat16>();
   at::parallel_for(0, G, 1, [&](int64_t g0, int64_t g1) {  // blocks of outputs are independent: any split, same bits
     for (int64_t m0 = 0; m0 < M; m0 += 32) {  // 32 rows at a time: two row tiles sharing each weight tile
       if (M - m0 > 16)
@@ -200,7 +215,7 @@ static Tensor tile_linear(const Tensor& x, const Tensor& p, const OptT& b, int64
         for (int64_t n = n0; n < n1; ++n) out[n] = store<at::BFloat16>(a[n]);
     }
   });
-  return y;
+  return io.y;
 }
 
 // ---- The dot product: bf16 x [M, K] times a weight [N, K] in AVX512-BF16, for `layers.linear` where there is no AMX -
@@ -276,11 +291,14 @@ __attribute__((target("avx512f,avx512bf16"))) static void dp_rows(const uint32_t
     for (int j = 0; j < 4; ++j) _mm512_storeu_ps(acc + r * 64 + j * 16, tot[r][j]);
 }
 
+// The lanes of a 16-wide step that hold elements, `left` of them still to go
+static inline __mmask16 lanes(int64_t left) { return left >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << left) - 1); }
+
 // acc [n] fp32 (+ bias b [n] bf16) -> out [n] bf16, rounded as `store` rounds (to nearest even, NaN to a quiet NaN)
 __attribute__((target("avx512f,avx512bw,avx512vl"))) static void dp_round(const float* acc, const uint16_t* b,
                                                                           uint16_t* out, int64_t n) {
   for (int64_t i = 0; i < n; i += 16) {
-    const __mmask16 m = n - i >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (n - i)) - 1);
+    const __mmask16 m = lanes(n - i);
     __m512 v = _mm512_maskz_loadu_ps(m, acc + i);
     if (b) v = _mm512_add_ps(v, _mm512_castsi512_ps(_mm512_slli_epi32(
                                     _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, b + i)), 16)));
@@ -297,21 +315,18 @@ static Tensor dp_linear(const Tensor& x, const Tensor& p, const OptT& b, int64_t
   TORCH_CHECK(dp_ok, "speclab::dp_linear: no AVX512-BF16 on this CPU (native.product_module)");
   TORCH_CHECK(x.scalar_type() == at::kBFloat16 && p.scalar_type() == at::kBFloat16 && p.dim() == 4 &&
               x.device().is_cpu() && p.is_contiguous(), "speclab::dp_linear: bf16 rows by a dp_pack'ed weight");
-  const int64_t G = p.size(0), KP = p.size(1), M = x.numel() / std::max<int64_t>(K, 1);
+  const int64_t G = p.size(0), KP = p.size(1);
   TORCH_CHECK(x.dim() >= 1 && x.size(-1) == K && K > 0 && (K + 1) / 2 == KP && N > 0 && (N + 63) / 64 == G &&
-              p.size(2) == 64 && p.size(3) == 2, "speclab::dp_linear: the inputs' width or N does not match the packed weight");
+                  p.size(2) == 64 && p.size(3) == 2,
+              "speclab::dp_linear: the inputs' width or N does not match the packed weight");
   TORCH_CHECK(!b.has_value() || (b->scalar_type() == at::kBFloat16 && b->numel() == N), "speclab::dp_linear: bias");
-  auto sizes = x.sizes().vec();
-  sizes.back() = N;
-  auto y = at::empty(sizes, x.options().memory_format(at::MemoryFormat::Contiguous));
-  if (M == 0) return y;
-  Tensor xs = x.reshape({M, K});
-  if (K % 2 || !xs.is_contiguous()) xs = at::constant_pad_nd(xs, {0, KP * 2 - K}).contiguous();  // a zero past K
-  auto bias = b.has_value() ? b->contiguous() : Tensor();
-  const uint32_t* xp = (const uint32_t*)xs.data_ptr();
+  const ProductIO io = product_io(x, b, N, K, KP * 2);
+  const int64_t M = io.M;
+  if (M == 0) return io.y;
+  const uint32_t* xp = (const uint32_t*)io.xs.data_ptr();
   const uint16_t* pp = (const uint16_t*)p.data_ptr();
-  const uint16_t* bp = b.has_value() ? (const uint16_t*)bias.data_ptr() : nullptr;
-  uint16_t* yp = (uint16_t*)y.data_ptr();
+  const uint16_t* bp = b.has_value() ? (const uint16_t*)io.bias.data_ptr() : nullptr;
+  uint16_t* yp = (uint16_t*)io.y.data_ptr();
   const int64_t KB = dp_block(K, M) / 2;
   at::parallel_for(0, G, 1, [&](int64_t g0, int64_t g1) {  // blocks of outputs are independent: any split, same bits
     alignas(64) float acc[6 * 64];
@@ -333,7 +348,7 @@ static Tensor dp_linear(const Tensor& x, const Tensor& p, const OptT& b, int64_t
       }
     }
   });
-  return y;
+  return io.y;
 }
 
 // ---- `kernels.reference.softmax_entropy` on the CPU, for the trace's round events ------------------------------------
@@ -365,14 +380,14 @@ __attribute__((target("avx512f"))) static inline __m512 exp_nonpos(__m512 x) {
 __attribute__((target("avx512f"))) static void se_row(const float* x, int64_t V, float* lse, float* ent) {
   __m512 vm = _mm512_set1_ps(-INFINITY);
   for (int64_t i = 0; i < V; i += 16) {
-    const __mmask16 k = V - i >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (V - i)) - 1);
+    const __mmask16 k = lanes(V - i);
     vm = _mm512_max_ps(vm, _mm512_mask_loadu_ps(_mm512_set1_ps(-INFINITY), k, x + i));
   }
   const float m = _mm512_reduce_max_ps(vm);
   const __m512 M = _mm512_set1_ps(m), lo = _mm512_set1_ps(-104.0f);
   __m512 vs = _mm512_setzero_ps(), vt = _mm512_setzero_ps();
   for (int64_t i = 0; i < V; i += 16) {  // lanes past V read -inf: e = 0 and e * max(d, -104) = 0
-    const __mmask16 k = V - i >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (V - i)) - 1);
+    const __mmask16 k = lanes(V - i);
     const __m512 d = _mm512_sub_ps(_mm512_mask_loadu_ps(_mm512_set1_ps(-INFINITY), k, x + i), M);
     const __m512 e = exp_nonpos(d);
     vs = _mm512_add_ps(vs, e);
@@ -436,7 +451,7 @@ __attribute__((target("avx512f,avx512bf16,avx512bw,avx512vl"))) static void attn
   const __m512 M = _mm512_set1_ps(m);
   __m512 vl = _mm512_setzero_ps();
   for (int64_t j = 0; j < S; j += 16) {
-    const __mmask16 msk = S - j >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (S - j)) - 1);
+    const __mmask16 msk = lanes(S - j);
     const __m512 e = exp_nonpos(_mm512_sub_ps(_mm512_mask_loadu_ps(_mm512_set1_ps(-INFINITY), msk, sbuf + j), M));
     _mm512_mask_storeu_ps(sbuf + j, msk, e);
     vl = _mm512_add_ps(vl, e);
