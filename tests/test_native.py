@@ -312,6 +312,64 @@ def test_the_softmax_entropy_of_the_round_events_is_the_kernels_to_rounding():
     assert all(torch.equal(a, b) for a, b in zip(native.softmax_entropy(x), reference.softmax_entropy(x)))
 
 
+def test_the_native_layers_weights_are_made_again_after_a_change_in_place():
+    """`native.decoder_weights` keeps a layer's weights (and their packed copies) between calls, checking only the
+    tensors' versions; a weight changed in place (a training step) makes them again, with the new values."""
+    from speclab.core.layers import DecoderLayer
+
+    layer = DecoderLayer(64, 128, 4, 2, 16, 1e-6).to(torch.bfloat16)
+    first = native.decoder_weights(layer)
+    assert native.decoder_weights(layer) is first
+    with torch.no_grad():
+        layer.mlp.down_proj.weight.mul_(2)
+    second = native.decoder_weights(layer)
+    assert second is not first and any(t is layer.mlp.down_proj.weight for t in second)
+    assert native.decoder_weights(layer) is second
+
+
+@needs_build
+def test_the_native_draws_and_chain_tests_are_the_aten_ops_bits(monkeypatch):
+    """`native.draw_rows` (`sampling.sample` and `draw_one` on the CPU) and `native.chain_accept` (a sampled chain's
+    tests in `verify`) give the tokens, q(x), spread rows and accept lengths of the ATen ops they replace, bit for
+    bit: vocabularies of the zoo's sizes and tiny ones, rows with zero-mass tokens, uniforms at 0, just below 1 and
+    exactly at a prefix of the CDF (where `searchsorted(right=True)` and a wrong comparison part), drafts a point mass
+    (q(x) = 1), and a residual row alone equal to the same row of the whole matrix's (the verifier takes one row)."""
+    from kernels import reference
+    from speclab.core import sampling
+
+    g = torch.Generator().manual_seed(0)
+    for trial in range(64):
+        V, R = (3, 100, 4096, 8192)[trial % 4], 1 + trial % 5
+        logits = torch.randn(R, V, generator=g) * (1 + trial % 7)
+        if trial % 3 == 0:
+            logits[:, ::3] = float("-inf")  # zero-mass tokens
+        q = torch.softmax(logits, -1)
+        cdf = q.cumsum(-1)
+        u = torch.rand(R, 1, generator=g)
+        u[0] = (0.0, 1 - 2 ** -24, float(cdf[0, trial % V] / cdf[0, -1]))[trial % 3]  # the edges, a prefix exactly
+        want = torch.searchsorted(cdf, u * cdf[:, -1:], right=True).clamp_(max=V - 1).squeeze(-1)
+        idx, qx, none = native.draw_rows(q, u)
+        assert torch.equal(idx, want) and torch.equal(qx, q.gather(-1, want[:, None])[:, 0]) and none is None
+        to_target = torch.randperm(2 * V, generator=g)[:V]
+        tok, qx2, spread = native.draw_rows(q, u, to_target, 2 * V)
+        assert torch.equal(tok, to_target[want]) and torch.equal(qx2, qx)
+        assert torch.equal(spread, sampling.spread(q, to_target, 2 * V))
+        p = torch.softmax(torch.randn(R + 1, V, generator=g), -1)
+        x = torch.randint(0, V, (R,), generator=g)
+        for qq in (q, torch.nn.functional.one_hot(x, V).float()):
+            uu = torch.rand(R + 1, generator=g)
+            accept, resid = reference.sampling_accept(p[:R], qq, x, uu[:R])
+            assert native.chain_accept(p, qq, x, uu) == int(accept.long().cumprod(0).sum())
+            assert all(torch.equal(resid[a], reference.residual(p[a], qq[a])) for a in range(R))
+    q = torch.softmax(torch.randn(2, 50, generator=g), -1)
+    rows = (q[0], q, q[:, None].expand(-1, 3, -1))  # `sample` takes it for one row, a batch, i.i.d. siblings (3-D)
+    with torch.inference_mode():
+        fast = [sampling.sample(probs, torch.Generator().manual_seed(1)) for probs in rows]
+        monkeypatch.setattr(sampling, "_native_rows", lambda probs: False)
+        slow = [sampling.sample(probs, torch.Generator().manual_seed(1)) for probs in rows]
+    assert all(torch.equal(a, b) and a.shape == probs.shape[:-1] for a, b, probs in zip(fast, slow, rows))
+
+
 @needs_build
 @pytest.mark.skipif(native.attention_module() is None, reason="no native attention in this process (no AVX512-BF16)")
 def test_the_native_attention_is_as_close_as_the_fused_kernel_and_each_rows_alone():

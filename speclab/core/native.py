@@ -125,6 +125,21 @@ def softmax_entropy(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return kernel_ops.softmax_entropy(logits)
 
 
+def draw_rows(q: torch.Tensor, u: torch.Tensor, to_target: torch.Tensor | None = None, vocab: int = 0):
+    """Tokens drawn from rows of probabilities q [R, V] (fp32) at uniforms u [R], by inverse CDF: bitwise
+    `speclab.core.sampling.sample`'s, in one call (call where `active(q)`) -> (indices [R], mapped through `to_target`
+    [V] where given; q at them [R]; q's rows spread over `vocab` target ids by `to_target`, None without it)."""
+    idx, qx, spread = build().draw_rows(q, u, to_target, vocab)
+    return idx, qx, spread if to_target is not None else None
+
+
+def chain_accept(p: torch.Tensor, q: torch.Tensor, x: torch.Tensor, u: torch.Tensor) -> int:
+    """How many nodes of a sampled chain pass speculative sampling's test before the first that does not: node i
+    (token x[i] drawn from q [n, V]) passes when u[i] < min(1, p[i, x] / q[i, x]) (p [>= n, V]; all fp32): bitwise
+    `kernels.ops.sampling_accept`'s tests, in one call (call where `active(p)`)."""
+    return int(build().chain_accept(p, q, x, u))
+
+
 def _fused_ops_agree(mod) -> bool:
     """Whether the module's one-pass RMSNorm and rotary embedding are bitwise this torch's ops on a few random
     inputs (they follow ATen's composite, which may change between torch versions; where they are not, the module
@@ -189,21 +204,25 @@ def _copies(w: torch.Tensor, b: torch.Tensor | None = None) -> list:
     return [None, None]
 
 
-def _cached(layer, base: tuple, make) -> list:
-    """`make()`, kept on the layer while none of the tensors in `base` changes in place (not as a module
-    attribute: no state-dict entry)."""
-    key = tuple(-1 if w is None or w.is_inference() else w._version for w in base)
+def _cached(layer, base_of, make) -> list:
+    """`make()`, kept on the layer while none of the tensors `base_of()` names changes in place (not as a module
+    attribute: no state-dict entry). The tensors are looked up once and kept with it: a call checks their versions
+    only (looking them up through the modules' attributes cost 13 us a call of EAGLE-3's layer, four a round)."""
     held = layer.__dict__.get("_native")
-    if held is None or held[0] != key:
-        held = layer.__dict__["_native"] = (key, make())
-    return held[1]
+    if held is None or _versions(held[0]) != held[1]:
+        base = tuple(base_of())
+        held = layer.__dict__["_native"] = (base, _versions(base), make())
+    return held[2]
+
+
+def _versions(base: tuple) -> tuple:
+    return tuple(-1 if w is None or w.is_inference() else w._version for w in base)
 
 
 def fused_weights(layer: L.FusedLayer) -> list:
     """A `FusedLayer`'s weights as `native.cpp`'s `fused_layers` reads them."""
-    base = (layer.in_norm, layer.qkv_w, layer.qkv_b, layer.qk_norm, layer.o, layer.o_bias, layer.post,
-            layer.gate_up, layer.down)
-    return _cached(layer, base, lambda: [
+    return _cached(layer, lambda: (layer.in_norm, layer.qkv_w, layer.qkv_b, layer.qk_norm, layer.o, layer.o_bias,
+                                   layer.post, layer.gate_up, layer.down), lambda: [
         layer.in_norm, layer.qkv_w, layer.qkv_b, *_copies(layer.qkv_w, layer.qkv_b), layer.qk_norm, layer.o,
         layer.o_bias, *_copies(layer.o, layer.o_bias), layer.post, layer.gate_up, *_copies(layer.gate_up),
         layer.down, *_copies(layer.down)])
@@ -211,16 +230,22 @@ def fused_weights(layer: L.FusedLayer) -> list:
 
 def decoder_weights(layer: L.DecoderLayer) -> list:
     """A `DecoderLayer`'s weights as `native.cpp`'s `decoder_layer` reads them."""
-    a, m = layer.self_attn, layer.mlp
-    lins = (a.q_proj, a.k_proj, a.v_proj)
-    norms = (a.q_norm.weight, a.k_norm.weight) if a.qk_norm else (None, None)
-    base = (*[p for lin in (*lins, a.o_proj) for p in (lin.weight, lin.bias)], *norms,
-            layer.post_attention_layernorm.weight, m.gate_proj.weight, m.up_proj.weight, m.down_proj.weight)
-    return _cached(layer, base, lambda: [
-        *[t for lin in lins for t in (lin.weight, lin.bias, *_copies(lin.weight, lin.bias))],
-        *norms, a.o_proj.weight, a.o_proj.bias, *_copies(a.o_proj.weight, a.o_proj.bias),
-        layer.post_attention_layernorm.weight,
-        *[t for lin in (m.gate_proj, m.up_proj, m.down_proj) for t in (lin.weight, *_copies(lin.weight))]])
+    def parts():
+        a, m = layer.self_attn, layer.mlp
+        return a, m, (a.q_proj, a.k_proj, a.v_proj), (a.q_norm.weight, a.k_norm.weight) if a.qk_norm else (None, None)
+
+    def base():
+        a, m, lins, norms = parts()
+        return (*[p for lin in (*lins, a.o_proj) for p in (lin.weight, lin.bias)], *norms,
+                layer.post_attention_layernorm.weight, m.gate_proj.weight, m.up_proj.weight, m.down_proj.weight)
+
+    def make():
+        a, m, lins, norms = parts()
+        return [*[t for lin in lins for t in (lin.weight, lin.bias, *_copies(lin.weight, lin.bias))],
+                *norms, a.o_proj.weight, a.o_proj.bias, *_copies(a.o_proj.weight, a.o_proj.bias),
+                layer.post_attention_layernorm.weight,
+                *[t for lin in (m.gate_proj, m.up_proj, m.down_proj) for t in (lin.weight, *_copies(lin.weight))]]
+    return _cached(layer, base, make)
 
 
 def fused_layers(layers: list[L.FusedLayer], h, cos, sin, caches: list, starts: list[int], ns: list[int],

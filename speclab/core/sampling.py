@@ -5,6 +5,8 @@ from dataclasses import dataclass
 
 import torch
 
+from speclab.core import native
+
 
 @dataclass
 class Sampling:
@@ -22,7 +24,7 @@ def logits_to_probs(logits: torch.Tensor, s: Sampling) -> torch.Tensor:
     """Rows of logits [..., V] -> the distribution decoding samples from. Greedy: a point mass at the argmax."""
     if s.greedy:
         return torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).to(torch.float32)
-    logits = logits.float() / s.temperature
+    logits = logits.float() if s.temperature == 1.0 else logits.float() / s.temperature  # x / 1 is x: one op less
     if s.top_k and s.top_k < logits.shape[-1]:
         kth = torch.topk(logits, s.top_k, dim=-1).values[..., -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))
@@ -36,12 +38,24 @@ def logits_to_probs(logits: torch.Tensor, s: Sampling) -> torch.Tensor:
 
 
 def sample(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
-    """One token per row of probs [..., V], by inverse CDF with the session's generator (device independent)."""
-    u = torch.rand(probs.shape[:-1] + (1,), generator=generator, device="cpu").to(probs.device)
+    """One token per row of probs [..., V], by inverse CDF with the session's generator (device independent). On the
+    CPU where `speclab.core.native` runs, its one call (the same bits) instead of five ops."""
+    u = uniforms(probs, generator)
+    if _native_rows(probs):
+        return native.draw_rows(probs.reshape(-1, probs.shape[-1]), u)[0].view(probs.shape[:-1])
     cdf = probs.cumsum(-1)
     idx = torch.searchsorted(cdf, u * cdf[..., -1:], right=True)  # first index with cdf > u: never a zero-mass token
     return idx.clamp_(max=probs.shape[-1] - 1).squeeze(-1)
 
+
+def uniforms(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+    """The uniforms `sample` draws for rows of probs [..., V]: [..., 1], from the generator on the CPU."""
+    return torch.rand(probs.shape[:-1] + (1,), generator=generator, device="cpu").to(probs.device)
+
+
+def _native_rows(probs: torch.Tensor) -> bool:
+    """Whether `native.draw_rows` draws from probs: fp32 on the CPU, where the native module runs."""
+    return probs.dtype is torch.float32 and native.active(probs)
 
 
 def draft_probs(logits: torch.Tensor, s: Sampling, draft_temp: float = 1.0) -> torch.Tensor:
@@ -71,6 +85,9 @@ def draw_one(logits: torch.Tensor, s: Sampling, draft_temp: float, generator: to
     reduced (`to_target` [Vd]: the target id of each draft id). Returns (token ids in target ids [f], q(x) [f],
     q [f, V])."""
     q = draft_probs(logits, s, draft_temp)
+    if q.dim() == 2 and _native_rows(q):  # the draw, q(x) and the spread in one call (the same bits)
+        tok, qx, spread_q = native.draw_rows(q, uniforms(q, generator), to_target, vocab)
+        return tok, qx, q if spread_q is None else spread_q
     idx = sample(q, generator)
     qx = q.gather(-1, idx[..., None])[..., 0]
     if to_target is None:

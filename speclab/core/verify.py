@@ -16,6 +16,7 @@ from kernels import ops as kernel_ops
 from kernels.reference import (
     residual,  # norm(max(p - q, 0)): one definition, the kernels' twin
 )
+from speclab.core import native
 from speclab.core.sampling import Sampling, logits_to_probs, sample
 from speclab.core.tree import IID, POINT, DraftTree
 
@@ -119,10 +120,15 @@ def _verify_sampled_chain(tree: DraftTree, target_probs: torch.Tensor, generator
     p = target_probs[:n]
     q = tree.draft_dists[:n].to(p.device) if tree.draft_dists is not None else \
         torch.nn.functional.one_hot(tree.tokens.to(p.device), p.shape[-1]).to(p.dtype)  # a point mass at x
-    accept, resid = kernel_ops.sampling_accept(p, q, tree.tokens.to(p.device), u[:n].to(p.device))
-    a = int(accept.long().cumprod(0).sum())  # the first rejection ends the path
-    return Verdict(torch.arange(a, device=tree.tokens.device), int(sample(target_probs[n] if a == n else resid[a],
-                                                                          generator)))
+    x = tree.tokens.to(p.device)
+    if native.active(p) and p.dtype is q.dtype is torch.float32:  # the tests in one call, the same bits
+        a = native.chain_accept(p, q, x, u)
+    else:
+        accept, _ = kernel_ops.sampling_accept(p, q, x, u[:n].to(p.device))
+        a = int(accept.long().cumprod(0).sum())  # the first rejection ends the path
+    # the target's token after the path: p's after the last node, or the residual at the first rejection
+    return Verdict(torch.arange(a, device=tree.tokens.device),
+                   int(sample(target_probs[n] if a == n else residual(target_probs[a], q[a]), generator)))
 
 
 def greedy_table(tree: DraftTree, target_logits: torch.Tensor):

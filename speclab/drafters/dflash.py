@@ -42,7 +42,7 @@ from speclab.checks import MAX_TREE_NODES, Bound
 from speclab.core import native
 from speclab.core.layers import DecoderLayer, Linear, linear, rope_inv_freq, rope_tables
 from speclab.core.lean import KVCache, mix_many
-from speclab.core.sampling import Sampling, chain_dists, draft_probs, sample
+from speclab.core.sampling import Sampling, chain_dists, draft_probs, draw_one
 from speclab.core.target import forward_clock
 from speclab.core.tree import DraftTree, TreeDraw, check_dynamic_tree, dynamic_tree
 from speclab.drafters.checkpoint import (
@@ -484,7 +484,7 @@ class DFlashDrafter:
     def _left_to_right(self, logits: torch.Tensor, sampling: Sampling, generator) -> DraftTree:
         """Row by row: add the Markov bias of the token before (when on), then argmax, or draw from q_k (kept for
         verification). Only the bias and the pick are sequential; the draft probabilities come after, in one op."""
-        prev, tokens, rows, dists = self.root, [], [], []
+        prev, tokens, rows, dists, drawn = self.root, [], [], [], []
         for k in range(logits.shape[0]):
             row = logits[k : k + 1]
             if self.markov:
@@ -492,14 +492,15 @@ class DFlashDrafter:
             if sampling.greedy:
                 prev = row.argmax(-1)
             else:
-                dists.append(draft_probs(row, sampling, self.draft_temp))
-                prev = sample(dists[-1], generator).view(1).to(self.device)
+                prev, qx, q = draw_one(row, sampling, self.draft_temp, generator)
+                prev = prev.view(1).to(self.device)
+                dists.append(q)
+                drawn.append(qx)
             tokens.append(prev)
             rows.append(row)
         tokens = torch.cat(tokens)
         if dists:
-            q = torch.cat(dists)
-            return DraftTree.chain(tokens, q.gather(1, tokens[:, None])[:, 0], chain_dists(dists))
+            return DraftTree.chain(tokens, torch.cat(drawn), chain_dists(dists))
         return DraftTree.chain(tokens, torch.softmax(torch.cat(rows), -1).gather(1, tokens[:, None])[:, 0])
 
     def _tree(self, logits: torch.Tensor, sampling: Sampling, generator) -> DraftTree:

@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 
 from speclab.checks import MAX_TREE_NODES, Bound
-from speclab.core.sampling import Sampling, chain_dists, draft_probs, draw, sample
+from speclab.core.sampling import Sampling, chain_dists, draft_probs, draw, draw_one
 from speclab.core.target import Target, keep_cache, row_call
 from speclab.core.tree import DraftTree
 from speclab.drafters.flashhead import HEAD_PARAMS, head_same_decode, with_head
@@ -85,14 +85,14 @@ class StandaloneDraft:
         for level in range(depth):
             if sampling.greedy:
                 tok = logits.argmax(-1)
+                dprobs.append((logits[0, tok] - logits[0].logsumexp(-1)).exp())
             else:
-                q = draft_probs(logits, sampling, self.draft_temp)
+                tok, qx, q = draw_one(logits, sampling, self.draft_temp, generator)
                 dists.append(q)
-                tok = sample(q, generator)
+                dprobs.append(qx)
             tokens.append(tok)
             if row_cands is not None:
                 cands.append(row_cands)
-            dprobs.append((logits[0, tok] - logits[0].logsumexp(-1)).exp() if sampling.greedy else q[0, tok])
             if level == depth - 1 or (self.stop_prob > 0 and float(dprobs[-1]) < self.stop_prob):
                 break
             logits = self.model.forward(tok, self.cache, head=self.flash).logits
