@@ -48,10 +48,12 @@ test-fast:
 bench: setup-peers
 	$(PY) -m speclab.cli bench --suite zoo --methods ar,sps,pld,eagle3,dflash,dflash:markov=0,whiflash-entropy,whiflash-neural --limit 8 --max-new-tokens 128
 
-# Routing v2 (README "Routing v2"): the route method beside its arms on the zoo (live, paired by prompt), then every
+# Routing v2 (README "Routing v2"): the arms' round costs measured on this machine (for the learned router), the route
+# method and the learned router beside their arms on the zoo (live, paired by prompt), then every
 # arm profiled and each policy and Oracle-Token replayed, with the model error against the live runs
 route: setup
-	$(PY) -m speclab.cli bench --suite zoo --methods ar,pld,eagle3,dflash,route,route:router=rule,route:arms=pld.eagle3 --limit 8 --max-new-tokens 128 --no-peers --no-untraced --db traces/route.duckdb --report reports/route_bench.md
+	$(PY) -m speclab.cli costs route --report reports/route_costs.md
+	$(PY) -m speclab.cli bench --suite zoo --methods ar,pld,eagle3,dflash,route,route:router=learned,route:arms=pld.eagle3 --limit 8 --max-new-tokens 128 --no-peers --no-untraced --db traces/route.duckdb --report reports/route_bench.md
 	$(PY) -m speclab.cli route-table --db traces/route.duckdb --bench latest --report reports/route_table.md
 
 # Sampled decoding on the zoo (README "Sampling"): every method at T = 0.7 and T = 1, fixed seeds (prompt i at seed i),

@@ -28,6 +28,7 @@ MODEL_COMMANDS = {
     "costs roofline": ["costs", "roofline"],
     "costs step": ["costs", "step"],
     "costs llamacpp": ["costs", "llamacpp", "--limit", "1", "--tokens", "4"],
+    "costs route": ["costs", "route", "--prompts", "1", "--new-tokens", "4"],
     "profile": ["profile"],
     "sweep": ["sweep", "--router", "entropy"],
     "calibrate": ["calibrate"],
@@ -194,6 +195,8 @@ CASES = [
     ("costs", ["step", "--tokens", "0"], "tokens"),
     ("costs", ["step", "--temperature", "-1"], "temperature"),
     ("costs", ["step", "--prompt", "  "], "prompt"),
+    ("costs", ["route", "--prompts", "0"], "argument --prompts: '0' is not an integer of at least 1"),
+    ("costs", ["route", "--corpus", "/nonexistent/corpus"], "--corpus /nonexistent/corpus: no such folder"),
     ("bench", ["--methods", "ar,confu:schedule=fast"], "schedule must be one of wide, after (got 'fast')"),
     # sampled drafting's parameters, before any model loads (checked against the target's config.json alone)
     ("bench", ["--methods", "ar,eagle3:draft_temp=0"], "draft_temp must be a finite number from 0.05 to 4 (got 0)"),

@@ -828,3 +828,77 @@ def test_route_arms_greedy_equal_ar_in_bf16_exact(deep):
         ar = generate(t, p, "ar", max_new_tokens=24)
         for spec in ("route:arms=pld.eagle3.dflash", "route:arms=eagle3+dflash+pld+none+router=rule+min_match=1"):
             assert generate(t, p, spec, models=models, max_new_tokens=24).token_ids == ar.token_ids, (spec, p)
+
+
+def test_round_costs_measured_here_are_kept_by_machine_and_the_learned_router_uses_them(deep, route_models, tmp_path,
+                                                                                        monkeypatch):
+    """`speclab.routing.local_costs`: costs measured here (`train.route.measure_costs` on live rounds, as `speclab
+    costs route` does) are kept in the per-user cache under this machine's key; a learned route built afterwards
+    uses them (and says so), over its arms; the key of another machine, a changed drafter model or a corrupt file
+    give the router its shipped costs again."""
+    import copy
+
+    from speclab.routing import local_costs
+    from speclab.train.route import RouteTrainConfig, measure_costs
+    monkeypatch.setenv("SPECLAB_CACHE_DIR", str(tmp_path))
+    mlp, spec = route_models["route"], "route:arms=pld+eagle3+none+router=learned"
+    shipped = local_costs.for_router(mlp, deep, route_models)
+    assert not shipped.here and shipped.costs == ArmCosts(**COSTS) and "shipped" in shipped.label
+    prompts = [("code", _ids(deep, p)) for p in PROMPTS[:1]]
+    cfg = RouteTrainConfig("", str(tmp_path), "+".join(mlp.config.arms), cost_prompts=1, new_tokens=12)
+    measured, how = measure_costs(deep, route_models, prompts, cfg)
+    assert measured.arms == mlp.config.arms and how["rounds"] > 0 and measured.verify0 > 0
+    path = local_costs.store(mlp, deep, route_models, measured, how)
+    used = local_costs.for_router(mlp, deep, route_models)
+    assert used.here and used.costs == measured and "measured here" in used.label
+    _, router = build_method(spec, deep, route_models, method_params(spec, {}, deep))
+    assert router.costs == measured.of(["pld", "eagle3", "none"])
+    other = {**route_models, "eagle3": copy.deepcopy(route_models["eagle3"]).to(torch.float64)}
+    assert not local_costs.for_router(mlp, deep, other).here  # another drafter model (its dtype)
+    with monkeypatch.context() as m:
+        m.setattr(local_costs.precision, "machine", lambda: {"cpu": "another machine"})
+        assert not local_costs.for_router(mlp, deep, route_models).here
+    path.write_text("{not json")
+    assert not local_costs.for_router(mlp, deep, route_models).here
+    local_costs.store(mlp, deep, route_models, measured, how)  # a corrupt file is replaced
+    assert local_costs.for_router(mlp, deep, route_models).here
+
+
+def test_the_learned_routers_features_and_costs_of_one_row_are_the_batched_ones():
+    """`ArmRouter` computes one round start's features and costs in Python floats (`extras_row`,
+    `ArmCosts.expected_row`); training computes many at once (`arm_extras`, `ArmCosts.expected_ms`): the same
+    numbers, nan and no-round-yet included."""
+    from speclab.routing.routers import N_RECENT, arm_extras, extras_row
+    rng = np.random.default_rng(0)
+    n = 200
+    ent, match = rng.exponential(2, n), rng.integers(0, 40, n).astype(float)
+    ent[::7], match[::11] = np.nan, np.nan
+    tok, last, gen = rng.integers(0, 9, n).astype(float), rng.integers(-1, 5, n), rng.integers(0, 500, n)
+    recent = [rng.integers(-1, 9, n) for _ in range(N_RECENT)]
+    batch = arm_extras(ent, match, tok, recent, last, gen, 5)
+    one = [extras_row(ent[i], match[i], tok[i], [r[i] for r in recent], int(last[i]), gen[i], 5) for i in range(n)]
+    assert torch.equal(batch, torch.tensor(one))
+    assert batch[0, 0] == 0.0 and batch[:, -1].sum() == (last < 0).sum()  # nan entropy is 0; none yet: the last slot
+    c = ArmCosts(**{**COSTS, "draft": [1.0, 2.0, 0.1, 2.0, 0.0], "catchup0": [0.3, 0.3, 0.0, 0.4, 0.0],
+                    "catchup1": [0.01, 0.02, 0.0, 0.01, 0.0], "verify1": 0.13})
+    for tokens, back in ((3.0, [0.0, 5.0, 2.0, 0.0, 0.0]), (0.0, [1.0, 0.0, 0.0, 7.0, 0.0])):
+        assert c.expected_row(tokens, back) == c.expected_ms(tokens, np.array(back)).tolist()
+
+
+def test_costs_route_measures_the_zoo_router_here_and_reports_before_and_after(tmp_path):
+    """`speclab costs route` on the zoo: one line of where the costs went, the report's table of both cost models
+    (the zoo router's shipped ones before) and its bars, the cache written in the user's cache folder."""
+    import json
+    import os
+
+    from helpers import run_cli
+    env = {**os.environ, "SPECLAB_CACHE_DIR": str(tmp_path / "cache")}
+    out = run_cli("costs", "route", "--prompts", "1", "--new-tokens", "12", "--dtype", "bf16", "--report",
+                  str(tmp_path / "r.html"), env=env)
+    assert out.returncode == 0, out.stderr
+    text = out.stdout
+    assert "| before" in text and "| measured here" in text and "shipped with the router" in text
+    assert "Plotly" in (tmp_path / "r.html").read_text()
+    cache = json.loads((tmp_path / "cache" / "route-costs.json").read_text())
+    (entry,) = cache["entries"].values()
+    assert entry["costs"]["arms"] == ["eagle3", "dflash", "pld", "pld.eagle3", "none"] and entry["how"]["rounds"] > 0

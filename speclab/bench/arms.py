@@ -175,9 +175,10 @@ def model_error_table(store, bench_id: str, costs: ArmCosts) -> pd.DataFrame:
     return out[["method", "runs", "tokens_per_s_live", "tokens_per_s_modeled", "model_error", "mean_abs_model_error"]]
 
 
-def arms_report(table: pd.DataFrame, errors: pd.DataFrame, costs: ArmCosts, where: str, machine: str):
+def arms_report(table: pd.DataFrame, errors: pd.DataFrame, costs: ArmCosts, where: str, source: str):
     """The route table as a `viz.Report`: per category tau and modeled speedup of every arm alone, the routers and
-    the oracles (bars of the speedup), the cost model and, with a bench, its error against the live runs."""
+    the oracles (bars of the speedup), the cost model (`source`: where its costs come from,
+    `routing.local_costs.RouteCosts.label`) and, with a bench, its error against the live runs."""
     from speclab.viz import Report, bench_bars
     order = list(dict.fromkeys(table.policy))
     cats = [c for c in dict.fromkeys(table.category) if c != "all"] + ["all"]
@@ -187,7 +188,7 @@ def arms_report(table: pd.DataFrame, errors: pd.DataFrame, costs: ArmCosts, wher
     model = pd.DataFrame({"arm": costs.arms, "draft_ms": costs.draft, "catchup_ms": costs.catchup0,
                           "catchup_ms_per_token": costs.catchup1, "other_ms": costs.other, "mean_width": costs.width})
     text = [f"Profiles of {where}; every policy replayed on them exactly (greedy). Modeled tokens/s: every round at "
-            f"its modeled time ({machine}: the learned router's cost model), speedup over the none arm alone (AR).",
+            f"its modeled time under the learned router's cost model ({source}), speedup over the none arm alone (AR).",
             "", "## Modeled speedup over AR", "", wide.reset_index().to_markdown(index=False, **fmt), "",
             "## tau (tokens per round)", "", taus.reset_index().to_markdown(index=False, **fmt), "",
             "## Each policy's rounds by arm (share)", "",
@@ -205,3 +206,27 @@ def arms_report(table: pd.DataFrame, errors: pd.DataFrame, costs: ArmCosts, wher
                      "Routing v2: modeled speedup over AR by category")
     body = "\n".join(text)
     return Report("Routing v2: arms, routers and oracles", body, [fig], summary=body)
+
+
+def route_costs_report(before, costs: ArmCosts, how: dict, path):
+    """`speclab costs route`'s report: the round-cost model measured here (`costs`, kept at `path`) beside the one
+    the learned router used before (`before`: a `routing.local_costs.RouteCosts`), term by term, and each arm's
+    modeled round (its mean width, no catch-up) in both, as bars."""
+    from speclab.core.precision import cpu_label
+    from speclab.viz import Report, bench_bars
+    rows, bars = [], []
+    for name, c in (("before", before.costs), ("measured here", costs)):
+        ms = c.round_ms(np.arange(len(c.arms)), c.width, np.zeros(len(c.arms)))
+        for i, arm in enumerate(c.arms):
+            rows.append({"costs": name, "arm": arm, "draft_ms": c.draft[i], "catchup_ms": c.catchup0[i],
+                         "catchup_ms_per_token": c.catchup1[i], "other_ms": c.other[i], "mean_width": c.width[i],
+                         "verify_ms": c.verify0, "verify_ms_per_row": c.verify1, "router_ms": c.router_ms,
+                         "round_ms": ms[i]})
+            bars.append({"method": name, "category": arm, "round_ms": ms[i]})
+    text = (f"Routing v2's round costs on {cpu_label()}, measured from {how['rounds']} live rounds of "
+            f"{how['prompts']} corpus prompts ({how['runs']}) and kept in {path}, where the learned router "
+            f"(`route:router=learned`) and `speclab route-table` read them on this machine. Before: {before.label}. "
+            "round_ms: an arm's round at its mean width without catch-up (the router's own time aside).\n\n"
+            + pd.DataFrame(rows).to_markdown(index=False, floatfmt=".3f"))
+    fig = bench_bars(pd.DataFrame(bars), "round_ms", "Each arm's modeled round: the costs before and measured here")
+    return Report("Routing v2's round costs", text, [fig])

@@ -161,10 +161,11 @@ class Calibrator:
 
     def arm_view(self) -> dict:
         """The rule's replay: every arm of `route` profiled on the bench's AR outputs (made once, with progress) and
-        each arm's round cost (the route router's, measured on its machine when it was trained)."""
+        each arm's round cost (the route router's: measured here by `speclab costs route`, else on its machine when
+        it was trained)."""
         if not self.arms:
             from speclab.bench.arms import bench_arm_profiles
-            from speclab.routing.routers import ArmCosts
+            from speclab.routing.local_costs import for_router
             if self.load is None:
                 raise InvalidInput("the rule's calibration needs the models to profile every arm")
             if not self.cost.here:
@@ -176,8 +177,8 @@ class Calibrator:
                 raise InvalidInput("the rule's calibration models each arm's round time with the route router's cost "
                                    "model (--route-router PATH, or the zoo's)")
             profiles = bench_arm_profiles(self.store, self.bench_id, target, models)
-            self.arms = {"profiles": profiles, "costs": ArmCosts(**mlp.config.costs).of(list(profiles[0].arms)),
-                         "machine": mlp.config.machine}
+            used = for_router(mlp, target, models)  # measured here (speclab costs route), else the shipped ones
+            self.arms = {"profiles": profiles, "costs": used.costs.of(list(profiles[0].arms)), "machine": used.label}
         return self.arms
 
     def cost_label(self, router: str) -> str:

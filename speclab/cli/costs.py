@@ -4,6 +4,10 @@ table and curve; the kernels' own timing loop is handed speclab's)."""
 from __future__ import annotations
 
 import argparse
+import tempfile
+from pathlib import Path
+
+import torch
 
 from speclab.cli.common import _positive_int, _positive_ints, write_report
 from speclab.drafters.registry import drafters
@@ -253,6 +257,36 @@ def cmd_llamacpp(a: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_route(a: argparse.Namespace) -> int:
+    """`speclab costs route`: routing v2's round costs measured on this machine for the learned router's arms (each
+    arm's rounds live on corpus prompts, and the router's own time), kept in the per-user cache, where the learned
+    router reads them (`speclab.routing.local_costs`)."""
+    from speclab import zoo
+    from speclab.bench.arms import route_costs_report
+    from speclab.methods import get_method
+    from speclab.routing import local_costs
+    from speclab.train.route import RouteTrainConfig, measure_costs, router_overhead
+    from speclab.train.router import setup
+
+    check_model_args(a)
+    corpus = Path(a.corpus or zoo.REPO_ROOT / "data" / "corpus")
+    if not corpus.is_dir():
+        raise SpeclabError(f"--corpus {corpus}: no such folder (the zoo's domains: data/corpus)")
+    target, models = load_models(ModelPaths.from_args(a), roles=tuple(dict.fromkeys(
+        get_method("route").needs + ("route",))))
+    mlp = models["route"]
+    shipped = local_costs.for_router(mlp, target, models)
+    with tempfile.TemporaryDirectory() as out:
+        cfg = RouteTrainConfig(corpus_dir=str(corpus), out_dir=out, arms="+".join(mlp.config.arms),
+                               cost_prompts=a.prompts, new_tokens=a.new_tokens, threads=torch.get_num_threads())
+        _, prompts = setup(cfg, target)
+        costs, how = measure_costs(target, models, prompts, cfg)
+        costs.router_ms = router_overhead(target, models, prompts, cfg, mlp)
+    path = local_costs.store(mlp, target, models, costs, how)
+    write_report(route_costs_report(shipped, costs, how, path), a.report)
+    return 0
+
+
 def add_parsers(sub) -> None:
     """`costs` and its commands."""
     c = sub.add_parser("costs", help="cost micro-benchmarks: ms per model call (forward), EAGLE-3 catch-up, switch "
@@ -310,6 +344,15 @@ def add_parsers(sub) -> None:
     me.add_argument("--reps", type=_positive_int, default=9, help="interleaved repetitions; the median is kept")
     me.add_argument("--report", help="also write the profile's tables (.md or .html)")
     me.set_defaults(fn=cmd_measure)
+
+    ro = cs.add_parser("route", help="routing v2's round costs measured on this machine (each arm's rounds live, "
+                       "the learned router's own time), kept in the per-user cache for route:router=learned")
+    add_model_args(ro)
+    ro.add_argument("--corpus", help="the corpus its prompts are cut from (default: data/corpus)")
+    ro.add_argument("--prompts", type=_positive_int, default=4, help="corpus prompts decoded per arm")
+    ro.add_argument("--new-tokens", type=_positive_int, default=96, help="new tokens per decode")
+    ro.add_argument("--report", default="reports/route_costs.md")
+    ro.set_defaults(fn=cmd_route)
 
     rl = cs.add_parser("roofline", help="every model call (the target and each drafter model) by rows against its "
                        "bandwidth bound: the machine's read bandwidth, bytes read per call, ms, ratio, fixed part")

@@ -227,14 +227,15 @@ def cmd_route_table(a: argparse.Namespace) -> int:
     profiles = evaluation.arm_profiles(target, drafters, prompts, tuple(arms), a.max_new_tokens)
     import pandas as pd
 
-    from speclab.routing.routers import ArmCosts
-    full = ArmCosts(**mlp.config.costs)
+    from speclab.routing.local_costs import for_router
+    used = for_router(mlp, target, models)  # measured here (speclab costs route), else the router's shipped costs
+    full = used.costs
     costs = full.of(arms)
     table = evaluation.arms_table(profiles, costs, evaluation.policy_choices(profiles, costs, routers),
                                   routed=("learned",))
     errors = evaluation.model_error_table(store, a.bench, full) if store is not None else pd.DataFrame()
     report = evaluation.arms_report(table, errors, costs, f"suite {a.suite} ({len(prompts)} prompts, "
-                                    f"{a.max_new_tokens} tokens)", mlp.config.machine)
+                                    f"{a.max_new_tokens} tokens)", used.label)
     write_report(report, a.report)
     return 0
 

@@ -166,6 +166,7 @@ def build(target, models, arms=DEFAULT_ARMS, router=ROUTER, min_match=None, cate
     `Merged` over those same instances, and the router over the arm names. The rule's `min_match` None = calibrated
     for `category` (`speclab.routing.routers.default_threshold`)."""
     from speclab.core.protocol import FixedRouter
+    from speclab.routing.local_costs import for_router
     from speclab.routing.routers import ArmRouter, RuleRouter, default_threshold
     parsed = parse_arms(arms)
     built: dict = {}
@@ -191,7 +192,7 @@ def build(target, models, arms=DEFAULT_ARMS, router=ROUTER, min_match=None, cate
             raise InvalidInput(f"the route router at {getattr(mlp, 'name', '?')} knows the arms "
                                f"{'+'.join(mlp.config.arms)}, not {', '.join(unknown)}: pick among them, use "
                                "router=rule, or train one for these arms (speclab train route --arms ...)")
-        return built, ArmRouter(mlp, [a.name for a in parsed])
+        return built, ArmRouter(mlp, [a.name for a in parsed], for_router(mlp, target, models).costs)
     look = next(a.name for a in parsed if a.members == (LOOKUP,))
     other = rule_other([a.name for a in parsed])
     if min_match is None:

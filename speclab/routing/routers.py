@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import json
 import math
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -256,29 +257,38 @@ def default_threshold(policy: str, category: str | None, target: str | None = No
 N_RECENT = 2  # recent rounds' accept lengths among its features
 LOOKUP_K = 8.0  # prompt lookup's default proposal length: scales its `pld_tokens` signal
 MATCH_STEPS = (1, 2, 3, 4, 6, 8, 12, 16)  # prompt lookup's match length as indicators (match >= k)
-MATCH_STEP_ARRAY = np.array(MATCH_STEPS, np.float64)
-EXTRA_SCALES = np.array([[5.0], [32.0], [LOOKUP_K]])  # the entropy's, the match's and the proposal length's scales
+EXTRA_SCALES = (5.0, 32.0, LOOKUP_K)  # the entropy's, the match's and the proposal length's scales
 
 
 def arm_extras(entropy, match, tokens, recent: list, last, generated, n_arms: int) -> torch.Tensor:
     """The learned router's features beside the hidden state, for n positions at once (every argument an array of
     n; `recent` N_RECENT arrays, the latest first, -1 where there was no such round; `last` the last round's arm
-    index, -1 before the first round): entropy, prompt lookup's match and proposal length, the recent accept lengths,
-    the position (log), the last arm one-hot (one slot more: none yet). One definition for training
-    (`speclab.train.route`) and routing (`ArmRouter`)."""
-    # every numeric input as one [K, n] array, then one output array written block by block (a router calls this
-    # every round, so a dozen numpy calls, not forty)
-    x = np.nan_to_num(np.array([entropy, match, tokens, generated, *recent], np.float64), nan=0.0)
-    n = x.shape[1]
-    out = np.zeros((n, n_extras(n_arms)), np.float32)
-    out[:, :3] = (x[:3] / EXTRA_SCALES).T  # entropy, prompt lookup's match and its proposal length
-    j = 3 + len(MATCH_STEPS)
-    out[:, 3:j] = x[1][:, None] >= MATCH_STEP_ARRAY  # the match as steps: a rule is one of them
-    out[:, j : j + N_RECENT] = np.maximum(x[4:], -1).T / LOOKUP_K
-    out[:, j + N_RECENT] = np.log1p(x[3]) / 5.0
-    last = np.asarray(last, np.int64)
-    out[np.arange(n), j + N_RECENT + 1 + np.where(last < 0, n_arms, last)] = 1.0  # the last arm one-hot
-    return torch.from_numpy(out)
+    index, -1 before the first round): `extras_row` of each. One definition for training (`speclab.train.route`)
+    and routing (`ArmRouter`)."""
+    rows = [extras_row(e, m, t, [r[i] for r in recent], int(a), g, n_arms)
+            for i, (e, m, t, a, g) in enumerate(zip(entropy, match, tokens, last, generated))]
+    return torch.tensor(rows, dtype=torch.float32).reshape(len(rows), n_extras(n_arms))
+
+
+def extras_row(entropy: float, match: float, tokens: float, recent: list, last: int, generated: float,
+               n_arms: int) -> list[float]:
+    """One position's features (`arm_extras`), in Python floats (a router computes one row every round, right after
+    a verification has streamed the weights through the caches, where each numpy call costs several times its warm
+    time): entropy, prompt lookup's match and proposal length (each over its scale), the match as steps (match >=
+    k: a rule is one of them), the recent accept lengths (-1: none) over prompt lookup's k, the position (log),
+    the last arm one-hot (one slot more: none yet). nan counts as 0."""
+    e, m, t, g = (_finite(v) for v in (entropy, match, tokens, generated))
+    row = [e / EXTRA_SCALES[0], m / EXTRA_SCALES[1], t / EXTRA_SCALES[2], *[float(m >= k) for k in MATCH_STEPS],
+           *[max(_finite(r), -1.0) / LOOKUP_K for r in recent], math.log1p(g) / 5.0]
+    hot = [0.0] * (n_arms + 1)
+    hot[last if last >= 0 else n_arms] = 1.0
+    return row + hot
+
+
+def _finite(v) -> float:
+    """v as a float, nan as 0 and an infinity as the largest float (as `np.nan_to_num`)."""
+    v = float(v)
+    return 0.0 if v != v else max(min(v, sys.float_info.max), -sys.float_info.max)
 
 
 def n_extras(n_arms: int) -> int:
@@ -306,6 +316,7 @@ class ArmCosts:
         self._terms = {k: np.asarray(getattr(self, k), np.float64)
                        for k in ("draft", "catchup0", "catchup1", "other", "width")}
         self._lookup = np.array([a == LOOKUP for a in self.arms])
+        self._lookup_list = [a == LOOKUP for a in self.arms]
 
     def of(self, arms: list) -> ArmCosts:
         """The same model over some of its arms, in that order (a route's arms among those it was fitted to)."""
@@ -320,9 +331,13 @@ class ArmCosts:
         """Modeled ms of rounds by arm index `a`, draft nodes `width` and catch-up backlog (arrays alike)."""
         t, a = self._terms, np.asarray(a)
         width, backlog = np.asarray(width, np.float64), np.asarray(backlog, np.float64)
-        catch = (t["catchup0"][a] + t["catchup1"][a] * backlog) * (backlog > 0)
-        return (t["draft"][a] + catch + self.verify0 + self.verify1 * (width + 1) + t["other"][a]
-                + (self.router_ms if routed else 0.0))
+        return self._ms(t["draft"][a], t["catchup0"][a], t["catchup1"][a], t["other"][a], width, backlog) \
+            + (self.router_ms if routed else 0.0)
+
+    def _ms(self, draft, catchup0, catchup1, other, width, backlog):
+        """The model's one formula, on numpy arrays or on Python floats alike (`round_ms`, `expected_row`)."""
+        return draft + (catchup0 + catchup1 * backlog) * (backlog > 0) + self.verify0 + self.verify1 * (width + 1) \
+            + other
 
     def expected_ms(self, pld_tokens, backlogs) -> np.ndarray:
         """What a router expects every arm's round to cost at round starts ([n, A], or [A] for one): its mean draft
@@ -330,6 +345,13 @@ class ArmCosts:
         width = np.where(self._lookup, np.asarray(pld_tokens, np.float64)[..., None], self._terms["width"])
         return self.round_ms(np.arange(len(self.arms)), width, backlogs)
 
+    def expected_row(self, pld_tokens: float, backlogs: list) -> list[float]:
+        """`expected_ms` of one round start in Python floats: a router calls it every round, right after a
+        verification has streamed the weights through the caches, where each numpy call costs several times its
+        warm time (ad hoc: 15 us warm, 55-63 after streaming 40 MB, 126 inside a decode)."""
+        return [self._ms(self.draft[i], self.catchup0[i], self.catchup1[i], self.other[i],
+                         float(pld_tokens) if lookup else self.width[i], float(b))
+                for i, (lookup, b) in enumerate(zip(self._lookup_list, backlogs))]
 
 def fit_arm_costs(rounds, arms: list) -> ArmCosts:
     """`ArmCosts` by least squares on live rounds (a DataFrame: arm, width, backlog, draft_ms, catchup_ms, verify_ms,
@@ -363,11 +385,11 @@ def robust_line(x: np.ndarray, y: np.ndarray, most: int = 1500) -> tuple[float, 
     return float(np.median(y - slope * x)), slope
 
 
-def arm_backlogs(arms: list, accepted: list, used: list) -> np.ndarray:
+def arm_backlogs(arms: list, accepted: list, used: list) -> list[float]:
     """Each arm's catch-up backlog at a round start, from the recent rounds (accepted draft tokens and the arm of
     each, oldest first): over its drafters, the tokens committed since each last drafted (its own round included:
     a catch-up hands it that round's tokens too), every recent round where it never drafted."""
-    out = np.zeros(len(arms))
+    out = [0.0] * len(arms)
     for i, a in enumerate(arms):
         for m in ([] if a == NONE else a.split(JOIN)):
             b = 0
@@ -443,46 +465,51 @@ def load_arm_router(path: str | Path, target=None):
 class ArmRouter:
     """Routing v2's learned router: each round, every arm's predicted accept length (the MLP on the target's hidden
     state, its entropy, prompt lookup's match, the recent rounds and the position) over its modeled round cost, the
-    best predicted tokens per ms wins. `arms`: the route's arms (a subset of those the model knows, in its order)."""
+    best predicted tokens per ms wins. `arms`: the route's arms (a subset of those the model knows, in its order);
+    `costs`: the round costs over the model's arms (None: those it shipped with)."""
     policy = "learned"
     needs = frozenset({"hidden", "entropy", "probe"})
     eager = False
 
-    def __init__(self, mlp: ArmRouterMLP, arms: list[str]):
+    def __init__(self, mlp: ArmRouterMLP, arms: list[str], costs: ArmCosts | None = None):
         known = list(mlp.config.arms)
         self.mlp, self.known, self.arms = mlp, known, list(arms)
         self.idx = torch.tensor([known.index(a) for a in arms])
         self.names = [None if a == NONE else a for a in arms]
-        self.costs = ArmCosts(**mlp.config.costs).of(self.arms)
+        # over the router's own arms: measured on this machine (`speclab.routing.local_costs`), else its shipped ones
+        self.costs = (costs or ArmCosts(**mlp.config.costs)).of(self.arms)
         self.none = np.array([a == NONE for a in arms])
         w1h, w1x, b1, w2, b2 = mlp.folded()
         self.w1h, self.w1x, self.b1 = w1h, w1x, b1
         self.w2, self.b2 = w2[self.idx.to(w2.device)], b2[self.idx.to(b2.device)]  # the route's arms only
 
-    def round_ms(self, s: Signals) -> np.ndarray:
-        """Each arm's modeled round time now (`ArmCosts.expected_ms`)."""
-        return self.costs.expected_ms(s.probe.get("pld_tokens", 0.0), arm_backlogs(self.arms, s.accepted, s.drafters))
+    def round_ms(self, s: Signals) -> list[float]:
+        """Each arm's modeled round time now (`ArmCosts.expected_row`)."""
+        return self.costs.expected_row(s.probe.get("pld_tokens", 0.0),
+                                       arm_backlogs(self.arms, s.accepted, s.drafters))
 
     @torch.inference_mode()
     def choose(self, s: Signals) -> Decision:
+        # a handful of ops a round (the features and costs in Python floats, the MLP in three products): each runs
+        # right after a verification streamed the weights through the caches, at several times its warm cost
         ms = self.round_ms(s)
         if s.hidden is None:  # no row yet (a one-token prompt's first round): the cheapest drafting arm
-            return Decision(self.names[int(np.where(self.none, math.inf, ms).argmin())], self.policy)
+            return Decision(self.names[min((m, i) for i, m in enumerate(ms) if not self.none[i])[1]], self.policy)
         last = self.known.index(s.drafters[-1] or NONE) if s.drafters and (s.drafters[-1] or NONE) in self.known \
             else -1
-        recent = [[s.accepted[-1 - i] if len(s.accepted) > i else -1] for i in range(N_RECENT)]
-        x = arm_extras([s.entropy], [s.probe.get("pld_match", 0.0)], [s.probe.get("pld_tokens", 0.0)], recent,
-                       [last], [s.generated], len(self.known))[0].to(self.b1.device)
+        recent = [s.accepted[-1 - i] if len(s.accepted) > i else -1 for i in range(N_RECENT)]
+        x = extras_row(s.entropy, s.probe.get("pld_match", 0.0), s.probe.get("pld_tokens", 0.0), recent, last,
+                       s.generated, len(self.known))
         h = s.hidden.to(self.b1.device, torch.float32)  # live: already there; replayed: a profile's CPU row
-        z = torch.addmv(torch.addmv(self.b1, self.w1x, x), self.w1h, h)  # the MLP, folded
-        pred = torch.addmv(self.b2, self.w2, F.gelu(z)).cpu().numpy()
-        i = int(predicted_rates(pred, ms, self.none).argmax())
-        return Decision(self.names[i], self.policy, max(float(pred[i]), 0.0))  # signal: its predicted accept length
+        z = torch.addmv(torch.addmv(self.b1, self.w1x, torch.tensor(x, device=self.b1.device)), self.w1h, h)
+        pred = torch.addmv(self.b2, self.w2, F.gelu(z)).tolist()  # the MLP, folded
+        i = max(range(len(ms)), key=lambda j: predicted_rates(pred[j], ms[j], self.none[j]))
+        return Decision(self.names[i], self.policy, max(pred[i], 0.0))  # signal: its predicted accept length
 
 
 def predicted_rates(pred, ms, none):
     """Each arm's predicted tokens per ms ([.., A]): its predicted accept length (at least 0; `none`'s is 0) plus
-    the target's own token, over its expected round time. What `ArmRouter` maximises (numpy arrays: five numbers a
-    round) and what `speclab train route` trains it on (`objective="rate"`: torch tensors, with gradients), one
-    definition for both: `none` a boolean mask of the arms."""
+    the target's own token, over its expected round time. What `ArmRouter` maximises (one arm's numbers at a time,
+    `none` a numpy bool) and what `speclab train route` trains it on (`objective="rate"`: torch tensors, with
+    gradients, `none` a boolean mask of the arms), one definition for both."""
     return (pred * (pred > 0) * ~none + 1) / ms
