@@ -40,6 +40,8 @@ def test_the_cost_model_is_the_fit_of_the_measured_tables(tmp_path):
     assert c.catchup0 == pytest.approx([1.0, 0.5]) and c.catchup1 == pytest.approx([0.1, 0.05])
     assert c.prefill0 == pytest.approx(3.0) and c.prefill1 == pytest.approx(0.02) and c.draft == [2.0, 1.0]
     assert fit_line([5], [2.0]) == (2.0, 0.0) and fit_line([1, 2], [3.0, 1.0])[1] == 0.0  # no negative slope
+    # no negative intercept (a prefill timed once per prompt length can grow faster than a line): through the origin
+    assert fit_line([16, 64, 256], [0.5, 1.0, 8.0]) == (0.0, pytest.approx((8 + 64 + 2048) / (256 + 4096 + 65536)))
     p = load_profile(write_profile(tmp_path / "p.json"))
     assert p.cost.to_dict() == c.to_dict() and not p.cost.here and "profile test (measured: cpu, bf16)" in p.cost.label
 

@@ -837,6 +837,7 @@ def test_round_costs_measured_here_are_kept_by_machine_and_the_learned_router_us
     uses them (and says so), over its arms; the key of another machine, a changed drafter model or a corrupt file
     give the router its shipped costs again."""
     import copy
+    import json
 
     from speclab.routing import local_costs
     from speclab.train.route import RouteTrainConfig, measure_costs
@@ -858,6 +859,11 @@ def test_round_costs_measured_here_are_kept_by_machine_and_the_learned_router_us
     with monkeypatch.context() as m:
         m.setattr(local_costs.precision, "machine", lambda: {"cpu": "another machine"})
         assert not local_costs.for_router(mlp, deep, route_models).here
+    entries = json.loads(path.read_text())
+    for e in entries["entries"].values():
+        e["costs"]["draft"] = e["costs"]["draft"][:2]  # a malformed entry: one term short
+    path.write_text(json.dumps(entries))
+    assert not local_costs.for_router(mlp, deep, route_models).here
     path.write_text("{not json")
     assert not local_costs.for_router(mlp, deep, route_models).here
     local_costs.store(mlp, deep, route_models, measured, how)  # a corrupt file is replaced

@@ -830,6 +830,25 @@ Tensor decoder_layer(const Tensor& x, const Tensor& h, const Tensor& cos, const 
                 {w[19], w[20], w[21], w[22], w[23], w[24], w[25], w[26], w[27]});
 }
 
+// A `DecoderLayer`'s keys and values of context rows alone (`layers.Attention.kv`: k and v projections, the k norm,
+// rope on k; DFlash's KV injection of the target's context, `DFlashDrafter._absorb`), written into layer i of each
+// sequence's caches (ns[j] rows of sequence j, in order, at its slots starts[j]..). Weights as `decoder_layer`'s.
+void context_kv(const Tensor& x, const Tensor& cos, const Tensor& sin, const std::vector<OptT>& w, int64_t i,
+                const std::vector<Tensor>& ck, const std::vector<Tensor>& cv, const std::vector<int64_t>& starts,
+                const std::vector<int64_t>& ns, double qk_eps, int64_t KV, int64_t D) {
+  auto k = linear(x, *w[4], w[5], w[6], w[7]).unflatten(-1, {KV, D});
+  if (w[13].has_value()) k = rms_norm(k, w[13], qk_eps);
+  auto v = linear(x, *w[8], w[9], w[10], w[11]).unflatten(-1, {KV, D}).transpose(-2, -3);
+  k = rope(k, cos, sin).transpose(-2, -3);
+  int64_t a = 0;
+  for (size_t j = 0; j < ck.size(); ++j) {  // as `KVCache.write`
+    const int64_t b = a + ns[j];
+    ck[j].select(0, i).slice(1, starts[j], starts[j] + ns[j]).copy_(k.slice(1, a, b));
+    cv[j].select(0, i).slice(1, starts[j], starts[j] + ns[j]).copy_(v.slice(1, a, b));
+    a = b;
+  }
+}
+
 // `precision.Head` with fp32 refinement: logits of the weight's dtype upcast, the top k of each row recomputed as fp32
 // dot products; and which rows an unrefined logit could still reach the refined maximum in (Python recomputes those
 // in full fp32, rarely). h [.., d] (fp32 or the weight's dtype) -> (logits [.., V], unsafe rows [rows] bool)
@@ -860,6 +879,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   using release = pybind11::call_guard<pybind11::gil_scoped_release>;
   m.def("fused_layers", &fused_layers, release());
   m.def("decoder_layer", &decoder_layer, release());
+  m.def("context_kv", &context_kv, release());
   m.def("refined_head", &refined_head, release());
   m.def("rms_norm", &rms_norm, release());
   m.def("rope", &rope, release());

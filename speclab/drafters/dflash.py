@@ -32,6 +32,7 @@ temperature) and q_k is recorded, so verification uses min(1, p/q) and the resid
 """
 from __future__ import annotations
 
+import itertools
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -341,14 +342,16 @@ class DFlashDrafter:
         if not todo:
             return
         m, ns = todo[0].m, [d.pending_feats.shape[0] for d in todo]
-        ctx = m.context(torch.cat([d.pending_feats for d in todo]))
-        cos = torch.cat([d._rope(d.known, n)[0] for d, n in zip(todo, ns)])
-        sin = torch.cat([d._rope(d.known, n)[1] for d, n in zip(todo, ns)])
-        bounds = [0, *torch.tensor(ns).cumsum(0).tolist()]
+        ctx = m.context(_cat([d.pending_feats for d in todo]))
+        cos, sin = _ropes(todo, [d.known for d in todo], ns)
+        bounds = [0, *itertools.accumulate(ns)]
         for d, n in zip(todo, ns):
             d.pending_feats = d.pending_feats[:0]
             d.cache.reserve(n)
         for i in range(len(m.layers)):
+            if native.active(ctx):  # the same ops from C++ (`speclab.core.native`)
+                native.context_kv(m.layers[i], i, ctx, cos, sin, [d.cache for d in todo], [d.known for d in todo], ns)
+                continue
             k, v = m.context_kv(i, ctx, cos, sin)
             for d, a, b in zip(todo, bounds, bounds[1:]):
                 d.cache.write(i, d.known, k[:, a:b], v[:, a:b])
@@ -369,10 +372,9 @@ class DFlashDrafter:
         over its own drafter's context and itself (`mix_many`)."""
         DFlashDrafter._absorb(drafters)
         d0, m = drafters[0], drafters[0].m
-        ids = torch.cat([torch.cat([d.root, d.mask_ids[: n - 1]]) for d, n in zip(drafters, n_rows)])
+        ids = _cat([torch.cat([d.root, d.mask_ids[: n - 1]]) for d, n in zip(drafters, n_rows)])
         x = d0.target.embed(ids).to(d0.dtype) * m.config.input_embedding_scale
-        cos = torch.cat([d._rope(d.known, n)[0] for d, n in zip(drafters, n_rows)])
-        sin = torch.cat([d._rope(d.known, n)[1] for d, n in zip(drafters, n_rows)])
+        cos, sin = _ropes(drafters, [d.known for d in drafters], n_rows)
         for d, n in zip(drafters, n_rows):
             d.cache.reserve(n)
         caches, starts, masks = [d.cache for d in drafters], [d.known for d in drafters], [None] * len(drafters)
@@ -385,9 +387,9 @@ class DFlashDrafter:
             else:
                 q, k, v = m.block_qkv(i, x, cos, sin)
                 x = m.finish(i, x, mix(i, q, k, v))
-        keep = torch.cat([torch.arange(a + 1, a + n) for a, n in
-                          zip([0, *torch.tensor(n_rows).cumsum(0).tolist()], n_rows)]).to(x.device)
-        h = native.rms(m.norm, x[keep])  # the mask rows' final-norm states (DSpark's confidence head reads them)
+        # the mask rows' final-norm states (DSpark's confidence head reads them)
+        h = native.rms(m.norm, x[1:] if len(drafters) == 1 else x[torch.cat(
+            [torch.arange(a + 1, a + n) for a, n in zip([0, *itertools.accumulate(n_rows)], n_rows)]).to(x.device)])
         # the target's head weight after the drafter's own norm, in the drafter's dtype: draft logits only choose what
         # to propose (verification accepts by the target's), so they skip the fp32 refinement of the target's
         # (`speclab.core.precision.Head`; measured: it cost 7% of DFlash's tokens/s here)
@@ -635,3 +637,14 @@ def random_dflash(target, seed: int, markov_rank: int = 0, mask_id: int | None =
             if p.dim() == 2:
                 p.normal_(0, 0.08)
     return m.to(device=target.device, dtype=target.dtype).eval().requires_grad_(False)
+
+
+def _cat(ts: list[torch.Tensor]) -> torch.Tensor:
+    """torch.cat of the tensors, or the one tensor as it is (a single request's rows: one op fewer, and no copy)."""
+    return ts[0] if len(ts) == 1 else torch.cat(ts)
+
+
+def _ropes(drafters: list[DFlashDrafter], starts: list[int], ns: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin [rows, 1, D] of ns[j] rows from position starts[j] of each drafter, in order."""
+    ropes = [d._rope(s, n) for d, s, n in zip(drafters, starts, ns)]
+    return _cat([c for c, _ in ropes]), _cat([s for _, s in ropes])

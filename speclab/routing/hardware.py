@@ -60,11 +60,15 @@ class HardwareProfile:
 
 
 def fit_line(xs, ys) -> tuple[float, float]:
-    """Least-squares intercept and slope of ys over xs (a single point: its value, slope 0; slopes below 0 are 0)."""
+    """Least-squares intercept and slope of ys (ms) over xs (a single point: its value, slope 0). Neither is
+    negative: a slope below 0 is 0, and where the intercept would be below 0 (times that grow faster than a line,
+    as a prefill's over prompt lengths can with one repetition each) the line goes through the origin instead."""
     xs, ys = np.asarray(xs, float), np.asarray(ys, float)
     if len(np.unique(xs)) < 2:
-        return float(ys.mean()), 0.0
+        return float(max(ys.mean(), 0.0)), 0.0
     b, a = np.polyfit(xs, ys, 1)
+    if a < 0:
+        a, b = 0.0, float((xs * ys).sum() / (xs * xs).sum())
     return float(a), float(max(b, 0.0))
 
 

@@ -4,7 +4,7 @@ The learned router (`routers.ArmRouter`) divides each arm's predicted tokens by 
 (`routers.ArmCosts`). The router's config ships the costs measured where it was trained (`speclab train route`: one
 machine, one dtype, the code of that day); elsewhere, or once the code got faster, they are another machine's. On
 the AMD EPYC (session 37) the zoo router's costs, fitted on an Intel Xeon, modeled the live routed runs of a bench
-27-34% slower than they ran; the same model measured here in a few seconds came within 1-7% (README, "Routing v2").
+27-34% slower than they ran; the same model measured here in a few seconds came within 7% (README, "Routing v2").
 
 `speclab costs route` measures them here, as training does (`speclab.train.route.measure_costs`: each arm's rounds
 live on a few corpus prompts, and the router's own time a round), and keeps them in `cache_dir()/route-costs.json`
@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -70,7 +71,10 @@ def for_router(mlp, target, models: dict) -> RouteCosts:
     if isinstance(entry, dict):
         try:
             costs = ArmCosts(**entry["costs"])
-            if costs.arms == arms:
+            terms = [costs.draft, costs.catchup0, costs.catchup1, costs.other, costs.width]
+            numbers = [x for t in terms for x in t] + [costs.verify0, costs.verify1, costs.router_ms]
+            if costs.arms == arms and all(len(t) == len(arms) for t in terms) and \
+                    all(isinstance(x, (int, float)) and math.isfinite(x) for x in numbers):
                 return RouteCosts(costs, f"measured here ({entry.get('machine_label', '?')}, "
                                          f"{entry.get('measured_at', '?')}: speclab costs route)", True)
         except (KeyError, TypeError, ValueError):

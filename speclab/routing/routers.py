@@ -353,6 +353,7 @@ class ArmCosts:
                          float(pld_tokens) if lookup else self.width[i], float(b))
                 for i, (lookup, b) in enumerate(zip(self._lookup_list, backlogs))]
 
+
 def fit_arm_costs(rounds, arms: list) -> ArmCosts:
     """`ArmCosts` by least squares on live rounds (a DataFrame: arm, width, backlog, draft_ms, catchup_ms, verify_ms,
     other_ms): verification by rows over every round, each arm's drafting and other time as means, its catch-up as a
