@@ -807,6 +807,16 @@ std::vector<Tensor> fused_layers(Tensor h, const Tensor& cos, const Tensor& sin,
   return out;
 }
 
+// `layers.Attention.kv`: keys and values [kv_heads, rows, D] of a `DecoderLayer`'s attention inputs x (its k and v
+// projections, the k norm, rope on the keys). Weights as `decoder_layer` lists them
+static std::pair<Tensor, Tensor> keys_values(const Tensor& x, const Tensor& cos, const Tensor& sin,
+                                             const std::vector<OptT>& w, double qk_eps, int64_t KV, int64_t D) {
+  auto k = linear(x, *w[4], w[5], w[6], w[7]).unflatten(-1, {KV, D});
+  if (w[13].has_value()) k = rms_norm(k, w[13], qk_eps);
+  auto v = linear(x, *w[8], w[9], w[10], w[11]).unflatten(-1, {KV, D});
+  return {rope(k, cos, sin).transpose(-2, -3), v.transpose(-2, -3)};
+}
+
 // One `DecoderLayer` (a drafter's: one Linear a projection), layer i of its caches, after its input norm: attention
 // input x [rows, d_in] of the sequences (see `mix`); queries of the rows `q_rows` (`Attention.qkv`'s q_rows; None:
 // every row), nqs[j] of them the last rows of sequence j, with the residual h of those rows. Weights as
@@ -820,11 +830,7 @@ Tensor decoder_layer(const Tensor& x, const Tensor& h, const Tensor& cos, const 
                      int64_t D, const OptT& q_rows, const std::vector<int64_t>& nqs) {
   auto q = linear(q_rows ? x.index({*q_rows}) : x, *w[0], w[1], w[2], w[3]).unflatten(-1, {H, D});
   if (w[12].has_value()) q = rms_norm(q, w[12], qk_eps);
-  auto k = linear(x, *w[4], w[5], w[6], w[7]).unflatten(-1, {KV, D});
-  if (w[13].has_value()) k = rms_norm(k, w[13], qk_eps);
-  auto v = linear(x, *w[8], w[9], w[10], w[11]).unflatten(-1, {KV, D});
-  k = rope(k, cos, sin).transpose(-2, -3);
-  v = v.transpose(-2, -3);
+  auto [k, v] = keys_values(x, cos, sin, w, qk_eps, KV, D);
   q = (q_rows ? rope(q, cos.index({*q_rows}), sin.index({*q_rows})) : rope(q, cos, sin)).transpose(-2, -3);
   return finish(h, mix(i, q, k, v, ck, cv, starts, ns, masks, scale, nqs), *w[14], w[15], w[16], w[17], *w[18], eps,
                 {w[19], w[20], w[21], w[22], w[23], w[24], w[25], w[26], w[27]});
@@ -836,10 +842,7 @@ Tensor decoder_layer(const Tensor& x, const Tensor& h, const Tensor& cos, const 
 void context_kv(const Tensor& x, const Tensor& cos, const Tensor& sin, const std::vector<OptT>& w, int64_t i,
                 const std::vector<Tensor>& ck, const std::vector<Tensor>& cv, const std::vector<int64_t>& starts,
                 const std::vector<int64_t>& ns, double qk_eps, int64_t KV, int64_t D) {
-  auto k = linear(x, *w[4], w[5], w[6], w[7]).unflatten(-1, {KV, D});
-  if (w[13].has_value()) k = rms_norm(k, w[13], qk_eps);
-  auto v = linear(x, *w[8], w[9], w[10], w[11]).unflatten(-1, {KV, D}).transpose(-2, -3);
-  k = rope(k, cos, sin).transpose(-2, -3);
+  auto [k, v] = keys_values(x, cos, sin, w, qk_eps, KV, D);
   int64_t a = 0;
   for (size_t j = 0; j < ck.size(); ++j) {  // as `KVCache.write`
     const int64_t b = a + ns[j];
