@@ -185,8 +185,7 @@ def arms_report(table: pd.DataFrame, errors: pd.DataFrame, costs: ArmCosts, wher
     wide = table.pivot(index="policy", columns="category", values="speedup_modeled").loc[order, cats]
     taus = table.pivot(index="policy", columns="category", values="tau").loc[order, cats]
     fmt = {"floatfmt": ".3f"}
-    model = pd.DataFrame({"arm": costs.arms, "draft_ms": costs.draft, "catchup_ms": costs.catchup0,
-                          "catchup_ms_per_token": costs.catchup1, "other_ms": costs.other, "mean_width": costs.width})
+    model = cost_terms(costs)
     text = [f"Profiles of {where}; every policy replayed on them exactly (greedy). Modeled tokens/s: every round at "
             f"its modeled time under the learned router's cost model ({source}), speedup over the none arm alone (AR).",
             "", "## Modeled speedup over AR", "", wide.reset_index().to_markdown(index=False, **fmt), "",
@@ -208,25 +207,30 @@ def arms_report(table: pd.DataFrame, errors: pd.DataFrame, costs: ArmCosts, wher
     return Report("Routing v2: arms, routers and oracles", body, [fig], summary=body)
 
 
+def cost_terms(costs: ArmCosts) -> pd.DataFrame:
+    """The per-arm terms of a round-cost model, one row per arm (the route table's and `speclab costs route`'s)."""
+    return pd.DataFrame({"arm": costs.arms, "draft_ms": costs.draft, "catchup_ms": costs.catchup0,
+                         "catchup_ms_per_token": costs.catchup1, "other_ms": costs.other, "mean_width": costs.width})
+
+
 def route_costs_report(before, costs: ArmCosts, how: dict, path):
     """`speclab costs route`'s report: the round-cost model measured here (`costs`, kept at `path`) beside the one
     the learned router used before (`before`: a `routing.local_costs.RouteCosts`), term by term, and each arm's
     modeled round (its mean width, no catch-up) in both, as bars."""
     from speclab.core.precision import cpu_label
     from speclab.viz import Report, bench_bars
-    rows, bars = [], []
+    tables = []
     for name, c in (("before", before.costs), ("measured here", costs)):
-        ms = c.round_ms(np.arange(len(c.arms)), c.width, np.zeros(len(c.arms)))
-        for i, arm in enumerate(c.arms):
-            rows.append({"costs": name, "arm": arm, "draft_ms": c.draft[i], "catchup_ms": c.catchup0[i],
-                         "catchup_ms_per_token": c.catchup1[i], "other_ms": c.other[i], "mean_width": c.width[i],
-                         "verify_ms": c.verify0, "verify_ms_per_row": c.verify1, "router_ms": c.router_ms,
-                         "round_ms": ms[i]})
-            bars.append({"method": name, "category": arm, "round_ms": ms[i]})
+        t = cost_terms(c).assign(verify_ms=c.verify0, verify_ms_per_row=c.verify1, router_ms=c.router_ms,
+                                 round_ms=c.round_ms(np.arange(len(c.arms)), c.width, np.zeros(len(c.arms))))
+        t.insert(0, "costs", name)
+        tables.append(t)
+    rows = pd.concat(tables, ignore_index=True)
+    bars = rows.rename(columns={"costs": "method", "arm": "category"})
     text = (f"Routing v2's round costs on {cpu_label()}, measured from {how['rounds']} live rounds of "
             f"{how['prompts']} corpus prompts ({how['runs']}) and kept in {path}, where the learned router "
             f"(`route:router=learned`) and `speclab route-table` read them on this machine. Before: {before.label}. "
             "round_ms: an arm's round at its mean width without catch-up (the router's own time aside).\n\n"
-            + pd.DataFrame(rows).to_markdown(index=False, floatfmt=".3f"))
-    fig = bench_bars(pd.DataFrame(bars), "round_ms", "Each arm's modeled round: the costs before and measured here")
+            + rows.to_markdown(index=False, floatfmt=".3f"))
+    fig = bench_bars(bars, "round_ms", "Each arm's modeled round: the costs before and measured here")
     return Report("Routing v2's round costs", text, [fig])

@@ -741,6 +741,19 @@ static Tensor attend(const Tensor& q, const Tensor& ck, const Tensor& cv, int64_
   return attention(q, ck.slice(1, 0, end), cv.slice(1, 0, end), mask, scale);
 }
 
+// Keys and values k, v [kv_heads, rows, D] of the sequences' rows (ns[j] of sequence j, in order) into layer i of
+// each one's caches ck[j], cv[j] at slots starts[j].. (`lean.KVCache.write`)
+static void write_kv(int64_t i, const Tensor& k, const Tensor& v, const std::vector<Tensor>& ck,
+                     const std::vector<Tensor>& cv, const std::vector<int64_t>& starts, const std::vector<int64_t>& ns) {
+  int64_t a = 0;
+  for (size_t j = 0; j < ck.size(); ++j) {
+    const int64_t b = a + ns[j];
+    ck[j].select(0, i).slice(1, starts[j], starts[j] + ns[j]).copy_(k.slice(1, a, b));
+    cv[j].select(0, i).slice(1, starts[j], starts[j] + ns[j]).copy_(v.slice(1, a, b));
+    a = b;
+  }
+}
+
 // The attention step of layer i over one or several sequences' caches (`LeanDecoder._mix`, `lean.mix_many`): rows
 // of sequence j (ns[j] of them, in order) written to its cache ck[j], cv[j] ([layers, kv_heads, slots, D]) at slots
 // starts[j].., its queries (nqs[j] of them, empty: ns) attending over slots [0, starts[j] + ns[j]) under masks[j].
@@ -748,15 +761,14 @@ static Tensor attend(const Tensor& q, const Tensor& ck, const Tensor& cv, int64_
 static Tensor mix(int64_t i, const Tensor& q, const Tensor& k, const Tensor& v, const std::vector<Tensor>& ck,
                   const std::vector<Tensor>& cv, const std::vector<int64_t>& starts, const std::vector<int64_t>& ns,
                   const std::vector<OptT>& masks, double scale, const std::vector<int64_t>& nqs = {}) {
+  write_kv(i, k, v, ck, cv, starts, ns);
   std::vector<Tensor> out;
-  int64_t a = 0, qa = 0;
+  int64_t qa = 0;
   for (size_t j = 0; j < ck.size(); ++j) {
-    int64_t b = a + ns[j], end = starts[j] + ns[j], qb = qa + (nqs.empty() ? ns[j] : nqs[j]);
-    auto cki = ck[j].select(0, i), cvi = cv[j].select(0, i);
-    cki.slice(1, starts[j], end).copy_(k.slice(1, a, b));
-    cvi.slice(1, starts[j], end).copy_(v.slice(1, a, b));
-    out.push_back(attend(q.slice(1, qa, qb), cki, cvi, end, masks[j], scale));
-    a = b, qa = qb;
+    const int64_t qb = qa + (nqs.empty() ? ns[j] : nqs[j]);
+    out.push_back(attend(q.slice(1, qa, qb), ck[j].select(0, i), cv[j].select(0, i), starts[j] + ns[j], masks[j],
+                         scale));
+    qa = qb;
   }
   return out.size() == 1 ? out[0] : at::cat(out, 1);  // one sequence: its attention as it is
 }
@@ -843,13 +855,7 @@ void context_kv(const Tensor& x, const Tensor& cos, const Tensor& sin, const std
                 const std::vector<Tensor>& ck, const std::vector<Tensor>& cv, const std::vector<int64_t>& starts,
                 const std::vector<int64_t>& ns, double qk_eps, int64_t KV, int64_t D) {
   auto [k, v] = keys_values(x, cos, sin, w, qk_eps, KV, D);
-  int64_t a = 0;
-  for (size_t j = 0; j < ck.size(); ++j) {  // as `KVCache.write`
-    const int64_t b = a + ns[j];
-    ck[j].select(0, i).slice(1, starts[j], starts[j] + ns[j]).copy_(k.slice(1, a, b));
-    cv[j].select(0, i).slice(1, starts[j], starts[j] + ns[j]).copy_(v.slice(1, a, b));
-    a = b;
-  }
+  write_kv(i, k, v, ck, cv, starts, ns);
 }
 
 // `precision.Head` with fp32 refinement: logits of the weight's dtype upcast, the top k of each row recomputed as fp32

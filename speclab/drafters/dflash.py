@@ -388,8 +388,7 @@ class DFlashDrafter:
                 q, k, v = m.block_qkv(i, x, cos, sin)
                 x = m.finish(i, x, mix(i, q, k, v))
         # the mask rows' final-norm states (DSpark's confidence head reads them)
-        h = native.rms(m.norm, x[1:] if len(drafters) == 1 else x[torch.cat(
-            [torch.arange(a + 1, a + n) for a, n in zip([0, *itertools.accumulate(n_rows)], n_rows)]).to(x.device)])
+        h = native.rms(m.norm, _cat([x[a + 1 : a + n] for a, n in zip([0, *itertools.accumulate(n_rows)], n_rows)]))
         # the target's head weight after the drafter's own norm, in the drafter's dtype: draft logits only choose what
         # to propose (verification accepts by the target's), so they skip the fp32 refinement of the target's
         # (`speclab.core.precision.Head`; measured: it cost 7% of DFlash's tokens/s here)
