@@ -180,6 +180,34 @@ def test_dflash_acceptance_term_is_one_minus_sum_min_p_q_per_block_row(deep):
     assert m.fc.weight.grad is not None and m.fc.weight.grad.abs().sum() > 0
 
 
+@pytest.mark.cpu_only
+def test_dflash_full_distribution_loss_is_the_top_k_loss_over_every_token(deep):
+    """`--loss-topk 0`: DFlash's loss against the target's full distribution equals the top-k form with k the whole
+    vocabulary (loss, accuracy, acceptance, with and without the acceptance term), and its acceptance is the exact
+    sum min(p, q), at least the top-32 lower bound."""
+    from speclab.drafters.dflash import DFlashModel, config_for
+    from speclab.train.dflash import block_forward, block_loss, pick_blocks, target_features
+
+    torch.manual_seed(0)
+    m = DFlashModel(config_for(deep, markov_rank=8))
+    ids = torch.randint(3, deep.vocab_size, (2, 40), generator=torch.Generator().manual_seed(1))
+    embed_w, head_w = deep.model.get_input_embeddings().weight, deep.model.get_output_embeddings().weight
+    feats, full = target_features(deep.model, ids, m.config.target_layer_ids, top=0)
+    _, every = target_features(deep.model, ids, m.config.target_layer_ids, top=deep.vocab_size)
+    _, top32 = target_features(deep.model, ids, m.config.target_layer_ids)
+    assert full[1] is None and full[0].shape == (*ids.shape, deep.vocab_size)
+    anchors = pick_blocks(ids.shape[1], 6, 16, np.random.default_rng(1))
+    logits = block_forward(m, embed_w, head_w, ids, feats, anchors, 6)
+    for tv in (0.0, 0.5):
+        (a, ma), (b, mb) = block_loss(m, logits, ids, full, anchors, 4.0, tv), block_loss(m, logits, ids, every,
+                                                                                          anchors, 4.0, tv)
+        assert float(a) == pytest.approx(float(b), rel=1e-4)
+        for r in ma:
+            assert ma[r]["acc"] == mb[r]["acc"] and ma[r]["alpha"] == pytest.approx(mb[r]["alpha"], rel=1e-4)
+    _, m32 = block_loss(m, logits, ids, top32, anchors, 4.0)
+    assert all(x >= y - 1e-6 for r in ma for x, y in zip(ma[r]["alpha"], m32[r]["alpha"]))
+
+
 def test_topk_loss_keeps_a_bucket_for_the_rest():
     """The top-k loss is the cross-entropy against the top tokens plus one bucket for the rest of the mass, so its
     minimum puts exactly the target's rest mass on the drafter's other tokens (renormalising the top tokens would

@@ -68,7 +68,7 @@ def target_pass(target, ids: torch.Tensor, layer_ids, topk: int):
     with torch.no_grad():
         out = target(input_ids=ids, output_hidden_states=True, use_cache=True)
         feats = torch.cat([out.hidden_states[j] for j in layer_ids], -1).float()
-        dist = lm.top_tokens(out.logits, topk) if topk else (torch.log_softmax(out.logits.float(), -1), None)
+        dist = lm.target_dist(out.logits, topk)
         cache = out.past_key_values
         return feats, dist, [x.keys for x in cache.layers], [x.values for x in cache.layers]
 

@@ -8,8 +8,9 @@ context features of the chosen layers and its next-token distributions. Then, as
 - each block attends to the context features of positions < a_j and, bidirectionally, to its own rows; never to
   another block (many blocks per window in one forward, one mask);
 - the loss of row k is the cross-entropy against the target's distribution at position a_j + k - 1 (its top 32
-  tokens and one bucket for the rest, `lm.topk_soft_ce`; distillation: the drafter learns what verification
-  compares it with), weighted exp(-(k - 1) / gamma);
+  tokens and one bucket for the rest, `lm.topk_soft_ce`, or with `--loss-topk 0` its full distribution;
+  distillation: the drafter learns what verification compares it with), weighted exp(-(k - 1) / gamma), plus
+  `--loss-tv` times DSpark's L_tv (1 - sum min(p, q): trains for sampled decoding);
 - the block size is drawn per step from 2..block_size, so every block size a user picks at decode time was seen.
 
 With a Markov head the same backbone is trained on both readouts, the base logits U and U + W1[x_{k-1}] W2 (the
@@ -51,7 +52,9 @@ class DFlashTrainConfig(lm.OnlineSchedule):
     block_size: int = lm.option(  # the largest block trained (and the config's default)
         16, "the largest block trained (each step draws its block size from 2..this)", lo=2, hi=64)
     markov_rank: int = lm.option(64, "rank of DSpark's Markov head (0: none)", lo=0)
-    loss_tv: float = lm.loss_tv_option("over the target's top 32 tokens, a lower bound")
+    loss_topk: int = lm.option(  # 0: the target's full distribution; k: its k most likely tokens + a rest bucket
+        32, "the loss against the target's k most likely tokens and a rest bucket (0: its full distribution)", lo=0)
+    loss_tv: float = lm.loss_tv_option()
     gamma: float = 4.0  # loss weight exp(-(k - 1) / gamma) of block row k
     rows: int = 512  # block rows per window (anchors = rows // block size of the step; blocks may overlap)
 
@@ -118,18 +121,23 @@ def block_forward(m: DFlashModel, embed_w: torch.Tensor, head_w: torch.Tensor, i
     return (logits, h) if states else logits
 
 
-def block_loss(m: DFlashModel, logits: torch.Tensor, ids: torch.Tensor, target_top: tuple[torch.Tensor, torch.Tensor],
+def block_loss(m: DFlashModel, logits: torch.Tensor, ids: torch.Tensor, target_top: tuple,
                anchors: torch.Tensor, gamma: float, tv: float = 0.0) -> tuple[torch.Tensor, dict]:
     """(loss, metrics): weighted soft cross-entropy of the base logits (and of base + Markov bias when the head is
-    there) against the target's distributions (their top tokens, `target_features`), plus `tv` times DSpark's L_tv
-    (1 - sum min(p, q) over those top tokens, `lm.topk_acceptance`: the acceptance of a sampled draft token, a lower
-    bound); per-row accuracy, per-row sampling acceptance (`alpha`, the same sum) and the greedy acceptance length
-    implied by the leading matches of each block (bonus included), for each readout."""
+    there) against the target's distributions (`target_features`: log-probs over the vocabulary, or the top tokens
+    and a rest bucket), plus `tv` times DSpark's L_tv (1 - sum min(p, q), `lm.acceptance`: the acceptance of a
+    sampled draft token; over the top tokens, a lower bound); per-row accuracy, per-row sampling acceptance (`alpha`,
+    the same sum) and the greedy acceptance length implied by the leading matches of each block (bonus included),
+    for each readout."""
     size = logits.shape[2] + 1
     k = torch.arange(1, size)
     prev_pos = anchors[:, None] + k[None] - 1  # [nb, size - 1]: the position whose distribution row k must match
-    p, idx = target_top[0][:, prev_pos], target_top[1][:, prev_pos]  # [Bw, nb, size - 1, top]
-    top = idx[..., 0]
+    first, idx = target_top[0][:, prev_pos], target_top[1]  # [Bw, nb, size - 1, top or V]
+    if idx is None:  # the full distribution, from its log-probs
+        p, top = first.exp(), first.argmax(-1)
+    else:
+        p, idx = first, idx[:, prev_pos]
+        top = idx[..., 0]
     w = torch.exp(-(k - 1).float() / gamma)
     readouts = {"base": logits}
     if m.has_markov:
@@ -137,8 +145,8 @@ def block_loss(m: DFlashModel, logits: torch.Tensor, ids: torch.Tensor, target_t
     total, metrics = 0.0, {}
     for name, lg in readouts.items():
         lg = lg.float()
-        ce = lm.topk_soft_ce(lg, p, idx)  # [Bw, nb, size - 1]
-        accept = lm.topk_acceptance(lg if tv else lg.detach(), p, idx)  # [Bw, nb, size - 1]
+        ce = lm.soft_ce(lg, p, idx)  # [Bw, nb, size - 1]
+        accept = lm.acceptance(lg if tv else lg.detach(), p, idx)  # [Bw, nb, size - 1]
         total = total + ((ce + tv * (1.0 - accept)) * w).sum(-1).mean() / w.sum()
         match = (lg.detach().argmax(-1) == top).float()
         metrics[name] = {"loss": float(ce.detach().mean()), "acc": match.mean((0, 1)).tolist(),
@@ -148,14 +156,10 @@ def block_loss(m: DFlashModel, logits: torch.Tensor, ids: torch.Tensor, target_t
 
 
 def target_features(target, ids: torch.Tensor, layer_ids, top: int = 32):
-    """Context features (outputs of `layer_ids`: HF hidden_states[j + 1]) and the target's next-token distribution
-    as its `top` most likely tokens (`lm.top_tokens`: probabilities under the full softmax, ids; the first is the
-    argmax; the mass left is the loss's rest bucket), no grad. The loss is then a gather instead of a product over
-    the vocabulary (the loss was half of a step)."""
-    with torch.no_grad():
-        out = target(input_ids=ids, output_hidden_states=True)
-        feats = torch.cat([out.hidden_states[j + 1] for j in layer_ids], -1).float()
-    return feats, lm.top_tokens(out.logits, top)
+    """Context features (outputs of `layer_ids`: HF hidden_states[j + 1]) and the target's next-token distributions
+    (`lm.target_dist`: its `top` most likely tokens and a rest bucket, a gather instead of a product over the
+    vocabulary in the loss; 0: its log-probs over the vocabulary), no grad."""
+    return lm.target_features(target, ids, [j + 1 for j in layer_ids], top)
 
 
 def val_blocks(m, embed_w, head_w, target, data, cfg, states: bool = False):
@@ -196,7 +200,7 @@ def train_dflash(cfg: DFlashTrainConfig, log=print) -> dict:
 
     def step(_):
         ids = lm.sample_windows(data, cfg.domain_weights, cfg, rng)  # [B, seq_len + 1]
-        feats, logp = target_features(target, ids, m.config.target_layer_ids)
+        feats, logp = target_features(target, ids, m.config.target_layer_ids, cfg.loss_topk)
         size = int(rng.integers(2, cfg.block_size + 1))
         anchors = pick_blocks(ids.shape[1], size, cfg.rows, rng)
         with lm.autocast(cfg.precision):

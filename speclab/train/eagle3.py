@@ -165,11 +165,12 @@ def ttt_loss(logits: list[torch.Tensor], target: tuple, m: Eagle3Model, weight: 
     first, idx = target
     t2d, d2t = m.t2d, m.d2t
     reduced = not bool(t2d.all())
+    keep = None
     if idx is None:
         p_top = first.argmax(-1)  # reduced: the target's distribution over the draft vocabulary, renormalised
         p = torch.softmax(first[..., t2d], -1) if reduced else first.exp()
     else:
-        p_top, p, keep = idx[..., 0], first, None
+        p_top, p = idx[..., 0], first
         if reduced:  # the top tokens outside the draft vocabulary are dropped (`topk_soft_ce`); ids into it
             keep = t2d[idx]
             idx = ((t2d.cumsum(0) - 1)[idx]).clamp_min(0)
@@ -180,10 +181,8 @@ def ttt_loss(logits: list[torch.Tensor], target: tuple, m: Eagle3Model, weight: 
         lg = lg[:, :n].float()
         sel = torch.ones(lg.shape[:2], dtype=torch.bool, device=lg.device) if rows is None else rows[:, :n]
         sl = slice(1 + s, 1 + s + n)
-        if idx is None:
-            loss = (lg.logsumexp(-1) - (p[:, sl] * lg).sum(-1))[sel].mean()
-        else:
-            loss = lm.topk_soft_ce(lg, p[:, sl], idx[:, sl], None if keep is None else keep[:, sl])[sel].mean()
+        loss = lm.soft_ce(lg, p[:, sl], None if idx is None else idx[:, sl],
+                          None if keep is None else keep[:, sl])[sel].mean()
         accept = None  # sum min(p, q): the acceptance of a token drawn from q, over what is known of p
         if idx is None:
             pt = first[:, sl].exp()
@@ -207,14 +206,9 @@ def ttt_loss(logits: list[torch.Tensor], target: tuple, m: Eagle3Model, weight: 
 
 def target_features(target, ids: torch.Tensor, layer_ids, topk: int = 0) -> tuple[torch.Tensor, tuple]:
     """The drafter's input features (fp32) and the target's next-token distributions: (log-probs, None) over the
-    vocabulary, or (probabilities, ids) of its `topk` most likely tokens (`lm.top_tokens`; the rest is one bucket
+    vocabulary, or (probabilities, ids) of its `topk` most likely tokens (`lm.target_dist`; the rest is one bucket
     of the loss, `lm.topk_soft_ce`)."""
-    with torch.no_grad():
-        out = target(input_ids=ids, output_hidden_states=True)
-        feats = torch.cat([out.hidden_states[j] for j in layer_ids], -1).float()
-        if topk:
-            return feats, lm.top_tokens(out.logits, topk)
-        return feats, (torch.log_softmax(out.logits.float(), -1), None)
+    return lm.target_features(target, ids, layer_ids, topk)
 
 
 def train_step(m: Eagle3Model, embed, target, ids: torch.Tensor, cfg: Eagle3TrainConfig):

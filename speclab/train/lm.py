@@ -152,6 +152,22 @@ def autocast(precision: str):
     return contextlib.nullcontext()
 
 
+def target_features(target, ids: torch.Tensor, states, top: int) -> tuple[torch.Tensor, tuple]:
+    """A frozen target's pass over ids, no grad: its hidden states `states` (indices into HF's hidden_states)
+    concatenated (fp32), and its next-token distributions (`target_dist`)."""
+    with torch.no_grad():
+        out = target(input_ids=ids, output_hidden_states=True)
+        feats = torch.cat([out.hidden_states[j] for j in states], -1).float()
+        return feats, target_dist(out.logits, top)
+
+
+def target_dist(logits: torch.Tensor, top: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The target's next-token distributions as a loss reads them: its `top` most likely tokens (`top_tokens`:
+    probabilities, ids; the mass left is the rest bucket of `topk_soft_ce`), or with `top` 0 (log-probs over the
+    vocabulary, None)."""
+    return top_tokens(logits, top) if top else (torch.log_softmax(logits.float(), -1), None)
+
+
 def top_tokens(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """A distribution by its `k` most likely tokens: (their probabilities under the full softmax, their ids). The
     mass left over is the rest bucket of `topk_soft_ce`."""
@@ -177,6 +193,23 @@ def topk_soft_ce(lg: torch.Tensor, p: torch.Tensor, idx: torch.Tensor, keep: tor
         p, p_rest = p / total[..., None], p_rest / total
     log_rest = torch.log(-torch.expm1((top.logsumexp(-1) - lse).clamp(max=-1e-7)))  # log(1 - q(top))
     return -(p * (top - lse[..., None]).masked_fill(p == 0, 0.0)).sum(-1) - p_rest * log_rest
+
+
+def soft_ce(lg: torch.Tensor, p: torch.Tensor, idx: torch.Tensor | None = None,
+            keep: torch.Tensor | None = None) -> torch.Tensor:
+    """Per-row cross-entropy of logits lg [..., V] against the target's distribution: its full probabilities p
+    [..., V] (`idx` None), or its top tokens and a rest bucket (`topk_soft_ce`)."""
+    if idx is None:
+        return lg.logsumexp(-1) - (p * lg).sum(-1)
+    return topk_soft_ce(lg, p, idx, keep)
+
+
+def acceptance(lg: torch.Tensor, p: torch.Tensor, idx: torch.Tensor | None = None) -> torch.Tensor:
+    """Per row, sum min(p, q) of q = softmax(lg) and the target's distribution: its full probabilities p [..., V]
+    (`idx` None: the acceptance of a token drawn from q), or its top tokens (`topk_acceptance`: a lower bound)."""
+    if idx is None:
+        return torch.minimum(p, torch.softmax(lg.float(), -1)).sum(-1)
+    return topk_acceptance(lg, p, idx)
 
 
 def topk_acceptance(lg: torch.Tensor, p: torch.Tensor, idx: torch.Tensor, keep: torch.Tensor | None = None):

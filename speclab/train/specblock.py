@@ -53,10 +53,7 @@ class SpecBlockTrainConfig(lm.OnlineSchedule):
 def target_features(target, ids: torch.Tensor, layers, topk: int):
     """The drafter's features [B, N, F] (speclab layers j = hidden_states[j + 1]) and the target's next-token
     distributions by their top tokens (probabilities, ids) [B, N, k]."""
-    with torch.no_grad():
-        out = target(input_ids=ids, output_hidden_states=True)
-        feats = torch.cat([out.hidden_states[j + 1] for j in layers], -1).float()
-        return feats, lm.top_tokens(out.logits, topk)
+    return lm.target_features(target, ids, [j + 1 for j in layers], topk)
 
 
 def _attend(q, keys: list, values: list, masks: list, scale: float):
