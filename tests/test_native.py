@@ -91,7 +91,7 @@ def test_lean_forward_natively_is_bitwise_the_python_forward(arch, dtype, monkey
 
 @needs_build
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
-@pytest.mark.parametrize("name", ["eagle3", "dflash", "sps"])
+@pytest.mark.parametrize("name", ["eagle3", "dflash", "sps", "specblock", "confu"])
 def test_drafters_decode_natively_as_from_python(name, dtype, deep, monkeypatch):
     """Greedy and sampled decodes (the target not in exact mode, so its forwards run natively too): the same tokens
     in the same rounds with the native layers as without."""

@@ -233,9 +233,10 @@ class LeanDecoder:
             h = torch.cat([h, con.emb.to(h.dtype)])
             cos = torch.cat([cos, self.cos[con.pos][:, None]])
             sin = torch.cat([sin, self.sin[con.pos][:, None]])
-        if con is None and native.active(h):  # the same ops from C++ (`speclab.core.native`)
+        if native.active(h):  # the same ops from C++ (`speclab.core.native`), contemplate rows included
             h, kept = native.fused_layers(self.layers, h, cos, sin, [cache], [start], [n], [mask], self.scaling,
-                                          layers)
+                                          layers, con)
+            kept = {i: x[:n] for i, x in kept.items()}
         else:
             h, kept = self._layers(h, cos, sin, self._mix(cache, start, n, self._sdpa(cache, mask), con), layers, n)
         h, h_con = (h[:n], h[n:]) if con is not None else (h, None)

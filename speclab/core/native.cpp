@@ -791,16 +791,34 @@ static Tensor finish(const Tensor& h, const Tensor& a, const Tensor& o, const Op
   return h1 + linear(at::silu(g) * u, *mlp[6], std::nullopt, mlp[7], mlp[8]);
 }
 
+// The attention step of layer i for one sequence whose last rows (after its ns[0] plain rows) are extra rows that
+// write nothing to the cache (`LeanDecoder._mix` with `lean.ConRows`: ConFu's contemplate rows): the plain rows as
+// `mix`; each extra row over the keys and values only they see (soft_k, soft_v [layers, kv_heads, s, D]), the
+// cache up to the plain rows' end, and the extra rows' own, under con_mask [extra, s + end + extra]
+static Tensor mix_con(int64_t i, const Tensor& q, const Tensor& k, const Tensor& v, const std::vector<Tensor>& ck,
+                      const std::vector<Tensor>& cv, const std::vector<int64_t>& starts,
+                      const std::vector<int64_t>& ns, const std::vector<OptT>& masks, double scale,
+                      const Tensor& soft_k, const Tensor& soft_v, const Tensor& con_mask) {
+  const int64_t n = ns[0], end = starts[0] + n;
+  auto o = mix(i, q.slice(1, 0, n), k.slice(1, 0, n), v.slice(1, 0, n), ck, cv, starts, ns, masks, scale);
+  auto keys = at::cat({soft_k.select(0, i).to(k.scalar_type()), ck[0].select(0, i).slice(1, 0, end), k.slice(1, n)}, 1);
+  auto vals = at::cat({soft_v.select(0, i).to(v.scalar_type()), cv[0].select(0, i).slice(1, 0, end), v.slice(1, n)}, 1);
+  return at::cat({o, attention(q.slice(1, n), keys, vals, con_mask, scale)}, 1);
+}
+
 // The lean forward's layers (`LeanDecoder._layers` over `KVCache`s: `_mix` for one sequence, `mix_many` for a
-// ragged batch): rows h [rows, d] of the sequences (see `mix`). Each layer's weights, as
-// `speclab.core.native.fused_weights` lists them (each projection with its two packed copies): in_norm, qkv, qkv
-// bias, 2 copies, qk norm, o, o bias, 2 copies, post norm, gate_up, 2 copies, down, 2 copies. -> [h, the outputs of
-// the layers in `keep` (ascending)]
+// ragged batch): rows h [rows, d] of the sequences (see `mix`), and for one sequence optionally extra rows after
+// its plain ones (soft_k given: see `mix_con`). Each layer's weights, as `speclab.core.native.fused_weights` lists
+// them (each projection with its two packed copies): in_norm, qkv, qkv bias, 2 copies, qk norm, o, o bias, 2
+// copies, post norm, gate_up, 2 copies, down, 2 copies. -> [h, the outputs of the layers in `keep` (ascending)]
 std::vector<Tensor> fused_layers(Tensor h, const Tensor& cos, const Tensor& sin, const std::vector<std::vector<OptT>>& W,
                                  const std::vector<Tensor>& ck, const std::vector<Tensor>& cv,
                                  const std::vector<int64_t>& starts, const std::vector<int64_t>& ns,
                                  const std::vector<OptT>& masks, double scale, double eps, int64_t H, int64_t KV,
-                                 int64_t D, const std::vector<int64_t>& keep) {
+                                 int64_t D, const std::vector<int64_t>& keep, const OptT& soft_k = std::nullopt,
+                                 const OptT& soft_v = std::nullopt, const OptT& con_mask = std::nullopt) {
+  TORCH_CHECK(!soft_k.has_value() || (ck.size() == 1 && soft_v.has_value() && con_mask.has_value()),
+              "speclab fused_layers: extra rows ride with one sequence, with their keys, values and mask");
   int64_t d = h.size(-1);
   std::vector<Tensor> out{Tensor()};
   for (size_t i = 0; i < W.size(); ++i) {
@@ -810,7 +828,10 @@ std::vector<Tensor> fused_layers(Tensor h, const Tensor& cos, const Tensor& sin,
     auto v = qkv.slice(-2, H + KV).transpose(-2, -3);
     if (w[5].has_value()) qk = rms_norm(qk, std::nullopt, eps) * *w[5];
     qk = rope(qk, cos, sin).transpose(-2, -3);
-    auto a = mix(i, qk.slice(-3, 0, H), qk.slice(-3, H), v, ck, cv, starts, ns, masks, scale);
+    auto a = soft_k.has_value()
+                 ? mix_con(i, qk.slice(-3, 0, H), qk.slice(-3, H), v, ck, cv, starts, ns, masks, scale, *soft_k,
+                           *soft_v, *con_mask)
+                 : mix(i, qk.slice(-3, 0, H), qk.slice(-3, H), v, ck, cv, starts, ns, masks, scale);
     h = finish(h, a, *w[6], w[7], w[8], w[9], *w[10], eps, {w[11], w[12], w[13], w[14], w[15], w[16]});
     for (auto j : keep)
       if (j == (int64_t)i) out.push_back(h);

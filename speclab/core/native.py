@@ -249,12 +249,15 @@ def decoder_weights(layer: L.DecoderLayer) -> list:
 
 
 def fused_layers(layers: list[L.FusedLayer], h, cos, sin, caches: list, starts: list[int], ns: list[int],
-                 masks: list, scale: float, keep=()):
+                 masks: list, scale: float, keep=(), con=None):
     """`LeanDecoder._layers` over `KVCache`s (one sequence's: `_mix`; a ragged batch's: `lean.mix_many`; see
-    `native.cpp`): (the last states, {kept layer: its output})."""
+    `native.cpp`), `con`: one sequence's extra rows after its plain ones (`lean.ConRows`: ConFu's contemplate rows)
+    -> (the last states of every row, {kept layer: its output, every row})."""
     f = layers[0]
+    extra = (con.soft_k, con.soft_v, con.mask) if con is not None else (None, None, None)
     out = build().fused_layers(h, cos, sin, [fused_weights(x) for x in layers], [c.k for c in caches],
-                               [c.v for c in caches], starts, ns, masks, scale, f.eps, f.H, f.KV, f.D, list(keep))
+                               [c.v for c in caches], starts, ns, masks, scale, f.eps, f.H, f.KV, f.D, list(keep),
+                               *extra)
     return out[0], dict(zip(sorted(keep), out[1:]))  # in layer order
 
 

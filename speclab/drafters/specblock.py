@@ -41,6 +41,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from speclab.checks import MAX_TREE_NODES, Bound
+from speclab.core import native
 from speclab.core.layers import DecoderLayer, Linear, causal_mask, rope_inv_freq, rope_tables
 from speclab.core.lean import KVCache
 from speclab.core.sampling import Sampling, draft_probs, draw
@@ -309,10 +310,7 @@ class SpecBlockDrafter:
             mask = causal_mask(m, end, self.device)
             self.cache.reserve(m)
             for i in range(len(self.m.layers)):
-                x = self.m.shifted(i, x, x)
-                q, k, v = self.m.qkv(i, x, cos, sin)
-                self.cache.write(i, start, k, v)
-                x = self.m.finish(i, x, self.cache.attend(i, q, end, mask, self.scale))
+                x = self._layer(i, self.m.shifted(i, x, x), cos, sin, start, mask)
             self.cache.length = end
         self.known = end
         self.pending_ids, self.pending_feats = self.pending_ids[m:], self.pending_feats[m:]
@@ -341,14 +339,23 @@ class SpecBlockDrafter:
         self.cache.reserve(S * K)
         for i in range(len(self.m.layers)):
             prev = torch.cat([x[:, :1], x[:, :-1]], 1)  # row k-1 of the same block (row 1: itself)
-            x = self.m.shifted(i, x, prev)
-            q, k, v = self.m.qkv(i, x.flatten(0, 1), cos, sin)
-            self.cache.write(i, start, k, v)
-            x = self.m.finish(i, x.flatten(0, 1), self.cache.attend(i, q, end, mask, self.scale)).unflatten(0, (S, K))
+            x = self._layer(i, self.m.shifted(i, x, prev).flatten(0, 1), cos, sin, start, mask).unflatten(0, (S, K))
         self.cache.length = end
         logits = self.flash(self.m.norm(x)) if self.flash is not None else self.m.logits(x).float()
         buckets = self.m.rank_logits(x, logits).argmax(-1) if self.rank else torch.zeros(S, K, dtype=torch.long)
         return x, logits, buckets.cpu(), slot0
+
+    def _layer(self, i: int, x: torch.Tensor, cos, sin, start: int, mask: torch.Tensor) -> torch.Tensor:
+        """Decoder layer i over rows x [n, H] (its input, after the shift): their keys and values written at cache
+        slots start.., their queries attending over slots [0, start + n) under `mask` [n, start + n]. The same ops
+        from C++ where the rows run natively (`native.decoder_layer`, as DFlash's block), else the model's pieces."""
+        L, n = self.m.layers[i], x.shape[0]
+        if native.active(x):
+            return native.decoder_layer(L, i, native.rms(L.input_layernorm, x), x, cos, sin, [self.cache], [start],
+                                        [n], [mask], self.scale)
+        q, k, v = self.m.qkv(i, x, cos, sin)
+        self.cache.write(i, start, k, v)
+        return self.m.finish(i, x, self.cache.attend(i, q, start + n, mask, self.scale))
 
     @torch.inference_mode()
     def propose(self, max_depth: int, sampling: Sampling, generator: torch.Generator | None = None) -> DraftTree:
@@ -368,6 +375,9 @@ class SpecBlockDrafter:
                 rows_cands = self.flash.last_candidates if self.flash is not None else None  # [S, K, C]
                 p = draft_probs(logits, sampling, self.draft_temp) if drawn else torch.softmax(logits, -1)
                 buckets = buckets.tolist()
+                if not drawn:  # every row's widest top-w at once, in one call and one copy to Python
+                    t = p.topk(min(max(widths), budget, p.shape[-1]), -1)
+                    top_ids, top_p = t.indices.tolist(), t.values.tolist()
                 chains = []  # (depth, node, cond, token, path) of the path's nodes that may start a block
                 for j, s in enumerate(starts):
                     parent, depth, path = s.node, s.depth, list(s.path)
@@ -382,8 +392,7 @@ class SpecBlockDrafter:
                             if chains and chains[-1][1] == parent:  # its children come from this row alone
                                 chains.pop()
                         else:
-                            t = p[j, k].topk(w)
-                            top = t.indices.tolist(), t.values.tolist()
+                            top = top_ids[j][k][:w], top_p[j][k][:w]
                         self.row_probs.setdefault(parent, p[j, k])
                         first = len(tokens)
                         for tok, q in zip(*top):
