@@ -75,9 +75,9 @@ def psi(logits: torch.Tensor) -> torch.Tensor:
     if logits.shape[-1] < 10:  # a tiny vocabulary: the missing ranks as impossible tokens
         logits = F.pad(logits, (0, 10 - logits.shape[-1]), value=-1e4)
     logp = torch.log_softmax(logits, -1)
-    top = logits.topk(10, -1).values
-    top_logp = logp.topk(10, -1).values.clamp(min=-1e4)  # a FlashHead row: -inf beyond its candidates
-    gaps = (top[..., :1] - top[..., [1, 2, 4]]).clamp(max=1e4)
+    top = logits.topk(10, -1)  # logp's top 10 too (the same order; one top-k over the vocabulary, not two)
+    top_logp = logp.gather(-1, top.indices).clamp(min=-1e4)  # a FlashHead row: -inf beyond its candidates
+    gaps = (top.values[..., :1] - top.values[..., [1, 2, 4]]).clamp(max=1e4)
     p = logp.exp()
     entropy = -torch.where(p > 0, p * logp, 0.0).sum(-1, keepdim=True)
     return torch.cat([top_logp, gaps, top_logp[..., :1].exp(), entropy], -1)
