@@ -140,8 +140,12 @@ def build_zoo(cfg: ZooBuildConfig) -> None:
     train_dspark(DSparkTrainConfig(target_dir=str(zoo / "target"), corpus_dir=data, out_dir=str(work / "dspark"),
                                    init_from=str(work / "dflash_v3" / "model"), max_minutes=cfg.dspark_minutes,
                                    seed=cfg.seed, threads=2, precision="bf16", label="greedy"))
-    _install(work / "dspark", zoo / "dflash", every=25, earlier_logs=tuple(
-        work / n / "train_log.jsonl" for n in ("dflash", "dflash_v2", "dflash_v3")))
+    _install(work / "dflash_v3", zoo / "dflash", every=25,
+             earlier_logs=tuple(work / n / "train_log.jsonl" for n in ("dflash", "dflash_v2")))
+    head = work / "dspark" / "model"  # the same drafter with its head and the head's scaling in config.json
+    for name in ("model.safetensors", "config.json"):
+        shutil.copy(head / name, zoo / "dflash" / name)
+    shutil.copy(head / "train_config.json", zoo / "dflash" / "dspark_train_config.json")
     print(evaluate_zoo())
 
 
