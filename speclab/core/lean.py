@@ -236,7 +236,8 @@ class LeanDecoder:
         if native.active(h):  # the same ops from C++ (`speclab.core.native`), contemplate rows included
             h, kept = native.fused_layers(self.layers, h, cos, sin, [cache], [start], [n], [mask], self.scaling,
                                           layers, con)
-            kept = {i: x[:n] for i, x in kept.items()}
+            if con is not None:  # the kept layers' outputs of the plain rows only, as `_layers` keeps them
+                kept = {i: x[:n] for i, x in kept.items()}
         else:
             h, kept = self._layers(h, cos, sin, self._mix(cache, start, n, self._sdpa(cache, mask), con), layers, n)
         h, h_con = (h[:n], h[n:]) if con is not None else (h, None)

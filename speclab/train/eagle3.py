@@ -186,8 +186,7 @@ def ttt_loss(logits: list[torch.Tensor], target: tuple, m: Eagle3Model, weight: 
         accept = None  # sum min(p, q): the acceptance of a token drawn from q, over what is known of p
         if idx is None:
             pt = first[:, sl].exp()
-            q = torch.softmax(lg if tv else lg.detach(), -1)
-            accept = torch.minimum(pt[..., t2d] if reduced else pt, q).sum(-1)
+            accept = lm.acceptance(lg if tv else lg.detach(), pt[..., t2d] if reduced else pt)
             alphas.append(float(accept.detach()[sel].mean()))
         elif tv:
             accept = lm.topk_acceptance(lg, p[:, sl], idx[:, sl], None if keep is None else keep[:, sl])
