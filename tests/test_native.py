@@ -62,6 +62,26 @@ def test_one_pass_rms_norm_and_rope_are_bitwise_torchs_ops(dtype):
 
 @needs_build
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_a_drafters_paired_norms_and_head_log_probs_are_bitwise_torchs_ops(dtype):
+    """EAGLE-3's attention input (two norms side by side) and its head as log-probabilities, each one native call:
+    bitwise the modules and ops they replace, for one row, a tree's frontier and a backlog."""
+    from speclab.core.layers import Linear
+    g = torch.Generator().manual_seed(2)
+    na, nb, norm = (torch.nn.RMSNorm(64, eps=1e-6).to(dtype) for _ in range(3))
+    head = Linear(64, 300, bias=False).to(dtype)
+    with torch.no_grad():
+        for m in (na, nb, norm, head):
+            m.weight.copy_(torch.randn(m.weight.shape, generator=g))
+    with torch.inference_mode():
+        for rows in (1, 4, 37):
+            a, b = (torch.randn(rows, 64, generator=g).to(dtype) * 3 for _ in range(2))
+            assert torch.equal(native.pair_norm(na, a, nb, b), torch.cat([na(a), nb(b)], -1)), rows
+            want = torch.log_softmax(head(norm(b)).float(), -1)
+            assert torch.equal(native.head_logp(norm, head, b), want), rows
+
+
+@needs_build
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("arch", ["qwen3", "llama"])
 def test_lean_forward_natively_is_bitwise_the_python_forward(arch, dtype, monkeypatch):
     torch.manual_seed(0)

@@ -30,7 +30,17 @@ from typing import Any, Protocol
 
 import torch
 
-from speclab.core.engine import PHASES, RoundEvent, check_request, commit_rows, cut, round_event, round_segment, settle
+from speclab.core.engine import (
+    PHASES,
+    RoundEvent,
+    check_request,
+    commit_rows,
+    cut,
+    observe,
+    round_event,
+    round_segment,
+    settle,
+)
 from speclab.core.lean import Segment
 from speclab.core.pool import Committed, DrafterPool
 from speclab.core.protocol import Drafter
@@ -355,6 +365,8 @@ class Batch:
             s.pool.drafters[s.name].commit(tree, acc)
             rate = acc.numel() / len(tree)
             s.accept_ema = rate if s.accept_ema != s.accept_ema else 0.8 * s.accept_ema + 0.2 * rate
+        if s.name is not None:
+            observe(s.pool.drafters[s.name], v)
         if s.rounds == 0:
             s.first_s = now
         s.rounds, s.drafted, s.accepted = s.rounds + 1, s.drafted + len(tree), s.accepted + acc.numel()

@@ -53,7 +53,7 @@ from speclab.metrics import tokens_per_s
 
 __all__ = ["PHASES", "HISTORY", "RoundEvent", "DecodeResult", "Committed", "Row", "PhaseClock", "Verified", "Hooks",
            "decode", "decode_rounds", "prefill", "signals", "verify_batch", "round_segment", "settle", "cut",
-           "commit_rows", "forward_root",
+           "commit_rows", "observe", "forward_root",
            "round_event", "entropy", "check_request", "feature_layers", "feature_columns"]
 
 PHASES = ("route", "catchup", "draft", "verify", "commit", "record")
@@ -251,8 +251,9 @@ def decode_rounds(target: Target, prompt_ids: torch.Tensor, drafters: dict[str, 
             last = commit_rows(cache, seq, v, accepted, done)
             pos0 = seq.n - n_prompt
             seq.append(new)
-            if drafter is not None:  # it keeps what was accepted (its draft KV)
+            if drafter is not None:  # it keeps what was accepted (its draft KV), and may learn from the root's row
                 drafter.commit(tree, accepted)
+                observe(drafter, v)
             if not done:
                 hooks.after_verify(v, accepted, seq.n - 1)  # its extra row beside the row that drew the last token
                 root = forward_root(target, cache, seq, layers, want_hidden, deferred)
@@ -437,6 +438,14 @@ def commit_rows(cache, seq: Committed, v: Verified, accepted: torch.Tensor, done
         seq.set_features(seq.n - v.lead, v.features[kept])
     row = accepted[-1:] + 1 if accepted.numel() else accepted.new_zeros(1)
     return Row.of(v.logits, v.hidden, row)
+
+
+def observe(drafter: Drafter, v: Verified) -> None:
+    """Under sampling, the target's distribution at the round's root row to a drafter that learns from it
+    (`speclab.core.protocol.Observing`: prompt lookup's gate), whether it drafted this round or not."""
+    hook = getattr(drafter, "observe", None)
+    if hook is not None and v.probs is not None:
+        hook(v.probs[0])
 
 
 def forward_root(target: Target, cache, seq: Committed, layers: tuple[int, ...], hidden: bool,

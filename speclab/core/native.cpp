@@ -903,6 +903,18 @@ std::vector<Tensor> refined_head(const Tensor& h, const Tensor& w, const OptT& p
   return {out.view(shape), unsafe};
 }
 
+// Two rows' RMSNorms side by side: [rms_norm(a, wa), rms_norm(b, wb)] (EAGLE-3's attention input,
+// `Eagle3Model.attn_input`: the embedding's and the hidden state's norms), one call instead of three from Python
+Tensor pair_norm(const Tensor& a, const OptT& wa, double ea, const Tensor& b, const OptT& wb, double eb) {
+  return at::cat({rms_norm(a, wa, ea), rms_norm(b, wb, eb)}, -1);
+}
+
+// A drafter's head as log-probabilities: log_softmax(float(linear(rms_norm(h, nw), w))) over the last dim, the ops of
+// `Eagle3Drafter._logits` and the log_softmax after it in one call (`layers.linear`'s product: `linear` above)
+Tensor head_logp(const Tensor& h, const OptT& nw, double eps, const Tensor& w, const OptT& packed, const OptT& wide) {
+  return at::log_softmax(linear(rms_norm(h, nw, eps), w, std::nullopt, packed, wide).to(at::kFloat), -1);
+}
+
 // The GIL is released while a call runs, as torch's own Python bindings release it around each op: other Python
 // threads (the trace's writer, the app's server) keep running meanwhile
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -911,6 +923,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decoder_layer", &decoder_layer, release());
   m.def("context_kv", &context_kv, release());
   m.def("refined_head", &refined_head, release());
+  m.def("pair_norm", &pair_norm, release());
+  m.def("head_logp", &head_logp, release());
   m.def("rms_norm", &rms_norm, release());
   m.def("rope", &rope, release());
   m.def("set_fused", &set_fused);

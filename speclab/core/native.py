@@ -185,6 +185,18 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.
     return build().rms_norm(x, weight, eps)
 
 
+def pair_norm(na: torch.nn.RMSNorm, a: torch.Tensor, nb: torch.nn.RMSNorm, b: torch.Tensor) -> torch.Tensor:
+    """`torch.cat([na(a), nb(b)], -1)` in one call (bitwise; call where `active(a)`)."""
+    return build().pair_norm(a, na.weight, _eps(na, a.dtype), b, nb.weight, _eps(nb, b.dtype))
+
+
+def head_logp(norm: torch.nn.RMSNorm, head: torch.nn.Linear, h: torch.Tensor) -> torch.Tensor:
+    """`torch.log_softmax(head(norm(h)).float(), -1)` (a bias-free `layers.Linear` head) in one call (bitwise; call
+    where `active(h)`)."""
+    w = head.weight
+    return build().head_logp(h, norm.weight, _eps(norm, h.dtype), w, *_copies(w))
+
+
 def source_hash() -> str | None:
     """A short hash of `native.cpp` where the layers run from it (None: from Python), for the figures measured with
     it (`--dtype auto`'s cache key)."""

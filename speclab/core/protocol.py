@@ -115,6 +115,16 @@ class Probing(Protocol):
         """Named signals of the sequence it has caught up on (names prefixed with the drafter's)."""
 
 
+class Observing(Protocol):
+    """Optional: a drafter that learns from the target's distribution at each of its rounds' root rows under sampling
+    (prompt lookup's gate: the acceptance probability of the token it found, whether it proposed it or not). The engine
+    hands it over at commit, for the round's drafter only; it reads past rounds only, so the decode stays lossless."""
+
+    def observe(self, probs: torch.Tensor) -> None:
+        """The target's distribution [V] at the round's root row (what the round's first draft token was, or would
+        have been, tested against), under the decode's sampling."""
+
+
 class Composite(Protocol):
     """Optional: a drafter made of other drafters of the same decode (a merged arm, `speclab.routing.arms`), named
     in `members`: the pool catches the members up, each as itself, and the composite's own `catch_up` does nothing."""

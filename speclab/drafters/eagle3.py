@@ -173,6 +173,8 @@ class Eagle3Model(nn.Module):
     def attn_input(self, emb: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
         """What attention reads: [input_layernorm(embedding), hidden_norm(hidden)] [.., n, 2 x H]."""
         L = self.midlayer
+        if native.active(emb):  # the same ops in one call (`speclab.core.native`)
+            return native.pair_norm(L.input_layernorm, emb, L.hidden_norm, h)
         return torch.cat([native.rms(L.input_layernorm, emb), native.rms(L.hidden_norm, h)], -1)
 
     def finish(self, h: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
@@ -430,9 +432,9 @@ class Eagle3Drafter:
                     o = torch.cat([drafters[j]._attend(q[:, i : i + 1], k[:, i : i + 1], v[:, i : i + 1],
                                                        drafters[j].cache.length, None) for i, j in enumerate(nxt)], 1)
                     hn = m.finish(hp, o)
-                lg = d0._logits(hn)
+                lp = d0._logp(hn)
             for i, j in enumerate(nxt):
-                h[j], logp[j] = hn[i : i + 1], torch.log_softmax(lg[i : i + 1].float(), -1)
+                h[j], logp[j] = hn[i : i + 1], lp[i : i + 1]
         return [DraftTree.chain(torch.cat(t), torch.cat(lq).exp(), chain_dists(ds) if ds else None)
                 for t, lq, ds in zip(tokens, logq, dists)]
 
@@ -441,6 +443,13 @@ class Eagle3Drafter:
         target's, they are not refined to fp32 (`speclab.core.precision.Head`): they only choose what to propose,
         and verification accepts by the target's logits (measured: refining cost 4% of EAGLE-3's tokens/s here)."""
         return self.flash(native.rms(self.m.norm, h)) if self.flash is not None else self.m.logits(h).float()
+
+    def _logp(self, h: torch.Tensor) -> torch.Tensor:
+        """The drafter's log-probabilities of pre-norm outputs h (float32): log_softmax of `_logits`, in one native call
+        where the dense head runs natively (the same ops)."""
+        if self.flash is None and native.active(h):
+            return native.head_logp(self.m.norm, self.m.lm_head, h)
+        return torch.log_softmax(self._logits(h), -1)
 
     def _cands(self) -> torch.Tensor:
         """The FlashHead's candidates of its last call, in target ids [rows, C]."""
@@ -489,8 +498,8 @@ class Eagle3Drafter:
         the cache after the committed positions; returns their outputs [f, H] and draft log-probs [f, Vd]."""
         f = tokens.numel()
         start = self.cache.length
-        pos = torch.full((f,), self.known - 1 + depth_of_rows, device=self.device)
-        cos, sin = self._rope(pos)
+        p = self.known - 1 + depth_of_rows  # every node's position: one row of the tables, as many times as nodes
+        cos, sin = self.cos[p : p + 1, None].expand(f, 1, -1), self.sin[p : p + 1, None].expand(f, 1, -1)
         with forward_clock:
             emb = self._embed(tokens)
             if native.active(emb):  # the same ops from C++ (`speclab.core.native`)
@@ -498,8 +507,7 @@ class Eagle3Drafter:
             else:
                 q, k, v = self.m.qkv(emb, h_parent, cos, sin)
                 h = self.m.finish(h_parent, self._attend(q, k, v, start, mask))
-            logits = self._logits(h)
-        return h, torch.log_softmax(logits.float(), -1)
+            return h, self._logp(h)
 
     def _chain(self, depth: int, sampling: Sampling | None = None, generator=None) -> DraftTree:
         """A chain, one drafter call per token after the first: the argmax at every depth, or (`sampling`) a token
