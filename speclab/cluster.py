@@ -336,13 +336,16 @@ class GridJob:
     limit: int
     max_new_tokens: int
     extra: list
+    temperature: float = 0.0
+    seed: int = 0
 
     def setup(self) -> int:
         from speclab.bench.grid import Grid
         from speclab.methods import get_method
         from speclab.models import load_models
         target, models = load_models(self.paths, roles=get_method(self.method).needs)
-        self.g = Grid(target, models, self.method, self.grid, self.suite, self.limit, self.max_new_tokens, self.extra)
+        self.g = Grid(target, models, self.method, self.grid, self.suite, self.limit, self.max_new_tokens, self.extra,
+                      self.temperature, self.seed)
         self.g.warm_up()
         return len(self.g.rows)
 
@@ -354,10 +357,10 @@ class GridJob:
 
 
 def param_grid(cl: Cluster, paths: ModelPaths, method: str, grid: dict, suite: str, limit: int, max_new_tokens: int,
-               extra: list, log=print):
+               extra: list, log=print, temperature: float = 0.0, seed: int = 0):
     """`speclab grid --ray`: every prompt's decodes on the cluster's workers (AR beside every combination on the same
     worker), summed into the grid's table as in one process (`Grid.table`)."""
-    job = GridJob(paths, method, grid, suite, limit, max_new_tokens, extra)
+    job = GridJob(paths, method, grid, suite, limit, max_new_tokens, extra, temperature, seed)
     out = run_tasks(cl, job, f"grid {method}", log)
     if out.error is not None:
         raise task_error(out.error)

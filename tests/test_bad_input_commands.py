@@ -185,6 +185,8 @@ CASES = [
     ("grid", ["--method", "sps", "--extra", "{oops"], "--extra must be a JSON object"),
     ("grid", ["--method", "sps", "--suite", "nope"], "unknown suite 'nope'"),
     ("grid", ["--limit", "inf"], "argument --limit: 'inf' is not an integer"),
+    ("grid", ["--temperature", "-0.5"], "argument --temperature: '-0.5' is not"),
+    ("grid", ["--seed", "-1"], "argument --seed: '-1' is not"),
     ("costs", ["forward", "--n", "0,1"], "--n must be positive integers"),
     ("costs", ["contemplate", "--nodes", "0,2"], "--nodes must be positive integers"),
     ("costs", ["roofline", "--rows", "0,1"], "--rows must be positive integers"),

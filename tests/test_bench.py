@@ -227,6 +227,12 @@ def test_param_grid_measures_every_distinct_combination(qwen3, qwen3_draft):
     assert len(df) == 5 and df.preset.sum() == 1  # 4 combinations + the extra point
     assert (df.equal_to_ar == 1.0).all() and (df.tokens_per_s > 0).all() and (df.tau >= 1).all()
     assert df.tokens_per_s.is_monotonic_decreasing  # fastest first
+    # under sampling every decode samples (prompt i at seed + i): two runs with one seed decode alike; outputs are
+    # not compared with AR's
+    sampled = [param_grid(qwen3, {"draft": qwen3_draft}, "sps", {"k": ["2"]}, suite="demo", limit=1,
+                          max_new_tokens=10, log=lambda s: None, temperature=1.0, seed=5) for _ in range(2)]
+    assert all(d.equal_to_ar.isna().all() and (d.tau >= 1).all() for d in sampled)
+    assert sampled[0].tau.tolist() == sampled[1].tau.tolist()
     with pytest.raises(InvalidInput, match="not a parameter of sps"):
         param_grid(qwen3, {"draft": qwen3_draft}, "sps", {"depth": ["2"]}, suite="demo", limit=1)
     with pytest.raises(InvalidInput, match="k must be an integer"):

@@ -3,6 +3,7 @@ CPU defaults are picked: `speclab grid`), and the grid's report."""
 from __future__ import annotations
 
 import itertools
+import math
 
 import pandas as pd
 
@@ -42,7 +43,8 @@ class Grid:
     every prompt in one process; `speclab.cluster` gives each Ray worker its own Grid and the prompts to decode."""
 
     def __init__(self, target: Target, models: dict, method: str, grid: dict[str, list], suite: str = "zoo",
-                 limit: int = 2, max_new_tokens: int = 128, extra: list[dict] | None = None):
+                 limit: int = 2, max_new_tokens: int = 128, extra: list[dict] | None = None,
+                 temperature: float = 0.0, seed: int = 0):
         from speclab.methods import method_params
         check_grid_keys(method, [*grid, *(k for p in extra or [] for k in p)])
         same_decode = get_method(method).same_decode or (lambda p: p)
@@ -60,6 +62,7 @@ class Grid:
         if not self.rows:
             raise InvalidInput(f"no prompt of suite '{suite}' fits the context ({target.max_context} tokens)")
         self.target, self.models, self.method, self.max_new_tokens = target, models, method, max_new_tokens
+        self.temperature, self.seed = temperature, seed  # T > 0: every decode of prompt i samples at seed + i
         self.runs = ["ar"] + list(range(len(self.combos)))
 
     def warm_up(self) -> None:
@@ -67,18 +70,20 @@ class Grid:
             generate(self.target, self.rows[0][1], self.method, models=self.models, max_new_tokens=16, **p)
 
     def decode(self, i: int, done=lambda: None) -> dict:
-        """Prompt i decoded by AR and every combination in the prompt's rotated order (drift hits all alike):
-        run -> {tokens, s, rounds, equal (to AR's output)}."""
+        """Prompt i decoded by AR and every combination in the prompt's rotated order (drift hits all alike), each at
+        the prompt's seed under sampling: run -> {tokens, s, rounds, equal (to AR's output; nan under sampling)}."""
         ids, runs = self.rows[i][1], self.runs
+        sampled = {"temperature": self.temperature, "seed": self.seed + i} if self.temperature > 0 else {}
         out, stats = {}, {}
         for j in runs[i % len(runs):] + runs[: i % len(runs)]:
             res = generate(self.target, ids, "ar" if j == "ar" else self.method, models=self.models,
-                           max_new_tokens=self.max_new_tokens, **({} if j == "ar" else self.combos[j]))
+                           max_new_tokens=self.max_new_tokens, **sampled,
+                           **({} if j == "ar" else self.combos[j]))
             out[j] = res.token_ids
             stats[j] = {"tokens": len(res.token_ids), "s": res.elapsed_s, "rounds": res.decode.rounds}
             done()
-        for j in runs:
-            stats[j]["equal"] = out[j] == out["ar"]
+        for j in runs:  # sampled decodes are not compared with AR's (nan)
+            stats[j]["equal"] = out[j] == out["ar"] if self.temperature <= 0 else math.nan
         return stats
 
     @staticmethod
@@ -100,11 +105,12 @@ class Grid:
 
 def param_grid(target: Target, models: dict, method: str, grid: dict[str, list], suite: str = "zoo",
                limit: int = 2, max_new_tokens: int = 128, extra: list[dict] | None = None,
-               log=print) -> pd.DataFrame:
+               log=print, temperature: float = 0.0, seed: int = 0) -> pd.DataFrame:
     """tokens/s, tau and speedup vs AR of every combination of a method's parameters (plus `extra` points, a GPU
     preset say), untraced, on `limit` prompts per category of a suite (`Grid`), in this process. Each decode is
-    checked against AR (greedy). Combinations that are the same decode (a chain ignores total_tokens) run once."""
-    g = Grid(target, models, method, grid, suite, limit, max_new_tokens, extra)
+    checked against AR (greedy). Combinations that are the same decode (a chain ignores total_tokens) run once.
+    `temperature` > 0: every decode samples (prompt i at `seed` + i), so the defaults can be chosen per temperature."""
+    g = Grid(target, models, method, grid, suite, limit, max_new_tokens, extra, temperature, seed)
     g.warm_up()
     prog = Progress(len(g.rows) * len(g.runs), f"grid {method}")
     prompts = []
@@ -114,13 +120,14 @@ def param_grid(target: Target, models: dict, method: str, grid: dict[str, list],
 
 
 def grid_report(df: pd.DataFrame, method: str, grid: dict[str, list], x: str | None = None, suite: str = "zoo",
-                limit: int = 2, max_new_tokens: int = 128) -> Report:
+                limit: int = 2, max_new_tokens: int = 128, temperature: float = 0.0) -> Report:
     """The grid's table (fastest first), its fastest point, and tokens/s and tau curves over parameter `x` (default:
     the grid's last), one line per combination of the others (the extra points left out)."""
     from speclab.viz import lines_figure
     table = df.to_markdown(index=False, floatfmt=".3f")
     best = df.iloc[0]
-    fastest = (f"fastest: {', '.join(f'{k}={best[k]}' for k in grid)} at {best.tokens_per_s:.1f} tokens/s "
+    at = f" at T = {temperature:g}" if temperature > 0 else ""
+    fastest = (f"fastest{at}: {', '.join(f'{k}={best[k]}' for k in grid)} at {best.tokens_per_s:.1f} tokens/s "
                f"(speedup {best.speedup:.2f}, tau {best.tau:.2f})")
     x = x or list(grid)[-1]
     others = [k for k in grid if k != x]
@@ -128,6 +135,6 @@ def grid_report(df: pd.DataFrame, method: str, grid: dict[str, list], x: str | N
     plot["shape"] = plot[others].astype(str).agg(lambda r: " ".join(f"{k}={v}" for k, v in zip(others, r)), axis=1) \
         if others else method
     figs = [lines_figure(plot, x, "tokens_per_s", "shape", f"{method}: tokens/s over {suite} "
-                         f"({limit} prompts per category, {max_new_tokens} tokens)", hover="tau"),
+                         f"({limit} prompts per category, {max_new_tokens} tokens{at})", hover="tau"),
             lines_figure(plot, x, "tau", "shape", f"{method}: acceptance length tau")]
     return Report(f"speclab grid: {method}", f"{table}\n\n{fastest}", figs)

@@ -99,14 +99,14 @@ def cmd_grid(a: argparse.Namespace) -> int:
         from speclab import cluster
         try:
             df, _ = cluster.param_grid(cl, paths.absolute(), name, grid, a.suite, a.limit, a.max_new_tokens, extra,
-                                       log)
+                                       log, a.temperature, a.seed)
         finally:
             cluster.stop(cl)
     else:
         target, models = load_models(paths, roles=get_method(name).needs)
         df = param_grid(target, models, name, grid, suite=a.suite, limit=a.limit, max_new_tokens=a.max_new_tokens,
-                        extra=extra, log=log)
-    write_report(grid_report(df, name, grid, a.x, a.suite, a.limit, a.max_new_tokens), a.report)
+                        extra=extra, log=log, temperature=a.temperature, seed=a.seed)
+    write_report(grid_report(df, name, grid, a.x, a.suite, a.limit, a.max_new_tokens, a.temperature), a.report)
     return 0
 
 
@@ -160,6 +160,11 @@ def add_parsers(sub) -> None:
     gr.add_argument("--suite", default="zoo")
     gr.add_argument("--limit", type=_positive_int, default=2, help="prompts per category")
     gr.add_argument("--max-new-tokens", type=_positive_int, default=128)
+    gr.add_argument("--temperature", type=_num(float, 0.0, 100.0), default=0.0,
+                    help="> 0: every decode samples at this temperature (prompt i at seed --seed + i, AR too), to pick "
+                    "defaults per temperature; outputs are not compared with AR's")
+    gr.add_argument("--seed", type=_num(int, 0, 2**31 - 1), default=0,
+                    help="with --temperature: the first prompt's seed")
     gr.add_argument("--report", default="reports/grid.html")
     add_model_args(gr)
     add_ray_args(gr, "each worker decodes whole prompts (AR and every combination on one worker)")
