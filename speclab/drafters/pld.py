@@ -74,11 +74,6 @@ class PromptLookup:
         self.schedule = LengthSchedule(k, adaptive)  # the next proposal's length where `adaptive` applies
         self.reset(torch.zeros(0, dtype=torch.long))
 
-    @property
-    def ids(self) -> torch.Tensor:
-        """The sequence it has caught up on."""
-        return torch.tensor(self.index.toks, dtype=torch.long)
-
     def reset(self, prompt_ids: torch.Tensor, prompt_features=None, capacity: int | None = None) -> None:
         self.index = NgramIndex(self.min_ngram, self.max_ngram)
         self.index.extend(prompt_ids.detach().cpu().flatten().tolist())
