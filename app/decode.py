@@ -136,7 +136,7 @@ def build(lab: Lab) -> dict:
     served = lab.methods()  # the methods whose models are loaded
     chosen = gr.CheckboxGroup(served, value=[m for m in DEFAULT_METHODS if m in served],
                               label=f"Methods (up to {MAX_COLUMNS} side by side)", elem_id="methods")
-    keys, widgets, groups = [], [], {}
+    keys, widgets, groups, follows = [], [], {}, []
     with gr.Row(equal_height=False):
         for name, m in METHODS.items():
             if not m.params or name not in served:
@@ -164,6 +164,8 @@ def build(lab: Lab) -> dict:
                         widgets.append(w)
                         keys.append((name, p.name))
                         mine[p.name] = w
+                        if p.sampled is not None:  # a default of its own at T > 0 (EAGLE-3's depth)
+                            follows.append((p, w))
                 for key, ctrl in mine.items():  # a parameter that governs others (head) shows them as it changes
                     deps = [(p, mine[p.name]) for p in m.params if p.when is not None and p.when[0] == key]
                     if deps:
@@ -175,6 +177,9 @@ def build(lab: Lab) -> dict:
         temperature = gr.Number(0.0, label="temperature (0 = greedy)", elem_id="temperature")
         seed = gr.Number(0, label="seed", elem_id="seed")
         shade = gr.Radio(["depth", "draft_prob"], value="depth", label="shade by", elem_id="shade")
+    if follows:  # a box holding one temperature's default takes the other's as the temperature crosses 0
+        temperature.change(lambda t, *v: _follow(lab.target, follows, t, v), [temperature, *(w for _, w in follows)],
+                           [w for _, w in follows], show_progress="hidden")
     shown = gr.State(None)  # the token columns on the page (plain data): a new shade re-renders them
     run = gr.Button("Decode side by side", variant="primary", elem_id="run")
     status = gr.Markdown("", elem_id="status")
@@ -201,6 +206,17 @@ def build(lab: Lab) -> dict:
     event.then(None, None, None, js=SHOW_RESULTS)
     shade.change(decoder.reshade, [shown, shade], [legend, *toks])
     return {"run": event, "suite": suite, "pick": pick, "prompts": _prompts}
+
+
+def _follow(target, follows: list, temperature, values) -> list:
+    """The boxes of parameters whose default differs at T > 0: each still holding the default of the other side of
+    T = 0 gets this side's; a value typed in stays (so does every box while the temperature box holds no number)."""
+    try:
+        sampled = float(temperature) > 0
+    except (TypeError, ValueError):
+        return [gr.skip() for _ in follows]
+    return [gr.update(value=p.default_on(target, sampled)) if v == p.default_on(target, not sampled) else gr.skip()
+            for (p, _), v in zip(follows, values)]
 
 
 def _range(b) -> str:

@@ -82,7 +82,7 @@ def check_generation(target: Target, prompt: str | torch.Tensor, method: str, mo
     prompt_ids = prompt.flatten().long() if isinstance(prompt, torch.Tensor) else encode_prompt(target, prompt)
     check_request(target, prompt_ids, max_new_tokens)
     return Request(prompt_ids, max_new_tokens, Sampling(temperature, top_k, top_p, seed),
-                   method_params(method, params or {}, target))
+                   method_params(method, params or {}, target, sampled=temperature > 0))
 
 
 class Generation:

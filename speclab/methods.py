@@ -167,15 +167,15 @@ def get_method(spec: str, given: dict | None = None) -> Method:
     return replace(m, needs=m.needs_of({**{k: v for k, v in (given or {}).items() if v is not None}, **fixed}))
 
 
-def method_params(spec: str, given: dict, target) -> dict:
+def method_params(spec: str, given: dict, target, sampled: bool = False) -> dict:
     """The method's parameters, checked against `target`: defaults overridden by the given ones that it knows
-    (others ignored), and those by the ones the spec fixes. Defaults are the CPU ones (measured here), or the
-    GPU presets when the target is on CUDA. A bad value raises InvalidInput naming the parameter, its value
-    and what is allowed."""
+    (others ignored), and those by the ones the spec fixes. Defaults are the CPU ones (measured here; for a
+    `sampled` decode, T > 0, those measured there), or the GPU presets when the target is on CUDA. A bad value
+    raises InvalidInput naming the parameter, its value and what is allowed."""
     name, fixed = parse_spec(spec)
     m = METHODS[name]
     given = {**given, **fixed}
-    out = {p.name: _param(p, given.get(p.name), p.default_on(target), target) for p in m.params}
+    out = {p.name: _param(p, given.get(p.name), p.default_on(target, sampled), target) for p in m.params}
     if m.check:
         m.check(out, target)
     return out

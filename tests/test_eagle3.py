@@ -133,3 +133,26 @@ def test_tree_is_the_best_total_tokens_and_closed_under_ancestors(deep, trained_
     assert all(cum[i] <= cum[p] + 1e-6 for i, p in enumerate(t.parents.tolist()) if p >= 0)
     chain = _draft_once(trained_eagle3, deep, PROMPTS[0], depth=4, top_k=1, total=9)
     assert chain.is_chain and len(chain) == 4
+
+
+def test_the_depth_default_follows_the_temperature(deep, drafters):
+    """EAGLE-3's CPU default is a chain of depth 4 at T = 0 and of 3 at T > 0 (each measured there: the model card),
+    in the decode's parameters as recorded on its run (ConFu and WhiFlash share the parameter); a depth given stays,
+    and on CUDA the GPU preset holds at every temperature. Greedy decodes are unchanged."""
+    from types import SimpleNamespace
+
+    from speclab.generate import check_generation
+    from speclab.methods import method_params
+    models = {"eagle3": drafters["random"]}
+    depth = {t: check_generation(deep, PROMPTS[0], "eagle3", models, 8, temperature=t, seed=0).params["depth"]
+             for t in (0.0, 0.7, 1.0)}
+    assert depth == {0.0: 4, 0.7: 3, 1.0: 3}
+    assert check_generation(deep, PROMPTS[0], "eagle3:depth=5", models, 8, temperature=1.0).params["depth"] == 5
+    assert check_generation(deep, PROMPTS[0], "eagle3", models, 8, temperature=1.0, params={"depth": 4}) \
+        .params["depth"] == 4
+    shape = SimpleNamespace(vocab_size=deep.vocab_size, max_context=deep.max_context)
+    for m in ("confu", "whiflash-entropy"):
+        assert [method_params(m, {}, SimpleNamespace(**vars(shape), device=SimpleNamespace(type="cpu")), sampled=s)
+                ["depth"] for s in (False, True)] == [4, 3]
+    cuda = SimpleNamespace(**vars(shape), device=SimpleNamespace(type="cuda"))
+    assert {method_params("eagle3", {}, cuda, sampled=s)["depth"] for s in (False, True)} == {8}

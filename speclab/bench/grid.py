@@ -49,14 +49,14 @@ class Grid:
         check_grid_keys(method, [*grid, *(k for p in extra or [] for k in p)])
         same_decode = get_method(method).same_decode or (lambda p: p)
         self.combos, seen = [], set()
-        for values in itertools.product(*grid.values()):
-            p = method_params(method, dict(zip(grid, values)), target)  # checked (and defaults filled) up front
+        for values in itertools.product(*grid.values()):  # checked (and the defaults at this T filled) up front
+            p = method_params(method, dict(zip(grid, values)), target, sampled=temperature > 0)
             key = tuple(sorted(same_decode(p).items()))
             if key not in seen:
                 seen.add(key)
                 self.combos.append(p)
         for p in extra or []:
-            self.combos.append(method_params(method, p, target))
+            self.combos.append(method_params(method, p, target, sampled=temperature > 0))
         rows = [(r, format_prompt(target, r)) for r in load_suite(suite, limit)]
         self.rows = [(r, ids) for r, ids in rows if ids.numel() + max_new_tokens <= target.max_context]
         if not self.rows:

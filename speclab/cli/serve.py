@@ -67,7 +67,7 @@ def cmd_serve_bench(a: argparse.Namespace) -> int:
     if any(parse_policy(p)[0] == "dspark" for p in policies) and not models["dflash"].has_confidence:
         raise SpeclabError(f"--policy dspark: the DFlash drafter at {paths.model_path('dflash')} has no confidence "
                            "head (`speclab train dspark --init-from` it adds one)")
-    params = method_params(a.method, {}, target)
+    params = method_params(a.method, {}, target, sampled=a.temperature > 0)
     prompts = [format_prompt(target, r) for r in rows]
 
     def run_row(st, spec, load, serve_id):

@@ -32,13 +32,15 @@ DRAFTER_MODULES = (  # one line per drafter
 @dataclass(frozen=True)
 class Param:
     """One parameter of a drafter or a router: its CPU default (measured on the zoo, see the model cards), the
-    values it may take (from the target: a tree no larger than a verification, a draft no longer than the
-    context), the papers' GPU setting and the values `speclab grid` sweeps. A None default is an optional value
-    of type `optional` (a router's threshold: None = calibrated)."""
+    CPU default at T > 0 where the measurement picked another (`sampled`), the values it may take (from the target:
+    a tree no larger than a verification, a draft no longer than the context), the papers' GPU setting and the
+    values `speclab grid` sweeps. A None default is an optional value of type `optional` (a router's threshold:
+    None = calibrated)."""
     name: str
     default: int | float | str | None
     bound: Callable[[Any], Bound] = lambda target: Bound()  # target -> the allowed values
     gpu: int | float | str | None = None  # the default on CUDA (the papers' setting); None = the CPU default
+    sampled: int | float | str | None = None  # the CPU default at T > 0 (measured there); None = `default`
     grid: tuple = ()  # the values `speclab grid` sweeps by default
     help: str = ""
     choices: tuple[str, ...] = ()  # a named choice (FlashHead's `head`: dense | flash) instead of a number
@@ -52,10 +54,12 @@ class Param:
     def kind(self) -> type:
         return self.optional if self.default is None else type(self.default)
 
-    def default_on(self, target) -> int | float | None:
-        """The default for `target`: the GPU preset on CUDA (where there is one), else the CPU default."""
-        on_cuda = getattr(target.device, "type", "cpu") == "cuda"
-        return self.gpu if on_cuda and self.gpu is not None else self.default
+    def default_on(self, target, sampled: bool = False) -> int | float | str | None:
+        """The default for `target`: the GPU preset on CUDA (where there is one), else the CPU default, the one at
+        T > 0 for a `sampled` decode (where it differs)."""
+        if getattr(target.device, "type", "cpu") == "cuda" and self.gpu is not None:
+            return self.gpu
+        return self.sampled if sampled and self.sampled is not None else self.default
 
 
 SCHEMES = ("wor", "iid", "topk")  # how a tree's children are drawn at T > 0 (speclab.core.sampling.draw)
