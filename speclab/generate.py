@@ -108,7 +108,7 @@ class Generation:
         req = check_generation(target, prompt, method, models, max_new_tokens, temperature, top_k, top_p, seed, params)
         self.target, self.method, self.trace, self.on_round = target, method, trace, on_round
         self.prompt_ids, self.params, sampling = req.prompt_ids, req.params, req.sampling
-        self.drafters, self.router = build_method(method, target, models, self.params, category)
+        self.drafters, self.router = build_method(method, target, models, self.params, category, not sampling.greedy)
         self.kw = dict(max_new_tokens=req.max_new_tokens, sampling=sampling, deferred=deferred, keep_logits=keep_logits)
         self.result: GenerationResult | None = None
         self.run_id, self.writer = None, None

@@ -230,12 +230,13 @@ def check_models(spec: str, models: dict) -> None:
             raise InvalidInput(f"method '{spec}' needs {r.noun} ({r.option} PATH, or the zoo's)")
 
 
-def build_method(spec: str, target, models: dict, params: dict, category: str | None = None):
+def build_method(spec: str, target, models: dict, params: dict, category: str | None = None, sampled: bool = False):
     """(drafters by name, router) of a method; AR has no drafter and no router. A routed method picks its
-    calibrated threshold for `category` (the prompt's, when known)."""
+    calibrated threshold for `category` (the prompt's, when known), and builds the drafters its parameters do not
+    set (a route's arms) with their defaults at T > 0 for a `sampled` decode."""
     m = get_method(spec)
     if m.build is not None:
-        return m.build(target, models, category=category, **params)
+        return m.build(target, models, category=category, sampled=sampled, **params)
     if m.drafter is None:
         return {}, None
     return {m.drafter: build_drafter(m.drafter, target, models, **params)}, FixedRouter(m.drafter)

@@ -137,11 +137,11 @@ def test_tree_is_the_best_total_tokens_and_closed_under_ancestors(deep, trained_
 
 def test_the_depth_default_follows_the_temperature(deep, drafters):
     """EAGLE-3's CPU default is a chain of depth 4 at T = 0 and of 3 at T > 0 (each measured there: the model card),
-    in the decode's parameters as recorded on its run (ConFu and WhiFlash share the parameter); a depth given stays,
-    and on CUDA the GPU preset holds at every temperature. Greedy decodes are unchanged."""
+    in the decode's parameters as recorded on its run (ConFu and WhiFlash share the parameter; a route's EAGLE-3 arm
+    is built with it); a depth given stays, and on CUDA the GPU preset holds at every temperature."""
     from types import SimpleNamespace
 
-    from speclab.generate import check_generation
+    from speclab.generate import Generation, check_generation
     from speclab.methods import method_params
     models = {"eagle3": drafters["random"]}
     depth = {t: check_generation(deep, PROMPTS[0], "eagle3", models, 8, temperature=t, seed=0).params["depth"]
@@ -156,3 +156,6 @@ def test_the_depth_default_follows_the_temperature(deep, drafters):
                 ["depth"] for s in (False, True)] == [4, 3]
     cuda = SimpleNamespace(**vars(shape), device=SimpleNamespace(type="cuda"))
     assert {method_params("eagle3", {}, cuda, sampled=s)["depth"] for s in (False, True)} == {8}
+    arm = {t: Generation(deep, PROMPTS[0], "route:arms=eagle3+pld", models=models, max_new_tokens=8, temperature=t,
+                         seed=0).drafters["eagle3"].depth for t in (0.0, 1.0)}
+    assert arm == {0.0: 4, 1.0: 3}

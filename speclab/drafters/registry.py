@@ -221,9 +221,9 @@ def unregister(name: str) -> None:
     _REGISTERED.pop(name, None)
 
 
-def build_drafter(name: str, target, models: dict, **params):
+def build_drafter(name: str, target, models: dict, sampled: bool = False, **params):
     """Drafter `name` built for `target` from `models` (by role), the given parameters over its defaults (the
-    GPU ones on CUDA)."""
+    GPU ones on CUDA; those at T > 0 for a `sampled` decode)."""
     e = drafters()[name]
-    full = {**{p.name: p.default_on(target) for p in e.params}, **params}
+    full = {**{p.name: p.default_on(target, sampled) for p in e.params}, **params}
     return e.build(target, models.get(e.model.role) if e.model else None, **full)

@@ -161,8 +161,9 @@ def rule_other(arms) -> str | None:
     return None if other == NONE else other
 
 
-def build(target, models, arms=DEFAULT_ARMS, router=ROUTER, min_match=None, category=None, **_):
-    """(drafters by name, router) of a route spec: each drafter once (its method's defaults), each merged arm a
+def build(target, models, arms=DEFAULT_ARMS, router=ROUTER, min_match=None, category=None, sampled=False, **_):
+    """(drafters by name, router) of a route spec: each drafter once (its method's defaults; at T > 0 for a
+    `sampled` decode: EAGLE-3's shorter chain), each merged arm a
     `Merged` over those same instances, and the router over the arm names. The rule's `min_match` None = calibrated
     for `category` (`speclab.routing.routers.default_threshold`)."""
     from speclab.core.protocol import FixedRouter
@@ -176,7 +177,7 @@ def build(target, models, arms=DEFAULT_ARMS, router=ROUTER, min_match=None, cate
                 role = drafters()[m].model
                 if role is not None and models.get(role.role) is None:
                     raise InvalidInput(f"arm {a.name!r} needs {role.noun} ({role.option} PATH, or the zoo's)")
-                built[m] = build_drafter(m, target, models)
+                built[m] = build_drafter(m, target, models, sampled=sampled)
     for a in parsed:
         if a.merged:
             built[a.name] = Merged(a.name, {m: built[m] for m in a.members})
