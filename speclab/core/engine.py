@@ -434,8 +434,9 @@ def commit_rows(cache, seq: Committed, v: Verified, accepted: torch.Tensor, done
     (the next round's signals)."""
     kept = torch.cat([torch.arange(v.lead, device=accepted.device), accepted + v.lead])
     keep_cache(cache, v.past, kept)
-    if v.features is not None and not done:
-        seq.set_features(seq.n - v.lead, v.features[kept])
+    if v.features is not None and not done:  # a chain's kept rows are the first ones: a view, no gather
+        prefix = kept.numel() == 0 or int(kept[-1]) == kept.numel() - 1
+        seq.set_features(seq.n - v.lead, v.features[: kept.numel()] if prefix else v.features[kept])
     row = accepted[-1:] + 1 if accepted.numel() else accepted.new_zeros(1)
     return Row.of(v.logits, v.hidden, row)
 

@@ -278,11 +278,11 @@ class LeanDecoder:
             h, kept = self._layers(h, cos, sin, mix_many(caches, starts, ns, masks, self.scaling), layers, bounds[-1])
         h = self.final_norm(h)
         logits = self.head(h)
+        feats = torch.cat([kept[i] for i in layers], -1) if layers else None  # once for every row: a view each
         out = []
         for s, a, b in zip(segs, bounds, bounds[1:]):
             s.cache.length += b - a
-            feats = torch.cat([kept[i][a:b] for i in layers], -1) if layers else None
-            out.append((logits[a:b], feats, h[a:b] if hidden else None))
+            out.append((logits[a:b], None if feats is None else feats[a:b], h[a:b] if hidden else None))
         return out
 
     def _layers(self, h, cos, sin, mix, layers, n: int):
