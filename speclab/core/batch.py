@@ -39,6 +39,7 @@ from speclab.core.engine import (
     observe,
     round_event,
     round_segment,
+    round_tokens,
     settle,
 )
 from speclab.core.lean import Segment
@@ -356,8 +357,8 @@ class Batch:
         of them among its new tokens)."""
         pos0 = s.new_tokens
         acc = v.accepted.to(self.target.device)
-        new = torch.cat([tree.tokens[acc].cpu(), torch.tensor([v.bonus])])
-        new, acc, at_eos = cut(new, acc, s.req.max_new_tokens - s.new_tokens, self.eos, self.stop_on_eos)
+        new, acc, at_eos = cut(round_tokens(tree, acc, v.bonus), acc, s.req.max_new_tokens - s.new_tokens, self.eos,
+                               self.stop_on_eos)
         done = at_eos or s.new_tokens + new.numel() >= s.req.max_new_tokens
         commit_rows(s.cache, s.seq, v, acc, done)
         s.seq.append(new)

@@ -45,7 +45,7 @@ from speclab.core.lean import ConRows, Segment
 from speclab.core.pool import Committed, DrafterPool, feature_columns, feature_layers
 from speclab.core.protocol import Decision, Drafter, ExtraRows, FixedRouter, RoundView, Router, Signals
 from speclab.core.sampling import Sampling
-from speclab.core.target import ForwardOut, Target, forward_clock, keep_cache
+from speclab.core.target import ForwardOut, Target, crop_cache, forward_clock, keep_cache
 from speclab.core.tree import DraftTree, tree_attention_mask, tree_position_ids, tree_rows
 from speclab.core.verify import verify
 from speclab.errors import InvalidInput
@@ -244,8 +244,8 @@ def decode_rounds(target: Target, prompt_ids: torch.Tensor, drafters: dict[str, 
             v = verify_batch(target, cache, seq, tree, root, layers, want_hidden, sampling, gen, hooks.extra_rows())
         with clock.phase("commit") as commit:  # kept rows (root + accepted path): KV cache, features, signals
             accepted = v.accepted.to(dev)
-            new = torch.cat([tree.tokens[accepted].cpu(), torch.tensor([v.bonus])])
-            new, accepted, at_eos = cut(new, accepted, max_new_tokens - (seq.n - n_prompt), eos, stop_on_eos)
+            new, accepted, at_eos = cut(round_tokens(tree, accepted, v.bonus), accepted,
+                                        max_new_tokens - (seq.n - n_prompt), eos, stop_on_eos)
             done = at_eos or seq.n + new.numel() - n_prompt >= max_new_tokens
             commit.sync = done  # the decode's end: synchronise CUDA (once, on the untraced path)
             last = commit_rows(cache, seq, v, accepted, done)
@@ -416,6 +416,15 @@ def settle(tree: DraftTree, out: ForwardOut | None, root: Row | None, past: int,
     return Verified(verdict.accepted, verdict.bonus, logits, hid, feats, past, int(root is None), states, verdict.probs)
 
 
+def round_tokens(tree: DraftTree, accepted: torch.Tensor, bonus: int) -> torch.Tensor:
+    """A round's new tokens on the CPU: the accepted drafts (root side first), then the target's token."""
+    a = accepted.numel()
+    if a == 0:
+        return torch.tensor([bonus])
+    drafts = tree.tokens[:a] if int(accepted[-1]) == a - 1 else tree.tokens[accepted]  # a path of first nodes: a slice
+    return torch.cat([drafts.cpu(), torch.tensor([bonus])])
+
+
 def cut(new: torch.Tensor, accepted: torch.Tensor, room: int, eos: torch.Tensor,
         stop_on_eos: bool = True) -> tuple[torch.Tensor, torch.Tensor, bool]:
     """A round's tokens `new` (the accepted drafts, then the target's token) and its accepted nodes, cut to the
@@ -432,13 +441,18 @@ def commit_rows(cache, seq: Committed, v: Verified, accepted: torch.Tensor, done
     """Keep the batch's kept rows, the root (when it led the batch) and the accepted path: their KV and (unless the
     decode is done) their features, from the root's position on. Returns the row that drew the round's last token
     (the next round's signals)."""
+    a = accepted.numel()
+    if a == 0 or int(accepted[-1]) == a - 1:  # the first rows (a chain's path, or none): a crop and slices
+        n = v.lead + a
+        crop_cache(cache, v.past + n)
+        if v.features is not None and not done:
+            seq.set_features(seq.n - v.lead, v.features[:n])
+        return Row.of(v.logits, v.hidden, slice(a, a + 1))
     kept = torch.cat([torch.arange(v.lead, device=accepted.device), accepted + v.lead])
     keep_cache(cache, v.past, kept)
-    if v.features is not None and not done:  # a chain's kept rows are the first ones: a view, no gather
-        prefix = kept.numel() == 0 or int(kept[-1]) == kept.numel() - 1
-        seq.set_features(seq.n - v.lead, v.features[: kept.numel()] if prefix else v.features[kept])
-    row = accepted[-1:] + 1 if accepted.numel() else accepted.new_zeros(1)
-    return Row.of(v.logits, v.hidden, row)
+    if v.features is not None and not done:
+        seq.set_features(seq.n - v.lead, v.features[kept])
+    return Row.of(v.logits, v.hidden, accepted[-1:] + 1)
 
 
 def observe(drafter: Drafter, v: Verified) -> None:
