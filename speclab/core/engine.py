@@ -53,7 +53,7 @@ from speclab.metrics import tokens_per_s
 
 __all__ = ["PHASES", "HISTORY", "RoundEvent", "DecodeResult", "Committed", "Row", "PhaseClock", "Verified", "Hooks",
            "decode", "decode_rounds", "prefill", "signals", "verify_batch", "round_segment", "settle", "cut",
-           "commit_rows", "observe", "forward_root",
+           "round_tokens", "commit_rows", "observe", "forward_root",
            "round_event", "entropy", "check_request", "feature_layers", "feature_columns"]
 
 PHASES = ("route", "catchup", "draft", "verify", "commit", "record")
@@ -416,12 +416,18 @@ def settle(tree: DraftTree, out: ForwardOut | None, root: Row | None, past: int,
     return Verified(verdict.accepted, verdict.bonus, logits, hid, feats, past, int(root is None), states, verdict.probs)
 
 
+def first_nodes(accepted: torch.Tensor) -> bool:
+    """Whether an accepted path (ascending node indices) is the tree's first nodes, 0..a-1: a chain's path, or none.
+    Such a path is kept by slices and a crop, not by gathers."""
+    a = accepted.numel()
+    return a == 0 or int(accepted[-1]) == a - 1
+
+
 def round_tokens(tree: DraftTree, accepted: torch.Tensor, bonus: int) -> torch.Tensor:
     """A round's new tokens on the CPU: the accepted drafts (root side first), then the target's token."""
-    a = accepted.numel()
-    if a == 0:
+    if accepted.numel() == 0:
         return torch.tensor([bonus])
-    drafts = tree.tokens[:a] if int(accepted[-1]) == a - 1 else tree.tokens[accepted]  # a path of first nodes: a slice
+    drafts = tree.tokens[: accepted.numel()] if first_nodes(accepted) else tree.tokens[accepted]
     return torch.cat([drafts.cpu(), torch.tensor([bonus])])
 
 
@@ -442,7 +448,7 @@ def commit_rows(cache, seq: Committed, v: Verified, accepted: torch.Tensor, done
     decode is done) their features, from the root's position on. Returns the row that drew the round's last token
     (the next round's signals)."""
     a = accepted.numel()
-    if a == 0 or int(accepted[-1]) == a - 1:  # the first rows (a chain's path, or none): a crop and slices
+    if first_nodes(accepted):  # the root's row and the first nodes': a crop and slices
         n = v.lead + a
         crop_cache(cache, v.past + n)
         if v.features is not None and not done:

@@ -40,7 +40,9 @@ def params(policy: str) -> tuple[Param, ...]:
 
 
 def build(policy: str):
-    def build_routed(target, models, threshold=None, eager=0, category=None, sampled=False, **p):  # p: at its T
+    # `p` comes resolved at the decode's temperature (EAGLE-3's and DFlash's parameters are the method's), so
+    # `sampled` has nothing left to choose here
+    def build_routed(target, models, threshold=None, eager=0, category=None, sampled=False, **p):
         eagle3 = {q.name for q in drafters()["eagle3"].params}
         built = {"eagle3": build_drafter("eagle3", target, models, **{k: v for k, v in p.items() if k in eagle3}),
                  "dflash": build_drafter("dflash", target, models,  # and EAGLE-3's draft_temp: one for both
