@@ -391,6 +391,93 @@ def test_the_native_draws_and_chain_tests_are_the_aten_ops_bits(monkeypatch):
 
 
 @needs_build
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_the_markov_heads_greedy_chains_natively_are_the_python_loops_bits(dtype, deep, monkeypatch):
+    """DSpark's Markov head left to right at T = 0 (`DFlashDrafter._markov_chains`, `native.markov_chains`): the same
+    picks and draft probabilities from C++ as from the Python loop, for one block and for ragged blocks of several
+    drafters together, including rows whose logits tie (the first maximal index wins either way)."""
+    from speclab.drafters.dflash import DFlashDrafter, random_dflash
+    from speclab.drafters.registry import build_drafter
+
+    target = Target.load(deep.name, dtype=dtype)
+    model = random_dflash(target, 0, markov_rank=8)
+    ds = [build_drafter("dflash", target, {"dflash": model}, block_size=5, markov=1) for _ in range(3)]
+    g = torch.Generator().manual_seed(0)
+    V = target.vocab_size
+    cases = []
+    for trial in range(12):
+        n = [1 + (trial + j) % 6 for j in range(1 + trial % 3)]
+        logits = [torch.randn(k, V, generator=g) * 4 for k in n]
+        if trial % 4 == 0:
+            logits[0][:, : V // 2] = 7.0  # ties: equal logits across half the vocabulary
+        roots = torch.randint(0, V, (len(n),), generator=g)
+        cases.append((logits, roots))
+
+    def run():
+        out = []
+        with torch.inference_mode():
+            for logits, roots in cases:
+                for d, r in zip(ds, roots):
+                    d.root = r.view(1)
+                for tree in DFlashDrafter._markov_chains(ds[: len(logits)], logits):
+                    out += [tree.tokens, tree.draft_probs]
+        return out
+
+    fast = run()
+    _python(monkeypatch)
+    slow = run()
+    assert len(fast) == len(slow) and all(torch.equal(a, b) for a, b in zip(fast, slow))
+
+
+@needs_build
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_dflash_blocks_sampled_natively_are_the_python_loops_draws(dtype, deep, monkeypatch):
+    """A DFlash block drawn under sampling (`DFlashDrafter._left_to_right`): with the Markov head, the same tokens, q(x)
+    and q rows from C++ (`native.markov_draws`) as from the Python loop, and the generator left in the same state;
+    without it, the block drawn at once equals drawing its rows one by one (the uniforms in the same order). At T = 1,
+    at T = 0.7 with top-p 0.9, at T = 1 with top-k 20, and at a draft temperature of 0.8."""
+    from speclab.core.sampling import Sampling, chain_dists, draw_one
+    from speclab.drafters.dflash import random_dflash
+    from speclab.drafters.registry import build_drafter
+
+    target = Target.load(deep.name, dtype=dtype)
+    model = random_dflash(target, 0, markov_rank=8)
+    g = torch.Generator().manual_seed(0)
+    V = target.vocab_size
+    blocks = [(torch.randn(1 + i % 5, V, generator=g) * 3, torch.randint(0, V, (1,), generator=g)) for i in range(6)]
+    settings = [(Sampling(1.0), 1.0), (Sampling(0.7, top_p=0.9), 1.0), (Sampling(1.0, top_k=20), 0.8)]
+
+    def run(markov):
+        out = []
+        with torch.inference_mode():
+            for sampling, draft_temp in settings:
+                d = build_drafter("dflash", target, {"dflash": model}, block_size=5, markov=markov,
+                                  draft_temp=draft_temp)
+                gen = torch.Generator().manual_seed(5)
+                for logits, root in blocks:
+                    d.root = root
+                    tree = d._left_to_right(logits, sampling, gen)
+                    out += [tree.tokens, tree.draft_probs, tree.draft_dists]
+                out.append(torch.rand(3, generator=gen))  # the generator's state after
+        return out
+
+    fast = run(1)
+    _python(monkeypatch)
+    slow = run(1)
+    assert all(torch.equal(a, b) for a, b in zip(fast, slow))
+    rows = []
+    with torch.inference_mode():
+        for sampling, draft_temp in settings:
+            gen = torch.Generator().manual_seed(5)
+            for logits, _ in blocks:
+                drawn = [draw_one(logits[k : k + 1], sampling, draft_temp, gen) for k in range(logits.shape[0])]
+                rows += [torch.cat([t for t, _, _ in drawn]), torch.cat([x for _, x, _ in drawn]),
+                         chain_dists([q for _, _, q in drawn])]
+            rows.append(torch.rand(3, generator=gen))
+    assert all(torch.equal(a, b) for a, b in zip(run(0), rows))
+
+
+@needs_build
 @pytest.mark.skipif(native.attention_module() is None, reason="no native attention in this process (no AVX512-BF16)")
 def test_the_native_attention_is_as_close_as_the_fused_kernel_and_each_rows_alone():
     """`speclab::attention` (`layers.attend` on a CPU outside autograd): for bf16 calls of 1 to 32 query rows over a

@@ -915,6 +915,79 @@ Tensor head_logp(const Tensor& h, const OptT& nw, double eps, const Tensor& w, c
   return at::log_softmax(linear(rms_norm(h, nw, eps), w, std::nullopt, packed, wide).to(at::kFloat), -1);
 }
 
+// DSpark's Markov head over draft blocks at T = 0, left to right (`DFlashDrafter._markov_chains`): block j's row k
+// (logits[j] [n_j, V] fp32) gets the bias W2 W1[x] of the token before it (the root for k = 0, then the row before's
+// pick) and its argmax is the pick, for every block still drafting at once; the ops of the Python loop, in its order,
+// from C++ (a row took about ten calls from Python). -> [each block's picks [n_j]..., their softmax probabilities
+// [n_j]...]
+std::vector<Tensor> markov_chains(const std::vector<Tensor>& logits, const Tensor& roots, const Tensor& w1,
+                                  const Tensor& w2, const OptT& packed, const OptT& wide) {
+  const int64_t R = (int64_t)logits.size();
+  int64_t n = 0;
+  for (const auto& l : logits) n = std::max(n, l.size(0));
+  auto prev = roots.clone();
+  std::vector<std::vector<Tensor>> rows(R), picks(R);
+  for (int64_t k = 0; k < n; ++k) {
+    std::vector<int64_t> live;
+    std::vector<Tensor> ls;
+    for (int64_t j = 0; j < R; ++j)
+      if (k < logits[j].size(0)) live.push_back(j), ls.push_back(logits[j][k]);
+    auto idx = at::tensor(live, roots.options());
+    auto row = at::stack(ls) + linear(w1.index_select(0, prev.index_select(0, idx)), w2, std::nullopt, packed, wide)
+                                   .to(at::kFloat);
+    auto pick = std::get<1>(row.max(-1));  // argmax's first maximal index, by the faster kernel (`sampling.argmax`)
+    prev = prev.clone();
+    prev.index_put_({idx}, pick);
+    for (size_t i = 0; i < live.size(); ++i) {
+      rows[live[i]].push_back(row[i]);
+      picks[live[i]].push_back(pick.slice(0, i, i + 1));
+    }
+  }
+  std::vector<Tensor> out;
+  for (int64_t j = 0; j < R; ++j) out.push_back(at::cat(picks[j]));
+  for (int64_t j = 0; j < R; ++j)
+    out.push_back(at::softmax(at::stack(rows[j]), -1).gather(1, out[j].unsqueeze(1)).select(1, 0));
+  return out;
+}
+
+// `sampling.logits_to_probs` at T > 0, its ops in its order: rows of logits -> the distribution sampled from
+// (temperature t, then top-k where 0 < top_k < V, then top-p where top_p < 1)
+static Tensor probs_of(const Tensor& logits_in, double t, int64_t top_k, double top_p) {
+  Tensor logits = t == 1.0 ? logits_in.to(at::kFloat) : logits_in.to(at::kFloat) / t;
+  const int64_t V = logits.size(-1);
+  if (top_k > 0 && top_k < V) {
+    auto kth = std::get<0>(at::topk(logits, top_k, -1)).narrow(-1, top_k - 1, 1);
+    logits = logits.masked_fill(logits < kth, -INFINITY);
+  }
+  if (top_p < 1.0) {
+    auto [sorted, idx] = at::sort(logits, -1, true);
+    auto cum = sorted.softmax(-1).cumsum(-1);
+    auto drop = (cum - sorted.softmax(-1)) > top_p;
+    sorted = sorted.masked_fill(drop, -INFINITY);
+    logits = at::full_like(logits, -INFINITY).scatter(-1, idx, sorted);
+  }
+  return at::softmax(logits, -1);
+}
+
+// DSpark's Markov head over one draft block at T > 0, left to right (`DFlashDrafter._left_to_right`): row k of
+// logits [n, V] gets the bias W2 W1[x] of the token before it (the root for k = 0), then its token is drawn from
+// q_k = `probs_of` (t: the target's temperature times the draft temperature) at uniform u[k] (`draw_rows`); the ops
+// of the Python loop in its order. -> [the tokens [n], q at them [n], the rows q [n, V]]
+std::vector<Tensor> markov_draws(const Tensor& logits, const Tensor& root, const Tensor& w1, const Tensor& w2,
+                                 const OptT& packed, const OptT& wide, const Tensor& u, double t, int64_t top_k,
+                                 double top_p) {
+  auto prev = root.view({1});
+  std::vector<Tensor> tokens, qx, qs;
+  for (int64_t k = 0; k < logits.size(0); ++k) {
+    auto row = logits.narrow(0, k, 1) + linear(w1.index_select(0, prev), w2, std::nullopt, packed, wide).to(at::kFloat);
+    auto q = probs_of(row, t, top_k, top_p);
+    auto drawn = draw_rows(q, u.narrow(0, k, 1), std::nullopt, 0);
+    prev = drawn[0];
+    tokens.push_back(drawn[0]), qx.push_back(drawn[1]), qs.push_back(q);
+  }
+  return {at::cat(tokens), at::cat(qx), at::cat(qs)};
+}
+
 // The GIL is released while a call runs, as torch's own Python bindings release it around each op: other Python
 // threads (the trace's writer, the app's server) keep running meanwhile
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -925,6 +998,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("refined_head", &refined_head, release());
   m.def("pair_norm", &pair_norm, release());
   m.def("head_logp", &head_logp, release());
+  m.def("markov_chains", &markov_chains, release());
+  m.def("markov_draws", &markov_draws, release());
   m.def("rms_norm", &rms_norm, release());
   m.def("rope", &rope, release());
   m.def("set_fused", &set_fused);

@@ -197,6 +197,24 @@ def head_logp(norm: torch.nn.RMSNorm, head: torch.nn.Linear, h: torch.Tensor) ->
     return build().head_logp(h, norm.weight, _eps(norm, h.dtype), w, *_copies(w))
 
 
+def markov_chains(w1: torch.nn.Embedding, w2: torch.nn.Linear, logits: list[torch.Tensor], roots: torch.Tensor):
+    """DSpark's Markov head over draft blocks at T = 0, left to right, in one call (`DFlashDrafter._markov_chains`'
+    ops, bitwise; call where `active(logits[0])`): each block's row k biased by W2 W1[the token before], its argmax
+    the pick -> (each block's picks, their softmax probabilities)."""
+    out = build().markov_chains(logits, roots, w1.weight, w2.weight, *_copies(w2.weight))
+    return out[: len(logits)], out[len(logits):]
+
+
+def markov_draws(w1: torch.nn.Embedding, w2: torch.nn.Linear, logits: torch.Tensor, root: torch.Tensor,
+                 u: torch.Tensor, temperature: float, top_k: int, top_p: float):
+    """DSpark's Markov head over one draft block at T > 0, left to right, in one call (the ops of
+    `DFlashDrafter._left_to_right`, bitwise; call where `active(logits)`): row k biased by W2 W1[the token before], its
+    token drawn from q_k (`sampling.logits_to_probs` at `temperature`, top_k, top_p) at the uniform u[k] -> (tokens
+    [n], q(x) [n], q [n, V])."""
+    return tuple(build().markov_draws(logits, root, w1.weight, w2.weight, *_copies(w2.weight), u, temperature, top_k,
+                                      top_p))
+
+
 def source_hash() -> str | None:
     """A short hash of `native.cpp` where the layers run from it (None: from Python), for the figures measured with
     it (`--dtype auto`'s cache key)."""

@@ -17,7 +17,7 @@ from kernels.reference import (
     residual,  # norm(max(p - q, 0)): one definition, the kernels' twin
 )
 from speclab.core import native
-from speclab.core.sampling import Sampling, logits_to_probs, sample
+from speclab.core.sampling import Sampling, argmax, logits_to_probs, sample
 from speclab.core.tree import IID, POINT, DraftTree
 
 
@@ -39,7 +39,7 @@ def verify(tree: DraftTree, target_logits: torch.Tensor, sampling: Sampling,
 
 
 def verify_greedy(tree: DraftTree, target_logits: torch.Tensor) -> Verdict:
-    return verify_tokens(tree, target_logits.argmax(-1))
+    return verify_tokens(tree, argmax(target_logits))
 
 
 def verify_tokens(tree: DraftTree, target_argmax: torch.Tensor) -> Verdict:

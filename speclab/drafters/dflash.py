@@ -43,7 +43,7 @@ from speclab.checks import MAX_TREE_NODES, Bound
 from speclab.core import native
 from speclab.core.layers import DecoderLayer, Linear, linear, rope_inv_freq, rope_tables
 from speclab.core.lean import KVCache, mix_many
-from speclab.core.sampling import Sampling, chain_dists, draft_probs, draw_one
+from speclab.core.sampling import Sampling, argmax, chain_dists, draft_probs, draw_one, uniforms
 from speclab.core.target import forward_clock
 from speclab.core.tree import DraftTree, TreeDraw, check_dynamic_tree, dynamic_tree
 from speclab.drafters.checkpoint import (
@@ -429,27 +429,32 @@ class DFlashDrafter:
             logits = DFlashDrafter.blocks_logits([drafters[j] for j in go], [rows[j] for j in go])
         greedy = [i for i, j in enumerate(go) if sampling.greedy and drafters[j].markov
                   and drafters[j].tree_topk == 1 and drafters[j].flash is None]
-        if len(greedy) > 1:  # greedy Markov chains: each row's bias for every request in one op
+        if greedy:  # greedy Markov chains: each row's bias for every request in one op
             chains = DFlashDrafter._markov_chains([drafters[go[i]] for i in greedy], [logits[i] for i in greedy])
             for i, tree in zip(greedy, chains):
                 trees[go[i]] = drafters[go[i]]._finish(tree)
         for i, (j, lg) in enumerate(zip(go, logits)):
-            if len(greedy) <= 1 or i not in greedy:
+            if i not in greedy:
                 trees[j] = drafters[j].tree_of(lg, sampling, generators[j])
         return trees
 
     @staticmethod
     def _markov_chains(drafters: list[DFlashDrafter], logits: list[torch.Tensor]) -> list[DraftTree]:
-        """`_left_to_right` at T = 0 for several drafters at once: row k of every block still drafting gets the Markov
-        bias of its previous token in one call, then its argmax (what each drafter picks alone)."""
+        """Greedy chains of the Markov head for several drafters at once, left to right: row k of every block still
+        drafting gets the Markov bias of its previous token in one call, then its argmax (what each drafter picks
+        alone). From C++ where the
+        layers run natively (`native.markov_chains`: the same ops, without a Python loop's ten calls a row)."""
         m, n = drafters[0].m, [lg.shape[0] for lg in logits]
         prev = torch.cat([d.root for d in drafters])
+        if native.active(prev):
+            picks, probs = native.markov_chains(m.markov_w1, m.markov_w2, logits, prev)
+            return [DraftTree.chain(t, p) for t, p in zip(picks, probs)]
         tokens = torch.zeros(len(drafters), max(n), dtype=torch.long, device=prev.device)
         rows: list[list[torch.Tensor]] = [[] for _ in drafters]
         for k in range(max(n)):
             live = [j for j, nj in enumerate(n) if k < nj]
             row = torch.stack([logits[j][k] for j in live]) + m.markov_bias(prev[live]).float()
-            pick = row.argmax(-1)
+            pick = argmax(row)
             prev = prev.clone()
             prev[live] = pick
             tokens[live, k] = pick
@@ -469,6 +474,8 @@ class DFlashDrafter:
             logp = torch.log_softmax(logits, -1)
             lq, tokens = logp.max(-1)
             tree = DraftTree.chain(tokens, lq.exp())
+        elif sampling.greedy:  # the Markov head's bias row by row
+            tree = DFlashDrafter._markov_chains([self], [logits])[0]
         else:
             tree = self._left_to_right(logits, sampling, generator)
         return self._finish(tree)
@@ -483,26 +490,26 @@ class DFlashDrafter:
         return tree
 
     def _left_to_right(self, logits: torch.Tensor, sampling: Sampling, generator) -> DraftTree:
-        """Row by row: add the Markov bias of the token before (when on), then argmax, or draw from q_k (kept for
-        verification). Only the bias and the pick are sequential; the draft probabilities come after, in one op."""
-        prev, tokens, rows, dists, drawn = self.root, [], [], [], []
+        """Under sampling, row by row: add the Markov bias of the token before, then draw from q_k (kept for
+        verification); from C++ where the layers run natively (`native.markov_draws`: the same ops). Without the head
+        the rows are independent: one draw for the block (the same uniforms, in the same order)."""
+        t = sampling.temperature * self.draft_temp
+        if not self.markov:  # the rows' uniforms in one draw, in the order drawing row by row takes them
+            tokens, qx, q = draw_one(logits, sampling, self.draft_temp, generator)
+            return DraftTree.chain(tokens, qx, chain_dists([q]))
+        if t > 0 and native.active(logits):
+            tokens, qx, q = native.markov_draws(self.m.markov_w1, self.m.markov_w2, logits, self.root,
+                                                uniforms(logits, generator), t, sampling.top_k, sampling.top_p)
+            return DraftTree.chain(tokens, qx, chain_dists([q]))
+        prev, tokens, dists, drawn = self.root, [], [], []
         for k in range(logits.shape[0]):
-            row = logits[k : k + 1]
-            if self.markov:
-                row = row + self.m.markov_bias(prev).float()
-            if sampling.greedy:
-                prev = row.argmax(-1)
-            else:
-                prev, qx, q = draw_one(row, sampling, self.draft_temp, generator)
-                prev = prev.view(1).to(self.device)
-                dists.append(q)
-                drawn.append(qx)
+            row = logits[k : k + 1] + self.m.markov_bias(prev).float()
+            prev, qx, q = draw_one(row, sampling, self.draft_temp, generator)
+            prev = prev.view(1).to(self.device)
+            dists.append(q)
+            drawn.append(qx)
             tokens.append(prev)
-            rows.append(row)
-        tokens = torch.cat(tokens)
-        if dists:
-            return DraftTree.chain(tokens, torch.cat(drawn), chain_dists(dists))
-        return DraftTree.chain(tokens, torch.softmax(torch.cat(rows), -1).gather(1, tokens[:, None])[:, 0])
+        return DraftTree.chain(torch.cat(tokens), torch.cat(drawn), chain_dists(dists))
 
     def _tree(self, logits: torch.Tensor, sampling: Sampling, generator) -> DraftTree:
         """A tree from the rows' top-k (speclab.core.tree.dynamic_tree): depth d's children are row d's top tokens, with

@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 
 from speclab.checks import MAX_TREE_NODES, Bound
-from speclab.core.sampling import Sampling, chain_dists, draft_probs, draw, draw_one
+from speclab.core.sampling import Sampling, argmax, chain_dists, draft_probs, draw, draw_one
 from speclab.core.target import Target, keep_cache, row_call
 from speclab.core.tree import DraftTree
 from speclab.drafters.flashhead import HEAD_PARAMS, head_same_decode, with_head
@@ -84,7 +84,7 @@ class StandaloneDraft:
         row_cands = self.root_cands  # FlashHead: the candidates of the row each token is drafted from
         for level in range(depth):
             if sampling.greedy:
-                tok = logits.argmax(-1)
+                tok = argmax(logits)
                 dprobs.append((logits[0, tok] - logits[0].logsumexp(-1)).exp())
             else:
                 tok, qx, q = draw_one(logits, sampling, self.draft_temp, generator)
