@@ -28,7 +28,7 @@ def cmd_serve_bench(a: argparse.Namespace) -> int:
     from speclab.equality import first_divergence, kind_of
     from speclab.methods import check_before_loading, get_method, method_params
     from speclab.progress import Progress
-    from speclab.serve.load import closed_loop, drafters_for, open_loop
+    from speclab.serve.load import closed_loop, drafters_for, open_loop, warm_up
     from speclab.serve.policies import StepCost, build_policy, needs_cost, parse_policy
     from speclab.serve.record import ServeRecorder, served_row
     from speclab.trace import TraceStore
@@ -89,6 +89,8 @@ def cmd_serve_bench(a: argparse.Namespace) -> int:
         for i, ids in enumerate(prompts):
             reference.append(decode(target, ids, None, None, a.max_new_tokens, sampling).new_ids)
             bar.update(i + 1)
+    print("warming up (the drafters' first calls) ...", file=sys.stderr, flush=True)
+    warm_up(target, drafters_for("fixed", a.method, target, models, params), prompts, sampling, a.max_batch)
     results, total = [], a.repeats * len(policies) * len(loads) * len(prompts)
     bar = Progress(total, "serve-bench")
     done0 = 0
