@@ -24,6 +24,14 @@ def _python(monkeypatch):
     monkeypatch.setattr(native, "ENABLED", False)
 
 
+def _same_natively_as_from_python(run, monkeypatch) -> None:
+    """`run()`'s tensors natively, then from Python (`_python`): as many, each equal bit for bit."""
+    fast = run()
+    _python(monkeypatch)
+    slow = run()
+    assert len(fast) == len(slow) and all(torch.equal(a, b) for a, b in zip(fast, slow))
+
+
 @needs_build
 def test_the_native_layers_build_and_run_on_the_cpu():
     assert native.build() is not None
@@ -167,10 +175,7 @@ def test_ragged_batches_natively_are_bitwise_the_python_batches(dtype, deep, tra
             out += [d.propose(4, Sampling(), None).tokens for d in ds]
         return out
 
-    fast = run()
-    _python(monkeypatch)
-    slow = run()
-    assert len(fast) == len(slow) and all(torch.equal(a, b) for a, b in zip(fast, slow))
+    _same_natively_as_from_python(run, monkeypatch)
 
 
 @needs_build
@@ -423,10 +428,7 @@ def test_the_markov_heads_greedy_chains_natively_are_the_python_loops_bits(dtype
                     out += [tree.tokens, tree.draft_probs]
         return out
 
-    fast = run()
-    _python(monkeypatch)
-    slow = run()
-    assert len(fast) == len(slow) and all(torch.equal(a, b) for a, b in zip(fast, slow))
+    _same_natively_as_from_python(run, monkeypatch)
 
 
 @needs_build
@@ -461,10 +463,7 @@ def test_dflash_blocks_sampled_natively_are_the_python_loops_draws(dtype, deep, 
                 out.append(torch.rand(3, generator=gen))  # the generator's state after
         return out
 
-    fast = run(1)
-    _python(monkeypatch)
-    slow = run(1)
-    assert all(torch.equal(a, b) for a, b in zip(fast, slow))
+    _same_natively_as_from_python(lambda: run(1), monkeypatch)
     rows = []
     with torch.inference_mode():
         for sampling, draft_temp in settings:

@@ -442,13 +442,14 @@ class DFlashDrafter:
     def _markov_chains(drafters: list[DFlashDrafter], logits: list[torch.Tensor]) -> list[DraftTree]:
         """Greedy chains of the Markov head for several drafters at once, left to right: row k of every block still
         drafting gets the Markov bias of its previous token in one call, then its argmax (what each drafter picks
-        alone). From C++ where the
-        layers run natively (`native.markov_chains`: the same ops, without a Python loop's ten calls a row)."""
-        m, n = drafters[0].m, [lg.shape[0] for lg in logits]
+        alone). From C++ where the layers run natively (`native.markov_chains`: the same ops, without a Python loop's
+        ten calls a row)."""
+        m = drafters[0].m
         prev = torch.cat([d.root for d in drafters])
         if native.active(prev):
             picks, probs = native.markov_chains(m.markov_w1, m.markov_w2, logits, prev)
             return [DraftTree.chain(t, p) for t, p in zip(picks, probs)]
+        n = [lg.shape[0] for lg in logits]
         tokens = torch.zeros(len(drafters), max(n), dtype=torch.long, device=prev.device)
         rows: list[list[torch.Tensor]] = [[] for _ in drafters]
         for k in range(max(n)):
