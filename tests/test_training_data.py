@@ -270,8 +270,8 @@ def test_training_on_regenerated_data_in_bf16_keeps_checkpoints_and_curve(deep, 
     from speclab.train.eagle3 import Eagle3TrainConfig, train_eagle3
 
     cfg = Eagle3TrainConfig(target_dir=deep.name, corpus_dir=str(regenerated), out_dir=str(tmp_path / "run"),
-                            max_minutes=0.05, seq_len=16, batch_size=2, eval_windows=1, eval_every_s=0.5,
-                            precision="bf16", loss_topk=8, draft_vocab_size=64, ttt_steps=2)
+                            max_minutes=10, max_tokens=64, seq_len=16, batch_size=2, eval_windows=1,
+                            eval_every_s=0, precision="bf16", loss_topk=8, draft_vocab_size=64, ttt_steps=2)
     torch.set_num_threads(1)  # the caller's; the training runs on cfg.threads (2) and hands the caller's back
     summary = train_eagle3(cfg, log=lambda s: None)
     assert torch.get_num_threads() == 1
@@ -279,9 +279,9 @@ def test_training_on_regenerated_data_in_bf16_keeps_checkpoints_and_curve(deep, 
     assert all(v["tau"] >= 1 and v["tau_sampled"] >= 1 for v in summary["val"].values())
     cps = checkpoints(tmp_path / "run")
     final = json.loads((tmp_path / "run" / "model" / "train_config.json").read_text())["tokens"]
-    # the final model closes the curve, unless the last validation fell on the last step (a busy machine's timing):
-    # then its snapshot is the same weights, listed once
-    assert len(cps) >= 2 and cps[-1][0] == final and cps[-1][1].name in ("model", f"{final:012d}")
+    # two steps of 32 tokens (a budget of tokens, not of seconds: a busy machine once made only one step in 3 s),
+    # each validated: a snapshot each, and the final model is the last one's weights, listed once
+    assert [t for t, _ in cps] == [32, 64] == [32, final] and cps[-1][1].name in ("model", f"{final:012d}")
     m = load_eagle3(cps[-1][1], deep)
     assert m.config.draft_vocab_size == 64
     prompts = [{"prompt_id": "p", "category": "code", "prompt": "def f(x):"}]
