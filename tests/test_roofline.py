@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from helpers import run_cli
-from speclab.bench.roofline import call_bytes, fits, roofline
+from speclab.bench.roofline import call_bytes, fits, gap_costs, gap_fits, roofline
 from speclab.bench.steps import step_profile
 from speclab.generate import generate
 from speclab.methods import ROLES
@@ -54,6 +54,16 @@ def test_fits_are_least_squares_lines():
     assert across["overhead_ms"] == pytest.approx(1.125) and across["gbs"] == pytest.approx(1 / 0.0375)
 
 
+def test_the_target_after_a_gap_is_timed_per_rows_and_gap_and_fitted(deep):
+    gaps = gap_costs(deep, rows=(1, 3), gaps=(0.0, 2.0), context=16, reps=1, calls=1)
+    assert sorted(zip(gaps.rows, gaps.gap_ms)) == [(1, 0.0), (1, 2.0), (3, 0.0), (3, 2.0)] and (gaps.ms > 0).all()
+    synthetic = pd.DataFrame([{"rows": r, "gap_ms": g, "ms": 2.0 * r + s * g} for r, s in ((1, 0.5), (4, 0.25))
+                              for g in (0.0, 2.0, 8.0)])
+    f = gap_fits(synthetic).set_index("rows")
+    assert f.ms_at_0.to_dict() == pytest.approx({1: 2.0, 4: 8.0})
+    assert f.ms_per_gap_ms.to_dict() == pytest.approx({1: 0.5, 4: 0.25})
+
+
 def test_a_profiled_decode_splits_into_ops_and_the_time_between(qwen3):
     summary, ops = step_profile(lambda: generate(qwen3, "The cat sat", "ar", max_new_tokens=6), "ar",
                                 lambda r: r.decode.rounds)
@@ -66,9 +76,14 @@ def test_a_profiled_decode_splits_into_ops_and_the_time_between(qwen3):
 
 @pytest.mark.slow
 def test_roofline_json_is_one_object_per_model_and_rows():
-    r = run_cli("costs", "roofline", "--rows", "1,4", "--reps", "1", "--large-mb", "64", "--json", "--dtype", "fp32")
+    r = run_cli("costs", "roofline", "--rows", "1,4", "--reps", "1", "--large-mb", "64", "--json", "--dtype", "fp32",
+                "--gaps", "0,2", "--gap-rows", "1")
     assert r.returncode == 0, r.stderr
-    recs = [json.loads(line) for line in r.stdout.splitlines()]
+    every = [json.loads(line) for line in r.stdout.splitlines()]
+    recs = [x for x in every if x["kind"] == "roofline"]
     assert {(x["model"], x["rows"]) for x in recs} >= {("target", 1), ("target", 4), ("eagle3", 1), ("dflash", 4)}
     assert all({"model", "dtype", "rows", "ms", "bound_ms", "ratio", "cpu"} <= set(x) and x["ratio"] > 0 for x in recs)
-    assert {x["dtype"] for x in recs} == {"float32"}  # --dtype fp32: every model in it
+    assert {x["dtype"] for x in every} == {"float32"}  # --dtype fp32: every model in it
+    gaps = [x for x in every if x["kind"] == "gap"]  # the target after 0 and 2 ms of idling, one row
+    assert len(every) == len(recs) + len(gaps) and sorted((x["rows"], x["gap_ms"]) for x in gaps) == [(1, 0), (1, 2)]
+    assert all(x["model"] == "target" and x["ms"] > 0 and "cpu" in x for x in gaps)

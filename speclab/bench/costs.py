@@ -20,19 +20,23 @@ from speclab.viz import Report, lines_figure
 WIDTHS = (1, 2, 4, 8, 16, 32, 64)
 
 
-def timeit_interleaved(fns: dict[str, Callable[[], object]], reps: int, calls: int = 1, each: bool = False,
-                       on_rep: Callable[[], None] | None = None, quantiles: bool = False) -> dict:
+def timeit_interleaved(fns: dict, reps: int, calls: int = 1, each: bool = False,
+                       on_rep: Callable[[], None] | None = None, quantiles: bool = False,
+                       before: dict | None = None) -> dict:
     """Median milliseconds per call of each function (called without arguments). Every repetition calls each
     function `calls` times in turn (interleaved); a repetition's figure is the mean of its calls timed together,
-    or with `each` the median of the calls timed one by one (robust to a stray slow call). `on_rep` runs after
-    every repetition (progress). With `quantiles`, each function's {mean, p50, p95} over the repetitions
+    or with `each` the median of the calls timed one by one (robust to a stray slow call). `before` (with `each`):
+    per function, untimed work run before each of its timed calls. `on_rep` runs after every repetition
+    (progress). With `quantiles`, each function's {mean, p50, p95} over the repetitions
     (`metrics.latency_quantiles`)."""
-    times: dict[str, list[float]] = {name: [] for name in fns}
+    times: dict = {name: [] for name in fns}
     for _ in range(reps):
         for name, fn in fns.items():
             if each:
                 per = []
                 for _ in range(calls):
+                    if before is not None:
+                        before[name]()
                     t0 = time.perf_counter()
                     fn()
                     per.append(time.perf_counter() - t0)

@@ -8,6 +8,11 @@ matrix products and attention, counted from the ops the call dispatches, so ever
 being named), times the target and every drafter model at hand by rows (`speclab.bench.costs.drafter_calls`,
 interleaved), and fits each model's fixed part: the intercept of ms against rows (what a call costs before its
 rows), and across models, at one row, the intercept of ms against bytes (the per-call cost no byte explains).
+
+It also times the target's call after an idle gap (`gap_costs`): the process busy in Python for g ms before each
+call, touching no memory of its own. On a machine whose caches other tenants share, the target's weights leave
+them while it waits, and the next call reads them again from further away: the slope of ms against g is what each
+millisecond between two target calls (a drafter's, a router's, any bookkeeping's) adds to the next one.
 """
 from __future__ import annotations
 
@@ -26,6 +31,8 @@ from speclab.core.target import Target, row_call
 from speclab.viz import Report, lines_figure
 
 ROWS = (1, 2, 4, 8, 16, 64)
+GAPS = (0.0, 1.0, 2.0, 4.0, 8.0)  # ms of idling before a timed target call (`gap_costs`)
+GAP_ROWS = (1, 4)  # the target's calls timed after a gap: a decode step and a verification of three draft tokens
 
 # the ops whose inputs a call reads from memory: matrix products (weights; `tile_linear` and `dp_linear`: the AMX and
 # AVX512-BF16 products of `native.cpp`) and attention (the KV cache)
@@ -131,6 +138,40 @@ def roofline(target: Target, models: dict, rows=ROWS, context: int = 200, reps: 
     return df
 
 
+def idle(ms: float) -> None:
+    """Busy in Python for `ms` milliseconds (the interpreter's loop: no tensor, no memory worth counting)."""
+    end = time.perf_counter() + ms / 1e3
+    while time.perf_counter() < end:
+        pass
+
+
+@torch.inference_mode()
+def gap_costs(target: Target, rows=GAP_ROWS, gaps=GAPS, context: int = 200, reps: int = 9,
+              calls: int = 5) -> pd.DataFrame:
+    """One row per (rows, gap_ms): the median ms of the target's call of `rows` after a `context`-token cache when
+    `idle(gap_ms)` ran just before it (every pair interleaved over `reps`, each the median of `calls`)."""
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(3, target.vocab_size, (context + max(rows) + 1,), generator=g).to(target.device)
+    call = row_call(target, ids, context)
+    fns = {(n, gap): (lambda n=n: call(n)) for n in rows for gap in gaps}
+    before = {(n, gap): (lambda gap=gap: idle(gap)) for n, gap in fns}
+    for fn in fns.values():  # once untimed
+        fn()
+    med = timeit_interleaved(fns, reps, calls, each=True, on_rep=_Bar(reps, "target after a gap"), before=before)
+    return pd.DataFrame([{"model": "target", "rows": n, "gap_ms": gap, "ms": ms} for (n, gap), ms in med.items()])
+
+
+def gap_fits(gaps: pd.DataFrame) -> pd.DataFrame:
+    """Per rows, the least-squares line of ms against gap_ms: `ms_at_0` (its intercept) and `ms_per_gap_ms` (its
+    slope: what a millisecond of waiting adds to the next call)."""
+    out = []
+    for n, f in gaps.groupby("rows"):
+        slope, icpt = np.polyfit(f["gap_ms"], f["ms"], 1) if f["gap_ms"].nunique() >= 2 else (float("nan"),
+                                                                                             float(f["ms"].mean()))
+        out.append({"rows": int(n), "ms_at_0": float(icpt), "ms_per_gap_ms": float(slope)})
+    return pd.DataFrame(out)
+
+
 def _dtype_of(model) -> torch.dtype:
     """The dtype a model computes in (a Target says; an nn.Module by its first parameter)."""
     dt = getattr(model, "dtype", None)
@@ -160,9 +201,9 @@ def fits(df: pd.DataFrame) -> tuple[pd.DataFrame, dict | None]:
     return pd.DataFrame(per), across
 
 
-def roofline_report(df: pd.DataFrame) -> Report:
+def roofline_report(df: pd.DataFrame, gaps: pd.DataFrame | None = None) -> Report:
     """The table (one row per model and rows), the per-model fits and the plot: ms per call by rows, each model's
-    bound dashed."""
+    bound dashed; with `gaps` (`gap_costs`), the target's calls after an idle gap, their fits and their plot."""
     a = df.attrs
     per, across = fits(df)
     head = (f"{a['cpu']}, {a['threads']} threads, layers {a['layers']}; {a['device']}, the target in {a['dtype']} "
@@ -185,11 +226,26 @@ def roofline_report(df: pd.DataFrame) -> Report:
         if tr.name.endswith("(bound)"):
             tr.line.dash = "dash"
     fig.update_xaxes(type="log")
-    return Report(f"Roofline of every model call ({a['cpu']}, {a['dtype']})", text, [fig], summary=text)
+    figs = [fig]
+    if gaps is not None and not gaps.empty:
+        wide = gaps.pivot(index="gap_ms", columns="rows", values="ms").add_prefix("ms, rows=").reset_index()
+        text += ("\nThe target's call after an idle gap (the process busy in Python for gap_ms before each call, "
+                 "touching no memory of its own): where other work on the machine shares its caches, the weights "
+                 "leave them while it waits. ms_per_gap_ms, the slope, is what each millisecond between two target "
+                 "calls adds to the next.\n\n" + wide.to_markdown(index=False, floatfmt=".3g") + "\n\n"
+                 + gap_fits(gaps).to_markdown(index=False, floatfmt=".3g") + "\n")
+        figs.append(lines_figure(gaps.assign(series="rows=" + gaps["rows"].astype(str)), "gap_ms", "ms", "series",
+                                 f"The target's call after an idle gap ({a['cpu']}, {a['dtype']})",
+                                 "ms idle before the call", "ms per call"))
+    return Report(f"Roofline of every model call ({a['cpu']}, {a['dtype']})", text, figs, summary=text)
 
 
-def records(df: pd.DataFrame) -> list[dict]:
-    """`--json`: one object per (model, rows), with the machine's figures on each."""
+def records(df: pd.DataFrame, gaps: pd.DataFrame | None = None) -> list[dict]:
+    """`--json`: one object per (model, rows) (`kind` "roofline"), then, with `gaps`, one per (rows, gap_ms) of the
+    target (`kind` "gap"), with the machine's figures on each."""
     # each row: its dtype
     machine = {k: df.attrs[k] for k in ("cpu", "threads", "layers", "dram_gbs", "cache_gbs", "context")}
-    return [{**r, **machine} for r in df.to_dict("records")]
+    out = [{"kind": "roofline", **r, **machine} for r in df.to_dict("records")]
+    if gaps is not None:
+        out += [{"kind": "gap", **r, "dtype": df.attrs["dtype"], **machine} for r in gaps.to_dict("records")]
+    return out

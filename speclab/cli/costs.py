@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from speclab.cli.common import _positive_int, _positive_ints, write_report
+from speclab.cli.common import _num, _positive_int, _positive_ints, write_report
 from speclab.drafters.registry import drafters
 from speclab.errors import SpeclabError
 from speclab.models import ModelPaths, add_model_args, check_model_args, load_models
@@ -140,10 +140,12 @@ def cmd_roofline(a: argparse.Namespace) -> int:
     """`speclab costs roofline`: the target and every drafter model at hand by rows, against the bandwidth bound."""
     import json
 
-    from speclab.bench.roofline import bandwidths, records, roofline, roofline_report
+    from speclab.bench.roofline import bandwidths, gap_costs, records, roofline, roofline_report
     from speclab.methods import ROLES
 
     rows = _positive_ints(a.rows, "--rows")
+    gaps = _gaps(a.gaps)
+    gap_rows = _positive_ints(a.gap_rows, "--gap-rows")
     for opt in ("large_mb", "small_mb"):
         v = getattr(a, opt)
         if v is not None and not 0 < v <= 65536:
@@ -151,17 +153,32 @@ def cmd_roofline(a: argparse.Namespace) -> int:
     check_model_args(a)
     roles = tuple(r for r, role in ROLES.items() if role.call is not None)
     target, models = load_models(ModelPaths.from_args(a), roles=roles)
-    if max(rows) + a.context + 1 > target.max_context:
-        raise SpeclabError(f"--context {a.context} with {max(rows)} rows does not fit the target's context of "
+    widest = max(rows + (gap_rows if gaps else []))
+    if widest + a.context + 1 > target.max_context:
+        raise SpeclabError(f"--context {a.context} with {widest} rows does not fit the target's context of "
                            f"{target.max_context}")
     bw = bandwidths(a.large_mb, a.small_mb)
     df = roofline(target, models, rows=rows, context=a.context, reps=a.reps, bw=bw)
+    after = gap_costs(target, gap_rows, gaps, context=a.context, reps=a.reps) if gaps else None
     if a.json:
-        for r in records(df):
+        for r in records(df, after):
             print(json.dumps(r), flush=True)
         return 0
-    write_report(roofline_report(df), a.report)
+    write_report(roofline_report(df, after), a.report)
     return 0
+
+
+def _gaps(text: str) -> list[float]:
+    """`--gaps`: '0,1,2,4,8' -> milliseconds from 0 to 100; 'none' -> []; anything else one line naming it."""
+    if str(text).strip().lower() == "none":
+        return []
+    try:
+        vals = [float(_num(float, 0, 100)(x)) for x in str(text).split(",") if x.strip()]
+    except argparse.ArgumentTypeError:
+        vals = []
+    if not vals:
+        raise SpeclabError(f"--gaps must be milliseconds from 0 to 100 separated by commas, or none (got {text!r})")
+    return sorted(set(vals))
 
 
 def cmd_step(a: argparse.Namespace) -> int:
@@ -364,8 +381,11 @@ def add_parsers(sub) -> None:
                     "cache, at least 512 MB)")
     rl.add_argument("--small-mb", type=float, help="working set of the in-cache bandwidth (default: half a core's "
                     "L2, at most 1 MB)")
-    rl.add_argument("--json", action="store_true", help="print one JSON object per (model, rows) instead of the "
-                    "report")
+    rl.add_argument("--gaps", default="0,1,2,4,8", help="the target's calls also timed after this many ms of idling "
+                    "(comma-separated, 0-100; none: not timed): what waiting between two target calls adds to the next")
+    rl.add_argument("--gap-rows", default="1,4", help="rows of the target's calls timed after a gap (comma-separated)")
+    rl.add_argument("--json", action="store_true", help="print one JSON object per (model, rows) (kind roofline) "
+                    "and per (rows, gap) of the target (kind gap) instead of the report")
     rl.add_argument("--report", default="reports/roofline.html")
     rl.set_defaults(fn=cmd_roofline)
 
