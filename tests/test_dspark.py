@@ -241,3 +241,24 @@ def test_admission_is_the_rule_not_a_threshold():
     assert admit(surv, StepCost(10.0, 0.5, 0.0)) == [3]
     assert admit(surv, StepCost(10.0, 4.0, 0.0)) == [2]
     assert admit(surv, StepCost(10.0, 10.0, 0.0)) == [1]
+
+
+def test_a_draft_token_costs_its_drafting_and_the_slower_verification_after_it():
+    """`StepCost.learn`: steps without drafts set how far a verification runs past the model anyway; a drafting
+    step's draft ms and its verification's excess beyond that, per draft token, become `draft_ms`."""
+    from speclab.core.batch import StepEvent
+
+    def step(drafted, rows, verify, draft=0.0):
+        return StepEvent(0, 0.0, [0, 1], drafted, [0, 0], rows, 1, 1, 0, {"draft": draft, "verify": verify})
+    cost = StepCost(4.0, 0.5, 0.25)  # 2 requests: 4.5 + 0.5 per row
+    cost.learn(step([1, 1], 4, 9.0, draft=1.0))  # before any plain step: its draft ms only
+    assert cost.draft_ms == pytest.approx(0.5)
+    cost.draft_ms = 0.0
+    cost.learn(step([0, 0], 2, 6.0))  # 0.5 ms past the model without drafting
+    assert cost.plain_excess == pytest.approx(0.5) and cost.draft_ms == 0
+    cost.learn(step([3, 1], 6, 9.0, draft=2.0))  # 7.5 modeled: 1.5 past it, 1.0 more than a plain step
+    assert cost.draft_ms == pytest.approx((2.0 + 1.0) / 4)
+    cost.learn(step([0, 0], 2, 5.5))  # as modeled: the plain excess moves toward 0
+    assert cost.plain_excess == pytest.approx(0.8 * 0.5)
+    cost.learn(step([2, 2], 6, 7.0, draft=4.0))  # faster than a plain step past the model: nothing added
+    assert cost.draft_ms == pytest.approx(0.8 * 0.75 + 0.2 * 1.0)

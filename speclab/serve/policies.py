@@ -40,22 +40,33 @@ DEFAULT_TABLE = "1-2=4,3-8=3,9-16=2,17-64=1"
 @dataclass
 class StepCost:
     """Modeled ms of one batched step: verify0 + verify1 x rows + per_request x requests (the target forward over
-    all requests' rows, `Target.forward_many`), plus draft_ms per draft token (learned online from the steps)."""
+    all requests' rows, `Target.forward_many`), plus draft_ms per draft token (learned online from the steps).
+
+    A draft token costs its drafting and what drafting adds to the verification after it: on a machine whose caches
+    other work shares, the target's call is slower the longer it waited (`speclab costs roofline`'s gaps), and the
+    profile times it back to back. So `learn` counts a drafting step's verification beyond the model, less what the
+    steps without drafts leave beyond it (`plain_excess`), as drafting's (once such a step has been seen: before,
+    the excess cannot be told from the verification's own time beyond the profile)."""
     verify0: float
     verify1: float
     per_request: float
     draft_ms: float = 0.0
+    plain_excess: float | None = None  # ms a step without drafts verifies beyond the model (a moving average)
 
     def ms(self, rows: int, requests: int, drafted: int = 0) -> float:
         return self.verify0 + self.verify1 * rows + self.per_request * requests + self.draft_ms * drafted
 
     def learn(self, ev) -> None:
-        """`draft_ms` from a step (`StepEvent`): its draft ms per draft token, a moving average over the steps that
-        drafted."""
+        """From a step (`StepEvent`): without drafts, `plain_excess`; with drafts, `draft_ms` (its draft ms and its
+        verification's excess over a plain step's, per draft token), moving averages over such steps."""
         n = sum(ev.drafted)
-        if n:
-            per = ev.ms["draft"] / n
-            self.draft_ms = per if self.draft_ms == 0 else 0.8 * self.draft_ms + 0.2 * per
+        excess = ev.ms["verify"] - self.ms(ev.rows, len(ev.rids))
+        if not n:
+            self.plain_excess = excess if self.plain_excess is None else 0.8 * self.plain_excess + 0.2 * excess
+            return
+        slower = max(0.0, excess - self.plain_excess) if self.plain_excess is not None else 0.0  # none seen: none
+        per = (ev.ms["draft"] + slower) / n
+        self.draft_ms = per if self.draft_ms == 0 else 0.8 * self.draft_ms + 0.2 * per
 
     @classmethod
     def profile(cls, target, context: int = 128, requests=(1, 4, 16), rows=(1, 4), reps: int = 5) -> StepCost:
