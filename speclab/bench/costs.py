@@ -29,6 +29,8 @@ def timeit_interleaved(fns: dict, reps: int, calls: int = 1, each: bool = False,
     per function, untimed work run before each of its timed calls. `on_rep` runs after every repetition
     (progress). With `quantiles`, each function's {mean, p50, p95} over the repetitions
     (`metrics.latency_quantiles`)."""
+    if before is not None and not each:
+        raise ValueError("timeit_interleaved: `before` runs before each call timed one by one (each=True)")
     times: dict = {name: [] for name in fns}
     for _ in range(reps):
         for name, fn in fns.items():
