@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 import pandas as pd
@@ -20,9 +21,9 @@ from speclab.viz import Report, lines_figure
 WIDTHS = (1, 2, 4, 8, 16, 32, 64)
 
 
-def timeit_interleaved(fns: dict, reps: int, calls: int = 1, each: bool = False,
+def timeit_interleaved(fns: dict[Any, Callable[[], object]], reps: int, calls: int = 1, each: bool = False,
                        on_rep: Callable[[], None] | None = None, quantiles: bool = False,
-                       before: dict | None = None) -> dict:
+                       before: dict[Any, Callable[[], object]] | None = None) -> dict:
     """Median milliseconds per call of each function (called without arguments). Every repetition calls each
     function `calls` times in turn (interleaved); a repetition's figure is the mean of its calls timed together,
     or with `each` the median of the calls timed one by one (robust to a stray slow call). `before` (with `each`):
@@ -31,7 +32,7 @@ def timeit_interleaved(fns: dict, reps: int, calls: int = 1, each: bool = False,
     (`metrics.latency_quantiles`)."""
     if before is not None and not each:
         raise ValueError("timeit_interleaved: `before` runs before each call timed one by one (each=True)")
-    times: dict = {name: [] for name in fns}
+    times: dict[Any, list[float]] = {name: [] for name in fns}
     for _ in range(reps):
         for name, fn in fns.items():
             if each:

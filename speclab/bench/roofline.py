@@ -113,8 +113,7 @@ def roofline(target: Target, models: dict, rows=ROWS, context: int = 200, reps: 
     here when None). Models: the target and every drafter model at hand (`drafter_calls`)."""
     from speclab.core.precision import cpu_label, dtype_name
     bw = bw or bandwidths()
-    g = torch.Generator().manual_seed(0)
-    ids = torch.randint(3, target.vocab_size, (context + max(rows) + 1,), generator=g).to(target.device)
+    ids = _call_ids(target, context, max(rows))
     callers = {"target": row_call(target, ids, context), **drafter_calls(target, models, ids, context)}
     dtypes = {name: dtype_name(_dtype_of(target if name == "target" else models[name])) for name in callers}
     fns, nbytes = {}, {}
@@ -138,6 +137,12 @@ def roofline(target: Target, models: dict, rows=ROWS, context: int = 200, reps: 
     return df
 
 
+def _call_ids(target: Target, context: int, rows: int) -> torch.Tensor:
+    """The seeded token ids the timed calls read: a `context`-token cache, then up to `rows` rows (and one more)."""
+    g = torch.Generator().manual_seed(0)
+    return torch.randint(3, target.vocab_size, (context + rows + 1,), generator=g).to(target.device)
+
+
 def idle(ms: float) -> None:
     """Busy in Python for `ms` milliseconds (the interpreter's loop: no tensor, no memory worth counting)."""
     end = time.perf_counter() + ms / 1e3
@@ -150,9 +155,7 @@ def gap_costs(target: Target, rows=GAP_ROWS, gaps=GAPS, context: int = 200, reps
               calls: int = 5) -> pd.DataFrame:
     """One row per (rows, gap_ms): the median ms of the target's call of `rows` after a `context`-token cache when
     `idle(gap_ms)` ran just before it (every pair interleaved over `reps`, each the median of `calls`)."""
-    g = torch.Generator().manual_seed(0)
-    ids = torch.randint(3, target.vocab_size, (context + max(rows) + 1,), generator=g).to(target.device)
-    call = row_call(target, ids, context)
+    call = row_call(target, _call_ids(target, context, max(rows)), context)
     fns = {(n, gap): (lambda n=n: call(n)) for n in rows for gap in gaps}
     before = {(n, gap): (lambda gap=gap: idle(gap)) for n, gap in fns}
     for fn in fns.values():  # once untimed

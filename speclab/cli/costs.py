@@ -172,8 +172,9 @@ def _gaps(text: str) -> list[float]:
     """`--gaps`: '0,1,2,4,8' -> milliseconds from 0 to 100; 'none' -> []; anything else one line naming it."""
     if str(text).strip().lower() == "none":
         return []
+    ms = _num(float, 0, 100)
     try:
-        vals = [float(_num(float, 0, 100)(x)) for x in str(text).split(",") if x.strip()]
+        vals = [float(ms(x)) for x in str(text).split(",") if x.strip()]
     except argparse.ArgumentTypeError:
         vals = []
     if not vals:
