@@ -212,7 +212,10 @@ def load_models(paths: ModelPaths, roles=("draft", "eagle3", "dflash", "router")
     import time
     from dataclasses import replace
 
+    import torch
+
     from speclab import zoo
+    from speclab.core import pages
     from speclab.core.precision import precision_label
     from speclab.core.target import Target
     from speclab.methods import ROLES
@@ -234,6 +237,8 @@ def load_models(paths: ModelPaths, roles=("draft", "eagle3", "dflash", "router")
             path = paths.model_path(role)
             dt = own.get(role) if r.own_dtype else None
             models[role] = r.load(path, target, replace(paths, dtype=dt) if dt else paths)
+            if isinstance(models[role], torch.nn.Module):  # its weights on 2 MB pages (`speclab.core.pages`)
+                pages.place(models[role])
             loaded.append(f"{r.title} {zoo.display_path(path)}" + (f" ({dt})" if dt and dt != dtype else ""))
     why = f"; {target.dtype_choice}" if target.dtype_choice else ""
     why += "".join(f"; {line}" for line in (decision.role_lines(roles) if decision is not None else []))

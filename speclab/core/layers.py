@@ -31,6 +31,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from speclab.core import pages
+
 # -- the matmul -----------------------------------------------------------------------------------------------------
 
 # bf16 weights on a CPU through a packed copy (`linear`): the layout of `native.cpp`'s own product where this process
@@ -98,7 +100,7 @@ def _packed(w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor | None:
         if mod is not None:
             cand = _made(mod.native_pack, w)
             if cand is not None and _agrees(lambda x: by_packed(x, w, cand, b), w, b, (1, 5, 16, TILE_ROWS)):
-                return cand
+                return pages.on_huge_pages(cand)
         return _onednn(w, b, CHECK_ROWS)
     return _kept(w, "_speclab_packed", make)
 
@@ -308,7 +310,7 @@ class FusedLayer(Layer):
 def _fuse(params) -> torch.Tensor:
     """One tensor for the weights (or biases) of several Linear layers on the same input; the layers'
     parameters become views of it, so the HF forward keeps working on the same storage."""
-    fused = torch.cat([p.data for p in params])
+    fused = pages.on_huge_pages(torch.cat([p.data for p in params]))
     row = 0
     for p in params:
         rows = p.shape[0]

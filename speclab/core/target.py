@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from speclab.core import pages
 from speclab.core.lean import KVCache, LeanDecoder, Segment, supports
 from speclab.core.precision import Head, check_logits, dtype_name, pick_dtype
 from speclab.errors import ModelNotFound
@@ -89,7 +90,7 @@ def load_causal_lm(name_or_path: str | Path, device=None, dtype=None):
     if any(bad):
         raise ModelNotFound(f"the weights in {where} do not match its config.json ({'; '.join(b for b in bad if b)}): "
                             "transformers would initialise those at random; is it the right directory?")
-    return model.to(dev).eval(), tok
+    return pages.place(model.to(dev).eval()), tok
 
 
 def _names(keys, most: int = 4) -> str:
