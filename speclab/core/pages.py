@@ -38,6 +38,17 @@ ENABLED = (os.environ.get("SPECLAB_HUGEPAGES", "1") != "0" and hasattr(mmap, "MA
            and _thp_mode() in ("always", "madvise"))
 
 
+def mapping(nbytes: int) -> torch.Tensor:
+    """nbytes of uint8 (uninitialised) at the start of an anonymous mapping of their own, 2 MB aligned and advised
+    MADV_HUGEPAGE (the kernel may still give ordinary pages: `ENABLED` says whether it would not); freed with the
+    last tensor that views it."""
+    mm = mmap.mmap(-1, nbytes + HUGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    mm.madvise(mmap.MADV_HUGEPAGE)
+    buf = torch.frombuffer(mm, dtype=torch.uint8)
+    off = (-buf.data_ptr()) % HUGE
+    return buf[off : off + nbytes]
+
+
 class _Arena:
     """Bump allocation in 2 MB-aligned anonymous mappings advised MADV_HUGEPAGE. A mapping lives while any tensor
     placed in it does (each holds its buffer); nothing is freed piecewise (packed weights live as long as their
@@ -52,12 +63,8 @@ class _Arena:
         """nbytes of uint8 in huge-page memory, 64-byte aligned."""
         with self.lock:
             if self.buf is None or self.off + nbytes > self.end:
-                size = max(CHUNK, -(-nbytes // HUGE) * HUGE) + HUGE
-                mm = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-                mm.madvise(mmap.MADV_HUGEPAGE)
-                self.buf = torch.frombuffer(mm, dtype=torch.uint8)
-                self.off = (-self.buf.data_ptr()) % HUGE
-                self.end = size
+                self.buf = mapping(max(CHUNK, -(-nbytes // HUGE) * HUGE))
+                self.off, self.end = 0, self.buf.numel()
             out = self.buf[self.off : self.off + nbytes]
             self.off += -(-nbytes // 64) * 64
             return out
