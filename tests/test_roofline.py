@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from helpers import run_cli
-from speclab.bench.roofline import call_bytes, fits, gap_costs, gap_fits, roofline
+from speclab.bench.roofline import bandwidths, call_bytes, fits, gap_costs, gap_fits, roofline
 from speclab.bench.steps import step_profile
 from speclab.generate import generate
 from speclab.methods import ROLES
@@ -42,6 +42,15 @@ def test_roofline_covers_the_target_and_every_drafter_model_with_a_call(deep):
     assert t1.mb * 1e6 >= weights  # every weight (the head included) and the cache it attends over
     assert t1.bound_ms == pytest.approx(t1.mb * 1e6 / 10e9 * 1e3) and t1.ratio == pytest.approx(t1.ms / t1.bound_ms)
     assert (df.groupby("model").mb.apply(lambda s: s.is_monotonic_increasing)).all()  # more rows, more bytes
+
+
+def test_the_dram_bandwidth_is_the_faster_of_both_page_sizes(monkeypatch):
+    from speclab.core import pages
+    for on in (True, False):
+        monkeypatch.setattr(pages, "ENABLED", on)
+        bw = bandwidths(large_mb=8, small_mb=0.25, reps=2)
+        assert bw["dram_gbs_4k"] > 0 and (bw["dram_gbs_2m"] > 0 if on else bw["dram_gbs_2m"] is None)
+        assert bw["dram_gbs"] == max(v for v in (bw["dram_gbs_4k"], bw["dram_gbs_2m"]) if v is not None)
 
 
 def test_fits_are_least_squares_lines():
