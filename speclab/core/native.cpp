@@ -497,7 +497,7 @@ static bool attn_init() {
 // row `madd` [S] (or none) -> out [D] bf16; `sbuf` [S] fp32 scratch
 __attribute__((target("avx512f,avx512bf16,avx512bw,avx512vl"))) static void attn_row(
     const uint16_t* q, const uint16_t* k, int64_t ks, const uint16_t* v, int64_t vs, int64_t S, int64_t D,
-    const float* madd, float scale, float* sbuf, uint16_t* out) {
+    const float* madd, const uint16_t* madd16, const bool* seen, float scale, float* sbuf, uint16_t* out) {
   const int64_t C = D / 32;  // 32 dimensions (16 pairs) a register
   __m512bh qv[8];
   for (int64_t c = 0; c < C; ++c) qv[c] = (__m512bh)_mm512_loadu_si512(q + 32 * c);
@@ -507,7 +507,9 @@ __attribute__((target("avx512f,avx512bf16,avx512bw,avx512vl"))) static void attn
     __m512 acc = _mm512_dpbf16_ps(_mm512_setzero_ps(), qv[0], (__m512bh)_mm512_loadu_si512(kj));
     for (int64_t c = 1; c < C; ++c) acc = _mm512_dpbf16_ps(acc, qv[c], (__m512bh)_mm512_loadu_si512(kj + 32 * c));
     float sj = _mm512_reduce_add_ps(acc) * scale;
-    if (madd) sj += madd[j];
+    if (madd) sj += madd[j];  // the mask as it comes: fp32, bf16 (widened exactly, as a copy to fp32 would) or bool
+    if (madd16) sj += load(c10::BFloat16(madd16[j], c10::BFloat16::from_bits()));
+    if (seen && !seen[j]) sj += -INFINITY;
     sbuf[j] = sj;
     m = std::max(m, sj);
   }
@@ -545,7 +547,7 @@ static Tensor attention(const Tensor& q, const Tensor& k, const Tensor& v, const
                     v.scalar_type() == at::kBFloat16 && q.size(1) <= ATTN_ROWS && q.size(2) % 32 == 0 &&
                     q.size(2) <= 256 && k.size(2) == q.size(2) && v.size(2) == q.size(2) && k.size(1) == v.size(1) &&
                     k.size(0) == v.size(0) && q.size(0) % k.size(0) == 0 && k.size(1) > 0 && k.stride(2) == 1 &&
-                    v.stride(2) == 1 &&
+                    v.stride(2) == 1 && q.stride(2) == 1 &&
                     (!mask.has_value() || (mask->dim() == 2 && mask->size(0) == q.size(1) &&
                                            mask->size(1) == k.size(1) && (mask->scalar_type() == at::kBool ||
                                            mask->scalar_type() == at::kBFloat16 || mask->scalar_type() == at::kFloat)));
@@ -556,27 +558,29 @@ static Tensor attention(const Tensor& q, const Tensor& k, const Tensor& v, const
     return at::scaled_dot_product_attention(q, k, v, mask, 0.0, false, scale, gqa);
   }
   const int64_t H = q.size(0), n = q.size(1), D = q.size(2), KV = k.size(0), S = k.size(1), G = H / KV;
-  const Tensor qc = q.contiguous();
-  Tensor madd;
-  if (mask.has_value())
-    madd = mask->scalar_type() == at::kBool
-               ? at::zeros({n, S}, q.options().dtype(at::kFloat)).masked_fill_(mask->logical_not(), -INFINITY)
-               : mask->to(at::kFloat).contiguous();
-  auto out = at::empty({H, n, D}, q.options());
-  const uint16_t* qp = (const uint16_t*)qc.data_ptr();
+  // q read where it lies (a rope output transposed to [heads, n, D]: no copy), the mask in its own dtype (converted
+  // once a layer before), and the output laid out [n, heads, D], returned as its [heads, n, D] view: the caller's
+  // transpose back to rows and flatten (`finish`) is then a view, not a copy
+  const Tensor m = mask.has_value() ? mask->contiguous() : Tensor();
+  auto out = at::empty({n, H, D}, q.options());
+  const uint16_t* qp = (const uint16_t*)q.data_ptr();
+  const int64_t qs0 = q.stride(0), qs1 = q.stride(1);
   const uint16_t* kp = (const uint16_t*)k.data_ptr();
   const uint16_t* vp = (const uint16_t*)v.data_ptr();
-  const float* mp = mask.has_value() ? madd.data_ptr<float>() : nullptr;
+  const float* mf = m.defined() && m.scalar_type() == at::kFloat ? m.data_ptr<float>() : nullptr;
+  const uint16_t* mb = m.defined() && m.scalar_type() == at::kBFloat16 ? (const uint16_t*)m.data_ptr() : nullptr;
+  const bool* seen = m.defined() && m.scalar_type() == at::kBool ? m.data_ptr<bool>() : nullptr;
   uint16_t* op = (uint16_t*)out.data_ptr();
   at::parallel_for(0, H * n, 1, [&](int64_t a, int64_t b) {  // rows are independent: any split, same bits
     std::vector<float> sbuf(S + 16);
     for (int64_t t = a; t < b; ++t) {
       const int64_t h = t / n, i = t % n, g = h / G;
-      attn_row(qp + (h * n + i) * D, kp + g * k.stride(0), k.stride(1), vp + g * v.stride(0), v.stride(1), S, D,
-               mp ? mp + i * S : nullptr, (float)scale, sbuf.data(), op + (h * n + i) * D);
+      attn_row(qp + h * qs0 + i * qs1, kp + g * k.stride(0), k.stride(1), vp + g * v.stride(0), v.stride(1), S, D,
+               mf ? mf + i * S : nullptr, mb ? mb + i * S : nullptr, seen ? seen + i * S : nullptr, (float)scale,
+               sbuf.data(), op + (i * H + h) * D);
     }
   });
-  return out;
+  return out.transpose(0, 1);
 }
 
 // The native product this process multiplies bf16 by (`layers.linear`): "tiles" (AMX), else "dp" (AVX512-BF16),
