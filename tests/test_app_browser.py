@@ -743,22 +743,6 @@ def page_on(browser, db, tmp_path):
         proc.wait(timeout=30)
 
 
-def test_a_trace_from_an_earlier_session_opens_with_counterfactuals_profiled_on_demand(browser, tmp_path):
-    """A routed run decoded by the CLI (no bench, so no bench profile; made before this server started): a fresh
-    page opens it as the newest run, and its counterfactuals are profiled on demand, with progress."""
-    from speclab.cli.main import main
-    db = tmp_path / "earlier.duckdb"
-    assert main(["generate", "--method", "whiflash-entropy", "--prompt", STORY, "--max-new-tokens", "32",
-                 "--db", str(db)]) == 0  # in this process, the trace closed after
-    with page_on(browser, db, tmp_path) as pg:
-        pg.get_by_role("tab", name="Rounds & trees").click()
-        wait_text(pg, "#run_html", "run 1 · whiflash-entropy", 60)
-        pg.wait_for_function("[...document.querySelectorAll('#run_router .legendtext')].some("
-                             "e => e.textContent === 'eagle3 would accept')", timeout=120000)
-        assert "profiling" not in svg_texts(pg, "#run_router .gtitle")[0]
-        pg.screenshot(path=str(ART / "rounds_earlier_trace.png"), full_page=True)
-
-
 def test_probe_measures_first_tokens_and_bytes_per_update(browser, app):
     pg = open_page(browser, app["url"])
     pg.fill("#prompt textarea", STORY)
@@ -768,13 +752,19 @@ def test_probe_measures_first_tokens_and_bytes_per_update(browser, app):
     assert 0 < row["bytes_per_update_mean"] <= row["bytes_per_update_max"] <= row["bytes_streamed"]
 
 
-def test_imported_engine_runs_open_beside_a_speclab_run(browser, tmp_path):
-    """Runs of vLLM, SGLang and llama.cpp imported into a trace (`speclab import`, one example file per engine and
-    shape) are listed with their engine, open with their provenance and conversions, and their accept lengths and
-    per-position acceptance are drawn beside a speclab EAGLE-3 run picked to compare with; the SQL box reads the
-    imported tables."""
+def test_an_earlier_trace_opens_its_newest_run_and_imported_engine_runs_beside_a_speclab_run(browser, tmp_path):
+    """A trace made before this server started (one server for both halves: an app start is the costly part), by
+    the CLI and `speclab import`: an EAGLE-3 run, runs of vLLM, SGLang and llama.cpp (one example file per engine
+    and shape), then a routed run (no bench, so no bench profile).
+
+    A fresh page opens the routed run, the newest, and its counterfactuals are profiled on demand, with progress.
+    The imported runs are listed with their engine, open with their provenance and conversions, and their accept
+    lengths and per-position acceptance are drawn beside the EAGLE-3 run picked to compare with; the SQL box reads
+    the imported tables."""
+    import duckdb
+
     from speclab.cli.main import main
-    db, engines = tmp_path / "imported.duckdb", REPO_ROOT / "data" / "engines"
+    db, engines = tmp_path / "earlier.duckdb", REPO_ROOT / "data" / "engines"
     assert main(["generate", "--method", "eagle3:tree_topk=1+depth=3", "--prompt", "def fibonacci(n):\n",
                  "--max-new-tokens", "48", "--db", str(db)]) == 0  # in this process, the trace closed after
     for args in ([str(p) for p in sorted(engines.glob("*.json*")) + sorted(engines.glob("*.sse"))],
@@ -783,7 +773,17 @@ def test_imported_engine_runs_open_beside_a_speclab_run(browser, tmp_path):
                  ["--before", str(engines / "llamacpp_metrics_before.prom"),
                   "--after", str(engines / "llamacpp_metrics_after.prom")]):
         assert main(["import", *args, "--db", str(db)]) == 0  # in this process: each import a whole command
+    assert main(["generate", "--method", "whiflash-entropy", "--prompt", STORY, "--max-new-tokens", "32",
+                 "--db", str(db)]) == 0
+    with duckdb.connect(str(db), read_only=True) as con:
+        routed = con.execute("SELECT max(run_id) FROM runs").fetchone()[0]
     with page_on(browser, db, tmp_path) as pg:
+        pg.get_by_role("tab", name="Rounds & trees").click()
+        wait_text(pg, "#run_html", f"run {routed} · whiflash-entropy", 60)
+        pg.wait_for_function("[...document.querySelectorAll('#run_router .legendtext')].some("
+                             "e => e.textContent === 'eagle3 would accept')", timeout=120000)
+        assert "profiling" not in svg_texts(pg, "#run_router .gtitle")[0]
+        pg.screenshot(path=str(ART / "rounds_earlier_trace.png"), full_page=True)
         pg.get_by_role("tab", name="Trace explorer").click()
         pg.wait_for_selector("#runs", timeout=60000)
         wait_text(pg, "#runs", "llama.cpp", 60)
