@@ -1,4 +1,4 @@
-"""Packed weights on 2 MB pages: what a forward streams on every call, read through fewer TLB entries.
+"""Weights on 2 MB pages: what a forward streams on every call, read through fewer TLB entries.
 
 A decode reads every packed weight (`layers._packed`) once a call. On 4 KB pages the zoo target's 46 MB are 11,000
 pages, far more than a core's TLB holds, so each call also walks page tables, and on a virtual machine a miss walks
@@ -7,8 +7,9 @@ MADV_HUGEPAGE, 2 MB aligned), the same weights are 23 pages. Measured on the Int
 "Benchmarks"): the target's call 5-8% faster back to back and 10-14% after 8 ms of other work.
 
 Copies only: a tensor's bits never change, so no decode's output does. The kernel decides whether a page is huge
-(`/sys/kernel/mm/transparent_hugepage/enabled` "madvise" or "always"; with "never" the copy is on ordinary pages, and
-nothing is copied at all). SPECLAB_HUGEPAGES=0 in the environment turns it off, to compare.
+(`/sys/kernel/mm/transparent_hugepage/enabled` "madvise" or "always"; with "never", or none, nothing is copied:
+`ENABLED`). SPECLAB_HUGEPAGES=0 in the environment turns it off, to compare. Memory: the mappings are never freed
+piecewise, so a model freed while a later one shares its last mapping keeps that mapping (at most `CHUNK`) alive.
 """
 from __future__ import annotations
 
