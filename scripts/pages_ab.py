@@ -1,7 +1,7 @@
 """Weights on 2 MB pages against 4 KB pages (`speclab.core.pages`), paired in one process: two copies of the zoo's
 models, one packed with huge pages off and one with them on; each zoo prompt decoded by both, alternating, the faster
-of two each; per method the geometric mean of tokens/s on 2 MB pages over 4 KB pages with its 95% t interval, and
-the CPU named.
+of two each; per method the geometric mean of tokens/s on 2 MB pages over 4 KB pages with its 95% interval
+(`metrics.ci95` of the log ratios), and the CPU named.
 
     python scripts/pages_ab.py [TEMPERATURE] [METHODS] [PROMPTS_PER_CATEGORY] [DTYPE]
     python scripts/pages_ab.py 0.7 ar,eagle3,sps 8
@@ -10,13 +10,13 @@ the CPU named.
 import sys
 
 import numpy as np
-from scipy import stats
 
 from speclab.bench.run import format_prompt
 from speclab.bench.suites import load_suite
 from speclab.core import pages
 from speclab.core.precision import cpu_label
 from speclab.generate import generate
+from speclab.metrics import ci95
 from speclab.models import ModelPaths, load_models
 
 T = float(sys.argv[1]) if len(sys.argv) > 1 else 0.7
@@ -46,6 +46,6 @@ for m in methods:
                 best[on] = max(best.get(on, 0.0), g.tokens_per_s)
         ratios.append(best[True] / best[False])
     r = np.log(ratios)
-    h = stats.t.ppf(0.975, len(r) - 1) * r.std(ddof=1) / np.sqrt(len(r))
+    h = ci95(float(r.std(ddof=1)), len(r))
     print(f"{m}: 2 MB / 4 KB pages {np.exp(r.mean()):.3f}x [{np.exp(r.mean() - h):.3f}-{np.exp(r.mean() + h):.3f}], "
           f"{len(r)} prompts", flush=True)

@@ -493,8 +493,9 @@ static bool attn_init() {
   return attn_ok;
 }
 
-// One query row q [D] of one head over keys k, values v (S rows each, `ks` / `vs` elements apart) with additive mask
-// row `madd` [S] (or none) -> out [D] bf16; `sbuf` [S] fp32 scratch
+// One query row q [D] of one head over keys k, values v (S rows each, `ks` / `vs` elements apart) with its mask row
+// [S] in the dtype the caller gave (at most one of: `madd` fp32 or `madd16` bf16, additive; `seen` bool; none: every
+// key) -> out [D] bf16; `sbuf` [S] fp32 scratch
 __attribute__((target("avx512f,avx512bf16,avx512bw,avx512vl"))) static void attn_row(
     const uint16_t* q, const uint16_t* k, int64_t ks, const uint16_t* v, int64_t vs, int64_t S, int64_t D,
     const float* madd, const uint16_t* madd16, const bool* seen, float scale, float* sbuf, uint16_t* out) {
@@ -507,7 +508,7 @@ __attribute__((target("avx512f,avx512bf16,avx512bw,avx512vl"))) static void attn
     __m512 acc = _mm512_dpbf16_ps(_mm512_setzero_ps(), qv[0], (__m512bh)_mm512_loadu_si512(kj));
     for (int64_t c = 1; c < C; ++c) acc = _mm512_dpbf16_ps(acc, qv[c], (__m512bh)_mm512_loadu_si512(kj + 32 * c));
     float sj = _mm512_reduce_add_ps(acc) * scale;
-    if (madd) sj += madd[j];  // the mask as it comes: fp32, bf16 (widened exactly, as a copy to fp32 would) or bool
+    if (madd) sj += madd[j];  // bf16 widened exactly, as a copy to fp32 would; an unseen key as masked_fill's -inf
     if (madd16) sj += load(c10::BFloat16(madd16[j], c10::BFloat16::from_bits()));
     if (seen && !seen[j]) sj += -INFINITY;
     sbuf[j] = sj;
@@ -558,8 +559,8 @@ static Tensor attention(const Tensor& q, const Tensor& k, const Tensor& v, const
     return at::scaled_dot_product_attention(q, k, v, mask, 0.0, false, scale, gqa);
   }
   const int64_t H = q.size(0), n = q.size(1), D = q.size(2), KV = k.size(0), S = k.size(1), G = H / KV;
-  // q read where it lies (a rope output transposed to [heads, n, D]: no copy), the mask in its own dtype (converted
-  // once a layer before), and the output laid out [n, heads, D], returned as its [heads, n, D] view: the caller's
+  // q read where it lies (a rope output transposed to [heads, n, D]: no copy), the mask in its own dtype (no fp32
+  // copy in every layer), and the output laid out [n, heads, D], returned as its [heads, n, D] view: the caller's
   // transpose back to rows and flatten (`finish`) is then a view, not a copy
   const Tensor m = mask.has_value() ? mask->contiguous() : Tensor();
   auto out = at::empty({n, H, D}, q.options());

@@ -78,7 +78,7 @@ def on_huge_pages(t: torch.Tensor) -> torch.Tensor:
     """A copy of `t` on huge pages where that applies (a dense contiguous CPU tensor of at least `MIN_BYTES`, and
     `ENABLED`), else `t` itself. The copy is bit for bit `t`."""
     nbytes = t.numel() * t.element_size()
-    if (not ENABLED or t.device.type != "cpu" or t.layout is not torch.strided or t.is_mkldnn
+    if (not ENABLED or t.device.type != "cpu" or t.layout is not torch.strided  # oneDNN's copies are not strided
             or not t.is_contiguous() or nbytes < MIN_BYTES or t.requires_grad):
         return t
     out = _ARENA.take(nbytes).view(t.dtype).view(t.shape)
