@@ -31,6 +31,7 @@ import time
 import weakref
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 import pandas  # noqa: F401  (pyarrow imports it on its first array: here, not inside a run's first flush)
@@ -441,12 +442,14 @@ class TraceStore:
         """One row (run and bench bookkeeping only; bulk data goes through `append`)."""
         self.execute(*_row_insert(table, values))
 
-    def append(self, tables: dict[str, pa.Table], run_id: int | None = None) -> None:
-        """Append Arrow tables (column names = table columns) in one transaction, on the background writer; the
-        rows of run `run_id` when given (a failure is then that run's: see `finish_run`)."""
+    def append(self, tables: dict[str, pa.Table | dict], run_id: int | None = None) -> None:
+        """Append Arrow tables (column names = table columns; or a run writer's columns, made Arrow there) in one
+        transaction, on the background writer; the rows of run `run_id` when given (a failure is then that run's:
+        see `finish_run`)."""
         self._later(self._append_now, tables, run=run_id)
 
-    def _append_now(self, tables: dict[str, pa.Table]) -> None:
+    def _append_now(self, tables: dict[str, pa.Table | dict]) -> None:
+        tables = {name: to_arrow(t) if isinstance(t, dict) else t for name, t in tables.items()}
         with self._transaction():
             for name, tbl in tables.items():
                 self._insert(name, tbl)
@@ -727,25 +730,42 @@ def decision_columns(evs) -> dict[str, np.ndarray]:
 NODE_EXTRAS = ("block", "bucket", "in_cands")
 
 
-def _node_extra(evs, key: str) -> pa.Array:
+def _node_extra(evs, key: str) -> Column:
     """An integer per draft node from the trees' `extra` (negative or absent: NULL); all NULL at once when no tree
     of the batch has it (every drafter but SpecBlock)."""
     if not any(key in e.tree.extra for e in evs):
-        return pa.nulls(sum(len(e.tree) for e in evs), pa.int32())
+        n = sum(len(e.tree) for e in evs)
+        return Column(np.zeros(n, np.int32), np.ones(n, bool), pa.int32())
     v = np.concatenate([e.tree.extra[key].cpu().numpy().astype(np.int64) if key in e.tree.extra
                         else np.full(len(e.tree), -1, np.int64) for e in evs])
-    return pa.array(v.astype(np.int32), mask=v < 0)
+    return Column(v.astype(np.int32), v < 0, pa.int32())
 
 
-def _nullable(v: np.ndarray) -> pa.Array:
+class Column(NamedTuple):
+    """A column a run writer hands over as numpy, made an Arrow array by the background writer (`to_arrow`): the
+    decode's thread does no Arrow work. `mask` marks NULLs."""
+    values: np.ndarray | list
+    mask: np.ndarray | None = None
+    type: pa.DataType | None = None
+
+
+def to_arrow(columns: dict) -> pa.Table:
+    """An Arrow table from a run writer's columns (numpy arrays and `Column`s)."""
+    return pa.table({k: pa.array(v.values, type=v.type, mask=v.mask) if isinstance(v, Column) else v
+                     for k, v in columns.items()})
+
+
+def _nullable(v: np.ndarray) -> Column:
     """Float column with NaN stored as NULL."""
-    return pa.array(v, mask=np.isnan(v))
+    return Column(v, np.isnan(v))
 
 
 @dataclass
 class RunWriter:
-    """Listener for `engine.decode`: keeps each round's tensors and appends them as Arrow batches, one
-    transaction per flush (every `flush_rounds` rounds or `flush_s` seconds, and at the end of the run)."""
+    """Listener for `engine.decode`: keeps each round's tensors and appends them, one transaction per flush (every
+    `flush_rounds` rounds or `flush_s` seconds, and at the end of the run). A flush makes numpy columns on the
+    decode's thread; the store's writer thread makes them Arrow batches and inserts them (a run's last flush, right
+    after its decode, cost 15-25 ms of cold pyarrow calls a run of 128 AR tokens on the decode's thread, 2 ms warm)."""
     store: TraceStore
     run_id: int
     tokenizer: object
@@ -768,9 +788,10 @@ class RunWriter:
         evs, self._events = self._events, []
         self._last = time.perf_counter()
         if evs:
-            self.store.append(self._tables(evs), run_id=self.run_id)
+            self.store.append(self._columns(evs), run_id=self.run_id)
 
-    def _tables(self, evs) -> dict[str, pa.Table]:
+    def _columns(self, evs) -> dict[str, dict]:
+        """The tables' columns of these rounds, in numpy (`to_arrow` makes them Arrow on the writer's thread)."""
         n = np.array([len(e.tree) for e in evs])
         m = np.array([e.committed.numel() for e in evs])
         a = np.array([e.n_accepted for e in evs])
@@ -779,7 +800,7 @@ class RunWriter:
         accepted = np.zeros(n.sum(), dtype=bool)
         accepted[_cat([e.accepted for e in evs]).astype(np.int64) + node_off] = True
         sampled = _node_sampled(evs)
-        nodes = pa.table({
+        nodes = {
             "run_id": np.full(n.sum(), self.run_id, np.int64), "round": np.repeat(rnd, n),
             "node": (np.arange(n.sum()) - np.repeat(np.cumsum(n) - n, n)).astype(np.int32),
             "parent": _cat([e.tree.parents for e in evs]).astype(np.int32),
@@ -788,25 +809,27 @@ class RunWriter:
             "draft_prob": _nullable(_cat([e.tree.draft_probs.float() for e in evs]).astype(np.float64)),
             "target_prob": np.exp(_cat([e.node_logp for e in evs]).astype(np.float64)), "accepted": accepted,
             **{key: _node_extra(evs, key) for key in NODE_EXTRAS},
-            **{k: _nullable(v) for k, v in zip(("sampled_p", "sampled_q"), sampled)}})
+            **{k: _nullable(v) for k, v in zip(("sampled_p", "sampled_q"), sampled)}}
         cols = token_columns(evs, self.text, sampled)
-        tokens = pa.table({"run_id": np.full(len(cols["pos"]), self.run_id, np.int64),
-                           **{k: _nullable(v) if k in ("draft_prob", "accept_prob") else v for k, v in cols.items()}})
+        tokens = {"run_id": np.full(len(cols["pos"]), self.run_id, np.int64),
+                           **{k: _nullable(v) if k in ("draft_prob", "accept_prob") else v for k, v in cols.items()}}
         t = {k: np.array([e.timings_ms[k] for e in evs]) for k in PHASES}
-        rounds = pa.table({
+        rounds = {
             "run_id": np.full(len(evs), self.run_id, np.int64), "round": rnd,
-            "drafter": pa.array([e.drafter for e in evs], pa.string()), "n_drafted": n.astype(np.int32),
+            "drafter": Column(np.array([e.drafter for e in evs], object), type=pa.string()),
+            "n_drafted": n.astype(np.int32),
             "n_accepted": a.astype(np.int32), "committed": m.astype(np.int32),
             "entropy": _cat([e.row_entropy[:1] for e in evs]).astype(np.float64),
             **{f"t_{k}_ms": v for k, v in t.items()},
             "backlog": np.array([e.backlog for e in evs], np.int32),
             "target_calls": np.array([e.target_calls for e in evs], np.int32),
-            "step": pa.array([e.step for e in evs], pa.int32()), "t_s": pa.array([e.t_s for e in evs], pa.float64())})
+            "step": Column([e.step for e in evs], type=pa.int32()),
+            "t_s": Column([e.t_s for e in evs], type=pa.float64())}
         dec = [e for e in evs if e.decision is not None]
-        decisions = pa.table({
+        decisions = {
             "run_id": np.full(len(dec), self.run_id, np.int64), "round": np.array([e.round for e in dec], np.int32),
-            "policy": pa.array([e.decision.policy for e in dec], pa.string()),
+            "policy": Column(np.array([e.decision.policy for e in dec], object), type=pa.string()),
             "signal": _nullable(np.array([e.decision.signal for e in dec], np.float64)),
             "threshold": _nullable(np.array([e.decision.threshold for e in dec], np.float64)),
-            "choice": pa.array([e.decision.choice for e in dec], pa.string())})
+            "choice": Column(np.array([e.decision.choice for e in dec], object), type=pa.string())}
         return {"draft_nodes": nodes, "tokens": tokens, "rounds": rounds, "router_decisions": decisions}

@@ -284,9 +284,12 @@ def _slow_failing_rows(store, monkeypatch) -> list[int]:
     import time
 
     import pyarrow as pa
+
+    from speclab.trace import to_arrow
     real, bad = store._append_now, []
 
     def append(tables):
+        tables = {k: to_arrow(t) if isinstance(t, dict) else t for k, t in tables.items()}  # a run writer's columns
         run = next(t.column("run_id")[0].as_py() for t in tables.values() if t.num_rows)
         bad[:] = bad or [run]
         if run == bad[0]:
