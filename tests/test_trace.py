@@ -438,3 +438,26 @@ def test_merged_runs_get_new_ids_and_a_failed_merge_leaves_the_trace_as_it_was(q
         with pytest.raises(TraceError, match="a run the part does not have"):
             s.merge_runs([part, bad], {"bench_id": "c", "status": "done"})
         assert before == {t: s.query(f"SELECT count(*) AS n FROM {t}").n[0] for t in before}
+
+
+def test_a_run_writers_columns_become_arrow_with_their_nulls(qwen3, qwen3_draft, store):
+    """A flush hands numpy columns to the writer thread (`Column`, `to_arrow`): NaN floats and masked integers land
+    as NULL, object arrays as strings, None as NULL; through a decode, a single-stream run's rounds have no batch
+    step and its nodes none of SpecBlock's or FlashHead's extras, while its drafted tokens keep their values."""
+    import pyarrow as pa
+
+    from speclab.trace import Column, to_arrow
+    t = to_arrow({"x": np.arange(3), "f": Column(np.array([0.5, np.nan, 1.0]), np.array([False, True, False])),
+                  "i": Column(np.array([4, -1, 2], np.int32), np.array([False, True, False]), pa.int32()),
+                  "s": Column(np.array(["a", None, "c"], object), type=pa.string()),
+                  "n": Column([None, 2, None], type=pa.int32())})
+    assert t.to_pydict() == {"x": [0, 1, 2], "f": [0.5, None, 1.0], "i": [4, None, 2], "s": ["a", None, "c"],
+                             "n": [None, 2, None]}
+    assert t.schema.field("i").type == pa.int32() and t.schema.field("s").type == pa.string()
+    res = generate(qwen3, PROMPTS[0], "sps", models={"draft": qwen3_draft}, max_new_tokens=12, trace=store)
+    nodes = store.query("SELECT block, bucket, in_cands, token_id, depth FROM draft_nodes WHERE run_id = ?",
+                        [res.run_id])
+    rounds = store.rounds(res.run_id)
+    assert len(nodes) > 0 and nodes[["block", "bucket", "in_cands"]].isna().all().all()
+    assert nodes[["token_id", "depth"]].notna().all().all() and (nodes.depth >= 1).all()
+    assert rounds.step.isna().all() and rounds.t_s.isna().all() and (rounds.drafter == "sps").all()
