@@ -213,17 +213,20 @@ class LeanDecoder:
         and their final-norm states come back as `future` [m, d] (None without them)."""
         n, start = ids.numel(), cache.length
         end = start + n
-        if pos is None:
-            pos = torch.arange(start, end, device=self.device)
         top = end if con is None else max(end, int(con.pos.max()) + 1)
         if top > self.cos.shape[0]:  # positions never exceed end - 1 (a tree node sits at start + its depth)
             self._rope_table(2 * top)
         if self.exact:
             if con is not None:
                 raise ValueError("exact mode forwards no contemplate rows in its verification (the after schedule)")
+            if pos is None:
+                pos = torch.arange(start, end, device=self.device)
             return (*self._exact_forward(ids, cache, pos, mask, layers, last, hidden, head), None)
         cache.reserve(n)
-        cos, sin = self.cos[pos][:, None], self.sin[pos][:, None]  # [n, 1, D]; sin carries rotate_half's sign
+        if pos is None:  # consecutive positions: the tables' rows as views (no index op, the same values)
+            cos, sin = self.cos[start:end, None], self.sin[start:end, None]
+        else:
+            cos, sin = self.cos[pos][:, None], self.sin[pos][:, None]  # [n, 1, D]; sin carries rotate_half's sign
         if mask is None and n > 1:
             mask = causal_mask(n, end, self.device, self.mask_dtype)
         elif mask is not None:
