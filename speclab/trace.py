@@ -812,7 +812,7 @@ class RunWriter:
             **{k: _nullable(v) for k, v in zip(("sampled_p", "sampled_q"), sampled)}}
         cols = token_columns(evs, self.text, sampled)
         tokens = {"run_id": np.full(len(cols["pos"]), self.run_id, np.int64),
-                           **{k: _nullable(v) if k in ("draft_prob", "accept_prob") else v for k, v in cols.items()}}
+                  **{k: _nullable(v) if k in ("draft_prob", "accept_prob") else v for k, v in cols.items()}}
         t = {k: np.array([e.timings_ms[k] for e in evs]) for k in PHASES}
         rounds = {
             "run_id": np.full(len(evs), self.run_id, np.int64), "round": rnd,
