@@ -816,7 +816,7 @@ class RunWriter:
         t = {k: np.array([e.timings_ms[k] for e in evs]) for k in PHASES}
         rounds = {
             "run_id": np.full(len(evs), self.run_id, np.int64), "round": rnd,
-            "drafter": Column(np.array([e.drafter for e in evs], object), type=pa.string()),
+            "drafter": Column([e.drafter for e in evs], type=pa.string()),
             "n_drafted": n.astype(np.int32),
             "n_accepted": a.astype(np.int32), "committed": m.astype(np.int32),
             "entropy": _cat([e.row_entropy[:1] for e in evs]).astype(np.float64),
@@ -828,8 +828,8 @@ class RunWriter:
         dec = [e for e in evs if e.decision is not None]
         decisions = {
             "run_id": np.full(len(dec), self.run_id, np.int64), "round": np.array([e.round for e in dec], np.int32),
-            "policy": Column(np.array([e.decision.policy for e in dec], object), type=pa.string()),
+            "policy": Column([e.decision.policy for e in dec], type=pa.string()),
             "signal": _nullable(np.array([e.decision.signal for e in dec], np.float64)),
             "threshold": _nullable(np.array([e.decision.threshold for e in dec], np.float64)),
-            "choice": Column(np.array([e.decision.choice for e in dec], object), type=pa.string())}
+            "choice": Column([e.decision.choice for e in dec], type=pa.string())}
         return {"draft_nodes": nodes, "tokens": tokens, "rounds": rounds, "router_decisions": decisions}
