@@ -188,12 +188,27 @@ def rope_inv_freq(c) -> tuple[torch.Tensor, float]:
     return rot.inv_freq.float().clone(), float(getattr(rot, "attention_scaling", 1.0))
 
 
+_ROPE_KEPT: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}  # inference mode's tables, by what makes them
+_ROPE_KEEP = 8  # at most this many kept (a few models x dtypes)
+
+
 def rope_tables(inv_freq: torch.Tensor, scale: float, n: int, dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin tables [n, head_dim] for positions 0..n-1; sin carries rotate_half's sign (see `apply_rope`)."""
+    """cos and sin tables [n, head_dim] for positions 0..n-1; sin carries rotate_half's sign (see `apply_rope`).
+    In inference mode the same tables are returned again for the same arguments (read only: a drafter built for
+    every request of a batch takes them in 3 us instead of 0.3 ms); outside it, made anew (training's autograd may
+    not save inference tensors)."""
+    key = (tuple(inv_freq.tolist()), scale, n, dtype, inv_freq.device) if torch.is_inference_mode_enabled() else None
+    if key is not None and key in _ROPE_KEPT:
+        return _ROPE_KEPT[key]
     freqs = torch.arange(n, device=inv_freq.device).float()[:, None] * inv_freq.float()[None]
     emb = torch.cat([freqs, freqs], -1)
     sign = torch.cat([-torch.ones_like(freqs), torch.ones_like(freqs)], -1)
-    return (emb.cos() * scale).to(dtype), (emb.sin() * sign * scale).to(dtype)
+    tables = (emb.cos() * scale).to(dtype), (emb.sin() * sign * scale).to(dtype)
+    if key is not None:
+        if len(_ROPE_KEPT) >= _ROPE_KEEP:
+            _ROPE_KEPT.clear()
+        _ROPE_KEPT[key] = tables
+    return tables
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
