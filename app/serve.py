@@ -66,7 +66,8 @@ class Serving:
         params = method_params(method, {}, lab.target)
         if needs_cost(policy) and self.cost is None:
             yield "profiling the batched step once (the policy's step-time model) ...", gr.skip(), gr.skip()
-            self.cost = StepCost.profile(lab.target)
+            self.cost = StepCost.profile(lab.target, make_drafters=drafters_for("fixed", method, lab.target,
+                                                                                 lab.models, params))
         session = f"app-serve-{uuid.uuid4().hex[:8]} {policy} c={concurrency}"
 
         recorder = ServeRecorder(lab.store, lab.target.tokenizer, session, policy, lambda st: served_row(

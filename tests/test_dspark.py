@@ -174,6 +174,53 @@ def test_a_switch_steps_catch_up_is_not_counted_as_drafting():
     assert sum(choices[4:]) >= 0.9 * len(choices[4:]) and p.rate[True] > p.rate[False]  # (not drafting: probes)
 
 
+def test_the_profile_keeps_drafting_from_being_measured_where_it_cannot_pay():
+    """With a profiled drafting cost (`StepCost.drafting`), DSpark does not draft to measure drafting where the profile
+    says a drafting step cannot commit tokens faster than a plain one: here each request's drafter work costs 3 ms
+    a step (per_request) against a 1.1 ms plain step of one request. At one request a 4-token block at the prior's
+    survivals (0.75 ** j) would commit 1 + 2.05 tokens in 1.5 + 3 ms (0.68 a ms) against 0.91 a ms: no drafting,
+    and none in the probes either; a cheaper profile (0.2 ms a request) lets it measure drafting first as before."""
+    from types import SimpleNamespace
+
+    from speclab.core.batch import StepEvent
+    for per_request, drafts in ((3.0, False), (0.2, True)):
+        p = DSpark(k=4, cost=StepCost(1.0, 0.1, 0.0, drafting=(0.0, 0.0, per_request)))
+        streams = [SimpleNamespace(req=SimpleNamespace(rid=0))]
+        assert (sum(p.lengths(streams)) > 0) == drafts
+        if drafts:
+            continue
+        for _ in range(20 * p.PROBE_EVERY):  # plain steps only: every probe of drafting held back by the profile
+            assert sum(p.lengths(streams)) == 0
+            p.observe(StepEvent(0, 0.0, [0], [0], [0], 1, 1, 0, 0, {"verify": 1.1}))
+        assert True not in p.rate and p.rate[False] == pytest.approx(1 / 1.1)
+
+
+def test_the_profile_expects_a_prefix_to_commit_its_survivals_summed():
+    """`may_pay`'s arithmetic: the expected tokens of a kept prefix are its survival products summed (not the last
+    one alone), so a batch whose blocks each keep 0.9 + 0.81 drafts where the last survival alone (0.81) would not."""
+    from types import SimpleNamespace
+    p = DSpark(k=2, cost=StepCost(1.0, 0.0, 0.0, drafting=(0.0, 0.0, 0.0)))
+    p.mean_surv = [0.9, 0.81]
+    streams = [SimpleNamespace(req=SimpleNamespace(rid=i)) for i in range(2)]
+    # plain: 2 tokens in 1 ms; drafting: 2 + 2 x 1.71 tokens in 1 + 1.5 ms (sum) against 2 + 2 x 0.81 (last alone)
+    p.cost.drafting = (1.5, 0.0, 0.0)
+    assert p.may_pay(streams)  # 5.42 / 2.5 = 2.17 > 2
+    p.held, p.cost.drafting = 0, (1.0, 0.0, 0.0)
+    p.mean_surv = [0.5, 0.1]  # 2 + 2 x 0.6 tokens in 2 ms = 1.6 < 2
+    assert not p.may_pay(streams) and p.held == p.PROBE_EVERY
+
+
+def test_the_drafting_profile_runs_the_batch(deep, dspark):
+    """`StepCost.profile_drafting` times real batched drafting steps (the tiny target and DFlash drafter): a fit of
+    three finite terms, and a drafting step modeled dearer than the plain one's verification alone at every size."""
+    def make():
+        return {"dflash": build_drafter("dflash", deep, {"dflash": dspark}, block_size=4, markov=1)}
+    cost = StepCost(1.0, 0.1, 0.1)
+    cost.drafting = cost.profile_drafting(deep, make, context=16, requests=(1, 2, 4), ks=(1, 3), steps=4)
+    assert len(cost.drafting) == 3 and all(math.isfinite(c) for c in cost.drafting)
+    assert all(cost.drafting_ms(n, 3 * n) >= 0.0 for n in (1, 4, 16))
+
+
 class Retrospective(DSpark):
     """A test-only rule that peeks at the target before verification: it keeps a request's first draft only where
     the target likes it more than the drafter did (p(x) > q(x)). Its outputs are not the target's distribution."""

@@ -80,8 +80,8 @@ def cmd_serve_bench(a: argparse.Namespace) -> int:
 
     cost = None
     if any(needs_cost(p) for p in policies):
-        print("profiling the batched step (goodput's step-time model) ...", file=sys.stderr, flush=True)
-        cost = StepCost.profile(target)
+        print("profiling the batched step (the policies' step-time model) ...", file=sys.stderr, flush=True)
+        cost = StepCost.profile(target, make_drafters=drafters_for("fixed", a.method, target, models, params))
     reference = None
     if a.check:
         bar = Progress(len(prompts), "single-stream AR (the reference outputs)")

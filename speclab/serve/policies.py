@@ -52,9 +52,18 @@ class StepCost:
     per_request: float
     draft_ms: float = 0.0
     plain_excess: float | None = None  # ms a step without drafts verifies beyond the model (a moving average)
+    drafting: tuple[float, float, float] | None = None  # a drafting step's ms beyond `ms` (its drafter call and its
+    # slower verification): intercept, per draft token, per request, profiled with the method's drafters (None: not)
 
     def ms(self, rows: int, requests: int, drafted: int = 0) -> float:
         return self.verify0 + self.verify1 * rows + self.per_request * requests + self.draft_ms * drafted
+
+    def drafting_ms(self, requests: int, drafted: int) -> float:
+        """The profiled ms a step of `requests` drafting `drafted` tokens in all takes beyond `ms` (0 unprofiled)."""
+        if self.drafting is None:
+            return 0.0
+        c0, per_token, per_request = self.drafting
+        return max(0.0, c0 + per_token * drafted + per_request * requests)
 
     def learn(self, ev) -> None:
         """From a step (`StepEvent`): without drafts, `plain_excess`; with drafts, `draft_ms` (its draft ms and its
@@ -69,9 +78,11 @@ class StepCost:
         self.draft_ms = per if self.draft_ms == 0 else 0.8 * self.draft_ms + 0.2 * per
 
     @classmethod
-    def profile(cls, target, context: int = 128, requests=(1, 4, 16), rows=(1, 4), reps: int = 5) -> StepCost:
+    def profile(cls, target, context: int = 128, requests=(1, 4, 16), rows=(1, 4), reps: int = 5,
+                make_drafters=None) -> StepCost:
         """Time the batched forward at a few (requests, rows per request) after `context` cached tokens each and fit
-        the three terms (least squares, none below 0)."""
+        the three terms (least squares, none below 0); with `make_drafters` (a request's drafters), what drafting adds
+        to a step too (`profile_drafting`)."""
         import numpy as np
 
         from speclab.core.lean import Segment
@@ -95,7 +106,33 @@ class StepCost:
                 X.append([1.0, b * r, b])
                 y.append(float(np.median(times)))
         coef = np.linalg.lstsq(np.array(X), np.array(y), rcond=None)[0]
-        return cls(*(float(max(c, 0.0)) for c in coef))
+        cost = cls(*(float(max(c, 0.0)) for c in coef))
+        if make_drafters is not None:
+            cost.drafting = cost.profile_drafting(target, make_drafters, context)
+        return cost
+
+    def profile_drafting(self, target, make_drafters, context: int = 128, requests=(1, 4, 16), ks=(2, 8),
+                         steps: int = 8) -> tuple[float, float, float]:
+        """What drafting adds to a step: batches of each number of `requests` (prompts of `context` random tokens)
+        drafting k tokens each (`Fixed`) for `steps` steps; each step's drafting and verification ms beyond `ms`
+        (the medians of the steps after the first two, which catch up on the prompts), fitted by least squares on
+        the draft tokens and the requests."""
+        import numpy as np
+
+        from speclab.core.batch import Batch, Request
+        from speclab.core.sampling import Sampling
+        ids = torch.randint(0, target.vocab_size, (context,), generator=torch.Generator().manual_seed(0))
+        X, y = [], []
+        for b in requests:
+            for k in ks:
+                batch = Batch(target, make_drafters, Fixed(k), Sampling(), max_batch=b, stop_on_eos=False)
+                for r in range(b):
+                    batch.submit(Request(r, ids, steps * (k + 1)))
+                evs = [batch.step() for _ in range(steps)][2:]
+                X.append([1.0, sum(evs[-1].drafted), b])
+                y.append(float(np.median([ev.ms["draft"] + ev.ms["verify"] - self.ms(ev.rows, b) for ev in evs])))
+        c0, per_token, per_request = np.linalg.lstsq(np.array(X), np.array(y), rcond=None)[0]
+        return float(c0), float(per_token), float(per_request)
 
 
 def admit(survival: list[list[float]], cost: StepCost) -> list[int]:
@@ -175,18 +212,25 @@ class DSpark:
     # one cost per request, over the faster side's time for the tokens it committed, times the requests now) is this
     # share of the time since the last one (at 32 requests a drafting probe costs several steps)
     RATE_WEIGHT = 0.2  # a step's weight in the moving averages of measured throughput
-    PROBE_STEPS = 2  # a measurement takes its side for this many steps in a row: the first after the other side (a
-    # switch) pays for it (drafting after idle steps: the drafters' catch-up of every one of them), so only the
-    # steps after it measure the side itself
+    PRIOR = 0.75  # `may_pay`'s survival per draft token before any block was drafted: the zoo DFlash head's c_k
+    # averaged over its blocks' positions (4 zoo prompts x 128 tokens greedy: 0.70 / 0.51 / 0.37 / 0.28 / 0.21 / 0.16
+    # / 0.12 / 0.10 for the first eight, 2.45 in all, against 2.38 accepted a round; 0.75 ** j sums to 2.70)
+    PROBE_STEPS = 2  # a measurement takes its side for at least this many steps in a row: the first after the other
+    # side (a switch) pays for it (drafting after idle steps: the drafters' catch-up of every one of them), so only
+    # the steps after it measure the side itself
+    MEASURE_REQUEST_STEPS = 4  # and drafting for at least this many request-steps after its switch (one request's
+    # drafting step commits 1 to k + 1 tokens: at one request, a single step measured drafting slower than it was)
 
     def __init__(self, k: int = 8, cost: StepCost | None = None, measured: int = 1):
         self.k, self.measured = k, bool(measured)
-        self.cost = None if cost is None else StepCost(cost.verify0, cost.verify1, cost.per_request)  # verify only
+        self.cost = None if cost is None else StepCost(cost.verify0, cost.verify1, cost.per_request,
+                                                       drafting=cost.drafting)  # no learned draft cost
         self.kept: dict[int, int] = {}  # request -> the drafts its last admission kept
         self.surv: dict[int, list[float]] = {}  # request -> its last block's survival products
         self.call_ms = 0.0  # a drafting step's drafter call (every request's block in one call): a moving average
         self.idle = 0  # steps since the batch last drafted
         self.rate: dict[bool, float] = {}  # drafted or not -> committed tokens per ms of such steps (moving average)
+        self.measured_steps: dict[bool, int] = {}  # drafted or not -> the steps measured in `rate`
         self.since = 0  # steps since the choice measured slower was last taken
         self.every = self.PROBE_EVERY  # steps between two such probes now
         self.best: bool | None = None  # the faster side at the last decision
@@ -197,12 +241,15 @@ class DSpark:
         self.prev: bool | None = None  # whether the last step drafted (None: no step yet)
         self.window = 0  # steps left that keep `self.side` (a measurement of it)
         self.side = True
+        self.mean_surv = [self.PRIOR ** j for j in range(1, k + 1)]  # survival products by block position: the
+        # blocks' moving average (a request that has not drafted is taken to survive as they do)
+        self.held = 0  # steps left before the profile is asked again whether drafting can pay (`may_pay`)
 
     def drafts_now(self, streams, old) -> bool:
         """Whether the batch drafts this step. `measured`: the choice with the higher measured throughput (committed
         tokens per ms of the steps that drafted, and of those that did not: each tried first, then the slower one
         again after PROBE_EVERY steps, less and less often while it stays slower, and never more than PROBE_BUDGET of
-        the time), so the batch does not stay on the slower side. Each measurement takes its side PROBE_STEPS steps
+        the time), so the batch does not stay on the slower side. Each measurement takes its side `measure_steps` steps
         in a row and counts only those after the first: a step after the other side pays for the switch (drafting
         after idle steps: the drafters' catch-up of every one of them). Counted as drafting's, those catch-ups had
         kept drafting measured slower at one request, where it is faster. Otherwise the modeled test: the admission
@@ -211,27 +258,62 @@ class DSpark:
             self.window -= 1
             return self.side
         if self.measured and len(self.rate) < 2:  # measure drafting first, then not drafting
-            self.side, self.window = True not in self.rate, self.PROBE_STEPS - 1
+            if True not in self.rate and not self.may_pay(streams):
+                return False  # not while drafting cannot pay by the profile
+            self.side = True not in self.rate
+            self.window = self.measure_steps(self.side, len(streams)) - 1
             return self.side
         if self.measured:
             best = self.rate[True] >= self.rate[False]
             if best != self.best:  # the faster side changed (or is known for the first time): look often again
                 self.best, self.every, self.since = best, self.PROBE_EVERY, 0
             self.since += 1
-            if self.since > self.every and self.since_ms * self.PROBE_BUDGET >= self.probe_ms * len(streams):
+            if self.since > self.every and self.since_ms * self.PROBE_BUDGET >= self.probe_ms * len(streams) \
+                    and (best or self.may_pay(streams)):
                 self.since, self.every = 0, min(2 * self.every, self.PROBE_MAX)
                 self.probing = True
-                self.side, self.window = not best, self.PROBE_STEPS - 1
+                self.side, self.window = not best, self.measure_steps(not best, len(streams)) - 1
                 return not best
             return best
         if self.cost is not None and self.call_ms and all(o is not None for o in old) \
                 and self.idle < self.PROBE_EVERY:
             n = len(streams)
             ks = admit(old, self.cost)
-            gain = sum(o[k - 1] for o, k in zip(old, ks) if k) if any(ks) else 0.0
+            gain = sum(sum(o[:k]) for o, k in zip(old, ks))  # a prefix of k: the sum of its survivals
             drafting = (n + gain) / (self.cost.ms(n + sum(ks), n) + self.call_ms)
             return drafting > n / self.cost.ms(n, n)
         return True
+
+    def may_pay(self, streams) -> bool:
+        """Whether drafting this step could commit more tokens per ms than a step without drafts, by the profile
+        (`StepCost.drafting`: a drafting step's drafter call and slower verification, measured at start) and the
+        blocks' survivals by position averaged over the steps (PRIOR ** j before any; one request's last block is
+        too noisy to stop its probes on), each request's block cut by `admit`. Asked before drafting is measured,
+        first or in a probe, so a batch where drafting cannot pay does not pay to find out (at 32 requests a drafting
+        step with the catch-up of every prompt costs several steps). True where the cost was not profiled; after a
+        no, asked again PROBE_EVERY steps later (no between)."""
+        if self.cost is None or self.cost.drafting is None:
+            return True
+        if self.held:
+            self.held -= 1
+            return False
+        surv = [self.mean_surv[:n] for n in self.blocks(streams)]
+        ks = admit(surv, self.cost)
+        n, drafted = len(streams), sum(len(a) for a in surv)
+        gain = sum(sum(a[:k]) for a, k in zip(surv, ks))  # expected accepted tokens: a prefix's survivals summed
+        pays = (n + gain) / (self.cost.ms(n + sum(ks), n) + self.cost.drafting_ms(n, drafted)) > \
+            n / self.cost.ms(n, n)
+        self.held = 0 if pays else self.PROBE_EVERY
+        return pays
+
+    def measure_steps(self, drafting: bool, n: int) -> int:
+        """How many steps in a row a measurement of a side takes at n requests (its switch and those it measures):
+        drafting, enough for MEASURE_REQUEST_STEPS; not drafting, whose steps commit n tokens each, PROBE_STEPS."""
+        return max(self.PROBE_STEPS, 1 + math.ceil(self.MEASURE_REQUEST_STEPS / max(n, 1)) if drafting else 0)
+
+    def blocks(self, streams) -> list[int]:
+        """Each request's block: as long as its last admission kept, plus one (at most k; a new request: k)."""
+        return [min(self.k, self.kept.get(s.req.rid, self.k - 1) + 1) for s in streams]
 
     def lengths(self, streams) -> list[int]:
         """How long each block is, from the last step's confidences (the production variant's capacity from older
@@ -242,7 +324,7 @@ class DSpark:
             self.idle += 1
             return [0] * len(streams)
         self.idle = 0
-        return [min(self.k, self.kept.get(s.req.rid, self.k - 1) + 1) for s in streams]
+        return self.blocks(streams)
 
     def trim(self, streams, trees) -> list[int]:
         """DSpark's admission over this step's drafts (the drafting is paid: only the verification rows count)."""
@@ -257,6 +339,10 @@ class DSpark:
         for s, a, k in zip(streams, surv, ks):
             if a:
                 self.surv[s.req.rid], self.kept[s.req.rid] = a, k
+        for j in range(len(self.mean_surv)):  # the average survival at each position this step's blocks reach
+            at = [a[j] for a in surv if len(a) > j]
+            if at:
+                self.mean_surv[j] += self.RATE_WEIGHT * (sum(at) / len(at) - self.mean_surv[j])
         return ks
 
     def observe(self, ev) -> None:
@@ -277,8 +363,9 @@ class DSpark:
                 self.since_ms += ms
             return
         first = key not in self.rate
-        w, r = self.RATE_WEIGHT, tokens / ms
-        self.rate[key] = r if first else (1 - w) * self.rate[key] + w * r
+        self.measured_steps[key] = self.measured_steps.get(key, 0) + 1
+        w = max(self.RATE_WEIGHT, 1 / self.measured_steps[key])  # the mean of the first steps, then a moving average
+        self.rate[key] = tokens / ms if first else (1 - w) * self.rate[key] + w * tokens / ms
         if first and len(self.rate) == 2:  # both sides measured once: a probe's cost, as the slower side's step
             side = self.rate[True] < self.rate[False]
             self.probe_ms, self.since_ms = self._extra_ms(side, *self.last[side]), 0.0
