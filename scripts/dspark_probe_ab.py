@@ -31,7 +31,7 @@ target, models = load_models(ModelPaths(), roles=("dflash",))
 prompts = [format_prompt(target, r) for r in load_suite("zoo", limit=8)]
 METHOD = "dflash:block_size=9"
 params = method_params(METHOD, {}, target)
-cost = StepCost.profile(target)
+cost = StepCost.profile(target, make_drafters=drafters_for("fixed", METHOD, target, models, params))
 print(cpu_label(), f"{len(prompts)} zoo prompts x 128 tokens, closed loop, {target.dtype}", flush=True)
 keys = ["none", "dspark before", "dspark now"]
 for conc in loads:
@@ -39,7 +39,8 @@ for conc in loads:
     for rep in range(repeats):
         for k in keys[rep % 3:] + keys[:rep % 3]:  # the policies take turns: drift hits them alike
             name = "none" if k == "none" else "dspark:k=8"
-            policy = (old.build_policy(name, old.StepCost(**vars(cost))) if k == "dspark before"
+            fields = {f: getattr(cost, f) for f in old.StepCost.__dataclass_fields__}  # what the old one has
+            policy = (old.build_policy(name, old.StepCost(**fields)) if k == "dspark before"
                       else build_policy(name, StepCost(**vars(cost))))
             batch = Batch(target, drafters_for(name, METHOD, target, models, params), policy, Sampling(), max_batch=32)
             tput[k].append(closed_loop(batch, prompts, conc, 128).metrics["throughput_tok_s"])
