@@ -126,7 +126,8 @@ def serving(target, models, enc, reference):
     from speclab.serve.policies import StepCost, build_policy, needs_cost
 
     params = method_params(SERVE_METHOD, {}, target)
-    cost = StepCost.profile(target) if any(needs_cost(p) for p in SERVE_POLICIES) else None
+    cost = StepCost.profile(target, make_drafters=drafters_for("fixed", SERVE_METHOD, target, models, params)) \
+        if any(needs_cost(p) for p in SERVE_POLICIES) else None
     none_tput: dict[int, float] = {}
     for conc in (1, 4, 16):
         for spec in SERVE_POLICIES:
