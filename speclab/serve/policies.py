@@ -309,7 +309,9 @@ class DSpark:
     def measure_steps(self, drafting: bool, n: int) -> int:
         """How many steps in a row a measurement of a side takes at n requests (its switch and those it measures):
         drafting, enough for MEASURE_REQUEST_STEPS; not drafting, whose steps commit n tokens each, PROBE_STEPS."""
-        return max(self.PROBE_STEPS, 1 + math.ceil(self.MEASURE_REQUEST_STEPS / max(n, 1)) if drafting else 0)
+        if not drafting:
+            return self.PROBE_STEPS
+        return max(self.PROBE_STEPS, 1 + math.ceil(self.MEASURE_REQUEST_STEPS / max(n, 1)))
 
     def blocks(self, streams) -> list[int]:
         """Each request's block: as long as its last admission kept, plus one (at most k; a new request: k)."""
