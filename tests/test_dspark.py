@@ -219,6 +219,7 @@ def test_the_drafting_profile_runs_the_batch(deep, dspark):
     cost.drafting = cost.profile_drafting(deep, make, context=16, requests=(1, 2, 4), ks=(1, 3), steps=4)
     assert len(cost.drafting) == 3 and all(math.isfinite(c) for c in cost.drafting)
     assert all(cost.drafting_ms(n, 3 * n) >= 0.0 for n in (1, 4, 16))
+    assert "drafting adds" in cost.describe() and "drafting" not in StepCost(1.0, 0.1, 0.1).describe()
 
 
 class Retrospective(DSpark):

@@ -82,6 +82,7 @@ def cmd_serve_bench(a: argparse.Namespace) -> int:
     if any(needs_cost(p) for p in policies):
         print("profiling the batched step (the policies' step-time model) ...", file=sys.stderr, flush=True)
         cost = StepCost.profile(target, make_drafters=drafters_for("fixed", a.method, target, models, params))
+        print(f"profiled: {cost.describe()}", file=sys.stderr, flush=True)
     reference = None
     if a.check:
         bar = Progress(len(prompts), "single-stream AR (the reference outputs)")
@@ -131,7 +132,7 @@ def cmd_serve_bench(a: argparse.Namespace) -> int:
     if a.json:
         for row in table.to_dict("records"):
             print(json.dumps(row, default=float), flush=True)
-    report = serve_report(table, results, a, target)
+    report = serve_report(table, results, a, target, cost)
     if a.json:  # the JSON lines are the output; the report goes to its file alone
         from speclab.viz import write_html_report
         if a.report:
@@ -182,7 +183,7 @@ def serve_table(results: list[dict]):
     return pd.DataFrame(rows)
 
 
-def serve_report(df, results: list[dict], a, target):
+def serve_report(df, results: list[dict], a, target, cost=None):
     from speclab import viz
     from speclab.core.precision import machine
     from speclab.metrics import SERVING_HELP
@@ -206,10 +207,11 @@ def serve_report(df, results: list[dict], a, target):
     sessions = "" if a.untraced else (f"\nEvery request is a run in {a.db}; each (policy, {x}, repeat) is one session "
                                       "(the runs' `decode_group`, the `steps` table's `session`), e.g. "
                                       + ", ".join(f"`{r}`" for r in df.session.head(2)) + "\n")
-    text = (f"# Serving under load\n\n{where}\n\n{table}\n\n{defs}\n- **vs_none**: throughput over no speculation's "
-            f"at the same {x} and repeat (paired), mean over the repeats; **vs_none_ci**: its 95% interval "
-            f"(half-width)\n- **equal / near_tie / bug** (`--check`): requests whose greedy output equals their "
-            f"single-stream AR decode, differs at a numerical near-tie, or otherwise\n{sessions}")
+    profiled = "" if cost is None else f"The policies' step-time model, profiled at start: {cost.describe()}.\n\n"
+    text = (f"# Serving under load\n\n{where}\n\n{profiled}{table}\n\n{defs}\n- **vs_none**: throughput over no "
+            f"speculation's at the same {x} and repeat (paired), mean over the repeats; **vs_none_ci**: its 95% "
+            f"interval (half-width)\n- **equal / near_tie / bug** (`--check`): requests whose greedy output equals "
+            f"their single-stream AR decode, differs at a numerical near-tie, or otherwise\n{sessions}")
     return Report("speclab serve-bench", text, figs, summary=f"{where}\n\n{table}")
 
 

@@ -58,6 +58,14 @@ class StepCost:
     def ms(self, rows: int, requests: int, drafted: int = 0) -> float:
         return self.verify0 + self.verify1 * rows + self.per_request * requests + self.draft_ms * drafted
 
+    def describe(self) -> str:
+        """The model in words (serve-bench prints it and its report keeps it)."""
+        text = (f"a batched step {self.verify0:.2f} ms + {self.verify1:.3f} a row + {self.per_request:.3f} a request")
+        if self.drafting is not None:
+            c0, per_token, per_request = self.drafting
+            text += f"; drafting adds {c0:.2f} ms + {per_token:.3f} a draft token + {per_request:.3f} a request"
+        return text
+
     def drafting_ms(self, requests: int, drafted: int) -> float:
         """The profiled ms a step of `requests` drafting `drafted` tokens in all takes beyond `ms` (0 unprofiled)."""
         if self.drafting is None:
