@@ -30,7 +30,8 @@ STREAM_EVERY_S = 0.5
 class Serving:
     def __init__(self, lab: Lab):
         self.lab = lab
-        self.cost: StepCost | None = None  # profiled once, on the first policy that needs it
+        self.costs: dict[tuple[int, str], StepCost] = {}  # profiled once per target and method (what drafting adds
+        # to a step is the method's), on the first policy that needs it
 
     def method(self) -> str:
         """DFlash (blocks of up to 8 drafts) when the lab has it, else prompt lookup."""
@@ -64,17 +65,20 @@ class Serving:
         rows = (load_suite("zoo", -(-requests // 4)) * 2)[:requests]  # the categories in turn
         prompts = [encode_prompt(lab.target, r["prompt"]) for r in rows]
         params = method_params(method, {}, lab.target)
-        if needs_cost(policy) and self.cost is None:
+        key = (id(lab.target), method)
+        if needs_cost(policy) and key not in self.costs:
             yield "profiling the batched step once (the policy's step-time model) ...", gr.skip(), gr.skip()
-            self.cost = StepCost.profile(lab.target, make_drafters=drafters_for("fixed", method, lab.target,
-                                                                                 lab.models, params))
+            self.costs[key] = StepCost.profile(lab.target, make_drafters=drafters_for("fixed", method, lab.target,
+                                                                                       lab.models, params))
+        cost = self.costs.get(key)
         session = f"app-serve-{uuid.uuid4().hex[:8]} {policy} c={concurrency}"
 
         recorder = ServeRecorder(lab.store, lab.target.tokenizer, session, policy, lambda st: served_row(
             lab.target, method, params, policy, st, rows[st.req.rid], concurrency=concurrency,
             max_new_tokens=max_new))
         make = drafters_for(policy, method, lab.target, lab.models, params)
-        batch = Batch(lab.target, make, build_policy(policy, self.cost), Sampling(), recorder=recorder)
+        batch = Batch(lab.target, make, build_policy(policy, None if cost is None else StepCost(**vars(cost))),
+                      Sampling(), recorder=recorder)  # a copy: goodput learns its draft cost into it
         steps, last, t0 = [], 0.0, batch.now()
         try:
             for ev in closed_steps(batch, prompts, concurrency, max_new):
