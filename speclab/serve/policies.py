@@ -285,12 +285,16 @@ class DSpark:
             return best
         if self.cost is not None and self.call_ms and all(o is not None for o in old) \
                 and self.idle < self.PROBE_EVERY:
-            n = len(streams)
-            ks = admit(old, self.cost)
-            gain = sum(sum(o[:k]) for o, k in zip(old, ks))  # a prefix of k: the sum of its survivals
-            drafting = (n + gain) / (self.cost.ms(n + sum(ks), n) + self.call_ms)
-            return drafting > n / self.cost.ms(n, n)
+            return self._drafting_pays(old, self.call_ms)
         return True
+
+    def _drafting_pays(self, surv: list[list[float]], extra_ms: float) -> bool:
+        """Whether blocks with these survivals, each cut by `admit`, commit more tokens per ms than a plain step when
+        drafting them adds `extra_ms` to the step (the expected tokens of a kept prefix: its survivals summed)."""
+        assert self.cost is not None
+        n, ks = len(surv), admit(surv, self.cost)
+        gain = sum(sum(a[:k]) for a, k in zip(surv, ks))
+        return (n + gain) / (self.cost.ms(n + sum(ks), n) + extra_ms) > n / self.cost.ms(n, n)
 
     def may_pay(self, streams) -> bool:
         """Whether drafting this step could commit more tokens per ms than a step without drafts, by the profile
@@ -306,11 +310,7 @@ class DSpark:
             self.held -= 1
             return False
         surv = [self.mean_surv[:n] for n in self.blocks(streams)]
-        ks = admit(surv, self.cost)
-        n, drafted = len(streams), sum(len(a) for a in surv)
-        gain = sum(sum(a[:k]) for a, k in zip(surv, ks))  # expected accepted tokens: a prefix's survivals summed
-        pays = (n + gain) / (self.cost.ms(n + sum(ks), n) + self.cost.drafting_ms(n, drafted)) > \
-            n / self.cost.ms(n, n)
+        pays = self._drafting_pays(surv, self.cost.drafting_ms(len(surv), sum(len(a) for a in surv)))
         self.held = 0 if pays else self.PROBE_EVERY
         return pays
 
