@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from transformers import AutoModelForCausalLM
 
-from helpers import PROMPTS, NoTok, tiny_config
+from helpers import PROMPTS, NoTok, build_tiny, tiny_config
 from speclab.core import native
 from speclab.core.layers import apply_rope, rope_tables
 from speclab.core.target import Target
@@ -174,6 +174,51 @@ def test_ragged_batches_natively_are_bitwise_the_python_batches(dtype, deep, tra
             out += [d.cache.v[:, :, : d.cache.length] for d in ds]
             out += [d.propose(4, Sampling(), None).tokens for d in ds]
         return out
+
+    _same_natively_as_from_python(run, monkeypatch)
+
+
+@needs_build
+@pytest.mark.parametrize("head_dim", [32, 64])
+def test_ragged_batches_attend_in_one_pass_as_sequence_by_sequence(head_dim, tmp_path, monkeypatch):
+    """A ragged batch's attention step in bf16 with heads of 32 or 64 (the sizes `native.cpp`'s attention takes:
+    the zoo's is 64), where the native layers attend every sequence in one pass (`mix_rows`): logits, features and
+    caches of four sequences (a chain, one row, a tree's rows under its mask, one row) bitwise what Python's layers
+    give, attending sequence by sequence; and an EAGLE-3 batch's drafter layer (its backlogs' last rows as queries)
+    the same tokens."""
+    from speclab.core.batch import Batch, Request
+    from speclab.core.lean import Segment
+    from speclab.core.sampling import Sampling
+    from speclab.core.tree import DraftTree, tree_attention_mask, tree_position_ids
+    from speclab.drafters.eagle3 import random_eagle3
+    from speclab.drafters.registry import build_drafter
+    from speclab.serve.policies import Fixed
+
+    target = Target.load(build_tiny("qwen3", tmp_path / "t", seed=3, hidden=4 * head_dim, layers=4), dtype="bf16")
+    assert target.lean is not None and target.lean.head_dim == head_dim
+    drafter = random_eagle3(target, seed=0)
+    prompts = [torch.tensor(target.tokenizer(p)["input_ids"]) for p in PROMPTS[:4]]
+    tree = DraftTree(torch.tensor([5, 6, 7, 8]), torch.tensor([-1, 0, 0, 1]), torch.ones(4))
+
+    def run():
+        with torch.inference_mode():
+            caches = [target.new_cache(128) for _ in prompts]
+            for x, c in zip(prompts, caches):
+                target.forward(x, c)
+            rows = [torch.tensor([5, 6, 7]), torch.tensor([9]), torch.cat([torch.tensor([4]), tree.tokens]),
+                    torch.tensor([11])]
+            segs = [Segment(r, c) for r, c in zip(rows, caches)]
+            segs[2] = Segment(rows[2], caches[2], tree_position_ids(tree.depth, caches[2].length, True),
+                              tree_attention_mask(tree.ancestors, caches[2].length, target.dtype, True))
+            out = [t for o in target.forward_many(segs, layers=(2, 0)) for t in (o.logits, o.features)]
+            out += [c.k[:, :, : c.length] for c in caches] + [c.v[:, :, : c.length] for c in caches]
+        make = lambda: {"eagle3": build_drafter("eagle3", target, {"eagle3": drafter}, depth=3)}  # noqa: E731
+        batch = Batch(target, make, Fixed(3), Sampling(), max_batch=4)
+        for i, x in enumerate(prompts):
+            batch.submit(Request(i, x, 12))
+        while not batch.idle:
+            batch.step()
+        return out + [batch.done[i].new_ids for i in range(len(prompts))]
 
     _same_natively_as_from_python(run, monkeypatch)
 
