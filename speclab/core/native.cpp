@@ -538,6 +538,22 @@ __attribute__((target("avx512f,avx512bf16,avx512bw,avx512vl"))) static void attn
   dp_round(res, nullptr, out, D);
 }
 
+// Row r of a mask [rows, S] as `attn_row` reads it, in the dtype it came in (at most one pointer set; an undefined
+// mask: none, every key seen)
+struct MaskRow {
+  const float* add = nullptr;
+  const uint16_t* add16 = nullptr;
+  const bool* seen = nullptr;
+};
+static MaskRow mask_row(const Tensor& m, int64_t r, int64_t S) {
+  MaskRow row;
+  if (!m.defined()) return row;
+  if (m.scalar_type() == at::kFloat) row.add = m.data_ptr<float>() + r * S;
+  if (m.scalar_type() == at::kBFloat16) row.add16 = (const uint16_t*)m.data_ptr() + r * S;
+  if (m.scalar_type() == at::kBool) row.seen = m.data_ptr<bool>() + r * S;
+  return row;
+}
+
 // `layers.attend` on a CPU outside autograd: queries q [.., heads, n, D] over keys and values [.., kv_heads, S, D]
 // under `mask` ([.., n, S] bool, True = seen, or additive; None: every key). bf16 3-D calls of up to `ATTN_ROWS`
 // rows by `attn_row`; everything else torch's fused kernel, as `layers.attend` calls it
@@ -568,17 +584,14 @@ static Tensor attention(const Tensor& q, const Tensor& k, const Tensor& v, const
   const int64_t qs0 = q.stride(0), qs1 = q.stride(1);
   const uint16_t* kp = (const uint16_t*)k.data_ptr();
   const uint16_t* vp = (const uint16_t*)v.data_ptr();
-  const float* mf = m.defined() && m.scalar_type() == at::kFloat ? m.data_ptr<float>() : nullptr;
-  const uint16_t* mb = m.defined() && m.scalar_type() == at::kBFloat16 ? (const uint16_t*)m.data_ptr() : nullptr;
-  const bool* seen = m.defined() && m.scalar_type() == at::kBool ? m.data_ptr<bool>() : nullptr;
   uint16_t* op = (uint16_t*)out.data_ptr();
   at::parallel_for(0, H * n, 1, [&](int64_t a, int64_t b) {  // rows are independent: any split, same bits
     std::vector<float> sbuf(S + 16);
     for (int64_t t = a; t < b; ++t) {
       const int64_t h = t / n, i = t % n, g = h / G;
+      const MaskRow mr = mask_row(m, i, S);
       attn_row(qp + h * qs0 + i * qs1, kp + g * k.stride(0), k.stride(1), vp + g * v.stride(0), v.stride(1), S, D,
-               mf ? mf + i * S : nullptr, mb ? mb + i * S : nullptr, seen ? seen + i * S : nullptr, (float)scale,
-               sbuf.data(), op + (i * H + h) * D);
+               mr.add, mr.add16, mr.seen, (float)scale, sbuf.data(), op + (i * H + h) * D);
     }
   });
   return out.transpose(0, 1);
@@ -851,15 +864,11 @@ static Tensor mix_rows(int64_t i, const Tensor& q, const Tensor& k, const Tensor
     for (int64_t t = a; t < b; ++t) {
       while (t >= ioff[j + 1]) ++j;
       const int64_t nq = qoff[j + 1] - qoff[j], h = (t - ioff[j]) / nq, r = (t - ioff[j]) % nq, g = h / G;
-      const Tensor& mk = m[j];
-      const float* mf = mk.defined() && mk.scalar_type() == at::kFloat ? mk.data_ptr<float>() + r * S[j] : nullptr;
-      const uint16_t* mb =
-          mk.defined() && mk.scalar_type() == at::kBFloat16 ? (const uint16_t*)mk.data_ptr() + r * S[j] : nullptr;
-      const bool* seen = mk.defined() && mk.scalar_type() == at::kBool ? mk.data_ptr<bool>() + r * S[j] : nullptr;
+      const MaskRow mr = mask_row(m[j], r, S[j]);
       attn_row(qp + h * qs0 + (qoff[j] + r) * qs1,
                (const uint16_t*)ck[j].data_ptr() + i * ck[j].stride(0) + g * ck[j].stride(1), ck[j].stride(2),
                (const uint16_t*)cv[j].data_ptr() + i * cv[j].stride(0) + g * cv[j].stride(1), cv[j].stride(2), S[j], D,
-               mf, mb, seen, (float)scale, sbuf.data(), op + ((qoff[j] + r) * H + h) * D);
+               mr.add, mr.add16, mr.seen, (float)scale, sbuf.data(), op + ((qoff[j] + r) * H + h) * D);
     }
   });
   return out.transpose(0, 1);
