@@ -139,34 +139,57 @@ def test_drafters_decode_natively_as_from_python(name, dtype, deep, monkeypatch)
     assert run() == fast
 
 
+def _ragged_forward(target, prompts) -> tuple[list[torch.Tensor], list]:
+    """`forward_many` (layers 2 and 0 kept) over one sequence after each prompt: a chain of three rows, one row, the
+    root and a tree of four under its mask, then one row each -> (every sequence's logits and features, the caches)."""
+    from speclab.core.lean import Segment
+    from speclab.core.tree import DraftTree, tree_attention_mask, tree_position_ids
+
+    tree = DraftTree(torch.tensor([5, 6, 7, 8]), torch.tensor([-1, 0, 0, 1]), torch.ones(4))
+    with torch.inference_mode():
+        caches = [target.new_cache(128) for _ in prompts]
+        for x, c in zip(prompts, caches):
+            target.forward(x, c)
+        rows = [torch.tensor([5, 6, 7]), torch.tensor([9]), torch.cat([torch.tensor([4]), tree.tokens])]
+        segs = [Segment(r, c) for r, c in zip(rows + [torch.tensor([11])] * (len(prompts) - 3), caches)]
+        segs[2] = Segment(rows[2], caches[2], tree_position_ids(tree.depth, caches[2].length, True),
+                          tree_attention_mask(tree.ancestors, caches[2].length, target.dtype, True))
+        return [t for o in target.forward_many(segs, layers=(2, 0)) for t in (o.logits, o.features)], caches
+
+
+def _eagle3_batch(target, model, prompts, tokens: int) -> list:
+    """The prompts decoded together with EAGLE-3 chains of 3 (`Batch`, fixed k = 3) -> each request's `Done`."""
+    from speclab.core.batch import Batch, Request
+    from speclab.core.sampling import Sampling
+    from speclab.drafters.registry import build_drafter
+    from speclab.serve.policies import Fixed
+
+    make = lambda: {"eagle3": build_drafter("eagle3", target, {"eagle3": model}, depth=3)}  # noqa: E731
+    batch = Batch(target, make, Fixed(3), Sampling(), max_batch=len(prompts))
+    for i, x in enumerate(prompts):
+        batch.submit(Request(i, x, tokens))
+    while not batch.idle:
+        batch.step()
+    return [batch.done[i] for i in range(len(prompts))]
+
+
 @needs_build
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
 def test_ragged_batches_natively_are_bitwise_the_python_batches(dtype, deep, trained_dflash, monkeypatch):
     """`forward_many` over three sequences (a chain, one row, a tree's rows) and DFlash's blocks of two drafters in
     one call: the same logits, features and caches natively as from Python."""
-    from speclab.core.lean import Segment
     from speclab.core.sampling import Sampling
-    from speclab.core.tree import DraftTree, tree_attention_mask, tree_position_ids
     from speclab.drafters.dflash import DFlashDrafter
     from speclab.drafters.registry import build_drafter
 
     target = Target.load(deep.name, dtype=dtype)
     model = copy.deepcopy(trained_dflash).to(target.dtype)  # the session's fixture stays as it is (fp32)
     prompts = [torch.tensor(target.tokenizer(p)["input_ids"]) for p in PROMPTS[:3]]
-    tree = DraftTree(torch.tensor([5, 6, 7, 8]), torch.tensor([-1, 0, 0, 1]), torch.ones(4))
 
     def run():
+        out, caches = _ragged_forward(target, prompts)
+        out += [c.k[:, :, : c.length] for c in caches]
         with torch.inference_mode():
-            caches = [target.new_cache(128) for _ in prompts]
-            for x, c in zip(prompts, caches):
-                target.forward(x, c)
-            root = torch.tensor([4])
-            rows = [torch.tensor([5, 6, 7]), torch.tensor([9]), torch.cat([root, tree.tokens])]
-            segs = [Segment(rows[0], caches[0]), Segment(rows[1], caches[1]),
-                    Segment(rows[2], caches[2], tree_position_ids(tree.depth, caches[2].length, True),
-                            tree_attention_mask(tree.ancestors, caches[2].length, target.dtype, True))]
-            out = [t for o in target.forward_many(segs, layers=(2, 0)) for t in (o.logits, o.features)]
-            out += [c.k[:, :, : c.length] for c in caches]
             ds = [build_drafter("dflash", target, {"dflash": model}, block_size=5, markov=0) for _ in prompts[:2]]
             for d, x in zip(ds, prompts):
                 d.reset(x, target.forward(x, target.new_cache(128), layers=d.layers).features)
@@ -186,39 +209,17 @@ def test_ragged_batches_attend_in_one_pass_as_sequence_by_sequence(head_dim, tmp
     caches of four sequences (a chain, one row, a tree's rows under its mask, one row) bitwise what Python's layers
     give, attending sequence by sequence; and an EAGLE-3 batch's drafter layer (its backlogs' last rows as queries)
     the same tokens."""
-    from speclab.core.batch import Batch, Request
-    from speclab.core.lean import Segment
-    from speclab.core.sampling import Sampling
-    from speclab.core.tree import DraftTree, tree_attention_mask, tree_position_ids
     from speclab.drafters.eagle3 import random_eagle3
-    from speclab.drafters.registry import build_drafter
-    from speclab.serve.policies import Fixed
 
     target = Target.load(build_tiny("qwen3", tmp_path / "t", seed=3, hidden=4 * head_dim, layers=4), dtype="bf16")
     assert target.lean is not None and target.lean.head_dim == head_dim
     drafter = random_eagle3(target, seed=0)
     prompts = [torch.tensor(target.tokenizer(p)["input_ids"]) for p in PROMPTS[:4]]
-    tree = DraftTree(torch.tensor([5, 6, 7, 8]), torch.tensor([-1, 0, 0, 1]), torch.ones(4))
 
     def run():
-        with torch.inference_mode():
-            caches = [target.new_cache(128) for _ in prompts]
-            for x, c in zip(prompts, caches):
-                target.forward(x, c)
-            rows = [torch.tensor([5, 6, 7]), torch.tensor([9]), torch.cat([torch.tensor([4]), tree.tokens]),
-                    torch.tensor([11])]
-            segs = [Segment(r, c) for r, c in zip(rows, caches)]
-            segs[2] = Segment(rows[2], caches[2], tree_position_ids(tree.depth, caches[2].length, True),
-                              tree_attention_mask(tree.ancestors, caches[2].length, target.dtype, True))
-            out = [t for o in target.forward_many(segs, layers=(2, 0)) for t in (o.logits, o.features)]
-            out += [c.k[:, :, : c.length] for c in caches] + [c.v[:, :, : c.length] for c in caches]
-        make = lambda: {"eagle3": build_drafter("eagle3", target, {"eagle3": drafter}, depth=3)}  # noqa: E731
-        batch = Batch(target, make, Fixed(3), Sampling(), max_batch=4)
-        for i, x in enumerate(prompts):
-            batch.submit(Request(i, x, 12))
-        while not batch.idle:
-            batch.step()
-        return out + [batch.done[i].new_ids for i in range(len(prompts))]
+        out, caches = _ragged_forward(target, prompts)
+        out += [c.k[:, :, : c.length] for c in caches] + [c.v[:, :, : c.length] for c in caches]
+        return out + [d.new_ids for d in _eagle3_batch(target, drafter, prompts, 12)]
 
     _same_natively_as_from_python(run, monkeypatch)
 
@@ -228,23 +229,12 @@ def test_ragged_batches_attend_in_one_pass_as_sequence_by_sequence(head_dim, tmp
 def test_batched_eagle3_decodes_natively_as_from_python(dtype, deep, trained_eagle3, monkeypatch):
     """Three requests decoded together with EAGLE-3 (its backlogs in one call, its chains one call per depth for
     all requests): the same tokens and the same accepted drafts natively as from Python."""
-    from speclab.core.batch import Batch, Request
-    from speclab.core.sampling import Sampling
-    from speclab.drafters.registry import build_drafter
-    from speclab.serve.policies import Fixed
-
     target = Target.load(deep.name, dtype=dtype)
     model = copy.deepcopy(trained_eagle3).to(target.dtype)
     prompts = [torch.tensor(target.tokenizer(p)["input_ids"]) for p in PROMPTS[:3]]
 
     def run():
-        make = lambda: {"eagle3": build_drafter("eagle3", target, {"eagle3": model}, depth=3)}  # noqa: E731
-        batch = Batch(target, make, Fixed(3), Sampling(), max_batch=3)
-        for i, x in enumerate(prompts):
-            batch.submit(Request(i, x, 24))
-        while not batch.idle:
-            batch.step()
-        return [(batch.done[i].new_ids.tolist(), batch.done[i].accepted) for i in range(len(prompts))]
+        return [(d.new_ids.tolist(), d.accepted) for d in _eagle3_batch(target, model, prompts, 24)]
 
     fast = run()
     _python(monkeypatch)

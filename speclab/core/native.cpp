@@ -772,15 +772,15 @@ static void write_kv(int64_t i, const Tensor& k, const Tensor& v, const std::vec
   }
 }
 
-// The attention step of layer i over one or several sequences' caches (`LeanDecoder._mix`, `lean.mix_many`): rows
-// of sequence j (ns[j] of them, in order) written to its cache ck[j], cv[j] ([layers, kv_heads, slots, D]) at slots
-// starts[j].., its queries (nqs[j] of them, empty: ns) attending over slots [0, starts[j] + ns[j]) under masks[j].
-// q [heads, queries, D], k, v [kv_heads, rows, D]
 static Tensor mix_rows(int64_t i, const Tensor& q, const Tensor& k, const Tensor& v, const std::vector<Tensor>& ck,
                        const std::vector<Tensor>& cv, const std::vector<int64_t>& starts,
                        const std::vector<int64_t>& ns, const std::vector<OptT>& masks, double scale,
                        const std::vector<int64_t>& nqs);
 
+// The attention step of layer i over one or several sequences' caches (`LeanDecoder._mix`, `lean.mix_many`): rows
+// of sequence j (ns[j] of them, in order) written to its cache ck[j], cv[j] ([layers, kv_heads, slots, D]) at slots
+// starts[j].., its queries (nqs[j] of them, empty: ns) attending over slots [0, starts[j] + ns[j]) under masks[j].
+// q [heads, queries, D], k, v [kv_heads, rows, D]
 static Tensor mix(int64_t i, const Tensor& q, const Tensor& k, const Tensor& v, const std::vector<Tensor>& ck,
                   const std::vector<Tensor>& cv, const std::vector<int64_t>& starts, const std::vector<int64_t>& ns,
                   const std::vector<OptT>& masks, double scale, const std::vector<int64_t>& nqs = {}) {
