@@ -166,6 +166,7 @@ CASES = [
     ("serve-bench", ["--method", "pld", "--policy", "dspark"], "--policy dspark schedules by DSpark's confidence head"),
     ("serve-bench", ["--policy", "dspark:k=0"], "dspark k must be"),
     ("serve-bench", ["--policy", "dspark:k=8,measured=2"], "dspark measured must be an integer from 0 to 1"),
+    ("serve-bench", ["--policy", "dspark:k=8,release=yes"], "dspark release must be an integer"),
     ("bench", ["--limit", "0"], "argument --limit: '0' is not an integer of at least 1"),
     ("bench", ["--limit", "abc"], "argument --limit: 'abc' is not an integer"),
     ("bench", ["--max-new-tokens", "-5"], "argument --max-new-tokens: '-5' is not an integer of at least 1"),

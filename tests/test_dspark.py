@@ -109,6 +109,42 @@ def test_dspark_cuts_drafts_and_each_request_decodes_as_alone(deep, dspark):
         assert torch.equal(batch.done[i].new_ids, decode(deep, x, ds, FixedRouter("dflash"), 24).new_ids), i
 
 
+def test_where_drafting_cannot_pay_the_batch_releases_the_drafters(deep, dspark):
+    """`DSpark.plain`: the profile here says drafting pays for one request and not for two or more (each request's
+    drafting adds 1 ms to a 1 + 0.1 x rows ms step). A request admitted alone drafts; once a batch of four is there
+    every request's drafters are released (the one that drafted too, mid-decode) and the newcomers get none, so the
+    steps make no drafter call and keep no features; one admitted alone after them drafts again. Every output is
+    its single-stream AR decode's (greedy, fp32); with `release=0` the requests keep their drafters."""
+    def make():
+        return {"dflash": build_drafter("dflash", deep, {"dflash": dspark}, block_size=5, markov=1)}
+
+    def policy(release=1):
+        return DSpark(k=4, cost=StepCost(1.0, 0.1, 0.0, drafting=(0.0, 0.0, 1.0)), measured=0, release=release)
+    assert not policy().plain(1) and policy().plain(2) and policy().plain(4) and not policy(0).plain(4)
+    ids = [torch.tensor(deep.tokenizer(p)["input_ids"]) for p in PROMPTS]
+    batch = Batch(deep, make, policy(), Sampling(), max_batch=4)
+    batch.submit(Request(0, ids[0], 24))
+    assert batch.step().drafter_calls and batch.step() and batch.active[0].seq.feats is not None  # alone: it drafts
+    for i in (1, 2, 3):
+        batch.submit(Request(i, ids[i], 24))
+    crowded = []
+    while not batch.idle:
+        crowded.append(batch.step())
+    assert not any(ev.drafter_calls for ev in crowded) and len(crowded[0].rids) == 4
+    batch.submit(Request(4, ids[0], 24))  # alone again: a new request gets its drafters
+    alone = []
+    while not batch.idle:
+        alone.append(batch.step())
+    assert alone[0].drafter_calls and sum(alone[0].drafted) > 0
+    for i, x in enumerate(ids + [ids[0]]):
+        assert torch.equal(batch.done[i].new_ids, decode(deep, x, None, None, 24).new_ids), i
+    kept = Batch(deep, make, policy(release=0), Sampling(), max_batch=4)
+    for i, x in enumerate(ids):
+        kept.submit(Request(i, x, 8))
+    kept.step()
+    assert all(s.name == "dflash" and s.seq.feats is not None for s in kept.active)
+
+
 @pytest.mark.parametrize("probe_ms", [0.5, 14.95])
 def test_measured_scheduling_takes_the_faster_side_and_keeps_measuring_the_other(probe_ms):
     """With `measured` (the default) the batch drafts or not by the measured throughput of each (committed tokens per

@@ -223,7 +223,7 @@ def add_parsers(sub) -> None:
     s.add_argument("--method", default=DEFAULT_METHOD, help="the drafter every request uses (a drafter's method "
                    f"spec, e.g. pld, eagle3:depth=6, dflash); default {DEFAULT_METHOD}")
     s.add_argument("--policy", action="append", help="a draft-length policy, repeatable: none, fixed:k=K, "
-                   "table:1-4=4,5-16=2,17-64=0, goodput:k=K,alpha0=A, dspark:k=K,measured=1|0 (default: "
+                   "table:1-4=4,5-16=2,17-64=0, goodput:k=K,alpha0=A, dspark:k=K,measured=1|0,release=1|0 (default: "
                    + " ".join(DEFAULT_POLICIES) + ")")
     s.add_argument("--concurrency", default=None, help="closed loop: clients in flight, comma-separated "
                    "(default 1,2,4,8,16,32)")

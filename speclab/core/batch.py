@@ -143,8 +143,12 @@ class Recorder(Protocol):
 class Policy(Protocol):
     """How many draft tokens each request gets this step (`speclab.serve.policies`: none, fixed, table, goodput,
     dspark). A policy may also define `trim(streams, trees) -> lengths`, called after drafting and before verification
-    to cut each chain to a prefix (the decision sees the drafts, never the verdict: non-anticipating), and
-    `observe(StepEvent)`, called after every step."""
+    to cut each chain to a prefix (the decision sees the drafts, never the verdict: non-anticipating),
+    `observe(StepEvent)`, called after every step, and `plain(n) -> bool`: whether it will draft for none of a
+    batch of n requests from now on (DSpark, where its profile says drafting cannot pay at that load). Where it says
+    so the batch releases every request's drafters (they no longer digest, nor are the target's features kept for
+    them) and admits new requests without any, so a step costs what plain decoding's does; a released request
+    decodes plainly to its end, and requests admitted later, at a load where drafting may pay, get drafters again."""
     name: str
 
     def lengths(self, streams: list[Stream]) -> list[int]:
@@ -225,7 +229,13 @@ class Batch:
             return None
 
         t = time.perf_counter()
-        ks = [min(k, s.room) if s.name is not None else 0 for k, s in zip(self.policy.lengths(streams), streams)]
+        plain = getattr(self.policy, "plain", None)
+        if plain is not None and plain(len(streams)):
+            for s in streams:
+                self._release(s)
+        drafting = any(s.name is not None for s in streams)  # else no policy is asked, no features are made
+        ks = ([min(k, s.room) if s.name is not None else 0 for k, s in zip(self.policy.lengths(streams), streams)]
+              if drafting else [0] * len(streams))
         ms["policy"] = _ms(t)
 
         t, calls0 = time.perf_counter(), forward_clock.calls
@@ -242,7 +252,7 @@ class Batch:
         t, tcalls0 = time.perf_counter(), self.target.calls
         segs = [round_segment(self.target, s.cache, s.seq, tree, True) for s, tree in zip(streams, trees)]
         pasts = [s.cache.get_seq_length() for s in streams]
-        outs = self.target.forward_many(segs, self.layers)  # every request's root and draft: ONE forward
+        outs = self.target.forward_many(segs, self.layers if drafting else ())  # every request's rows: ONE forward
         verified = [settle(tree, out, None, past, self.sampling, s.gen)
                     for s, tree, out, past in zip(streams, trees, outs, pasts)]
         ms["verify"] = _ms(t)
@@ -294,17 +304,19 @@ class Batch:
         new = [r for r in self.waiting if r.arrival_s <= now][:room]
         if not new:
             return 0
+        plain = getattr(self.policy, "plain", None)
+        bare = plain is not None and plain(len(self.active) + len(new))  # admitted without drafters
         streams = []
         for req in new:
             self.waiting.remove(req)
             ids = req.prompt_ids.detach().cpu().long().flatten()
-            drafters = self.make_drafters()
+            drafters = {} if bare else self.make_drafters()
             if getattr(self.policy, "confidence", False):  # a scheduler that reads each row's confidence asks for it
                 for d in drafters.values():
                     d.confidence = True  # type: ignore[attr-defined]
             pool = DrafterPool(drafters, self.target)
             n = ids.numel()
-            seq = Committed(ids, n + req.max_new_tokens, len(self.layers) * self.target.hidden_size,
+            seq = Committed(ids, n + req.max_new_tokens, 0 if bare else len(self.layers) * self.target.hidden_size,
                             self.target.device, self.target.dtype)
             seed = req.seed if req.seed is not None else self.sampling.seed
             gen = torch.Generator().manual_seed(seed) if seed is not None else None
@@ -312,7 +324,8 @@ class Batch:
                                   next(iter(drafters), None), gen, now))
         long = [s for s in streams if s.seq.n > 1]  # a one-token prompt is its pending root alone
         if long:
-            outs = self.target.forward_many([Segment(s.seq.ids[: s.seq.n - 1], s.cache) for s in long], self.layers)
+            outs = self.target.forward_many([Segment(s.seq.ids[: s.seq.n - 1], s.cache) for s in long],
+                                            () if bare else self.layers)
             for s, out in zip(long, outs):
                 if out.features is not None:
                     s.seq.set_features(0, out.features)
@@ -350,6 +363,12 @@ class Batch:
             for j, tree in zip(idx, got):
                 trees[j] = tree.to(self.target.device)
         return trees
+
+    def _release(self, s: Stream) -> None:
+        """The request's drafters go (their caches freed); it decodes on plainly, keeping no target features."""
+        if s.name is not None:
+            s.name, s.pool = None, DrafterPool({}, self.target)
+            s.seq.drop_features()
 
     def _commit(self, s: Stream, tree: DraftTree, v, now: float) -> tuple[torch.Tensor, torch.Tensor, int]:
         """The request's accepted path and the target's token: its KV cache, features and drafter, as a

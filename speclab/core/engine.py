@@ -445,18 +445,19 @@ def cut(new: torch.Tensor, accepted: torch.Tensor, room: int, eos: torch.Tensor,
 
 def commit_rows(cache, seq: Committed, v: Verified, accepted: torch.Tensor, done: bool) -> Row:
     """Keep the batch's kept rows, the root (when it led the batch) and the accepted path: their KV and (unless the
-    decode is done) their features, from the root's position on. Returns the row that drew the round's last token
+    decode is done, or the sequence keeps no features: a batched request without drafters) their features, from the
+    root's position on. Returns the row that drew the round's last token
     (the next round's signals)."""
     a = accepted.numel()
     if first_nodes(accepted):  # the root's row and the first nodes': a crop and slices
         n = v.lead + a
         crop_cache(cache, v.past + n)
-        if v.features is not None and not done:
+        if v.features is not None and seq.feats is not None and not done:
             seq.set_features(seq.n - v.lead, v.features[:n])
         return Row.of(v.logits, v.hidden, slice(a, a + 1))
     kept = torch.cat([torch.arange(v.lead, device=accepted.device), accepted + v.lead])
     keep_cache(cache, v.past, kept)
-    if v.features is not None and not done:
+    if v.features is not None and seq.feats is not None and not done:
         seq.set_features(seq.n - v.lead, v.features[kept])
     return Row.of(v.logits, v.hidden, accepted[-1:] + 1)
 

@@ -44,6 +44,10 @@ class Committed:
         self.feats[start : start + feats.shape[0]] = feats
         self.n_feats = start + feats.shape[0]
 
+    def drop_features(self) -> None:
+        """Keep no features from now on (a batched request whose drafters were released)."""
+        self.feats, self.n_feats = None, 0
+
 
 def feature_layers(target: Target, drafters: dict[str, Drafter]) -> tuple[int, ...]:
     """The union of the target layers the drafters draft from, checked against the target."""

@@ -18,6 +18,8 @@
   drafter with the head (`speclab train dspark`). Cutting is lossless because c_k reads the token before row k,
   never row k's own: whether a token is verified never depends on its own value (a confidence of the drafted token
   itself, q(x_k), biases the output: tests/test_dspark.py catches it, and a rule that peeks at the target).
+  `release=1` (the default): at a load where the profiled drafting cost says drafting cannot pay (`DSpark.plain`),
+  the batch releases its requests' drafters, so those steps cost what `none`'s do (`release=0` keeps them).
 
 A spec is `name` or `name:key=value,...`; `parse_policy` checks it before any model loads (one line).
 """
@@ -229,8 +231,8 @@ class DSpark:
     MEASURE_REQUEST_STEPS = 4  # and drafting for at least this many request-steps after its switch (one request's
     # drafting step commits 1 to k + 1 tokens: at one request, a single step measured drafting slower than it was)
 
-    def __init__(self, k: int = 8, cost: StepCost | None = None, measured: int = 1):
-        self.k, self.measured = k, bool(measured)
+    def __init__(self, k: int = 8, cost: StepCost | None = None, measured: int = 1, release: int = 1):
+        self.k, self.measured, self.release = k, bool(measured), bool(release)
         self.cost = None if cost is None else StepCost(cost.verify0, cost.verify1, cost.per_request,
                                                        drafting=cost.drafting)  # no learned draft cost
         self.kept: dict[int, int] = {}  # request -> the drafts its last admission kept
@@ -252,6 +254,7 @@ class DSpark:
         self.mean_surv = [self.PRIOR ** j for j in range(1, k + 1)]  # survival products by block position: the
         # blocks' moving average (a request that has not drafted is taken to survive as they do)
         self.held = 0  # steps left before the profile is asked again whether drafting can pay (`may_pay`)
+        self.plain_at: dict[int, bool] = {}  # batch size -> `plain`'s answer for the blocks' survivals as they are
 
     def drafts_now(self, streams, old) -> bool:
         """Whether the batch drafts this step. `measured`: the choice with the higher measured throughput (committed
@@ -314,6 +317,21 @@ class DSpark:
         self.held = 0 if pays else self.PROBE_EVERY
         return pays
 
+    def plain(self, n: int) -> bool:
+        """Whether this policy drafts for none of a batch of n requests from now on (`speclab.core.batch.Policy`:
+        the batch then releases their drafters, and a step costs what plain decoding's does): with `release`, where
+        the profile (`StepCost.drafting`) says that n requests drafting a block of k each, at the blocks' average
+        survivals and cut by `admit`, cannot commit more tokens per ms than a plain step (`may_pay`'s test for
+        requests that have not drafted), and drafting was not measured faster (`measured`). Without a profile: never."""
+        if not self.release or self.cost is None or self.cost.drafting is None:
+            return False
+        if self.measured and True in self.rate and False in self.rate and self.rate[True] >= self.rate[False]:
+            return False
+        if n not in self.plain_at:
+            surv = [self.mean_surv[: self.k]] * n
+            self.plain_at[n] = not self._drafting_pays(surv, self.cost.drafting_ms(n, n * self.k))
+        return self.plain_at[n]
+
     def measure_steps(self, drafting: bool, n: int) -> int:
         """How many steps in a row a measurement of a side takes at n requests (its switch and those it measures):
         drafting, enough for MEASURE_REQUEST_STEPS; not drafting, whose steps commit n tokens each, PROBE_STEPS."""
@@ -353,6 +371,7 @@ class DSpark:
             at = [a[j] for a in surv if len(a) > j]
             if at:
                 self.mean_surv[j] += self.RATE_WEIGHT * (sum(at) / len(at) - self.mean_surv[j])
+        self.plain_at.clear()
         return ks
 
     def observe(self, ev) -> None:
@@ -407,7 +426,8 @@ def parse_policy(spec: str) -> tuple[str, dict]:
         return name, {"table": parse_table(pairs or [tuple(kv.split("=")) for kv in DEFAULT_TABLE.split(",")], spec)}
     known = {"fixed": {"k": (int, Bound(0, MAX_K))},
              "goodput": {"k": (int, Bound(1, MAX_K)), "alpha0": (float, Bound(0.0, 0.99))},
-             "dspark": {"k": (int, Bound(1, MAX_K)), "measured": (int, Bound(0, 1))}}[name]
+             "dspark": {"k": (int, Bound(1, MAX_K)), "measured": (int, Bound(0, 1)),
+                        "release": (int, Bound(0, 1))}}[name]
     params = {}
     for k, v in pairs:
         if k not in known:
