@@ -85,6 +85,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         check_model_args(a)
         check_port(a.host, a.port)
+        from speclab.core.verify import check_chain_rule
+        check_chain_rule()  # SPECLAB_CHAIN_VERIFY, where set
         from speclab.routing.hardware import load_profile
         costs = load_profile(a.costs) if a.costs else None
         # the calibration tab saves to the user's file (never to the zoo's shipped one, which stays the fallback):

@@ -669,7 +669,8 @@ def _cat(xs) -> np.ndarray:
 def token_columns(evs, text: np.ndarray, sampled: tuple[np.ndarray, np.ndarray] | None = None) -> dict[str, np.ndarray]:
     """Per committed token of these RoundEvents: pos, round, token_id, text, source (drafter or 'target'),
     depth, draft_prob, target_prob, entropy, accept_prob (a drafted token under sampling: min(1, p(x) / q(x)), the
-    probability it passed its test as its node's first candidate; NaN otherwise). Vectorised over rounds (one host
+    probability it passed its test as its node's first candidate, token by token; block verification, a sampled
+    chain's default, keeps at least as many tokens in expectation; NaN otherwise). Vectorised over rounds (one host
     copy per tensor kind, no Python per token); shared by the trace writer and live views.
 
     Token j < a of a round is its j-th accepted node: its target prob is the node's, its entropy that of the

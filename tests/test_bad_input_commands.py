@@ -580,3 +580,13 @@ def test_train_refuses_an_output_folder_that_cannot_be_made(cmd, out, tmp_path, 
     line = assert_one_error_line([*TRAIN_OUT_COMMANDS[cmd], out], "cannot make the folder /proc/speclab-x", capsys)
     assert f"{TRAIN_OUT_COMMANDS[cmd][-1]} {out}:" in line and "No such file or directory" in line, line
     assert not loaded and list(tmp_path.iterdir()) == []
+
+
+def test_an_unknown_chain_verification_rule_is_one_line(tmp_path, capsys, monkeypatch):
+    """SPECLAB_CHAIN_VERIFY (read when `speclab.core.verify` is imported) names block or token; any other value is
+    one line before any model loads, from every command."""
+    from speclab.core import verify
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(verify, "CHAIN_RULE", "blocks")
+    assert_one_error_line(MODEL_COMMANDS["generate"], "SPECLAB_CHAIN_VERIFY='blocks'", capsys)
+    assert list(tmp_path.iterdir()) == []

@@ -23,7 +23,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from speclab.bench.suites import load_suite
-from speclab.core import native
+from speclab.core import native, verify
 from speclab.core.precision import dtype_name, family
 from speclab.core.target import Target
 from speclab.drafters.registry import drafters
@@ -57,6 +57,8 @@ class BenchConfig:
     threads: int | None = None  # torch's threads while the bench ran (set by run_bench; the report says it)
     layers: str | None = None  # how the model layers ran: "native" (`speclab.core.native`) or "python" (set by
     # run_bench; SPECLAB_NATIVE=0 or no compiler: python)
+    chain_verify: str | None = None  # how sampled chains were verified (`speclab.core.verify.CHAIN_RULE`: block or
+    # token; set by run_bench)
     model_sets: dict = field(default_factory=dict)  # method -> the key of its model set when not its dtype (a spec
     # pinned to a dtype whose auto set runs a drafter model in its own dtype: `speclab.cli.bench.load_bench_sets`)
 
@@ -145,6 +147,7 @@ class Bench:
         self.order = cfg.methods + self.untraced + self.peers  # every prompt's runs, rotated by the prompt's index
         cfg.threads = torch.get_num_threads()
         cfg.layers = native.mode()
+        cfg.chain_verify = verify.CHAIN_RULE
 
     def on(self, m):
         """(target, models) of method m."""

@@ -54,6 +54,8 @@ def main(argv: list[str] | None = None) -> int:
 
 def _run(a: argparse.Namespace) -> int:
     """The command's checks that need no model, then the command."""
+    from speclab.core.verify import check_chain_rule
+    check_chain_rule()  # SPECLAB_CHAIN_VERIFY, where set
     if hasattr(a, "logits"):  # a model-loading command: its model options first, before any file is touched
         check_model_args(a)
     if getattr(a, "report", None):  # written at the end: refused now if it could not be, not after the work

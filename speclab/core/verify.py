@@ -4,10 +4,13 @@
 committed token), row i + 1 the distribution after node i. Greedy: the deepest node whose every token on
 the path equals the target's argmax at its parent, plus the target's bonus token. Sampling: speculative
 sampling (Leviathan et al.; Chen et al.) generalised to several candidates per node by recursive rejection
-over siblings (SpecInfer; EAGLE), which keeps the target distribution exactly.
+over siblings (SpecInfer; EAGLE), which keeps the target distribution exactly. A sampled chain is verified as one
+block (Sun et al., "Block Verification Accelerates Speculative Decoding", ICLR 2025): lossless too, never fewer
+tokens in expectation than token by token, and the most among lossless rules for one chain.
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -19,6 +22,20 @@ from kernels.reference import (
 from speclab.core import native
 from speclab.core.sampling import Sampling, argmax, logits_to_probs, sample
 from speclab.core.tree import IID, POINT, DraftTree
+from speclab.errors import InvalidInput
+
+# How a sampled chain is verified: "block" (`block_accept`) or "token" (token by token: each node's own test, the
+# first rejection ends the path). The same distribution either way; SPECLAB_CHAIN_VERIFY=token in the environment
+# to compare (checked by `check_chain_rule` before any model loads)
+CHAIN_RULES = ("block", "token")
+CHAIN_RULE = os.environ.get("SPECLAB_CHAIN_VERIFY", "block")
+
+
+def check_chain_rule() -> None:
+    """SPECLAB_CHAIN_VERIFY names a rule of CHAIN_RULES (InvalidInput, one line, otherwise)."""
+    if CHAIN_RULE not in CHAIN_RULES:
+        raise InvalidInput(f"SPECLAB_CHAIN_VERIFY={CHAIN_RULE!r}: a sampled chain is verified by one of "
+                           f"{', '.join(CHAIN_RULES)}")
 
 
 @dataclass
@@ -118,9 +135,17 @@ def _verify_sampled_chain(tree: DraftTree, target_probs: torch.Tensor, generator
     if n == 0:
         return Verdict(tree.tokens, int(sample(target_probs[0], generator)))
     p = target_probs[:n]
-    q = tree.draft_dists[:n].to(p.device) if tree.draft_dists is not None else \
-        torch.nn.functional.one_hot(tree.tokens.to(p.device), p.shape[-1]).to(p.dtype)  # a point mass at x
     x = tree.tokens.to(p.device)
+    if CHAIN_RULE == "block":
+        q = tree.draft_dists[:n].to(p.device) if tree.draft_dists is not None else None  # None: point masses at x
+        a, w = block_accept(target_probs, q, x, u)
+        if a == n:
+            return Verdict(torch.arange(n, device=tree.tokens.device), int(sample(target_probs[n], generator)))
+        qa = q[a] if q is not None else torch.nn.functional.one_hot(x[a], p.shape[-1]).to(p.dtype)
+        return Verdict(torch.arange(a, device=tree.tokens.device),
+                       int(sample(residual(w * target_probs[a], qa), generator)))
+    q = tree.draft_dists[:n].to(p.device) if tree.draft_dists is not None else \
+        torch.nn.functional.one_hot(x, p.shape[-1]).to(p.dtype)  # a point mass at x
     if native.active(p) and p.dtype is q.dtype is torch.float32:  # the tests in one call, the same bits
         a = native.chain_accept(p, q, x, u)
     else:
@@ -129,6 +154,42 @@ def _verify_sampled_chain(tree: DraftTree, target_probs: torch.Tensor, generator
     # the target's token after the path: p's after the last node, or the residual at the first rejection
     return Verdict(torch.arange(a, device=tree.tokens.device),
                    int(sample(target_probs[n] if a == n else residual(target_probs[a], q[a]), generator)))
+
+
+def block_tests(p: torch.Tensor, q: torch.Tensor | None, x: torch.Tensor) -> tuple[list[float], list[float]]:
+    """Block verification's tests of a sampled chain (Sun et al. 2025, Algorithm 2): node i's token x[i] drawn from
+    q[i] ([n, V]; None: point masses at x, a deterministic chain), p [>= n + 1, V] the target's distributions (row
+    i: after i nodes). The weights w_0 = 1, w_i = min(w_{i-1} p_{i-1}(x_{i-1}) / q_{i-1}(x_{i-1}), 1) (rows numbered
+    from 0) and the tests h_1..h_n: h_n = w_n and, below n, h_i = S_i / (S_i + 1 - w_i) with
+    S_i = sum_v max(w_i p_i(v) - q_i(v), 0) (a point mass at x_i: w_i (1 - p_i(x_i)), since w_i p_i(x_i) <= 1).
+    Returns (h [n], w [n + 1])."""
+    n = x.numel()
+    rows = torch.arange(n, device=p.device)
+    px = p[rows, x]
+    ratios = px if q is None else px / q[rows, x].clamp(min=1e-30)
+    w = [1.0]
+    for r in ratios.tolist():
+        w.append(min(w[-1] * r, 1.0))
+    if q is None:
+        mass = [wi * (1.0 - pi) for wi, pi in zip(w[1:n], px[1:n].tolist())]
+    else:
+        mass = (torch.tensor(w[1:n], dtype=p.dtype, device=p.device)[:, None] * p[1:n] - q[1:n]).clamp(min=0) \
+            .sum(-1).tolist()
+    h = [m / max(m + 1.0 - wi, 1e-30) for m, wi in zip(mass, w[1:n])] + [w[n]]
+    return h, w
+
+
+def block_accept(p: torch.Tensor, q: torch.Tensor | None, x: torch.Tensor, u: torch.Tensor) -> tuple[int, float]:
+    """Block verification of a sampled chain (`block_tests`; u [>= n] uniforms): the path keeps the largest i whose
+    test passes, u[i - 1] < h_i (none: 0 nodes). Returns (the nodes kept, a; w_a): the target's token after them is
+    drawn from p_n (a = n) or from norm(max(w_a p_a - q_a, 0)). Lossless: the decoded sequence has the target's
+    distribution (tests/test_sampling.py computes it exactly on a small vocabulary)."""
+    h, w = block_tests(p, q, x)
+    uu = u[: len(h)].tolist()
+    for i in range(len(h), 0, -1):
+        if uu[i - 1] < h[i - 1]:
+            return i, w[i]
+    return 0, 1.0
 
 
 def greedy_table(tree: DraftTree, target_logits: torch.Tensor):
