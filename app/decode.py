@@ -164,7 +164,7 @@ def build(lab: Lab) -> dict:
                         widgets.append(w)
                         keys.append((name, p.name))
                         mine[p.name] = w
-                        if p.sampled is not None:  # a default of its own at T > 0 (EAGLE-3's depth)
+                        if p.sampled is not None:  # a default of its own at T > 0 (DFlash's block size)
                             follows.append((p, w))
                 for key, ctrl in mine.items():  # a parameter that governs others (head) shows them as it changes
                     deps = [(p, mine[p.name]) for p in m.params if p.when is not None and p.when[0] == key]

@@ -632,13 +632,13 @@ def test_run_list_filter_matches_specs_and_a_click_opens_the_run(page):
 def test_a_sampled_decode_says_what_is_not_compared_and_shows_acceptance(page):
     """App v4 item 5: at T > 0 the status line says outputs are not compared with AR's (and, where the columns
     stopped at different lengths, each one's length and why); a speculative column shows its acceptance rate
-    beside its speedup, AR's none. EAGLE-3's depth box follows the temperature's default (4 at T = 0, 3 above)."""
+    beside its speedup, AR's none. DFlash's block box follows the temperature's default (5 at T = 0, 6 above)."""
     page.get_by_role("tab", name="Side by side").click()
     page.fill("#temperature input", "1")
     page.keyboard.press("Tab")
-    depth_is = "v => document.querySelector('#p-eagle3-depth input')?.value === v"
-    status = decode(page, STORY, ["ar", "eagle3"], 24)
-    page.wait_for_function(depth_is, arg="3", timeout=10000)  # what the decode read
+    depth_is = "v => document.querySelector('#p-dflash-block_size input')?.value === v"
+    status = decode(page, STORY, ["ar", "dflash"], 24)
+    page.wait_for_function(depth_is, arg="6", timeout=10000)  # what the decode read
     assert "sampled at T = 1: outputs are not compared with AR's" in status and "equals AR" not in status, status
     if "stopped at different lengths" in status:
         assert re.search(r"ar \d+ tokens \((an end-of-text token|max new tokens)\)", status), status
@@ -646,7 +646,7 @@ def test_a_sampled_decode_says_what_is_not_compared_and_shows_acceptance(page):
     assert "acceptance" not in page.locator("#head0").inner_text()  # AR drafts nothing
     page.fill("#temperature input", "0")
     page.keyboard.press("Tab")
-    page.wait_for_function(depth_is, arg="4", timeout=10000)
+    page.wait_for_function(depth_is, arg="5", timeout=10000)
 
 
 # after the tests that count the shared trace's methods and runs

@@ -135,27 +135,30 @@ def test_tree_is_the_best_total_tokens_and_closed_under_ancestors(deep, trained_
     assert chain.is_chain and len(chain) == 4
 
 
-def test_the_depth_default_follows_the_temperature(deep, drafters):
-    """EAGLE-3's CPU default is a chain of depth 4 at T = 0 and of 3 at T > 0 (each measured there: the model card),
-    in the decode's parameters as recorded on its run (ConFu and WhiFlash share the parameter; a route's EAGLE-3 arm
-    is built with it); a depth given stays, and on CUDA the GPU preset holds at every temperature."""
+def test_the_depth_default_follows_the_temperature(deep, drafters, trained_dflash):
+    """A parameter may have a CPU default of its own at T > 0 (`Param.sampled`, measured there: the model cards):
+    DFlash's block is 5 rows at T = 0 and 6 above, in the decode's parameters as recorded on its run; a value given
+    stays, and on CUDA the GPU preset holds at every temperature. EAGLE-3's chain is 4 deep at every temperature (3
+    at T > 0 before block verification), and so are ConFu's, WhiFlash's and a route's EAGLE-3 arm's, which share the
+    parameter."""
     from types import SimpleNamespace
 
     from speclab.generate import Generation, check_generation
     from speclab.methods import method_params
-    models = {"eagle3": drafters["random"]}
-    depth = {t: check_generation(deep, PROMPTS[0], "eagle3", models, 8, temperature=t, seed=0).params["depth"]
+    models = {"eagle3": drafters["random"], "dflash": trained_dflash}
+    block = {t: check_generation(deep, PROMPTS[0], "dflash", models, 8, temperature=t, seed=0).params["block_size"]
              for t in (0.0, 0.7, 1.0)}
-    assert depth == {0.0: 4, 0.7: 3, 1.0: 3}
-    assert check_generation(deep, PROMPTS[0], "eagle3:depth=5", models, 8, temperature=1.0).params["depth"] == 5
-    assert check_generation(deep, PROMPTS[0], "eagle3", models, 8, temperature=1.0, params={"depth": 4}) \
-        .params["depth"] == 4
+    assert block == {0.0: 5, 0.7: 6, 1.0: 6}
+    assert check_generation(deep, PROMPTS[0], "dflash:block_size=3", models, 8, temperature=1.0) \
+        .params["block_size"] == 3
+    assert check_generation(deep, PROMPTS[0], "dflash", models, 8, temperature=1.0, params={"block_size": 5}) \
+        .params["block_size"] == 5
     shape = SimpleNamespace(vocab_size=deep.vocab_size, max_context=deep.max_context)
-    for m in ("confu", "whiflash-entropy"):
-        assert [method_params(m, {}, SimpleNamespace(**vars(shape), device=SimpleNamespace(type="cpu")), sampled=s)
-                ["depth"] for s in (False, True)] == [4, 3]
+    cpu = SimpleNamespace(**vars(shape), device=SimpleNamespace(type="cpu"))
+    for m in ("eagle3", "confu", "whiflash-entropy"):
+        assert [method_params(m, {}, cpu, sampled=s)["depth"] for s in (False, True)] == [4, 4]
     cuda = SimpleNamespace(**vars(shape), device=SimpleNamespace(type="cuda"))
-    assert {method_params("eagle3", {}, cuda, sampled=s)["depth"] for s in (False, True)} == {8}
+    assert {method_params("dflash", {}, cuda, sampled=s)["block_size"] for s in (False, True)} == {16}
     arm = {t: Generation(deep, PROMPTS[0], "route:arms=eagle3+pld", models=models, max_new_tokens=8, temperature=t,
                          seed=0).drafters["eagle3"].depth for t in (0.0, 1.0)}
-    assert arm == {0.0: 4, 1.0: 3}
+    assert arm == {0.0: 4, 1.0: 4}

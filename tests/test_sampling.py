@@ -206,6 +206,8 @@ def block_outcomes(P, Q, prefix: tuple, gamma: int, weighted: bool = True, point
             keep[i], rest = rest * h[i - 1], rest * (1 - h[i - 1])
         keep[0] = rest
         for a, pa in keep.items():
+            if pa == 0:  # never kept (its test cannot pass: no mass left to correct to)
+                continue
             nxt = p[gamma] if a == gamma else (w[a] if weighted else 1.0) * p[a] - q[a]
             nxt = nxt.clamp(min=0) / nxt.clamp(min=0).sum()
             for v in range(3):
