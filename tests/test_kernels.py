@@ -159,11 +159,14 @@ def test_dispatch_never_picks_triton_on_cpu(monkeypatch):
 
 
 @pytest.mark.slow
-def test_batched_chain_sampling_equals_the_recursion():
-    """A sampled (and a deterministic) chain verified in one batched test equals the recursive rejection, draw for
-    draw (same uniforms, same residual, same bonus)."""
+def test_batched_chain_sampling_equals_the_recursion(monkeypatch):
+    """Token by token (`SPECLAB_CHAIN_VERIFY=token`; a chain's default is block verification, tests/test_sampling.py),
+    a sampled (and a deterministic) chain verified in one batched test equals the recursive rejection, draw for draw
+    (same uniforms, same residual, same bonus)."""
+    from speclab.core import verify
     from speclab.core.tree import DraftTree
     from speclab.core.verify import verify_sampling
+    monkeypatch.setattr(verify, "CHAIN_RULE", "token")
     V, n = 11, 5
     for trial in range(200):
         g = torch.Generator().manual_seed(trial)
