@@ -8,6 +8,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 from speclab.checks import Bound, check_number, check_sampling
+from speclab.core import verify
 from speclab.core.engine import DecodeResult, RoundEvent, check_request, decode_rounds
 from speclab.core.precision import DTYPES, dtype_name
 from speclab.core.sampling import Sampling
@@ -119,6 +120,7 @@ class Generation:
                 method=method, target=target.name, drafters=",".join(self.drafters) or None,
                 router=self.router.policy if self.router else None,
                 params={**self.params, "max_new_tokens": req.max_new_tokens, **asdict(sampling),
+                        **({} if sampling.greedy else {"chain_verify": verify.CHAIN_RULE}),  # how chains were tested
                         "deferred": deferred, **{role: getattr(models.get(role), "name", None)
                                                  for role in get_method(method).needs},
                         **_own_dtypes(target, models, get_method(method).needs)},

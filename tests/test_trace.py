@@ -394,8 +394,9 @@ def test_eager_is_a_column_written_by_the_run_and_migrated(qwen3, tmp_path):
 @pytest.mark.parametrize("tree_topk", [1, 2])
 def test_sampled_runs_keep_p_and_q_of_every_node(qwen3, qwen3_draft, tmp_path, tree_topk):
     """Under sampling every draft node keeps p(x) and q(x) as verification tested it (q: the drafter's at its
-    draft_temp; a sampled chain's and a sampled tree's), and every accepted draft token its acceptance probability
-    min(1, p / q); a greedy run keeps none of them; the app's token spans show it (`viz.token_spans`)."""
+    draft_temp; a sampled chain's and a sampled tree's), every accepted draft token its acceptance probability
+    min(1, p / q) and the run its chain verification rule; a greedy run keeps none of them; the app's token spans
+    show it (`viz.token_spans`)."""
     from speclab import viz
 
     with TraceStore(tmp_path / "t.duckdb") as store:
@@ -408,6 +409,8 @@ def test_sampled_runs_keep_p_and_q_of_every_node(qwen3, qwen3_draft, tmp_path, t
         assert store.query("SELECT count(sampled_p) + count(sampled_q) AS n FROM draft_nodes WHERE run_id = ?",
                            [greedy.run_id]).n[0] == 0
         assert store.query("SELECT count(accept_prob) AS n FROM tokens WHERE run_id = ?", [greedy.run_id]).n[0] == 0
+        rule = store.query("SELECT json_extract_string(params_json, '$.chain_verify') AS r FROM runs ORDER BY run_id").r
+        assert rule[0] == "block" and rule.isna()[1]  # how the sampled run's chains were verified (greedy: none)
     assert nodes.sampled_p.between(0, 1).all() and nodes.sampled_q.between(0, 1, inclusive="right").all()
     assert (nodes.sampled_q == nodes.draft_prob).all()  # q(x) as drawn: the drafter's tempered, not its T = 1 softmax
     acc = nodes[nodes.accepted].sort_values(["round", "depth"])
