@@ -136,24 +136,28 @@ def _verify_sampled_chain(tree: DraftTree, target_probs: torch.Tensor, generator
         return Verdict(tree.tokens, int(sample(target_probs[0], generator)))
     p = target_probs[:n]
     x = tree.tokens.to(p.device)
-    if CHAIN_RULE == "block":
+    if CHAIN_RULE == "block":  # the whole chain at once; the correction from norm(max(w_a p_a - q_a, 0))
         q = tree.draft_dists[:n].to(p.device) if tree.draft_dists is not None else None  # None: point masses at x
         a, w = block_accept(target_probs, q, x, u)
-        if a == n:
-            return Verdict(torch.arange(n, device=tree.tokens.device), int(sample(target_probs[n], generator)))
-        qa = q[a] if q is not None else torch.nn.functional.one_hot(x[a], p.shape[-1]).to(p.dtype)
-        return Verdict(torch.arange(a, device=tree.tokens.device),
-                       int(sample(residual(w * target_probs[a], qa), generator)))
-    q = tree.draft_dists[:n].to(p.device) if tree.draft_dists is not None else \
-        torch.nn.functional.one_hot(x, p.shape[-1]).to(p.dtype)  # a point mass at x
-    if native.active(p) and p.dtype is q.dtype is torch.float32:  # the tests in one call, the same bits
-        a = native.chain_accept(p, q, x, u)
+        if a < n:
+            rest = residual(w * target_probs[a], q[a] if q is not None else _point(x[a : a + 1], p)[0])
     else:
-        accept, _ = kernel_ops.sampling_accept(p, q, x, u[:n].to(p.device))
-        a = int(accept.long().cumprod(0).sum())  # the first rejection ends the path
+        q = tree.draft_dists[:n].to(p.device) if tree.draft_dists is not None else _point(x, p)
+        if native.active(p) and p.dtype is q.dtype is torch.float32:  # the tests in one call, the same bits
+            a = native.chain_accept(p, q, x, u)
+        else:
+            accept, _ = kernel_ops.sampling_accept(p, q, x, u[:n].to(p.device))
+            a = int(accept.long().cumprod(0).sum())  # the first rejection ends the path
+        if a < n:
+            rest = residual(target_probs[a], q[a])
     # the target's token after the path: p's after the last node, or the residual at the first rejection
     return Verdict(torch.arange(a, device=tree.tokens.device),
-                   int(sample(target_probs[n] if a == n else residual(target_probs[a], q[a]), generator)))
+                   int(sample(target_probs[n] if a == n else rest, generator)))
+
+
+def _point(x: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+    """Point masses at the tokens x, as rows like p's (a deterministic chain's q)."""
+    return torch.nn.functional.one_hot(x, p.shape[-1]).to(p.dtype)
 
 
 def block_tests(p: torch.Tensor, q: torch.Tensor | None, x: torch.Tensor) -> tuple[list[float], list[float]]:

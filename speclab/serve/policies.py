@@ -312,8 +312,7 @@ class DSpark:
         if self.held:
             self.held -= 1
             return False
-        surv = [self.mean_surv[:n] for n in self.blocks(streams)]
-        pays = self._drafting_pays(surv, self.cost.drafting_ms(len(surv), sum(len(a) for a in surv)))
+        pays = self._profile_pays(self.blocks(streams))
         self.held = 0 if pays else self.PROBE_EVERY
         return pays
 
@@ -328,9 +327,15 @@ class DSpark:
         if self.measured and True in self.rate and False in self.rate and self.rate[True] >= self.rate[False]:
             return False
         if n not in self.plain_at:
-            surv = [self.mean_surv[: self.k]] * n
-            self.plain_at[n] = not self._drafting_pays(surv, self.cost.drafting_ms(n, n * self.k))
+            self.plain_at[n] = not self._profile_pays([self.k] * n)
         return self.plain_at[n]
+
+    def _profile_pays(self, blocks: list[int]) -> bool:
+        """Whether requests drafting blocks of these lengths, at the blocks' average survivals and cut by `admit`,
+        commit more tokens per ms than a plain step, with the profiled drafting cost (`StepCost.drafting_ms`)."""
+        assert self.cost is not None
+        surv = [self.mean_surv[:b] for b in blocks]
+        return self._drafting_pays(surv, self.cost.drafting_ms(len(surv), sum(len(a) for a in surv)))
 
     def measure_steps(self, drafting: bool, n: int) -> int:
         """How many steps in a row a measurement of a side takes at n requests (its switch and those it measures):
