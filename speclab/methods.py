@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from speclab.checks import Bound, check_number
 from speclab.core.protocol import FixedRouter
 from speclab.drafters.registry import ModelRole, Param, build_drafter, drafters
+from speclab.drafters.schedule import PaysRouter
 from speclab.errors import InvalidInput
 
 
@@ -239,4 +240,6 @@ def build_method(spec: str, target, models: dict, params: dict, category: str | 
         return m.build(target, models, category=category, sampled=sampled, **params)
     if m.drafter is None:
         return {}, None
-    return {m.drafter: build_drafter(m.drafter, target, models, **params)}, FixedRouter(m.drafter)
+    pays = params.get("pays") or 0  # stand down where drafting does not pay (`speclab.drafters.schedule`)
+    router = PaysRouter(m.drafter, pays) if pays > 0 else FixedRouter(m.drafter)
+    return {m.drafter: build_drafter(m.drafter, target, models, **params)}, router

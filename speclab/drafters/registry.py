@@ -77,6 +77,11 @@ SAMPLING_PARAMS = (
           "(SpecInfer) or topk (deterministic, as at T = 0)"))
 
 
+# Parameters of a drafter's method that its router reads, not the drafter: `pays` (`speclab.drafters.schedule`:
+# the method stands down where drafting does not pay); `build_drafter` leaves them out
+ROUTER_PARAMS = ("pays",)
+
+
 @dataclass(frozen=True)
 class ModelRole:
     """A model a method needs, by role: the command-line option that names it, how it loads (public layout), its
@@ -226,4 +231,5 @@ def build_drafter(name: str, target, models: dict, sampled: bool = False, **para
     GPU ones on CUDA; those at T > 0 for a `sampled` decode)."""
     e = drafters()[name]
     full = {**{p.name: p.default_on(target, sampled) for p in e.params}, **params}
+    full = {k: v for k, v in full.items() if k not in ROUTER_PARAMS}
     return e.build(target, models.get(e.model.role) if e.model else None, **full)
