@@ -71,6 +71,7 @@ class Column:
     def __init__(self, gen: Generation):
         self.gen, self.spans, self.events, self.token_cols = gen, [], [], []
         self.tokens = self.rounds = self.calls = self.switches = self.eagle3_rounds = self.drafted = self.accepted = 0
+        self.drafting_rounds = 0  # rounds the router gave a drafter (the rest: the target alone)
         self.s, self.last_round, self.profile = 0.0, None, None
         self.phase_ms: dict[str, float] = {}
 
@@ -82,6 +83,7 @@ class Column:
         self.spans += viz.token_spans(cols, self.last_round, shade)
         self.switches += bool(self.events) and ev.drafter != self.events[-1].drafter
         self.eagle3_rounds += ev.decision is not None and ev.decision.choice == "eagle3"
+        self.drafting_rounds += ev.decision is not None and ev.decision.choice is not None
         self.events.append(ev)
         self.last_round = ev.round
         self.tokens += ev.committed.numel()
@@ -117,7 +119,9 @@ class Column:
             out["acceptance"] = f"{acceptance_rate(self.accepted, self.drafted):.0%}"
         if routed(self.gen) and self.rounds:  # counted as rounds arrive: no table rebuilt per update
             out["switches"] = self.switches
-            out["EAGLE-3 rounds"] = f"{self.eagle3_rounds / self.rounds:.0%}"
+            if "eagle3" in self.gen.drafters and len(self.gen.drafters) > 1:  # WhiFlash's split
+                out["EAGLE-3 rounds"] = f"{self.eagle3_rounds / self.rounds:.0%}"
+            out["drafted rounds"] = f"{self.drafting_rounds / self.rounds:.0%}"
         return out
 
     def router_plot(self, method: str):

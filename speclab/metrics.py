@@ -46,6 +46,8 @@ METRIC_HELP = {
     "tokens": "new tokens committed",
     "switches": "rounds whose drafter differs from the previous round's",
     "EAGLE-3 rounds": "share of rounds the router gave to EAGLE-3",
+    "drafted rounds": ("share of rounds the router gave a drafter; in the rest the target stepped alone (a route's "
+                       "none arm, or a method standing down where drafting does not pay: its pays)"),
 }
 
 # where a run's decode time went, in four parts (the app's time bar): engine phases -> part

@@ -88,3 +88,22 @@ def test_standing_down_keeps_the_target_distribution(tiny_vocab):
     assert plain > N_RUNS // 10, plain  # the second token came from a plain step in many decodes
     assert chi2_p(counts, want) > 1e-3
     assert told_apart(exact_joint(draft, prompt, Sampling(1.0)), want)
+
+
+def test_the_app_shows_how_many_rounds_drafted(deep):
+    """A column of the app's side by side for a method standing down: its share of drafted rounds, not WhiFlash's
+    EAGLE-3 share (there is no other drafter)."""
+    from app.decode import Column
+    from app.lab import vocab_text
+    from speclab.generate import Generation
+
+    models = {"eagle3": drafters()["eagle3"].model.random(deep, seed=0)}
+    g = Generation(deep, "def add(a, b):\n    return", "eagle3", models=models, max_new_tokens=40, pays=2.0,
+                   on_round=lambda ev: None)
+    col, text = Column(g), vocab_text(deep.tokenizer)
+    for ev in g:
+        col.add(ev, text, "accept")
+    stats = col.stats(None)
+    drafted = sum(ev.drafter is not None for ev in col.events)
+    assert stats["drafted rounds"] == f"{drafted / len(col.events):.0%}" and drafted < len(col.events)
+    assert "EAGLE-3 rounds" not in stats
