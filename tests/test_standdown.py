@@ -11,7 +11,7 @@ from speclab.drafters.registry import drafters
 from speclab.drafters.schedule import MOST_WAIT, WAIT_GROWTH, PaysRouter
 from speclab.drafters.sps import StandaloneDraft
 from speclab.generate import generate
-from speclab.methods import build_method, method_params
+from speclab.methods import METHODS, build_method, method_params
 from test_sampling import N_RUNS, V, chi2_p, exact_joint, told_apart
 
 
@@ -66,6 +66,7 @@ def test_pays_is_the_default_at_t_above_0_only(deep):
     assert router.policy == "fixed"
     _, router = build_method("eagle3", deep, models, {**sampled, "pays": 2.5})
     assert router.policy == "pays" and router.pays == 2.5
+    assert "pays" not in METHODS["eagle3"].grid  # `speclab grid`'s default sweep stays the greedy one
 
 
 @pytest.mark.slow

@@ -93,8 +93,9 @@ class PaysRouter:
 
 def pays_param(sampled: float) -> Param:
     """A model drafter's `pays` (`PaysRouter`): off (0) greedy, `sampled` at T > 0 (0: off there too), measured by
-    `speclab grid --method NAME --grid "pays=..." --temperature T` (the drafter module says what it measured)."""
-    return Param("pays", 0.0, lambda t: Bound(0.0, 64.0), sampled=sampled or None, grid=(0.0, 2.0, 2.5, 3.0, 3.5, 4.0),
+    `speclab grid --method NAME --grid "pays=0,2,3,4" --temperature T` (the drafter module says what it measured; no
+    default grid: it matters at T > 0 only, and would multiply every greedy grid)."""
+    return Param("pays", 0.0, lambda t: Bound(0.0, 64.0), sampled=sampled or None,
                  help="stand down (the target steps alone) while the drafter's rounds bring fewer tokens than this on "
                  "average: what a drafted round costs in plain steps (0 = always draft; default 0 at T = 0 and the "
                  "drafter's measured one at T > 0: 4 for specblock and confu, 0 for the others)")
