@@ -565,6 +565,10 @@ def test_a_typed_threshold_is_taken_once_when_committed(page, app):
     typed("77")
     page.keyboard.press("Tab")  # leaving the box commits it too
     assert "(got 77); the threshold stays at 2.5" in error_toast(page, "must be a finite number from 0")
+    # the box is set back to the threshold shown; typing again before that update lands would have it redraw the box
+    # under the keystrokes (its blur commits what was typed: a loaded machine's fresh-clone run saw "3" taken)
+    page.wait_for_function("document.querySelector('#cal_threshold input[type=number]').value === '2.5'",
+                           timeout=30000)
     page.wait_for_timeout(1000)
     assert page.locator(".toast-body").filter(has_text="stays at 4").count() == 0  # no half-typed value was taken
     assert page.locator(".toast-body").filter(has_text="stays at 7").count() == 0
