@@ -42,14 +42,16 @@ def test_the_router_stands_down_below_pays_and_probes_ever_later():
     assert follow(r, [5], 1) == [True]
 
 
-def test_a_method_that_stands_down_decodes_as_ar_greedy(deep, tmp_path):
-    """eagle3 with a random drafter and pays 2: most rounds stand down, some probe; the tokens are AR's (fp32)."""
-    entry = drafters()["eagle3"]
-    models = {"eagle3": entry.model.random(deep, seed=0)}
+@pytest.mark.parametrize("name", ["eagle3", "confu", "specblock"])
+def test_a_method_that_stands_down_decodes_as_ar_greedy(deep, name):
+    """A random drafter and pays 2: most rounds stand down, some probe (a drafter with round hooks, ConFu, resumes
+    from a stale future token; SpecBlock after a long backlog); the tokens are AR's (fp32)."""
+    entry = drafters()[name]
+    models = {entry.model.role: entry.model.random(deep, seed=0)}
     prompt = "def add(a, b):\n    return"
     want = generate(deep, prompt, "ar", max_new_tokens=40).token_ids
     events: list = []
-    got = generate(deep, prompt, "eagle3", models=models, max_new_tokens=40, pays=2.0, on_round=events.append)
+    got = generate(deep, prompt, name, models=models, max_new_tokens=40, pays=2.0, on_round=events.append)
     plain = sum(e.drafter is None for e in events)
     assert got.token_ids == want
     assert 0 < plain < len(events) - 1, plain  # it stood down and it drafted
