@@ -69,6 +69,7 @@ def test_pays_is_the_default_at_t_above_0_only(deep):
     _, router = build_method("eagle3", deep, models, {**sampled, "pays": 2.5})
     assert router.policy == "pays" and router.pays == 2.5
     assert "pays" not in METHODS["eagle3"].grid  # `speclab grid`'s default sweep stays the greedy one
+    assert "pays" not in METHODS["whiflash-entropy"].defaults  # a routed method's own router decides: no silent no-op
 
 
 @pytest.mark.slow

@@ -98,4 +98,4 @@ def pays_param(sampled: float) -> Param:
     return Param("pays", 0.0, lambda t: Bound(0.0, 64.0), sampled=sampled or None,
                  help="stand down (the target steps alone) while the drafter's rounds bring fewer tokens than this on "
                  "average: what a drafted round costs in plain steps (0 = always draft; default 0 at T = 0 and the "
-                 "drafter's measured one at T > 0: 4 for specblock and confu, 0 for the others)")
+                 "drafter's measured one at T > 0, on its model card)")

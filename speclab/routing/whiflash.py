@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from speclab.checks import Bound
-from speclab.drafters.registry import ModelRole, Param, build_drafter, drafters
+from speclab.drafters.registry import ROUTER_PARAMS, ModelRole, Param, build_drafter, drafters
 from speclab.routing.routers import EntropyRouter, NeuralRouter, default_threshold, load_router, threshold_bound
 
 ROUTER_ROLE = ModelRole("router", "--router-model", "router", "a neural router",
@@ -35,7 +35,8 @@ def params(policy: str) -> tuple[Param, ...]:
                        "default: calibrated (your calibration file, else the zoo's)"),
             Param("eager", 0, lambda t: Bound(0, 1),
                   help="1 = catch both drafters up every round (the naive scheme); 0 = lazily, at a switch"),
-            *(replace(p, grid=()) for p in e.params),  # no default grid: sweep a routed method's threshold instead
+            # no default grid: sweep a routed method's threshold instead; EAGLE-3's router parameters (`pays`) stay out
+            *(replace(p, grid=()) for p in e.params if p.name not in ROUTER_PARAMS),
             *(replace(p, grid=()) for p in d.params if p.name in DFLASH_ROUTED))
 
 
