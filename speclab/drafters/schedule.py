@@ -81,8 +81,8 @@ class PaysRouter:
         elif s.drafters and s.drafters[-1] is not None:  # the last round drafted: what it brought
             got = s.accepted[-1] + 1
             self.ema = got if self.ema is None else (1 - PAYS_EMA) * self.ema + PAYS_EMA * got
-            self.wait = 0 if self.ema >= self.pays else 1 if self.wait == 0 else min(WAIT_GROWTH * self.wait,
-                                                                                      MOST_WAIT)
+            # paying: no wait; else 1 round after paying rounds, then WAIT_GROWTH times the last wait
+            self.wait = 0 if self.ema >= self.pays else min(WAIT_GROWTH * self.wait, MOST_WAIT) or 1
             self.idle = 0
         else:
             self.idle += 1
