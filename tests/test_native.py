@@ -118,6 +118,137 @@ def test_lean_forward_natively_is_bitwise_the_python_forward(arch, dtype, monkey
 
 
 @needs_build
+@pytest.mark.parametrize("arch,hidden", [("qwen3", 256), ("llama", 128), ("qwen2", 128)])
+def test_a_decode_steps_layers_without_atens_small_ops_are_the_loops_bits(arch, hidden):
+    """`native.cpp`'s `decode_layers` (one sequence's few bf16 rows: Qwen3's q/k norms, Qwen2's biases, Llama's
+    grouped heads; heads of 64 and 32) against the loop it stands for: logits, kept layers, final states and the
+    cache's keys and values bit for bit, at 1, 2, 5 and 9 rows, causal and under a tree mask; every call took it."""
+    from transformers import Qwen2Config
+
+    mod = native.build()
+    if native.attention_module() is None:
+        pytest.skip("no native attention in this process (no AVX512-BF16): the loop runs everywhere")
+    torch.manual_seed(0)
+    cfg = tiny_config("qwen3" if arch == "qwen2" else arch, 300, hidden=hidden, layers=3)
+    if arch == "qwen2":  # q/k/v biases, no q/k norms
+        cfg = Qwen2Config(**{k: getattr(cfg, k) for k in ("vocab_size", "hidden_size", "intermediate_size",
+                                                          "num_hidden_layers", "num_attention_heads",
+                                                          "num_key_value_heads", "max_position_embeddings")})
+    model = AutoModelForCausalLM.from_config(cfg).eval().to(torch.bfloat16)
+    with torch.no_grad():  # norm weights and biases off their initial ones and zeros (a product by 1 hides a rounding)
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    lean = Target(model, NoTok(), backend="lean").lean
+    ids = torch.randint(3, 300, (60,))
+
+    def run(fast: bool):
+        mod.set_fast_layers(fast)
+        out, calls = [], mod.get_fast_calls()
+        try:
+            with torch.inference_mode():
+                for n in (1, 2, 5, 9):
+                    cache = lean.new_cache(100)
+                    lean.forward(ids[:40], cache)  # a prefill: more rows than the path takes
+                    plain = lean.forward(ids[40 : 40 + n], cache, layers=(2, 0), hidden=True)
+                    see = torch.ones(n, 40 + 2 * n, dtype=torch.bool).tril(40 + n)  # a tree: node 0 unseen by the rest
+                    see[1:, 40 + n] = False
+                    tree = torch.zeros(1, 1, n, 40 + 2 * n, dtype=torch.bfloat16).masked_fill(~see, float("-inf"))
+                    pos = 40 + n + torch.tensor([0] + [1] * (n - 1))
+                    masked = lean.forward(ids[:n], cache, pos, tree, hidden=True)
+                    out += [*plain[:3], *masked[:3:2], cache.k[:, :, : 40 + 2 * n], cache.v[:, :, : 40 + 2 * n]]
+        finally:
+            mod.set_fast_layers(True)
+        return out, mod.get_fast_calls() - calls
+
+    (fast, taken), (loop, none) = run(True), run(False)
+    assert taken == 8 and none == 0
+    assert len(fast) == len(loop) and all(torch.equal(a, b) for a, b in zip(fast, loop))
+
+
+@pytest.mark.parametrize("qk_norm,bias,wide", [(True, False, False), (False, True, True)],
+                         ids=["qk-norms", "biases-wide-input"])
+def test_a_drafters_layer_without_atens_small_ops_is_the_ops_bits(qk_norm, bias, wide):
+    """`native.cpp`'s `decode_layer_one` (a drafter's `DecoderLayer` over one sequence's few bf16 rows: DFlash's and
+    SpecBlock's q/k norms; biases and EAGLE-3's two-wide input) against the ops it stands for: the output and the
+    cache's keys and values bit for bit, at 1, 3 and 9 rows, every row querying or the last one (`q_rows`, EAGLE-3's
+    catch-up), causal and under a mask; every call took it."""
+    from speclab.core.layers import DecoderLayer
+    from speclab.core.lean import KVCache
+
+    mod = native.build()
+    if native.attention_module() is None:
+        pytest.skip("no native attention in this process (no AVX512-BF16): the ops run everywhere")
+    torch.manual_seed(0)
+    d, H, KV, D = 128, 4, 2, 32
+    layer = DecoderLayer(d, 256, H, KV, D, 1e-6, bias=bias, d_in=2 * d if wide else None, qk_norm=qk_norm)
+    with torch.no_grad():
+        for p in layer.parameters():
+            p.normal_(0, 0.05).add_(1.0 if p.dim() == 1 and p.shape[0] in (d, D) else 0.0)  # norms about 1
+    layer = layer.to(torch.bfloat16).eval()
+    cos_t, sin_t = rope_tables(torch.tensor([1.0 / 10000 ** (i / D) for i in range(0, D, 2)]), 1.0, 200,
+                               torch.bfloat16)
+
+    def run(fast: bool):
+        mod.set_fast_layers(fast)
+        out, calls = [], mod.get_fast_calls()
+        try:
+            with torch.inference_mode():
+                for n, last, masked in [(1, False, False), (3, False, True), (9, True, False), (9, False, True)]:
+                    g = torch.Generator().manual_seed(n)
+                    cache = KVCache(1, KV, D, torch.bfloat16, "cpu", 64)
+                    x = torch.randn(n, (2 if wide else 1) * d, generator=g).to(torch.bfloat16)
+                    q_rows = torch.tensor([n - 1]) if last else None
+                    nq = 1 if last else n
+                    h = torch.randn(nq, d, generator=g).to(torch.bfloat16)
+                    mask = None
+                    if masked:
+                        see = torch.ones(nq, 20 + n, dtype=torch.bool).tril(20 + n - nq)
+                        see[-1, 20] = False
+                        mask = torch.zeros(nq, 20 + n, dtype=torch.bfloat16).masked_fill(~see, float("-inf"))
+                    y = native.decoder_layer(layer, 0, x, h, cos_t[20 : 20 + n, None], sin_t[20 : 20 + n, None],
+                                             [cache], [20], [n], [mask], D ** -0.5, q_rows, [nq])
+                    out += [y, cache.k[:, :, : 20 + n], cache.v[:, :, : 20 + n]]
+        finally:
+            mod.set_fast_layers(True)
+        return out, mod.get_fast_calls() - calls
+
+    (fast, taken), (loop, none) = run(True), run(False)
+    assert taken == 4 and none == 0
+    assert len(fast) == len(loop) and all(torch.equal(a, b) for a, b in zip(fast, loop))
+
+
+def test_drafters_decode_with_the_fast_layers_as_with_the_loops(tmp_path):
+    """Every model drafter on a bf16 target with heads of 32 (the sizes the fast paths take): greedy and sampled
+    decodes give the same tokens in the same rounds with `decode_layers` / `decode_layer_one` as with the ops they
+    stand for, and the drafters' calls take them too (more fast calls than the target's forwards)."""
+    mod = native.build()
+    if native.attention_module() is None:
+        pytest.skip("no native attention in this process (no AVX512-BF16): the loop runs everywhere")
+    target = Target.load(build_tiny("qwen3", tmp_path / "t", seed=3, hidden=128, layers=4), dtype="bf16")
+    for name in ("eagle3", "dflash", "sps", "specblock", "confu"):
+        entry = drafters()[name]
+        models = {entry.model.role: entry.model.random(target, 0)}
+        with torch.no_grad():  # norm weights off their initial ones (a product by 1 hides a rounding; sps's draft is
+            for p in getattr(models[entry.model.role], "parameters", list)():  # a Target: the test above's layers)
+                p.add_(torch.randn_like(p) * 0.05)
+
+        def run(fast: bool, name=name, models=models):
+            mod.set_fast_layers(fast)
+            out, calls, fwd = [], mod.get_fast_calls(), target.calls
+            try:
+                for t in (0.0, 1.0):
+                    g = generate(target, PROMPTS[0], name, models=models, max_new_tokens=24, temperature=t, seed=3)
+                    out.append((g.token_ids, g.decode.rounds))
+            finally:
+                mod.set_fast_layers(True)
+            return out, mod.get_fast_calls() - calls, target.calls - fwd
+
+        (fast, taken, forwards), (loop, none, _) = run(True), run(False)
+        assert fast == loop, name
+        assert taken > forwards and none == 0, name
+
+
+@needs_build
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
 @pytest.mark.parametrize("name", ["eagle3", "dflash", "sps", "specblock", "confu"])
 def test_drafters_decode_natively_as_from_python(name, dtype, deep, monkeypatch):

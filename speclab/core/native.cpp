@@ -3,7 +3,9 @@
 // CPU a Python-level op costs a few microseconds of dispatch, and a decode step of the target calls about 300 of
 // them: this file is that step's loop, not new math. It also holds the bf16 product of a decode's few rows on AMX
 // tiles (`tile_linear`, below) and, on CPUs with AVX512-BF16 and no AMX, in dot-product instructions (`dp_linear`),
-// whose products are F.linear's bits where `layers.linear` takes them. Built on first use by `speclab.core.native`.
+// whose products are F.linear's bits where `layers.linear` takes them. A decode step's few rows of one sequence take
+// loops over raw rows instead of those ops (`decode_layers`, `decode_layer_one`: the same arithmetic per element, so
+// the same bits). Built on first use by `speclab.core.native`.
 #include <torch/extension.h>
 #include <algorithm>
 #include <cstring>
@@ -310,6 +312,9 @@ __attribute__((target("avx512f,avx512bw,avx512vl"))) static void dp_round(const 
   }
 }
 
+static void dp_run(const uint32_t* xp, int64_t M, const Tensor& p, const uint16_t* bp, int64_t N, int64_t K,
+                   uint16_t* yp);
+
 // `speclab::dp_linear`: x [.., K] bf16 by a `dp_pack`ed weight [N, K] (+ bias b [N] bf16) -> [.., N] bf16
 static Tensor dp_linear(const Tensor& x, const Tensor& p, const OptT& b, int64_t N, int64_t K) {
   TORCH_CHECK(dp_ok, "speclab::dp_linear: no AVX512-BF16 on this CPU (native.product_module)");
@@ -321,34 +326,40 @@ static Tensor dp_linear(const Tensor& x, const Tensor& p, const OptT& b, int64_t
               "speclab::dp_linear: the inputs' width or N does not match the packed weight");
   TORCH_CHECK(!b.has_value() || (b->scalar_type() == at::kBFloat16 && b->numel() == N), "speclab::dp_linear: bias");
   const ProductIO io = product_io(x, b, N, K, KP * 2);
-  const int64_t M = io.M;
-  if (M == 0) return io.y;
-  const uint32_t* xp = (const uint32_t*)io.xs.data_ptr();
+  if (io.M == 0) return io.y;
+  dp_run((const uint32_t*)io.xs.data_ptr(), io.M, p, b.has_value() ? (const uint16_t*)io.bias.data_ptr() : nullptr, N,
+         K, (uint16_t*)io.y.data_ptr());
+  return io.y;
+}
+
+// `dp_linear`'s product of M rows xp [M, KP] (input pairs, contiguous) by the packed weight p into yp [M, N] (contiguous),
+// the bias bp [N] (or none) added before the rounding
+static void dp_run(const uint32_t* xp, int64_t M, const Tensor& p, const uint16_t* bp, int64_t N, int64_t K,
+                   uint16_t* yp) {
+  const int64_t G = p.size(0), KP = p.size(1);
   const uint16_t* pp = (const uint16_t*)p.data_ptr();
-  const uint16_t* bp = b.has_value() ? (const uint16_t*)io.bias.data_ptr() : nullptr;
-  uint16_t* yp = (uint16_t*)io.y.data_ptr();
   const int64_t KB = dp_block(K, M) / 2;
+  auto block = [&](int64_t g, float* acc) {  // block g of 64 outputs, every row
+    const uint16_t* blk = pp + g * KP * 128;
+    const int64_t n0 = g * 64, nn = std::min<int64_t>(64, N - n0);
+    for (int64_t m0 = 0; m0 < M; m0 += 6) {  // 6 rows at a time (24 sums in registers), the block's weights from
+      const int64_t R = std::min<int64_t>(6, M - m0);  // the cache after the first
+      const uint32_t* xr = xp + m0 * KP;
+      switch (R) {
+        case 6: dp_rows<6>(xr, KP, blk, KP, KB, acc); break;
+        case 5: dp_rows<5>(xr, KP, blk, KP, KB, acc); break;
+        case 4: dp_rows<4>(xr, KP, blk, KP, KB, acc); break;
+        case 3: dp_rows<3>(xr, KP, blk, KP, KB, acc); break;
+        case 2: dp_rows<2>(xr, KP, blk, KP, KB, acc); break;
+        default: dp_rows<1>(xr, KP, blk, KP, KB, acc);
+      }
+      for (int64_t r = 0; r < R; ++r) dp_round(acc + r * 64, bp ? bp + n0 : nullptr, yp + (m0 + r) * N + n0, nn);
+    }
+  };
   at::parallel_for(0, G, 1, [&](int64_t g0, int64_t g1) {  // blocks of outputs are independent: any split, same bits
     alignas(64) float acc[6 * 64];
-    for (int64_t g = g0; g < g1; ++g) {
-      const uint16_t* blk = pp + g * KP * 128;
-      const int64_t n0 = g * 64, nn = std::min<int64_t>(64, N - n0);
-      for (int64_t m0 = 0; m0 < M; m0 += 6) {  // 6 rows at a time (24 sums in registers), the block's weights from
-        const int64_t R = std::min<int64_t>(6, M - m0);  // the cache after the first
-        const uint32_t* xr = xp + m0 * KP;
-        switch (R) {
-          case 6: dp_rows<6>(xr, KP, blk, KP, KB, acc); break;
-          case 5: dp_rows<5>(xr, KP, blk, KP, KB, acc); break;
-          case 4: dp_rows<4>(xr, KP, blk, KP, KB, acc); break;
-          case 3: dp_rows<3>(xr, KP, blk, KP, KB, acc); break;
-          case 2: dp_rows<2>(xr, KP, blk, KP, KB, acc); break;
-          default: dp_rows<1>(xr, KP, blk, KP, KB, acc);
-        }
-        for (int64_t r = 0; r < R; ++r) dp_round(acc + r * 64, bp ? bp + n0 : nullptr, yp + (m0 + r) * N + n0, nn);
-      }
-    }
+    for (int64_t g = g0; g < g1; ++g) block(g, acc);
   });
-  return io.y;
 }
 
 // ---- `kernels.reference.softmax_entropy` on the CPU, for the trace's round events ------------------------------------
@@ -907,6 +918,228 @@ static Tensor mix_con(int64_t i, const Tensor& q, const Tensor& k, const Tensor&
   return at::cat({o, attention(q.slice(1, n), keys, vals, con_mask, scale)}, 1);
 }
 
+// ---- A decode step's layers without ATen's small ops (`fused_layers`' fast path) --------------------------------------
+// One sequence's few bf16 rows (a decode step, a chain's verification, a draft model's step) through every layer with
+// the arithmetic of the loop below, element by element and in the same order, so every output is bitwise that loop's:
+// its views, copies, elementwise ops and their dispatch (about forty ATen calls a layer, 35-45 us of the zoo target's
+// 1-row call on a 2-core CPU) become loops over rows, and the products are called directly. ATen keeps the norms' row
+// sums (its reduction order) and the SiLU (its exp). `decode_layers` returns false where any part falls outside it
+// (then the loop below runs).
+
+// 16 bf16 values widened to fp32 (exactly), and 16 fp32 values rounded to bf16 as `store` rounds them (to nearest even;
+// NaN to the quiet NaN 0x7FC0, as `dp_round`), `m` the lanes that hold elements; the same IEEE operation per element
+// as the scalar `load` / `store`, 16 at a time
+#define AVX512 __attribute__((target("avx512f,avx512bw,avx512vl")))
+AVX512 static inline __m512 load16(const uint16_t* p, __mmask16 m) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, p)), 16));
+}
+AVX512 static inline __m512i bf16_bits(__m512 v) {
+  const __m512i u = _mm512_castps_si512(v);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+  const __m512i r = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7FFF)), lsb), 16);
+  return _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_set1_epi32(0x7FC0));
+}
+AVX512 static inline __m512 round16(__m512 v) {  // v rounded to bf16 and widened back (an op's bf16 output, read again)
+  return _mm512_castsi512_ps(_mm512_slli_epi32(bf16_bits(v), 16));
+}
+AVX512 static inline void store16(uint16_t* p, __m512 v, __mmask16 m) {
+  _mm256_mask_storeu_epi16(p, m, _mm512_cvtepi32_epi16(bf16_bits(v)));
+}
+
+// out = a + b or a * b over n bf16 values (ATen's bf16 add and mul: in fp32, rounded once; out may be a or b)
+template <bool MUL>
+AVX512 static void bf16_binary(const uint16_t* a, const uint16_t* b, uint16_t* out, int64_t n) {
+  for (int64_t i = 0; i < n; i += 16) {
+    const __mmask16 m = lanes(n - i);
+    const __m512 x = load16(a + i, m), y = load16(b + i, m);
+    store16(out + i, MUL ? _mm512_mul_ps(x, y) : _mm512_add_ps(x, y), m);
+  }
+}
+
+// The product of rows x [M, K] (contiguous bf16) by a weight's entries (weight, bias, its two packed copies, as
+// `linear` takes them) -> [M, N] contiguous: the dot product's copy called directly (what `linear` would dispatch)
+static Tensor rows_product(const Tensor& x, const OptT& w, const OptT& b, const OptT& packed, const OptT& wide) {
+  const int64_t M = x.size(0), K = x.size(1), N = w->size(0);
+  if (packed.has_value() && packed->dim() == 4 && M <= tile_max_rows && K % 2 == 0 && packed->size(1) * 2 == K &&
+      packed->size(0) == (N + 63) / 64 && (!b.has_value() || b->is_contiguous())) {
+    auto y = at::empty({M, N}, x.options());
+    dp_run((const uint32_t*)x.data_ptr(), M, *packed, b.has_value() ? (const uint16_t*)b->data_ptr() : nullptr, N, K,
+           (uint16_t*)y.data_ptr());
+    return y;
+  }
+  return linear(x, *w, b, packed, wide).contiguous();
+}
+
+// `rms_norm` of R rows of N bf16 values (row r at row(r)) -> out [R, N] bf16, times the weight wp [N] where given
+// (`rms_rows`' arithmetic), then (`after` [period, N]: the qk norm's weight, row r % period) times `after` as a
+// separate rounded product; `shape`: the sizes `rms_norm`'s input had (ATen sums its squares over the last of them)
+template <typename Row>
+AVX512 static void rms_rows_into(Row row, int64_t R, int64_t N, at::IntArrayRef shape, const uint16_t* wp, double eps,
+                                 uint16_t* out, const at::TensorOptions& fopt, const uint16_t* after = nullptr,
+                                 int64_t period = 1) {
+  auto sq = at::empty(shape, fopt);
+  float* q = sq.data_ptr<float>();
+  for (int64_t r = 0; r < R; ++r) {
+    const uint16_t* xr = row(r);
+    for (int64_t i = 0; i < N; i += 16) {
+      const __mmask16 m = lanes(N - i);
+      const __m512 x = load16(xr + i, m);
+      _mm512_mask_storeu_ps(q + r * N + i, m, _mm512_mul_ps(x, x));
+    }
+  }
+  auto sums = at::sum(sq, {(int64_t)shape.size() - 1}, true).contiguous();
+  const float* sp = sums.data_ptr<float>();
+  const float fN = (float)N, feps = (float)eps;
+  for (int64_t r = 0; r < R; ++r) {
+    const uint16_t* xr = row(r);
+    uint16_t* yr = out + r * N;
+    const float mean = sp[r] / fN;
+    const float v = mean + feps;
+    const __m512 sc = _mm512_set1_ps(1.0f / std::sqrt(v));
+    for (int64_t i = 0; i < N; i += 16) {
+      const __mmask16 m = lanes(N - i);
+      __m512 y = _mm512_mul_ps(load16(xr + i, m), sc);
+      if (wp) y = _mm512_mul_ps(y, load16(wp + i, m));
+      if (after) y = _mm512_mul_ps(round16(y), load16(after + (r % period) * N + i, m));
+      store16(yr + i, y, m);
+    }
+  }
+}
+
+// `rope_rows` of one row x [D] in place (c, s: its cos and sin rows): each product rounded to bf16, then their sum
+AVX512 static void rope_row(uint16_t* x, const uint16_t* c, const uint16_t* s, int64_t D) {
+  alignas(64) uint16_t t[256];
+  std::memcpy(t, x, D * sizeof(uint16_t));
+  const int64_t h = D / 2;
+  for (int64_t i = 0; i < D; i += 16) {  // D % 32 == 0: a chunk of 16 lies in one half
+    const __mmask16 m = lanes(D - i);
+    const int64_t j = i < h ? i + h : i - h;
+    const __m512 a = round16(_mm512_mul_ps(load16(t + i, m), load16(c + i, m)));
+    const __m512 b = round16(_mm512_mul_ps(load16(t + j, m), load16(s + i, m)));
+    store16(x + i, _mm512_add_ps(a, b), m);
+  }
+}
+
+static bool fast_layers = true;  // `set_fast_layers` (tests compare both paths)
+static void set_fast_layers(bool on) { fast_layers = on; }
+static int64_t fast_calls = 0;
+static int64_t get_fast_calls() { return fast_calls; }
+
+static bool decode_layers(const Tensor& h0, const Tensor& cos, const Tensor& sin,
+                          const std::vector<std::vector<OptT>>& W, const Tensor& ck, const Tensor& cv, int64_t start,
+                          int64_t n, const OptT& mask, double scale, double eps, int64_t H, int64_t KV, int64_t D,
+                          const std::vector<int64_t>& keep, std::vector<Tensor>& out) {
+  const auto bf16 = at::kBFloat16;
+  if (!fused || !attn_ok || h0.dim() != 2 || h0.scalar_type() != bf16 || !h0.is_contiguous() || !h0.device().is_cpu() ||
+      h0.size(0) != n || n < 1 || n > ATTN_ROWS || n > tile_max_rows || D % 32 != 0 || D > 256 || KV <= 0 ||
+      H % KV != 0 || start < 0)
+    return false;
+  const int64_t d = h0.size(1), S = start + n, QK = H + KV, C3 = H + 2 * KV, L = (int64_t)W.size(), G = H / KV;
+  for (const Tensor* t : {&cos, &sin})
+    if (t->scalar_type() != bf16 || t->dim() != 3 || t->size(0) != n || t->size(1) != 1 || t->size(2) != D ||
+        t->stride(2) != 1)
+      return false;
+  for (const Tensor* c : {&ck, &cv})
+    if (c->scalar_type() != bf16 || c->dim() != 4 || c->size(0) < L || c->size(1) != KV || c->size(2) < S ||
+        c->size(3) != D || c->stride(3) != 1)
+      return false;
+  Tensor m;
+  if (mask.has_value()) {
+    const Tensor& mk = *mask;
+    if (mk.dim() != 2 || mk.size(0) != n || mk.size(1) != S ||
+        !(mk.scalar_type() == at::kBool || mk.scalar_type() == bf16 || mk.scalar_type() == at::kFloat))
+      return false;
+    m = mk.contiguous();
+  }
+  auto vec_of = [&](const OptT& t, int64_t numel) {
+    return t.has_value() && t->scalar_type() == bf16 && t->is_contiguous() && t->numel() == numel;
+  };
+  for (const auto& w : W) {
+    if (w.size() != 17 || !vec_of(w[0], d) || !vec_of(w[10], d) || !w[1] || !w[6] || !w[11] || !w[14]) return false;
+    if (w[5].has_value() && !(vec_of(w[5], QK * D) && w[5]->dim() == 2 && w[5]->size(0) == QK)) return false;
+    if ((w[2].has_value() && !vec_of(w[2], C3 * D)) || (w[7].has_value() && !vec_of(w[7], d))) return false;
+    for (const OptT* x : {&w[1], &w[6], &w[11], &w[14]})
+      if ((*x)->scalar_type() != bf16 || (*x)->dim() != 2) return false;
+    if (w[1]->size(0) != C3 * D || w[1]->size(1) != d || w[6]->size(0) != d || w[6]->size(1) != H * D ||
+        w[11]->size(1) != d || w[11]->size(0) % 2 != 0 || w[14]->size(0) != d || 2 * w[14]->size(1) != w[11]->size(0))
+      return false;
+  }
+  const auto opt = h0.options();
+  const auto fopt = opt.dtype(at::kFloat);
+  const int64_t cs = cos.stride(0), ss = sin.stride(0);
+  const uint16_t* cp = (const uint16_t*)cos.data_ptr();
+  const uint16_t* snp = (const uint16_t*)sin.data_ptr();
+  uint16_t* kc = (uint16_t*)ck.data_ptr();
+  uint16_t* vc = (uint16_t*)cv.data_ptr();
+  Tensor h = h0;
+  out.assign(1, Tensor());
+  for (int64_t li = 0; li < L; ++li) {
+    const auto& w = W[li];
+    const uint16_t* hp = (const uint16_t*)h.data_ptr();
+    // the input norm, then q, k and v in one product
+    auto x = at::empty({n, d}, opt);
+    rms_rows_into([&](int64_t r) { return hp + r * d; }, n, d, {n, d}, (const uint16_t*)w[0]->data_ptr(), eps,
+                  (uint16_t*)x.data_ptr(), fopt);
+    auto qkv = rows_product(x, w[1], w[2], w[3], w[4]);  // [n, (H + 2 KV) D]
+    const uint16_t* qkvp = (const uint16_t*)qkv.data_ptr();
+    // q and k: per head the norm (Qwen3) and its weight, then the rotary embedding, in place -> [n, H + KV, D]
+    auto qk = at::empty({n, QK, D}, opt);
+    uint16_t* qkp = (uint16_t*)qk.data_ptr();
+    auto head_row = [&](int64_t t) { return qkvp + (t / QK) * C3 * D + (t % QK) * D; };
+    if (w[5].has_value())
+      rms_rows_into(head_row, n * QK, D, {n, QK, D}, nullptr, eps, qkp, fopt, (const uint16_t*)w[5]->data_ptr(), QK);
+    else
+      for (int64_t t = 0; t < n * QK; ++t) std::memcpy(qkp + t * D, head_row(t), D * sizeof(uint16_t));
+    for (int64_t t = 0; t < n * QK; ++t) rope_row(qkp + t * D, cp + (t / QK) * cs, snp + (t / QK) * ss, D);
+    // the rows' keys and values into layer li of the cache (`write_kv`)
+    for (int64_t g = 0; g < KV; ++g)
+      for (int64_t r = 0; r < n; ++r) {
+        const int64_t slot = start + r;
+        std::memcpy(kc + li * ck.stride(0) + g * ck.stride(1) + slot * ck.stride(2), qkp + (r * QK + H + g) * D,
+                    D * sizeof(uint16_t));
+        std::memcpy(vc + li * cv.stride(0) + g * cv.stride(1) + slot * cv.stride(2), qkvp + r * C3 * D + (QK + g) * D,
+                    D * sizeof(uint16_t));
+      }
+    // attention over the cache's first S slots, each (head, row) by `attn_row` as `attention` runs it -> [n, H D]
+    auto a = at::empty({n, H * D}, opt);
+    uint16_t* ap = (uint16_t*)a.data_ptr();
+    const uint16_t* kl = kc + li * ck.stride(0);
+    const uint16_t* vl = vc + li * cv.stride(0);
+    at::parallel_for(0, H * n, 1, [&](int64_t t0, int64_t t1) {  // rows are independent: any split, same bits
+      std::vector<float> sbuf(S + 16);
+      for (int64_t t = t0; t < t1; ++t) {
+        const int64_t hh = t / n, i = t % n, g = hh / G;
+        const MaskRow mr = mask_row(m, i, S);
+        attn_row(qkp + (i * QK + hh) * D, kl + g * ck.stride(1), ck.stride(2), vl + g * cv.stride(1), cv.stride(2), S,
+                 D, mr.add, mr.add16, mr.seen, (float)scale, sbuf.data(), ap + (i * H + hh) * D);
+      }
+    });
+    // the output projection and the residual, in place in the product's output: h1 = h + o(a)
+    auto h1 = rows_product(a, w[6], w[7], w[8], w[9]);
+    uint16_t* h1p = (uint16_t*)h1.data_ptr();
+    bf16_binary<false>(hp, h1p, h1p, n * d);
+    // the MLP: post norm, gate and up in one product, SiLU(gate) (ATen's) times up, down, the residual
+    auto x2 = at::empty({n, d}, opt);
+    rms_rows_into([&](int64_t r) { return (const uint16_t*)h1p + r * d; }, n, d, {n, d},
+                  (const uint16_t*)w[10]->data_ptr(), eps, (uint16_t*)x2.data_ptr(), fopt);
+    auto gu = rows_product(x2, w[11], std::nullopt, w[12], w[13]);  // [n, 2 I]
+    const int64_t I = gu.size(1) / 2;
+    auto act = at::silu(gu.narrow(1, 0, I)).contiguous();
+    uint16_t* actp = (uint16_t*)act.data_ptr();
+    const uint16_t* gup = (const uint16_t*)gu.data_ptr();
+    for (int64_t r = 0; r < n; ++r) bf16_binary<true>(actp + r * I, gup + r * 2 * I + I, actp + r * I, I);
+    auto y = rows_product(act, w[14], std::nullopt, w[15], w[16]);
+    uint16_t* yp = (uint16_t*)y.data_ptr();
+    bf16_binary<false>(h1p, yp, yp, n * d);
+    h = y;
+    for (auto j : keep)
+      if (j == li) out.push_back(h);
+  }
+  out[0] = h;
+  ++fast_calls;
+  return true;
+}
+
 // The lean forward's layers (`LeanDecoder._layers` over `KVCache`s: `_mix` for one sequence, `mix_many` for a
 // ragged batch): rows h [rows, d] of the sequences (see `mix`), and for one sequence optionally extra rows after
 // its plain ones (soft_k given: see `mix_con`). Each layer's weights, as `speclab.core.native.fused_weights` lists
@@ -920,8 +1153,11 @@ std::vector<Tensor> fused_layers(Tensor h, const Tensor& cos, const Tensor& sin,
                                  const OptT& soft_v = std::nullopt, const OptT& con_mask = std::nullopt) {
   TORCH_CHECK(!soft_k.has_value() || (ck.size() == 1 && soft_v.has_value() && con_mask.has_value()),
               "speclab fused_layers: extra rows ride with one sequence, with their keys, values and mask");
-  int64_t d = h.size(-1);
-  std::vector<Tensor> out{Tensor()};
+  std::vector<Tensor> out;
+  if (!soft_k.has_value() && ck.size() == 1 && fast_layers &&
+      decode_layers(h, cos, sin, W, ck[0], cv[0], starts[0], ns[0], masks[0], scale, eps, H, KV, D, keep, out))
+    return out;
+  out.assign(1, Tensor());
   for (size_t i = 0; i < W.size(); ++i) {
     const auto& w = W[i];
     auto qkv = linear(rms_norm(h, w[0], eps), *w[1], w[2], w[3], w[4]).unflatten(-1, {H + 2 * KV, D});
@@ -957,11 +1193,131 @@ static std::pair<Tensor, Tensor> keys_values(const Tensor& x, const Tensor& cos,
 // `speclab.core.native.decoder_weights` lists them: q, q bias, its 2 packed copies, k .., v .., q norm, k norm, o,
 // o bias, 2 copies, post norm, then gate, 2 copies, up, 2 copies, down, 2 copies. -> the layer's output of the query
 // rows
+// `decoder_layer`'s fast path (see `decode_layers`): one sequence's few bf16 rows x [n, d_in] written to layer li of its
+// cache at slots start.., the query rows (q_rows of x, or every row; nq of them) with their residual h [nq, d]; the
+// same arithmetic as the ops below, bit for bit. False where any part falls outside it (then the ops run).
+static bool decode_layer_one(const Tensor& x, const Tensor& h, const Tensor& cos, const Tensor& sin,
+                             const std::vector<OptT>& w, int64_t li, const Tensor& ck, const Tensor& cv, int64_t start,
+                             int64_t n, const OptT& mask, double scale, double qk_eps, double eps, int64_t H,
+                             int64_t KV, int64_t D, const OptT& q_rows, Tensor& result) {
+  const auto bf16 = at::kBFloat16;
+  const int64_t nq = q_rows.has_value() ? q_rows->numel() : n;
+  if (!fused || !fast_layers || !attn_ok || x.dim() != 2 || x.scalar_type() != bf16 || !x.is_contiguous() ||
+      !x.device().is_cpu() || x.size(0) != n || n < 1 || n > 64 || h.dim() != 2 || h.scalar_type() != bf16 ||
+      !h.is_contiguous() || h.size(0) != nq || nq < 1 || nq > ATTN_ROWS || D % 32 != 0 || D > 256 || KV <= 0 ||
+      H % KV != 0 || start < 0 || w.size() != 28)
+    return false;
+  if (q_rows.has_value() && (q_rows->scalar_type() != at::kLong || q_rows->dim() != 1 || !q_rows->is_contiguous() ||
+                             !q_rows->device().is_cpu()))
+    return false;
+  const int64_t din = x.size(1), d = h.size(1), S = start + n, G = H / KV;
+  for (const Tensor* t : {&cos, &sin})
+    if (t->scalar_type() != bf16 || t->dim() != 3 || t->size(0) != n || t->size(1) != 1 || t->size(2) != D ||
+        t->stride(2) != 1)
+      return false;
+  for (const Tensor* c : {&ck, &cv})
+    if (c->scalar_type() != bf16 || c->dim() != 4 || c->size(0) <= li || c->size(1) != KV || c->size(2) < S ||
+        c->size(3) != D || c->stride(3) != 1)
+      return false;
+  Tensor m;
+  if (mask.has_value()) {
+    const Tensor& mk = *mask;
+    if (mk.dim() != 2 || mk.size(0) != nq || mk.size(1) != S ||
+        !(mk.scalar_type() == at::kBool || mk.scalar_type() == bf16 || mk.scalar_type() == at::kFloat))
+      return false;
+    m = mk.contiguous();
+  }
+  auto vec_of = [&](const OptT& t, int64_t numel) {
+    return t.has_value() && t->scalar_type() == bf16 && t->is_contiguous() && t->numel() == numel;
+  };
+  auto mat = [&](const OptT& t, int64_t rows, int64_t cols) {
+    return t.has_value() && t->scalar_type() == bf16 && t->dim() == 2 && t->size(0) == rows && t->size(1) == cols;
+  };
+  if (!mat(w[0], H * D, din) || !mat(w[4], KV * D, din) || !mat(w[8], KV * D, din) || !mat(w[14], d, H * D) ||
+      !vec_of(w[18], d) || !w[19] || !mat(w[19], w[19]->size(0), d) || !mat(w[22], w[19]->size(0), d) ||
+      !mat(w[25], d, w[19]->size(0)))
+    return false;
+  for (auto [i, numel] : {std::pair<int, int64_t>{1, H * D}, {5, KV * D}, {9, KV * D}, {12, D}, {13, D}, {15, d}})
+    if (w[i].has_value() && !vec_of(w[i], numel)) return false;
+  const auto opt = x.options();
+  const auto fopt = opt.dtype(at::kFloat);
+  const int64_t cs = cos.stride(0), ss = sin.stride(0);
+  const uint16_t* cp = (const uint16_t*)cos.data_ptr();
+  const uint16_t* snp = (const uint16_t*)sin.data_ptr();
+  const int64_t* qr = q_rows.has_value() ? q_rows->data_ptr<int64_t>() : nullptr;
+  for (int64_t r = 0; qr && r < nq; ++r)
+    if (qr[r] < 0 || qr[r] >= n) return false;
+  auto row_of = [&](int64_t r) { return qr ? qr[r] : r; };  // query r's row of x (its position's cos and sin)
+  // queries: the query rows' product, the q norm (with its weight), the rotary embedding at their rows' positions
+  Tensor xq = x;
+  if (qr) {
+    xq = at::empty({nq, din}, opt);
+    for (int64_t r = 0; r < nq; ++r)
+      std::memcpy((uint16_t*)xq.data_ptr() + r * din, (const uint16_t*)x.data_ptr() + qr[r] * din, din * 2);
+  }
+  auto q = rows_product(xq, w[0], w[1], w[2], w[3]);  // [nq, H D]
+  uint16_t* qp = (uint16_t*)q.data_ptr();
+  if (w[12].has_value())
+    rms_rows_into([&](int64_t t) { return (const uint16_t*)qp + t * D; }, nq * H, D, {nq, H, D},
+                  (const uint16_t*)w[12]->data_ptr(), qk_eps, qp, fopt);
+  for (int64_t t = 0; t < nq * H; ++t) rope_row(qp + t * D, cp + row_of(t / H) * cs, snp + row_of(t / H) * ss, D);
+  // keys (the k norm, the rotary embedding) and values of every row, into the cache (`keys_values`, `write_kv`)
+  auto k = rows_product(x, w[4], w[5], w[6], w[7]);  // [n, KV D]
+  uint16_t* kp = (uint16_t*)k.data_ptr();
+  if (w[13].has_value())
+    rms_rows_into([&](int64_t t) { return (const uint16_t*)kp + t * D; }, n * KV, D, {n, KV, D},
+                  (const uint16_t*)w[13]->data_ptr(), qk_eps, kp, fopt);
+  for (int64_t t = 0; t < n * KV; ++t) rope_row(kp + t * D, cp + (t / KV) * cs, snp + (t / KV) * ss, D);
+  auto v = rows_product(x, w[8], w[9], w[10], w[11]);  // [n, KV D]
+  const uint16_t* vp = (const uint16_t*)v.data_ptr();
+  uint16_t* kc = (uint16_t*)ck.data_ptr() + li * ck.stride(0);
+  uint16_t* vc = (uint16_t*)cv.data_ptr() + li * cv.stride(0);
+  for (int64_t g = 0; g < KV; ++g)
+    for (int64_t r = 0; r < n; ++r) {
+      std::memcpy(kc + g * ck.stride(1) + (start + r) * ck.stride(2), kp + (r * KV + g) * D, D * 2);
+      std::memcpy(vc + g * cv.stride(1) + (start + r) * cv.stride(2), vp + (r * KV + g) * D, D * 2);
+    }
+  // attention of the queries over the cache's first S slots (`attention`'s rows) -> [nq, H D]
+  auto a = at::empty({nq, H * D}, opt);
+  uint16_t* ap = (uint16_t*)a.data_ptr();
+  at::parallel_for(0, H * nq, 1, [&](int64_t t0, int64_t t1) {  // rows are independent: any split, same bits
+    std::vector<float> sbuf(S + 16);
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t hh = t / nq, i = t % nq, g = hh / G;
+      const MaskRow mr = mask_row(m, i, S);
+      attn_row(qp + (i * H + hh) * D, kc + g * ck.stride(1), ck.stride(2), vc + g * cv.stride(1), cv.stride(2), S, D,
+               mr.add, mr.add16, mr.seen, (float)scale, sbuf.data(), ap + (i * H + hh) * D);
+    }
+  });
+  // `finish`: h1 = h + o(a); the MLP down(silu(gate(x2)) * up(x2)) of x2 = post norm(h1); h1 + it
+  auto h1 = rows_product(a, w[14], w[15], w[16], w[17]);
+  uint16_t* h1p = (uint16_t*)h1.data_ptr();
+  bf16_binary<false>((const uint16_t*)h.data_ptr(), h1p, h1p, nq * d);
+  auto x2 = at::empty({nq, d}, opt);
+  rms_rows_into([&](int64_t r) { return (const uint16_t*)h1p + r * d; }, nq, d, {nq, d},
+                (const uint16_t*)w[18]->data_ptr(), eps, (uint16_t*)x2.data_ptr(), fopt);
+  auto act = at::silu(rows_product(x2, w[19], std::nullopt, w[20], w[21]));
+  auto u = rows_product(x2, w[22], std::nullopt, w[23], w[24]);
+  bf16_binary<true>((const uint16_t*)act.data_ptr(), (const uint16_t*)u.data_ptr(), (uint16_t*)act.data_ptr(),
+                    act.numel());
+  auto y = rows_product(act, w[25], std::nullopt, w[26], w[27]);
+  uint16_t* yp = (uint16_t*)y.data_ptr();
+  bf16_binary<false>(h1p, yp, yp, nq * d);
+  result = y;
+  ++fast_calls;
+  return true;
+}
+
 Tensor decoder_layer(const Tensor& x, const Tensor& h, const Tensor& cos, const Tensor& sin, const std::vector<OptT>& w,
                      int64_t i, const std::vector<Tensor>& ck, const std::vector<Tensor>& cv,
                      const std::vector<int64_t>& starts, const std::vector<int64_t>& ns,
                      const std::vector<OptT>& masks, double scale, double qk_eps, double eps, int64_t H, int64_t KV,
                      int64_t D, const OptT& q_rows, const std::vector<int64_t>& nqs) {
+  Tensor fast;
+  if (ck.size() == 1 && (nqs.empty() || nqs[0] == (q_rows.has_value() ? q_rows->numel() : x.size(0))) &&
+      decode_layer_one(x, h, cos, sin, w, i, ck[0], cv[0], starts[0], ns[0], masks[0], scale, qk_eps, eps, H, KV, D,
+                       q_rows, fast))
+    return fast;
   auto q = linear(q_rows ? x.index({*q_rows}) : x, *w[0], w[1], w[2], w[3]).unflatten(-1, {H, D});
   if (w[12].has_value()) q = rms_norm(q, w[12], qk_eps);
   auto [k, v] = keys_values(x, cos, sin, w, qk_eps, KV, D);
@@ -1104,6 +1460,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm", &rms_norm, release());
   m.def("rope", &rope, release());
   m.def("set_fused", &set_fused);
+  m.def("set_fast_layers", &set_fast_layers);
+  m.def("get_fast_calls", &get_fast_calls);
   m.def("product_init", &product_init);
   m.def("se_init", &se_init);
   m.def("attn_init", &attn_init);

@@ -8,6 +8,11 @@ Two of those ops are loops of its own, because ATen runs them as chains of small
 in ATen's composite; `rms` and `rms_norm` offer it to Python's norms too) and the rotary embedding (four). Each
 reproduces ATen's arithmetic element by element and leaves the one reduction to ATen's sum, so it is bitwise
 ATen's; `build` checks that once per process (`_fused_ops_agree`) and otherwise keeps ATen's ops.
+A decode step's few bf16 rows of one sequence go further (`decode_layers` for the lean forward's layers,
+`decode_layer_one` for a drafter's `DecoderLayer`, where the CPU has AVX512-BF16): the views, copies, elementwise
+ops and dispatch of each layer become loops over its rows, with each op's arithmetic per element, the products are
+called directly, and only the norms' row sums and the SiLU stay ATen's, so the bits are those of the ops they stand
+for (`tests/test_native.py`); `SPECLAB_FAST_LAYERS=0` turns them off (to compare).
 
 It also holds the bf16 product of a decode's few rows on AMX (`tile_pack`, `speclab::tile_linear`) and, on CPUs
 with AVX512-BF16 but no AMX, in its dot-product instructions (`dp_pack`, `speclab::dp_linear`), which
@@ -39,6 +44,9 @@ ENABLED = os.environ.get("SPECLAB_NATIVE", "1") != "0"
 # the native products (`native.cpp`'s `tile_linear` on AMX, else `dp_linear` on AVX512-BF16) for the bf16 products of
 # `layers.linear`, Python's and the native layers' alike; SPECLAB_TILES=0 in the environment (to compare): oneDNN's
 TILES = os.environ.get("SPECLAB_TILES", "1") != "0"
+# a decode step's layers without ATen's small ops (`native.cpp`'s `decode_layers` and `decode_layer_one`, bitwise the
+# ops they stand for); SPECLAB_FAST_LAYERS=0 in the environment (to compare): those ops, called from C++
+FAST_LAYERS = os.environ.get("SPECLAB_FAST_LAYERS", "1") != "0"
 _state: dict[str, Any] = {}
 
 
@@ -62,6 +70,7 @@ def build(verbose: bool = False) -> Any:
     if mod is not None:
         mod.set_fused(_fused_ops_agree(mod))
         mod.set_row_limits(L.TILE_ROWS, L.CHECK_ROWS[-1])
+        mod.set_fast_layers(FAST_LAYERS)
     _state["module"] = mod
     if mod is not None:
         attention_module()  # decided now: the native layers' attention (C++) reads it as Python's `layers.attend` does
