@@ -106,7 +106,7 @@ class _Reads(TorchDispatchMode):
 def call_bytes(fn: Callable[[], object]) -> int:
     """Bytes one call of `fn` reads: the inputs of its matrix products (weights and activations) and of its
     attention (queries, the cached keys and values, masks), counted from the ops it dispatches."""
-    with _Reads() as r:
+    with native.dispatched(), _Reads() as r:  # the fast layers' products and attention through their operators
         fn()
     return r.bytes
 

@@ -13,6 +13,7 @@
 #include <sys/syscall.h>
 #include <unistd.h>
 #include <ATen/Parallel.h>
+#include <ATen/record_function.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 
 using at::Tensor;
@@ -963,6 +964,7 @@ static Tensor rows_product(const Tensor& x, const OptT& w, const OptT& b, const 
   if (packed.has_value() && packed->dim() == 4 && M <= tile_max_rows && K % 2 == 0 && packed->size(1) * 2 == K &&
       packed->size(0) == (N + 63) / 64 && (!b.has_value() || b->is_contiguous())) {
     auto y = at::empty({M, N}, x.options());
+    RECORD_FUNCTION("speclab::dp_linear", std::vector<c10::IValue>());  // the profiler's name for it (`costs step`)
     dp_run((const uint32_t*)x.data_ptr(), M, *packed, b.has_value() ? (const uint16_t*)b->data_ptr() : nullptr, N, K,
            (uint16_t*)y.data_ptr());
     return y;
@@ -1105,15 +1107,18 @@ static bool decode_layers(const Tensor& h0, const Tensor& cos, const Tensor& sin
     uint16_t* ap = (uint16_t*)a.data_ptr();
     const uint16_t* kl = kc + li * ck.stride(0);
     const uint16_t* vl = vc + li * cv.stride(0);
-    at::parallel_for(0, H * n, 1, [&](int64_t t0, int64_t t1) {  // rows are independent: any split, same bits
-      std::vector<float> sbuf(S + 16);
-      for (int64_t t = t0; t < t1; ++t) {
-        const int64_t hh = t / n, i = t % n, g = hh / G;
-        const MaskRow mr = mask_row(m, i, S);
-        attn_row(qkp + (i * QK + hh) * D, kl + g * ck.stride(1), ck.stride(2), vl + g * cv.stride(1), cv.stride(2), S,
-                 D, mr.add, mr.add16, mr.seen, (float)scale, sbuf.data(), ap + (i * H + hh) * D);
-      }
-    });
+    {
+      RECORD_FUNCTION("speclab::attention", std::vector<c10::IValue>());  // the profiler's name for it
+      at::parallel_for(0, H * n, 1, [&](int64_t t0, int64_t t1) {  // rows are independent: any split, same bits
+        std::vector<float> sbuf(S + 16);
+        for (int64_t t = t0; t < t1; ++t) {
+          const int64_t hh = t / n, i = t % n, g = hh / G;
+          const MaskRow mr = mask_row(m, i, S);
+          attn_row(qkp + (i * QK + hh) * D, kl + g * ck.stride(1), ck.stride(2), vl + g * cv.stride(1), cv.stride(2),
+                   S, D, mr.add, mr.add16, mr.seen, (float)scale, sbuf.data(), ap + (i * H + hh) * D);
+        }
+      });
+    }
     // the output projection and the residual, in place in the product's output: h1 = h + o(a)
     auto h1 = rows_product(a, w[6], w[7], w[8], w[9]);
     uint16_t* h1p = (uint16_t*)h1.data_ptr();
@@ -1280,15 +1285,18 @@ static bool decode_layer_one(const Tensor& x, const Tensor& h, const Tensor& cos
   // attention of the queries over the cache's first S slots (`attention`'s rows) -> [nq, H D]
   auto a = at::empty({nq, H * D}, opt);
   uint16_t* ap = (uint16_t*)a.data_ptr();
-  at::parallel_for(0, H * nq, 1, [&](int64_t t0, int64_t t1) {  // rows are independent: any split, same bits
-    std::vector<float> sbuf(S + 16);
-    for (int64_t t = t0; t < t1; ++t) {
-      const int64_t hh = t / nq, i = t % nq, g = hh / G;
-      const MaskRow mr = mask_row(m, i, S);
-      attn_row(qp + (i * H + hh) * D, kc + g * ck.stride(1), ck.stride(2), vc + g * cv.stride(1), cv.stride(2), S, D,
-               mr.add, mr.add16, mr.seen, (float)scale, sbuf.data(), ap + (i * H + hh) * D);
-    }
-  });
+  {
+    RECORD_FUNCTION("speclab::attention", std::vector<c10::IValue>());  // the profiler's name for it
+    at::parallel_for(0, H * nq, 1, [&](int64_t t0, int64_t t1) {  // rows are independent: any split, same bits
+      std::vector<float> sbuf(S + 16);
+      for (int64_t t = t0; t < t1; ++t) {
+        const int64_t hh = t / nq, i = t % nq, g = hh / G;
+        const MaskRow mr = mask_row(m, i, S);
+        attn_row(qp + (i * H + hh) * D, kc + g * ck.stride(1), ck.stride(2), vc + g * cv.stride(1), cv.stride(2), S,
+                 D, mr.add, mr.add16, mr.seen, (float)scale, sbuf.data(), ap + (i * H + hh) * D);
+      }
+    });
+  }
   // `finish`: h1 = h + o(a); the MLP down(silu(gate(x2)) * up(x2)) of x2 = post norm(h1); h1 + it
   auto h1 = rows_product(a, w[14], w[15], w[16], w[17]);
   uint16_t* h1p = (uint16_t*)h1.data_ptr();

@@ -30,6 +30,7 @@ from __future__ import annotations
 import os
 import sys
 import time
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -75,6 +76,22 @@ def build(verbose: bool = False) -> Any:
     if mod is not None:
         attention_module()  # decided now: the native layers' attention (C++) reads it as Python's `layers.attend` does
     return mod
+
+
+@contextmanager
+def dispatched():
+    """For the duration, every native product and attention through its operator (the fast layers off, `FAST_LAYERS`):
+    what a dispatch mode sees (`speclab.bench.roofline.call_bytes` counts the bytes the ops read: the fast layers read
+    the same bytes, by the same arithmetic)."""
+    mod = build() if ENABLED else None
+    if mod is None:
+        yield
+        return
+    mod.set_fast_layers(False)
+    try:
+        yield
+    finally:
+        mod.set_fast_layers(FAST_LAYERS)
 
 
 def product_module():
