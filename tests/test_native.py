@@ -217,6 +217,41 @@ def test_a_drafters_layer_without_atens_small_ops_is_the_ops_bits(qk_norm, bias,
     assert len(fast) == len(loop) and all(torch.equal(a, b) for a, b in zip(fast, loop))
 
 
+def test_the_refined_head_from_raw_rows_is_the_ops_bits():
+    """`native.cpp`'s `refined_rows` (the fp32 head's refinement: the bf16 product, its top 16 recomputed in fp32, the
+    rows whose bound says an unrefined logit could reach the maximum) against the ops it stands for: logits and flags
+    bit for bit at 1, 3 and 17 rows, rows with near-ties (flagged) among them; every call took it."""
+    mod = native.build()
+    if native.product() != "dp":
+        pytest.skip("no AVX512-BF16 dot product in this process: the ops run everywhere")
+    g = torch.Generator().manual_seed(0)
+    w = (torch.randn(1000, 128, generator=g) * 0.1).to(torch.bfloat16)
+    w[1:20] = w[0]  # twenty equal rows: h[0]'s top 16 logits and the 17th tie, the bound flags that row
+    copies = native._copies(w)
+    w_norm = float(w.float().norm(dim=-1).max())
+
+    def run(fast: bool):
+        mod.set_fast_layers(fast)
+        out, calls = [], mod.get_fast_calls()
+        try:
+            with torch.inference_mode():
+                for n in (1, 3, 17):
+                    h = torch.randn(n, 128, generator=g)
+                    h[0] = w[0].float() * 4  # its top logits are those of rows 0-19, equal
+                    out += mod.refined_head(h, w, *copies, 16, w_norm)
+        finally:
+            mod.set_fast_layers(True)
+        return out, mod.get_fast_calls() - calls
+
+    g.manual_seed(1)
+    (fast, taken) = run(True)
+    g.manual_seed(1)
+    (loop, none) = run(False)
+    assert taken == 3 and none == 0
+    assert all(torch.equal(a, b) for a, b in zip(fast, loop))
+    assert fast[1][0] and fast[3][0] and not fast[3][1:].any()  # the tied rows flagged, the others not
+
+
 def test_drafters_decode_with_the_fast_layers_as_with_the_loops(tmp_path):
     """Every model drafter on a bf16 target with heads of 32 (the sizes the fast paths take): greedy and sampled
     decodes give the same tokens in the same rounds with `decode_layers` / `decode_layer_one` as with the ops they

@@ -1347,8 +1347,94 @@ void context_kv(const Tensor& x, const Tensor& cos, const Tensor& sin, const std
 // `precision.Head` with fp32 refinement: logits of the weight's dtype upcast, the top k of each row recomputed as fp32
 // dot products; and which rows an unrefined logit could still reach the refined maximum in (Python recomputes those
 // in full fp32, rarely). h [.., d] (fp32 or the weight's dtype) -> (logits [.., V], unsafe rows [rows] bool)
+// `refined_head` of fp32 states h [n, d] by a bf16 head w [V, d] with its dot product's copy: the same ops' arithmetic
+// from raw rows (the product called directly and widened; ATen keeps the top-k, the fp32 dot products' sums and the
+// norm, so their orders and ties are its), bit for bit. False where it does not apply (then the ops run).
+AVX512 static bool refined_rows(const Tensor& h, const Tensor& w, const OptT& packed, int64_t k, double w_norm,
+                                std::vector<Tensor>& result) {
+  if (!fast_layers || !dp_ok || h.dim() != 2 || h.scalar_type() != at::kFloat || !h.is_contiguous() ||
+      !h.device().is_cpu() || w.dim() != 2 || w.scalar_type() != at::kBFloat16 || !w.is_contiguous() ||
+      !packed.has_value() || packed->dim() != 4 || h.size(1) != w.size(1) || h.size(1) % 2 != 0 || h.size(0) < 1 ||
+      h.size(0) > tile_max_rows || k < 1 || k >= w.size(0) || packed->size(1) * 2 != w.size(1) ||
+      packed->size(0) != (w.size(0) + 63) / 64)
+    return false;
+  const int64_t n = h.size(0), d = h.size(1), V = w.size(0);
+  const float* hp = h.data_ptr<float>();
+  auto xb = at::empty({n, d}, h.options().dtype(at::kBFloat16));  // h.to(bf16): c10's rounding (`store`)
+  uint16_t* xp = (uint16_t*)xb.data_ptr();
+  for (int64_t i = 0; i < n * d; i += 16) {
+    const __mmask16 m = lanes(n * d - i);
+    store16(xp + i, _mm512_maskz_loadu_ps(m, hp + i), m);
+  }
+  auto lowb = at::empty({n, V}, xb.options());
+  {
+    RECORD_FUNCTION("speclab::dp_linear", std::vector<c10::IValue>());  // the profiler's name for it
+    dp_run((const uint32_t*)xp, n, *packed, nullptr, V, d, (uint16_t*)lowb.data_ptr());
+  }
+  auto out = at::empty({n, V}, h.options());  // .to(fp32): exact
+  float* op = out.data_ptr<float>();
+  const uint16_t* lp = (const uint16_t*)lowb.data_ptr();
+  for (int64_t i = 0; i < n * V; i += 16) {
+    const __mmask16 m = lanes(n * V - i);
+    _mm512_mask_storeu_ps(op + i, m, load16(lp + i, m));
+  }
+  auto top = out.topk(k, -1);
+  const Tensor idx = std::get<1>(top).contiguous(), vals = std::get<0>(top).contiguous();
+  const int64_t* ip = idx.data_ptr<int64_t>();
+  auto prod = at::empty({n, k, d}, h.options());  // w[idx].float() * h: fp32 products, summed by ATen
+  float* pp = prod.data_ptr<float>();
+  const uint16_t* wp = (const uint16_t*)w.data_ptr();
+  for (int64_t r = 0; r < n; ++r)
+    for (int64_t j = 0; j < k; ++j) {
+      const uint16_t* wr = wp + ip[r * k + j] * d;
+      float* dst = pp + (r * k + j) * d;
+      for (int64_t e = 0; e < d; e += 16) {
+        const __mmask16 m = lanes(d - e);
+        _mm512_mask_storeu_ps(dst + e, m, _mm512_mul_ps(load16(wr + e, m), _mm512_maskz_loadu_ps(m, hp + r * d + e)));
+      }
+    }
+  auto exact = prod.sum(-1).contiguous();  // [n, k]
+  const float* ep = exact.data_ptr<float>();
+  for (int64_t r = 0; r < n; ++r)  // scatter_: the top logits replaced by their fp32 dot products
+    for (int64_t j = 0; j < k; ++j) op[r * V + ip[r * k + j]] = ep[r * k + j];
+  // a row is unsafe where an unrefined logit could reach the refined maximum (`refined_head`'s bound, the same
+  // float operations: ATen's scalars are taken in fp32)
+  auto diff = at::empty({n, d}, h.options());
+  float* dp = diff.data_ptr<float>();
+  for (int64_t i = 0; i < n * d; i += 16) {
+    const __mmask16 m = lanes(n * d - i);
+    const __m512 x = _mm512_maskz_loadu_ps(m, hp + i);
+    _mm512_mask_storeu_ps(dp + i, m, _mm512_sub_ps(x, round16(x)));
+  }
+  auto nrm = diff.norm(2, -1).contiguous();
+  const float* np_ = nrm.data_ptr<float>();
+  const float* vp = vals.data_ptr<float>();
+  auto unsafe = at::empty({n}, h.options().dtype(at::kBool));
+  bool* up = unsafe.data_ptr<bool>();
+  const float scale = std::pow(2.0f, -7.0f), wn = (float)w_norm, tiny = (float)1e-3;
+  for (int64_t r = 0; r < n; ++r) {
+    const float kth = vp[r * k + k - 1];
+    const float err = std::fabs(kth) * scale + wn * np_[r] + tiny;
+    float mx = -INFINITY;
+    for (int64_t j = 0; j < k; ++j) {
+      const float x = ep[r * k + j];
+      if (x != x) {  // max propagates NaN; a comparison with it is false
+        mx = x;
+        break;
+      }
+      mx = std::max(mx, x);
+    }
+    up[r] = kth + err >= mx;
+  }
+  result = {out, unsafe};
+  ++fast_calls;
+  return true;
+}
+
 std::vector<Tensor> refined_head(const Tensor& h, const Tensor& w, const OptT& packed, const OptT& wide, int64_t k,
                                  double w_norm) {
+  std::vector<Tensor> fast;
+  if (refined_rows(h, w, packed, k, w_norm, fast)) return fast;
   auto low = linear(h.to(w.scalar_type()), w, std::nullopt, packed, wide).to(at::kFloat);
   auto shape = low.sizes().vec();
   low = low.reshape({-1, shape.back()});
