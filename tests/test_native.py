@@ -161,7 +161,7 @@ def test_a_decode_steps_layers_without_atens_small_ops_are_the_loops_bits(arch, 
         return out, mod.get_fast_calls() - calls
 
     (fast, taken), (loop, none) = run(True), run(False)
-    assert taken == 8 and none == 0
+    assert taken == 2 * 8 and none == 0  # 8 forwards of a few rows: their layers and their fp32 heads
     assert len(fast) == len(loop) and all(torch.equal(a, b) for a, b in zip(fast, loop))
 
 
