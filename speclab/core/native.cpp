@@ -566,6 +566,23 @@ static MaskRow mask_row(const Tensor& m, int64_t r, int64_t S) {
   return row;
 }
 
+// The attention rows of `rows` queries (query i of head h at q + h * qh + i * qr) over S keys and values (those of kv
+// head g at k + g * kh, slot j j * ks on; v alike), each by `attn_row`, under the mask m (undefined: none) -> out
+// [rows, H, D]. `attention`'s loop, and the raw-row paths' (`decode_layers`, `decode_layer_one`)
+static void attn_rows(const uint16_t* q, int64_t qh, int64_t qr, int64_t H, int64_t G, int64_t rows, const uint16_t* k,
+                      int64_t kh, int64_t ks, const uint16_t* v, int64_t vh, int64_t vs, int64_t S, int64_t D,
+                      const Tensor& m, double scale, uint16_t* out) {
+  at::parallel_for(0, H * rows, 1, [&](int64_t a, int64_t b) {  // rows are independent: any split, same bits
+    std::vector<float> sbuf(S + 16);
+    for (int64_t t = a; t < b; ++t) {
+      const int64_t h = t / rows, i = t % rows, g = h / G;
+      const MaskRow mr = mask_row(m, i, S);
+      attn_row(q + h * qh + i * qr, k + g * kh, ks, v + g * vh, vs, S, D, mr.add, mr.add16, mr.seen, (float)scale,
+               sbuf.data(), out + (i * H + h) * D);
+    }
+  });
+}
+
 // `layers.attend` on a CPU outside autograd: queries q [.., heads, n, D] over keys and values [.., kv_heads, S, D]
 // under `mask` ([.., n, S] bool, True = seen, or additive; None: every key). bf16 3-D calls of up to `ATTN_ROWS`
 // rows by `attn_row`; everything else torch's fused kernel, as `layers.attend` calls it
@@ -597,15 +614,7 @@ static Tensor attention(const Tensor& q, const Tensor& k, const Tensor& v, const
   const uint16_t* kp = (const uint16_t*)k.data_ptr();
   const uint16_t* vp = (const uint16_t*)v.data_ptr();
   uint16_t* op = (uint16_t*)out.data_ptr();
-  at::parallel_for(0, H * n, 1, [&](int64_t a, int64_t b) {  // rows are independent: any split, same bits
-    std::vector<float> sbuf(S + 16);
-    for (int64_t t = a; t < b; ++t) {
-      const int64_t h = t / n, i = t % n, g = h / G;
-      const MaskRow mr = mask_row(m, i, S);
-      attn_row(qp + h * qs0 + i * qs1, kp + g * k.stride(0), k.stride(1), vp + g * v.stride(0), v.stride(1), S, D,
-               mr.add, mr.add16, mr.seen, (float)scale, sbuf.data(), op + (i * H + h) * D);
-    }
-  });
+  attn_rows(qp, qs0, qs1, H, G, n, kp, k.stride(0), k.stride(1), vp, v.stride(0), v.stride(1), S, D, m, scale, op);
   return out.transpose(0, 1);
 }
 
@@ -1027,6 +1036,35 @@ static void set_fast_layers(bool on) { fast_layers = on; }
 static int64_t fast_calls = 0;
 static int64_t get_fast_calls() { return fast_calls; }
 
+// What both raw-row paths read, checked: the rows' cos and sin ([n, 1, D] bf16 table rows), the caches (bf16
+// [layers, KV, slots, D], at least `layers` layers and S slots) and the mask ([rows, S] bool, bf16 or fp32; none:
+// `m` stays undefined) -> whether they can, with the mask contiguous in `m`
+static bool raw_rows_ok(const Tensor& cos, const Tensor& sin, const Tensor& ck, const Tensor& cv, const OptT& mask,
+                        int64_t n, int64_t rows, int64_t layers, int64_t KV, int64_t S, int64_t D, Tensor& m) {
+  const auto bf16 = at::kBFloat16;
+  for (const Tensor* t : {&cos, &sin})
+    if (t->scalar_type() != bf16 || t->dim() != 3 || t->size(0) != n || t->size(1) != 1 || t->size(2) != D ||
+        t->stride(2) != 1)
+      return false;
+  for (const Tensor* c : {&ck, &cv})
+    if (c->scalar_type() != bf16 || c->dim() != 4 || c->size(0) < layers || c->size(1) != KV || c->size(2) < S ||
+        c->size(3) != D || c->stride(3) != 1)
+      return false;
+  if (mask.has_value()) {
+    const Tensor& mk = *mask;
+    if (mk.dim() != 2 || mk.size(0) != rows || mk.size(1) != S ||
+        !(mk.scalar_type() == at::kBool || mk.scalar_type() == bf16 || mk.scalar_type() == at::kFloat))
+      return false;
+    m = mk.contiguous();
+  }
+  return true;
+}
+
+// A bf16 vector (a norm's weight, a bias) of `numel` values, contiguous
+static bool bf16_vec(const OptT& t, int64_t numel) {
+  return t.has_value() && t->scalar_type() == at::kBFloat16 && t->is_contiguous() && t->numel() == numel;
+}
+
 static bool decode_layers(const Tensor& h0, const Tensor& cos, const Tensor& sin,
                           const std::vector<std::vector<OptT>>& W, const Tensor& ck, const Tensor& cv, int64_t start,
                           int64_t n, const OptT& mask, double scale, double eps, int64_t H, int64_t KV, int64_t D,
@@ -1037,25 +1075,9 @@ static bool decode_layers(const Tensor& h0, const Tensor& cos, const Tensor& sin
       H % KV != 0 || start < 0)
     return false;
   const int64_t d = h0.size(1), S = start + n, QK = H + KV, C3 = H + 2 * KV, L = (int64_t)W.size(), G = H / KV;
-  for (const Tensor* t : {&cos, &sin})
-    if (t->scalar_type() != bf16 || t->dim() != 3 || t->size(0) != n || t->size(1) != 1 || t->size(2) != D ||
-        t->stride(2) != 1)
-      return false;
-  for (const Tensor* c : {&ck, &cv})
-    if (c->scalar_type() != bf16 || c->dim() != 4 || c->size(0) < L || c->size(1) != KV || c->size(2) < S ||
-        c->size(3) != D || c->stride(3) != 1)
-      return false;
   Tensor m;
-  if (mask.has_value()) {
-    const Tensor& mk = *mask;
-    if (mk.dim() != 2 || mk.size(0) != n || mk.size(1) != S ||
-        !(mk.scalar_type() == at::kBool || mk.scalar_type() == bf16 || mk.scalar_type() == at::kFloat))
-      return false;
-    m = mk.contiguous();
-  }
-  auto vec_of = [&](const OptT& t, int64_t numel) {
-    return t.has_value() && t->scalar_type() == bf16 && t->is_contiguous() && t->numel() == numel;
-  };
+  if (!raw_rows_ok(cos, sin, ck, cv, mask, n, n, L, KV, S, D, m)) return false;
+  const auto vec_of = bf16_vec;
   for (const auto& w : W) {
     if (w.size() != 17 || !vec_of(w[0], d) || !vec_of(w[10], d) || !w[1] || !w[6] || !w[11] || !w[14]) return false;
     if (w[5].has_value() && !(vec_of(w[5], QK * D) && w[5]->dim() == 2 && w[5]->size(0) == QK)) return false;
@@ -1109,15 +1131,8 @@ static bool decode_layers(const Tensor& h0, const Tensor& cos, const Tensor& sin
     const uint16_t* vl = vc + li * cv.stride(0);
     {
       RECORD_FUNCTION("speclab::attention", std::vector<c10::IValue>());  // the profiler's name for it
-      at::parallel_for(0, H * n, 1, [&](int64_t t0, int64_t t1) {  // rows are independent: any split, same bits
-        std::vector<float> sbuf(S + 16);
-        for (int64_t t = t0; t < t1; ++t) {
-          const int64_t hh = t / n, i = t % n, g = hh / G;
-          const MaskRow mr = mask_row(m, i, S);
-          attn_row(qkp + (i * QK + hh) * D, kl + g * ck.stride(1), ck.stride(2), vl + g * cv.stride(1), cv.stride(2),
-                   S, D, mr.add, mr.add16, mr.seen, (float)scale, sbuf.data(), ap + (i * H + hh) * D);
-        }
-      });
+      attn_rows(qkp, D, QK * D, H, G, n, kl, ck.stride(1), ck.stride(2), vl, cv.stride(1), cv.stride(2), S, D, m, scale,
+                ap);
     }
     // the output projection and the residual, in place in the product's output: h1 = h + o(a)
     auto h1 = rows_product(a, w[6], w[7], w[8], w[9]);
@@ -1216,25 +1231,9 @@ static bool decode_layer_one(const Tensor& x, const Tensor& h, const Tensor& cos
                              !q_rows->device().is_cpu()))
     return false;
   const int64_t din = x.size(1), d = h.size(1), S = start + n, G = H / KV;
-  for (const Tensor* t : {&cos, &sin})
-    if (t->scalar_type() != bf16 || t->dim() != 3 || t->size(0) != n || t->size(1) != 1 || t->size(2) != D ||
-        t->stride(2) != 1)
-      return false;
-  for (const Tensor* c : {&ck, &cv})
-    if (c->scalar_type() != bf16 || c->dim() != 4 || c->size(0) <= li || c->size(1) != KV || c->size(2) < S ||
-        c->size(3) != D || c->stride(3) != 1)
-      return false;
   Tensor m;
-  if (mask.has_value()) {
-    const Tensor& mk = *mask;
-    if (mk.dim() != 2 || mk.size(0) != nq || mk.size(1) != S ||
-        !(mk.scalar_type() == at::kBool || mk.scalar_type() == bf16 || mk.scalar_type() == at::kFloat))
-      return false;
-    m = mk.contiguous();
-  }
-  auto vec_of = [&](const OptT& t, int64_t numel) {
-    return t.has_value() && t->scalar_type() == bf16 && t->is_contiguous() && t->numel() == numel;
-  };
+  if (!raw_rows_ok(cos, sin, ck, cv, mask, n, nq, li + 1, KV, S, D, m)) return false;
+  const auto vec_of = bf16_vec;
   auto mat = [&](const OptT& t, int64_t rows, int64_t cols) {
     return t.has_value() && t->scalar_type() == bf16 && t->dim() == 2 && t->size(0) == rows && t->size(1) == cols;
   };
@@ -1287,15 +1286,8 @@ static bool decode_layer_one(const Tensor& x, const Tensor& h, const Tensor& cos
   uint16_t* ap = (uint16_t*)a.data_ptr();
   {
     RECORD_FUNCTION("speclab::attention", std::vector<c10::IValue>());  // the profiler's name for it
-    at::parallel_for(0, H * nq, 1, [&](int64_t t0, int64_t t1) {  // rows are independent: any split, same bits
-      std::vector<float> sbuf(S + 16);
-      for (int64_t t = t0; t < t1; ++t) {
-        const int64_t hh = t / nq, i = t % nq, g = hh / G;
-        const MaskRow mr = mask_row(m, i, S);
-        attn_row(qp + (i * H + hh) * D, kc + g * ck.stride(1), ck.stride(2), vc + g * cv.stride(1), cv.stride(2), S,
-                 D, mr.add, mr.add16, mr.seen, (float)scale, sbuf.data(), ap + (i * H + hh) * D);
-      }
-    });
+    attn_rows(qp, D, H * D, H, G, nq, kc, ck.stride(1), ck.stride(2), vc, cv.stride(1), cv.stride(2), S, D, m, scale,
+              ap);
   }
   // `finish`: h1 = h + o(a); the MLP down(silu(gate(x2)) * up(x2)) of x2 = post norm(h1); h1 + it
   auto h1 = rows_product(a, w[14], w[15], w[16], w[17]);
