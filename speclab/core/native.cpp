@@ -297,19 +297,33 @@ __attribute__((target("avx512f,avx512bf16"))) static void dp_rows(const uint32_t
 // The lanes of a 16-wide step that hold elements, `left` of them still to go
 static inline __mmask16 lanes(int64_t left) { return left >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << left) - 1); }
 
+// 16 bf16 values widened to fp32 (exactly), and 16 fp32 values rounded to bf16 as `store` rounds them (to nearest even;
+// NaN to the quiet NaN 0x7FC0), `m` the lanes that hold elements; the same IEEE operation per element as the scalar
+// `load` / `store`, 16 at a time (`dp_round`, `attn_row`, the raw-row paths)
+#define AVX512 __attribute__((target("avx512f,avx512bw,avx512vl")))
+AVX512 static inline __m512 load16(const uint16_t* p, __mmask16 m) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, p)), 16));
+}
+AVX512 static inline __m512i bf16_bits(__m512 v) {
+  const __m512i u = _mm512_castps_si512(v);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+  const __m512i r = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7FFF)), lsb), 16);
+  return _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_set1_epi32(0x7FC0));
+}
+AVX512 static inline __m512 round16(__m512 v) {  // v rounded to bf16 and widened back (an op's bf16 output, read again)
+  return _mm512_castsi512_ps(_mm512_slli_epi32(bf16_bits(v), 16));
+}
+AVX512 static inline void store16(uint16_t* p, __m512 v, __mmask16 m) {
+  _mm256_mask_storeu_epi16(p, m, _mm512_cvtepi32_epi16(bf16_bits(v)));
+}
+
 // acc [n] fp32 (+ bias b [n] bf16) -> out [n] bf16, rounded as `store` rounds (to nearest even, NaN to a quiet NaN)
-__attribute__((target("avx512f,avx512bw,avx512vl"))) static void dp_round(const float* acc, const uint16_t* b,
-                                                                          uint16_t* out, int64_t n) {
+AVX512 static void dp_round(const float* acc, const uint16_t* b, uint16_t* out, int64_t n) {
   for (int64_t i = 0; i < n; i += 16) {
     const __mmask16 m = lanes(n - i);
     __m512 v = _mm512_maskz_loadu_ps(m, acc + i);
-    if (b) v = _mm512_add_ps(v, _mm512_castsi512_ps(_mm512_slli_epi32(
-                                    _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, b + i)), 16)));
-    const __m512i u = _mm512_castps_si512(v);
-    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-    __m512i r = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7FFF)), lsb), 16);
-    r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_set1_epi32(0x7FC0));
-    _mm256_mask_storeu_epi16(out + i, m, _mm512_cvtepi32_epi16(r));
+    if (b) v = _mm512_add_ps(v, load16(b + i, m));
+    store16(out + i, v, m);
   }
 }
 
@@ -340,26 +354,25 @@ static void dp_run(const uint32_t* xp, int64_t M, const Tensor& p, const uint16_
   const int64_t G = p.size(0), KP = p.size(1);
   const uint16_t* pp = (const uint16_t*)p.data_ptr();
   const int64_t KB = dp_block(K, M) / 2;
-  auto block = [&](int64_t g, float* acc) {  // block g of 64 outputs, every row
-    const uint16_t* blk = pp + g * KP * 128;
-    const int64_t n0 = g * 64, nn = std::min<int64_t>(64, N - n0);
-    for (int64_t m0 = 0; m0 < M; m0 += 6) {  // 6 rows at a time (24 sums in registers), the block's weights from
-      const int64_t R = std::min<int64_t>(6, M - m0);  // the cache after the first
-      const uint32_t* xr = xp + m0 * KP;
-      switch (R) {
-        case 6: dp_rows<6>(xr, KP, blk, KP, KB, acc); break;
-        case 5: dp_rows<5>(xr, KP, blk, KP, KB, acc); break;
-        case 4: dp_rows<4>(xr, KP, blk, KP, KB, acc); break;
-        case 3: dp_rows<3>(xr, KP, blk, KP, KB, acc); break;
-        case 2: dp_rows<2>(xr, KP, blk, KP, KB, acc); break;
-        default: dp_rows<1>(xr, KP, blk, KP, KB, acc);
-      }
-      for (int64_t r = 0; r < R; ++r) dp_round(acc + r * 64, bp ? bp + n0 : nullptr, yp + (m0 + r) * N + n0, nn);
-    }
-  };
   at::parallel_for(0, G, 1, [&](int64_t g0, int64_t g1) {  // blocks of outputs are independent: any split, same bits
     alignas(64) float acc[6 * 64];
-    for (int64_t g = g0; g < g1; ++g) block(g, acc);
+    for (int64_t g = g0; g < g1; ++g) {
+      const uint16_t* blk = pp + g * KP * 128;
+      const int64_t n0 = g * 64, nn = std::min<int64_t>(64, N - n0);
+      for (int64_t m0 = 0; m0 < M; m0 += 6) {  // 6 rows at a time (24 sums in registers), the block's weights from
+        const int64_t R = std::min<int64_t>(6, M - m0);  // the cache after the first
+        const uint32_t* xr = xp + m0 * KP;
+        switch (R) {
+          case 6: dp_rows<6>(xr, KP, blk, KP, KB, acc); break;
+          case 5: dp_rows<5>(xr, KP, blk, KP, KB, acc); break;
+          case 4: dp_rows<4>(xr, KP, blk, KP, KB, acc); break;
+          case 3: dp_rows<3>(xr, KP, blk, KP, KB, acc); break;
+          case 2: dp_rows<2>(xr, KP, blk, KP, KB, acc); break;
+          default: dp_rows<1>(xr, KP, blk, KP, KB, acc);
+        }
+        for (int64_t r = 0; r < R; ++r) dp_round(acc + r * 64, bp ? bp + n0 : nullptr, yp + (m0 + r) * N + n0, nn);
+      }
+    }
   });
 }
 
@@ -936,26 +949,6 @@ static Tensor mix_con(int64_t i, const Tensor& q, const Tensor& k, const Tensor&
 // sums (its reduction order) and the SiLU (its exp). `decode_layers` returns false where any part falls outside it
 // (then the loop below runs).
 
-// 16 bf16 values widened to fp32 (exactly), and 16 fp32 values rounded to bf16 as `store` rounds them (to nearest even;
-// NaN to the quiet NaN 0x7FC0, as `dp_round`), `m` the lanes that hold elements; the same IEEE operation per element
-// as the scalar `load` / `store`, 16 at a time
-#define AVX512 __attribute__((target("avx512f,avx512bw,avx512vl")))
-AVX512 static inline __m512 load16(const uint16_t* p, __mmask16 m) {
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, p)), 16));
-}
-AVX512 static inline __m512i bf16_bits(__m512 v) {
-  const __m512i u = _mm512_castps_si512(v);
-  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-  const __m512i r = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7FFF)), lsb), 16);
-  return _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_set1_epi32(0x7FC0));
-}
-AVX512 static inline __m512 round16(__m512 v) {  // v rounded to bf16 and widened back (an op's bf16 output, read again)
-  return _mm512_castsi512_ps(_mm512_slli_epi32(bf16_bits(v), 16));
-}
-AVX512 static inline void store16(uint16_t* p, __m512 v, __mmask16 m) {
-  _mm256_mask_storeu_epi16(p, m, _mm512_cvtepi32_epi16(bf16_bits(v)));
-}
-
 // out = a + b or a * b over n bf16 values (ATen's bf16 add and mul: in fp32, rounded once; out may be a or b)
 template <bool MUL>
 AVX512 static void bf16_binary(const uint16_t* a, const uint16_t* b, uint16_t* out, int64_t n) {
@@ -1070,18 +1063,17 @@ static bool decode_layers(const Tensor& h0, const Tensor& cos, const Tensor& sin
                           int64_t n, const OptT& mask, double scale, double eps, int64_t H, int64_t KV, int64_t D,
                           const std::vector<int64_t>& keep, std::vector<Tensor>& out) {
   const auto bf16 = at::kBFloat16;
-  if (!fused || !attn_ok || h0.dim() != 2 || h0.scalar_type() != bf16 || !h0.is_contiguous() || !h0.device().is_cpu() ||
+  if (!fused || !fast_layers || !attn_ok || h0.dim() != 2 || h0.scalar_type() != bf16 || !h0.is_contiguous() || !h0.device().is_cpu() ||
       h0.size(0) != n || n < 1 || n > ATTN_ROWS || n > tile_max_rows || D % 32 != 0 || D > 256 || KV <= 0 ||
       H % KV != 0 || start < 0)
     return false;
   const int64_t d = h0.size(1), S = start + n, QK = H + KV, C3 = H + 2 * KV, L = (int64_t)W.size(), G = H / KV;
   Tensor m;
   if (!raw_rows_ok(cos, sin, ck, cv, mask, n, n, L, KV, S, D, m)) return false;
-  const auto vec_of = bf16_vec;
   for (const auto& w : W) {
-    if (w.size() != 17 || !vec_of(w[0], d) || !vec_of(w[10], d) || !w[1] || !w[6] || !w[11] || !w[14]) return false;
-    if (w[5].has_value() && !(vec_of(w[5], QK * D) && w[5]->dim() == 2 && w[5]->size(0) == QK)) return false;
-    if ((w[2].has_value() && !vec_of(w[2], C3 * D)) || (w[7].has_value() && !vec_of(w[7], d))) return false;
+    if (w.size() != 17 || !bf16_vec(w[0], d) || !bf16_vec(w[10], d) || !w[1] || !w[6] || !w[11] || !w[14]) return false;
+    if (w[5].has_value() && !(bf16_vec(w[5], QK * D) && w[5]->dim() == 2 && w[5]->size(0) == QK)) return false;
+    if ((w[2].has_value() && !bf16_vec(w[2], C3 * D)) || (w[7].has_value() && !bf16_vec(w[7], d))) return false;
     for (const OptT* x : {&w[1], &w[6], &w[11], &w[14]})
       if ((*x)->scalar_type() != bf16 || (*x)->dim() != 2) return false;
     if (w[1]->size(0) != C3 * D || w[1]->size(1) != d || w[6]->size(0) != d || w[6]->size(1) != H * D ||
@@ -1174,7 +1166,7 @@ std::vector<Tensor> fused_layers(Tensor h, const Tensor& cos, const Tensor& sin,
   TORCH_CHECK(!soft_k.has_value() || (ck.size() == 1 && soft_v.has_value() && con_mask.has_value()),
               "speclab fused_layers: extra rows ride with one sequence, with their keys, values and mask");
   std::vector<Tensor> out;
-  if (!soft_k.has_value() && ck.size() == 1 && fast_layers &&
+  if (!soft_k.has_value() && ck.size() == 1 &&
       decode_layers(h, cos, sin, W, ck[0], cv[0], starts[0], ns[0], masks[0], scale, eps, H, KV, D, keep, out))
     return out;
   out.assign(1, Tensor());
@@ -1207,12 +1199,6 @@ static std::pair<Tensor, Tensor> keys_values(const Tensor& x, const Tensor& cos,
   return {rope(k, cos, sin).transpose(-2, -3), v.transpose(-2, -3)};
 }
 
-// One `DecoderLayer` (a drafter's: one Linear a projection), layer i of its caches, after its input norm: attention
-// input x [rows, d_in] of the sequences (see `mix`); queries of the rows `q_rows` (`Attention.qkv`'s q_rows; None:
-// every row), nqs[j] of them the last rows of sequence j, with the residual h of those rows. Weights as
-// `speclab.core.native.decoder_weights` lists them: q, q bias, its 2 packed copies, k .., v .., q norm, k norm, o,
-// o bias, 2 copies, post norm, then gate, 2 copies, up, 2 copies, down, 2 copies. -> the layer's output of the query
-// rows
 // `decoder_layer`'s fast path (see `decode_layers`): one sequence's few bf16 rows x [n, d_in] written to layer li of its
 // cache at slots start.., the query rows (q_rows of x, or every row; nq of them) with their residual h [nq, d]; the
 // same arithmetic as the ops below, bit for bit. False where any part falls outside it (then the ops run).
@@ -1233,16 +1219,15 @@ static bool decode_layer_one(const Tensor& x, const Tensor& h, const Tensor& cos
   const int64_t din = x.size(1), d = h.size(1), S = start + n, G = H / KV;
   Tensor m;
   if (!raw_rows_ok(cos, sin, ck, cv, mask, n, nq, li + 1, KV, S, D, m)) return false;
-  const auto vec_of = bf16_vec;
   auto mat = [&](const OptT& t, int64_t rows, int64_t cols) {
     return t.has_value() && t->scalar_type() == bf16 && t->dim() == 2 && t->size(0) == rows && t->size(1) == cols;
   };
   if (!mat(w[0], H * D, din) || !mat(w[4], KV * D, din) || !mat(w[8], KV * D, din) || !mat(w[14], d, H * D) ||
-      !vec_of(w[18], d) || !w[19] || !mat(w[19], w[19]->size(0), d) || !mat(w[22], w[19]->size(0), d) ||
+      !bf16_vec(w[18], d) || !w[19] || !mat(w[19], w[19]->size(0), d) || !mat(w[22], w[19]->size(0), d) ||
       !mat(w[25], d, w[19]->size(0)))
     return false;
   for (auto [i, numel] : {std::pair<int, int64_t>{1, H * D}, {5, KV * D}, {9, KV * D}, {12, D}, {13, D}, {15, d}})
-    if (w[i].has_value() && !vec_of(w[i], numel)) return false;
+    if (w[i].has_value() && !bf16_vec(w[i], numel)) return false;
   const auto opt = x.options();
   const auto fopt = opt.dtype(at::kFloat);
   const int64_t cs = cos.stride(0), ss = sin.stride(0);
@@ -1308,6 +1293,12 @@ static bool decode_layer_one(const Tensor& x, const Tensor& h, const Tensor& cos
   return true;
 }
 
+// One `DecoderLayer` (a drafter's: one Linear a projection), layer i of its caches, after its input norm: attention
+// input x [rows, d_in] of the sequences (see `mix`); queries of the rows `q_rows` (`Attention.qkv`'s q_rows; None:
+// every row), nqs[j] of them the last rows of sequence j, with the residual h of those rows. Weights as
+// `speclab.core.native.decoder_weights` lists them: q, q bias, its 2 packed copies, k .., v .., q norm, k norm, o,
+// o bias, 2 copies, post norm, then gate, 2 copies, up, 2 copies, down, 2 copies. -> the layer's output of the query
+// rows
 Tensor decoder_layer(const Tensor& x, const Tensor& h, const Tensor& cos, const Tensor& sin, const std::vector<OptT>& w,
                      int64_t i, const std::vector<Tensor>& ck, const std::vector<Tensor>& cv,
                      const std::vector<int64_t>& starts, const std::vector<int64_t>& ns,
@@ -1336,9 +1327,6 @@ void context_kv(const Tensor& x, const Tensor& cos, const Tensor& sin, const std
   write_kv(i, k, v, ck, cv, starts, ns);
 }
 
-// `precision.Head` with fp32 refinement: logits of the weight's dtype upcast, the top k of each row recomputed as fp32
-// dot products; and which rows an unrefined logit could still reach the refined maximum in (Python recomputes those
-// in full fp32, rarely). h [.., d] (fp32 or the weight's dtype) -> (logits [.., V], unsafe rows [rows] bool)
 // `refined_head` of fp32 states h [n, d] by a bf16 head w [V, d] with its dot product's copy: the same ops' arithmetic
 // from raw rows (the product called directly and widened; ATen keeps the top-k, the fp32 dot products' sums and the
 // norm, so their orders and ties are its), bit for bit. False where it does not apply (then the ops run).
@@ -1423,6 +1411,9 @@ AVX512 static bool refined_rows(const Tensor& h, const Tensor& w, const OptT& pa
   return true;
 }
 
+// `precision.Head` with fp32 refinement: logits of the weight's dtype upcast, the top k of each row recomputed as fp32
+// dot products; and which rows an unrefined logit could still reach the refined maximum in (Python recomputes those
+// in full fp32, rarely). h [.., d] (fp32 or the weight's dtype) -> (logits [.., V], unsafe rows [rows] bool)
 std::vector<Tensor> refined_head(const Tensor& h, const Tensor& w, const OptT& packed, const OptT& wide, int64_t k,
                                  double w_norm) {
   std::vector<Tensor> fast;
