@@ -12,6 +12,7 @@ from transformers import AutoModelForCausalLM
 from helpers import PROMPTS, NoTok, build_tiny, tiny_config
 from speclab.core import native
 from speclab.core.layers import apply_rope, rope_tables
+from speclab.core.lean import ConRows
 from speclab.core.target import Target
 from speclab.drafters.registry import drafters
 from speclab.generate import generate
@@ -156,13 +157,22 @@ def test_a_decode_steps_layers_without_atens_small_ops_are_the_loops_bits(arch, 
                     pos = 40 + n + torch.tensor([0] + [1] * (n - 1))
                     masked = lean.forward(ids[:n], cache, pos, tree, hidden=True)
                     out += [*plain[:3], *masked[:3:2], cache.k[:, :, : 40 + 2 * n], cache.v[:, :, : 40 + 2 * n]]
+                    # n extra rows riding after n plain ones (ConFu's contemplate rows: their own fp32 keys and values,
+                    # row r seeing the cache up to plain row r and itself), the plain rows' outputs and theirs
+                    visible = torch.ones(n, 40 + 3 * n, dtype=torch.bool).tril(40 + 2 * n)
+                    con = ConRows(emb[:n], 40 + 2 * n + torch.arange(n), visible, soft_k, soft_v)
+                    wide = lean.forward(ids[n : 2 * n], cache, layers=(1,), hidden=True, con=con)
+                    out += [*wide[:3], wide[3], cache.k[:, :, : 40 + 3 * n]]
         finally:
             mod.set_fast_layers(True)
         return out, mod.get_fast_calls() - calls
 
+    kv, D = cfg.num_key_value_heads, hidden // cfg.num_attention_heads
+    soft_k, soft_v = torch.randn(2, 3, kv, 4, D).unbind(0)  # 4 soft prompts a layer and kv head, in fp32
+    emb = torch.randn(9, hidden, dtype=torch.bfloat16)
     (fast, taken), (loop, none) = run(True), run(False)
-    heads = 8 if native.product() == "dp" else 0  # the fp32 head from raw rows where its copy is the dot product's
-    assert taken == 8 + heads and none == 0  # 8 forwards of a few rows: their layers (and heads)
+    heads = 12 if native.product() == "dp" else 0  # the fp32 head from raw rows where its copy is the dot product's
+    assert taken == 12 + heads and none == 0  # 12 forwards of a few rows: their layers (and heads)
     assert len(fast) == len(loop) and all(torch.equal(a, b) for a, b in zip(fast, loop))
 
 

@@ -76,6 +76,7 @@ s = TraceStore({str(db)!r}, flush_rounds=32)
 generate(t, "hello there", "ar", max_new_tokens=8, trace=s)
 def kill(ev):
     if ev.round == 70:
+        s.drain()  # the flushes queued so far have landed (the writer thread inserts them in the background)
         os._exit(9)  # no cleanup at all, like a SIGKILL
 generate(t, "second run", "ar", max_new_tokens=100, trace=s, on_round=kill)
 """

@@ -518,18 +518,31 @@ static bool attn_init() {
   return attn_ok;
 }
 
-// One query row q [D] of one head over keys k, values v (S rows each, `ks` / `vs` elements apart) with its mask row
-// [S] in the dtype the caller gave (at most one of: `madd` fp32 or `madd16` bf16, additive; `seen` bool; none: every
-// key) -> out [D] bf16; `sbuf` [S] fp32 scratch
+// A stretch of keys and values `attn_row` reads: n slots, slot t's key at k + t * ks (its value at v + t * vs)
+struct KVRun {
+  const uint16_t* k;
+  int64_t ks;
+  const uint16_t* v;
+  int64_t vs;
+  int64_t n;
+};
+
+// One query row q [D] of one head over the keys and values of `nruns` runs one after another (S slots in all, slot j
+// the j-th of them: a concatenation read where each part lies) with its mask row [S] in the dtype the caller gave (at
+// most one of: `madd` fp32 or `madd16` bf16, additive; `seen` bool; none: every key) -> out [D] bf16; `sbuf` [S]
+// fp32 scratch
 __attribute__((target("avx512f,avx512bf16,avx512bw,avx512vl"))) static void attn_row(
-    const uint16_t* q, const uint16_t* k, int64_t ks, const uint16_t* v, int64_t vs, int64_t S, int64_t D,
-    const float* madd, const uint16_t* madd16, const bool* seen, float scale, float* sbuf, uint16_t* out) {
+    const uint16_t* q, const KVRun* runs, int nruns, int64_t D, const float* madd, const uint16_t* madd16,
+    const bool* seen, float scale, float* sbuf, uint16_t* out) {
   const int64_t C = D / 32;  // 32 dimensions (16 pairs) a register
   __m512bh qv[8];
   for (int64_t c = 0; c < C; ++c) qv[c] = (__m512bh)_mm512_loadu_si512(q + 32 * c);
   float m = -INFINITY;
-  for (int64_t j = 0; j < S; ++j) {
-    const uint16_t* kj = k + j * ks;
+  int64_t S = 0;
+  for (int u = 0; u < nruns; ++u) S += runs[u].n;
+  for (int64_t j = 0, u = 0, t = 0; j < S; ++j, ++t) {
+    while (t == runs[u].n) ++u, t = 0;
+    const uint16_t* kj = runs[u].k + t * runs[u].ks;
     __m512 acc = _mm512_dpbf16_ps(_mm512_setzero_ps(), qv[0], (__m512bh)_mm512_loadu_si512(kj));
     for (int64_t c = 1; c < C; ++c) acc = _mm512_dpbf16_ps(acc, qv[c], (__m512bh)_mm512_loadu_si512(kj + 32 * c));
     float sj = _mm512_reduce_add_ps(acc) * scale;
@@ -549,9 +562,10 @@ __attribute__((target("avx512f,avx512bf16,avx512bw,avx512vl"))) static void attn
   }
   __m512 o[16];
   for (int64_t c = 0; c < 2 * C; ++c) o[c] = _mm512_setzero_ps();
-  for (int64_t j = 0; j < S; ++j) {
+  for (int64_t j = 0, u = 0, t = 0; j < S; ++j, ++t) {
+    while (t == runs[u].n) ++u, t = 0;
     const __m512 pj = _mm512_set1_ps(sbuf[j]);
-    const uint16_t* vj = v + j * vs;
+    const uint16_t* vj = runs[u].v + t * runs[u].vs;
     for (int64_t c = 0; c < 2 * C; ++c)
       o[c] = _mm512_fmadd_ps(pj, _mm512_castsi512_ps(_mm512_slli_epi32(
                                      _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)(vj + 16 * c))), 16)),
@@ -579,20 +593,34 @@ static MaskRow mask_row(const Tensor& m, int64_t r, int64_t S) {
   return row;
 }
 
-// The attention rows of `rows` queries (query i of head h at q + h * qh + i * qr) over S keys and values (those of kv
-// head g at k + g * kh, slot j j * ks on; v alike), each by `attn_row`, under the mask m (undefined: none) -> out
-// [rows, H, D]. `attention`'s loop, and the raw-row paths' (`decode_layers`, `decode_layer_one`)
+// The attention rows of `rows` queries (query i of head h at q + h * qh + i * qr), each by `attn_row` over what
+// `keys(i, g, runs, mask_row)` gives query row i with kv head g (its runs, at most 3, and mask row; returns how many
+// runs), at most S slots -> out [rows, H, D]
+template <typename Keys>
+static void attn_rows(const uint16_t* q, int64_t qh, int64_t qr, int64_t H, int64_t G, int64_t rows, int64_t S,
+                      int64_t D, double scale, uint16_t* out, Keys keys) {
+  at::parallel_for(0, H * rows, 1, [&](int64_t a, int64_t b) {  // rows are independent: any split, same bits
+    std::vector<float> sbuf(S + 16);
+    KVRun runs[3];
+    for (int64_t t = a; t < b; ++t) {
+      const int64_t h = t / rows, i = t % rows;
+      MaskRow mr;
+      const int nr = keys(i, h / G, runs, mr);
+      attn_row(q + h * qh + i * qr, runs, nr, D, mr.add, mr.add16, mr.seen, (float)scale, sbuf.data(),
+               out + (i * H + h) * D);
+    }
+  });
+}
+
+// The same over S keys and values (those of kv head g at k + g * kh, slot j j * ks on; v alike) under the mask m
+// (undefined: none). `attention`'s loop, and the raw-row paths' (`decode_layers`, `decode_layer_one`)
 static void attn_rows(const uint16_t* q, int64_t qh, int64_t qr, int64_t H, int64_t G, int64_t rows, const uint16_t* k,
                       int64_t kh, int64_t ks, const uint16_t* v, int64_t vh, int64_t vs, int64_t S, int64_t D,
                       const Tensor& m, double scale, uint16_t* out) {
-  at::parallel_for(0, H * rows, 1, [&](int64_t a, int64_t b) {  // rows are independent: any split, same bits
-    std::vector<float> sbuf(S + 16);
-    for (int64_t t = a; t < b; ++t) {
-      const int64_t h = t / rows, i = t % rows, g = h / G;
-      const MaskRow mr = mask_row(m, i, S);
-      attn_row(q + h * qh + i * qr, k + g * kh, ks, v + g * vh, vs, S, D, mr.add, mr.add16, mr.seen, (float)scale,
-               sbuf.data(), out + (i * H + h) * D);
-    }
+  attn_rows(q, qh, qr, H, G, rows, S, D, scale, out, [&](int64_t i, int64_t g, KVRun* runs, MaskRow& mr) {
+    runs[0] = {k + g * kh, ks, v + g * vh, vs, S};
+    mr = mask_row(m, i, S);
+    return 1;
   });
 }
 
@@ -899,10 +927,11 @@ static Tensor mix_rows(int64_t i, const Tensor& q, const Tensor& k, const Tensor
       while (t >= ioff[j + 1]) ++j;
       const int64_t nq = qoff[j + 1] - qoff[j], h = (t - ioff[j]) / nq, r = (t - ioff[j]) % nq, g = h / G;
       const MaskRow mr = mask_row(m[j], r, S[j]);
-      attn_row(qp + h * qs0 + (qoff[j] + r) * qs1,
-               (const uint16_t*)ck[j].data_ptr() + i * ck[j].stride(0) + g * ck[j].stride(1), ck[j].stride(2),
-               (const uint16_t*)cv[j].data_ptr() + i * cv[j].stride(0) + g * cv[j].stride(1), cv[j].stride(2), S[j], D,
-               mr.add, mr.add16, mr.seen, (float)scale, sbuf.data(), op + ((qoff[j] + r) * H + h) * D);
+      const KVRun run = {(const uint16_t*)ck[j].data_ptr() + i * ck[j].stride(0) + g * ck[j].stride(1), ck[j].stride(2),
+                         (const uint16_t*)cv[j].data_ptr() + i * cv[j].stride(0) + g * cv[j].stride(1), cv[j].stride(2),
+                         S[j]};
+      attn_row(qp + h * qs0 + (qoff[j] + r) * qs1, &run, 1, D, mr.add, mr.add16, mr.seen, (float)scale, sbuf.data(),
+               op + ((qoff[j] + r) * H + h) * D);
     }
   });
   return out.transpose(0, 1);
@@ -942,8 +971,9 @@ static Tensor mix_con(int64_t i, const Tensor& q, const Tensor& k, const Tensor&
 }
 
 // ---- A decode step's layers without ATen's small ops (`fused_layers`' fast path) --------------------------------------
-// One sequence's few bf16 rows (a decode step, a chain's verification, a draft model's step) through every layer with
-// the arithmetic of the loop below, element by element and in the same order, so every output is bitwise that loop's:
+// One sequence's few bf16 rows (a decode step, a chain's verification, a draft model's step; with the extra rows that
+// ride after them, ConFu's contemplate rows, as `mix_con` attends them) through every layer with the arithmetic of the
+// loop below, element by element and in the same order, so every output is bitwise that loop's:
 // its views, copies, elementwise ops and their dispatch (about forty ATen calls a layer, 35-45 us of the zoo target's
 // 1-row call on a 2-core CPU) become loops over rows, and the products are called directly. ATen keeps the norms' row
 // sums (its reduction order) and the SiLU (its exp). `decode_layers` returns false where any part falls outside it
@@ -1061,15 +1091,27 @@ static bool bf16_vec(const OptT& t, int64_t numel) {
 static bool decode_layers(const Tensor& h0, const Tensor& cos, const Tensor& sin,
                           const std::vector<std::vector<OptT>>& W, const Tensor& ck, const Tensor& cv, int64_t start,
                           int64_t n, const OptT& mask, double scale, double eps, int64_t H, int64_t KV, int64_t D,
-                          const std::vector<int64_t>& keep, std::vector<Tensor>& out) {
+                          const std::vector<int64_t>& keep, const OptT& soft_k, const OptT& soft_v,
+                          const OptT& con_mask, std::vector<Tensor>& out) {
   const auto bf16 = at::kBFloat16;
-  if (!fused || !fast_layers || !attn_ok || h0.dim() != 2 || h0.scalar_type() != bf16 || !h0.is_contiguous() || !h0.device().is_cpu() ||
-      h0.size(0) != n || n < 1 || n > ATTN_ROWS || n > tile_max_rows || D % 32 != 0 || D > 256 || KV <= 0 ||
-      H % KV != 0 || start < 0)
+  const int64_t R = h0.dim() == 2 ? h0.size(0) : 0, c = R - n;  // every row, and the extra rows after the n plain ones
+  if (!fused || !fast_layers || !attn_ok || h0.dim() != 2 || h0.scalar_type() != bf16 || !h0.is_contiguous() ||
+      !h0.device().is_cpu() || n < 1 || c < 0 || (c > 0) != soft_k.has_value() || R > ATTN_ROWS ||
+      R > tile_max_rows || D % 32 != 0 || D > 256 || KV <= 0 || H % KV != 0 || start < 0)
     return false;
   const int64_t d = h0.size(1), S = start + n, QK = H + KV, C3 = H + 2 * KV, L = (int64_t)W.size(), G = H / KV;
-  Tensor m;
-  if (!raw_rows_ok(cos, sin, ck, cv, mask, n, n, L, KV, S, D, m)) return false;
+  Tensor m, sk, sv, cm;
+  if (!raw_rows_ok(cos, sin, ck, cv, mask, R, n, L, KV, S, D, m)) return false;
+  int64_t P = 0;  // the extra rows' own keys and values (ConFu's soft prompts) a layer and kv head
+  if (c > 0) {  // [layers, KV, P, D] each, in bf16 (what `mix_con` casts them to), and a bool mask [c, P + S + c]
+    if (!soft_v.has_value() || !con_mask.has_value() || soft_k->dim() != 4 || soft_k->size(0) < L ||
+        soft_k->size(1) != KV || soft_k->size(3) != D || soft_v->sizes() != soft_k->sizes() ||
+        con_mask->scalar_type() != at::kBool || con_mask->dim() != 2 || con_mask->size(0) != c)
+      return false;
+    P = soft_k->size(2);
+    if (con_mask->size(1) != P + S + c) return false;
+    sk = soft_k->to(bf16).contiguous(), sv = soft_v->to(bf16).contiguous(), cm = con_mask->contiguous();
+  }
   for (const auto& w : W) {
     if (w.size() != 17 || !bf16_vec(w[0], d) || !bf16_vec(w[10], d) || !w[1] || !w[6] || !w[11] || !w[14]) return false;
     if (w[5].has_value() && !(bf16_vec(w[5], QK * D) && w[5]->dim() == 2 && w[5]->size(0) == QK)) return false;
@@ -1093,21 +1135,21 @@ static bool decode_layers(const Tensor& h0, const Tensor& cos, const Tensor& sin
     const auto& w = W[li];
     const uint16_t* hp = (const uint16_t*)h.data_ptr();
     // the input norm, then q, k and v in one product
-    auto x = at::empty({n, d}, opt);
-    rms_rows_into([&](int64_t r) { return hp + r * d; }, n, d, {n, d}, (const uint16_t*)w[0]->data_ptr(), eps,
+    auto x = at::empty({R, d}, opt);
+    rms_rows_into([&](int64_t r) { return hp + r * d; }, R, d, {R, d}, (const uint16_t*)w[0]->data_ptr(), eps,
                   (uint16_t*)x.data_ptr(), fopt);
-    auto qkv = rows_product(x, w[1], w[2], w[3], w[4]);  // [n, (H + 2 KV) D]
+    auto qkv = rows_product(x, w[1], w[2], w[3], w[4]);  // [R, (H + 2 KV) D]
     const uint16_t* qkvp = (const uint16_t*)qkv.data_ptr();
-    // q and k: per head the norm (Qwen3) and its weight, then the rotary embedding, in place -> [n, H + KV, D]
-    auto qk = at::empty({n, QK, D}, opt);
+    // q and k: per head the norm (Qwen3) and its weight, then the rotary embedding, in place -> [R, H + KV, D]
+    auto qk = at::empty({R, QK, D}, opt);
     uint16_t* qkp = (uint16_t*)qk.data_ptr();
     auto head_row = [&](int64_t t) { return qkvp + (t / QK) * C3 * D + (t % QK) * D; };
     if (w[5].has_value())
-      rms_rows_into(head_row, n * QK, D, {n, QK, D}, nullptr, eps, qkp, fopt, (const uint16_t*)w[5]->data_ptr(), QK);
+      rms_rows_into(head_row, R * QK, D, {R, QK, D}, nullptr, eps, qkp, fopt, (const uint16_t*)w[5]->data_ptr(), QK);
     else
-      for (int64_t t = 0; t < n * QK; ++t) std::memcpy(qkp + t * D, head_row(t), D * sizeof(uint16_t));
-    for (int64_t t = 0; t < n * QK; ++t) rope_row(qkp + t * D, cp + (t / QK) * cs, snp + (t / QK) * ss, D);
-    // the rows' keys and values into layer li of the cache (`write_kv`)
+      for (int64_t t = 0; t < R * QK; ++t) std::memcpy(qkp + t * D, head_row(t), D * sizeof(uint16_t));
+    for (int64_t t = 0; t < R * QK; ++t) rope_row(qkp + t * D, cp + (t / QK) * cs, snp + (t / QK) * ss, D);
+    // the plain rows' keys and values into layer li of the cache (`write_kv`)
     for (int64_t g = 0; g < KV; ++g)
       for (int64_t r = 0; r < n; ++r) {
         const int64_t slot = start + r;
@@ -1116,33 +1158,47 @@ static bool decode_layers(const Tensor& h0, const Tensor& cos, const Tensor& sin
         std::memcpy(vc + li * cv.stride(0) + g * cv.stride(1) + slot * cv.stride(2), qkvp + r * C3 * D + (QK + g) * D,
                     D * sizeof(uint16_t));
       }
-    // attention over the cache's first S slots, each (head, row) by `attn_row` as `attention` runs it -> [n, H D]
-    auto a = at::empty({n, H * D}, opt);
+    // attention, each (head, row) by `attn_row` as `attention` runs it -> [R, H D]: a plain row over the cache's first
+    // S slots; an extra row over [its own keys and values ; those slots ; the extra rows'] (`mix_con`'s concatenation,
+    // read where each part lies) under its mask row
+    auto a = at::empty({R, H * D}, opt);
     uint16_t* ap = (uint16_t*)a.data_ptr();
     const uint16_t* kl = kc + li * ck.stride(0);
     const uint16_t* vl = vc + li * cv.stride(0);
     {
       RECORD_FUNCTION("speclab::attention", std::vector<c10::IValue>());  // the profiler's name for it
-      attn_rows(qkp, D, QK * D, H, G, n, kl, ck.stride(1), ck.stride(2), vl, cv.stride(1), cv.stride(2), S, D, m, scale,
-                ap);
+      attn_rows(qkp, D, QK * D, H, G, R, P + S + c, D, scale, ap, [&](int64_t i, int64_t g, KVRun* runs, MaskRow& mr) {
+        const KVRun cached = {kl + g * ck.stride(1), ck.stride(2), vl + g * cv.stride(1), cv.stride(2), S};
+        if (i < n) {
+          runs[0] = cached;
+          mr = mask_row(m, i, S);
+          return 1;
+        }
+        const int64_t own = (li * KV + g) * P * D;
+        runs[0] = {(const uint16_t*)sk.data_ptr() + own, D, (const uint16_t*)sv.data_ptr() + own, D, P};
+        runs[1] = cached;
+        runs[2] = {qkp + (n * QK + H + g) * D, QK * D, qkvp + n * C3 * D + (QK + g) * D, C3 * D, c};
+        mr = mask_row(cm, i - n, P + S + c);
+        return 3;
+      });
     }
     // the output projection and the residual, in place in the product's output: h1 = h + o(a)
     auto h1 = rows_product(a, w[6], w[7], w[8], w[9]);
     uint16_t* h1p = (uint16_t*)h1.data_ptr();
-    bf16_binary<false>(hp, h1p, h1p, n * d);
+    bf16_binary<false>(hp, h1p, h1p, R * d);
     // the MLP: post norm, gate and up in one product, SiLU(gate) (ATen's) times up, down, the residual
-    auto x2 = at::empty({n, d}, opt);
-    rms_rows_into([&](int64_t r) { return (const uint16_t*)h1p + r * d; }, n, d, {n, d},
+    auto x2 = at::empty({R, d}, opt);
+    rms_rows_into([&](int64_t r) { return (const uint16_t*)h1p + r * d; }, R, d, {R, d},
                   (const uint16_t*)w[10]->data_ptr(), eps, (uint16_t*)x2.data_ptr(), fopt);
-    auto gu = rows_product(x2, w[11], std::nullopt, w[12], w[13]);  // [n, 2 I]
+    auto gu = rows_product(x2, w[11], std::nullopt, w[12], w[13]);  // [R, 2 I]
     const int64_t I = gu.size(1) / 2;
     auto act = at::silu(gu.narrow(1, 0, I)).contiguous();
     uint16_t* actp = (uint16_t*)act.data_ptr();
     const uint16_t* gup = (const uint16_t*)gu.data_ptr();
-    for (int64_t r = 0; r < n; ++r) bf16_binary<true>(actp + r * I, gup + r * 2 * I + I, actp + r * I, I);
+    for (int64_t r = 0; r < R; ++r) bf16_binary<true>(actp + r * I, gup + r * 2 * I + I, actp + r * I, I);
     auto y = rows_product(act, w[14], std::nullopt, w[15], w[16]);
     uint16_t* yp = (uint16_t*)y.data_ptr();
-    bf16_binary<false>(h1p, yp, yp, n * d);
+    bf16_binary<false>(h1p, yp, yp, R * d);
     h = y;
     for (auto j : keep)
       if (j == li) out.push_back(h);
@@ -1166,8 +1222,8 @@ std::vector<Tensor> fused_layers(Tensor h, const Tensor& cos, const Tensor& sin,
   TORCH_CHECK(!soft_k.has_value() || (ck.size() == 1 && soft_v.has_value() && con_mask.has_value()),
               "speclab fused_layers: extra rows ride with one sequence, with their keys, values and mask");
   std::vector<Tensor> out;
-  if (!soft_k.has_value() && ck.size() == 1 &&
-      decode_layers(h, cos, sin, W, ck[0], cv[0], starts[0], ns[0], masks[0], scale, eps, H, KV, D, keep, out))
+  if (ck.size() == 1 && decode_layers(h, cos, sin, W, ck[0], cv[0], starts[0], ns[0], masks[0], scale, eps, H, KV, D,
+                                      keep, soft_k, soft_v, con_mask, out))
     return out;
   out.assign(1, Tensor());
   for (size_t i = 0; i < W.size(); ++i) {
