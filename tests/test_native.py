@@ -12,7 +12,7 @@ from transformers import AutoModelForCausalLM
 from helpers import PROMPTS, NoTok, build_tiny, tiny_config
 from speclab.core import native
 from speclab.core.layers import apply_rope, rope_tables
-from speclab.core.lean import ConRows
+from speclab.core.lean import ConRows, Segment
 from speclab.core.target import Target
 from speclab.drafters.registry import drafters
 from speclab.generate import generate
@@ -121,9 +121,10 @@ def test_lean_forward_natively_is_bitwise_the_python_forward(arch, dtype, monkey
 @needs_build
 @pytest.mark.parametrize("arch,hidden", [("qwen3", 256), ("llama", 128), ("qwen2", 128)])
 def test_a_decode_steps_layers_without_atens_small_ops_are_the_loops_bits(arch, hidden):
-    """`native.cpp`'s `decode_layers` (one sequence's few bf16 rows: Qwen3's q/k norms, Qwen2's biases, Llama's
-    grouped heads; heads of 64 and 32) against the loop it stands for: logits, kept layers, final states and the
-    cache's keys and values bit for bit, at 1, 2, 5 and 9 rows, causal and under a tree mask; every call took it."""
+    """`native.cpp`'s `decode_layers` (a few bf16 rows of a sequence or of several: Qwen3's q/k norms, Qwen2's
+    biases, Llama's grouped heads; heads of 64 and 32) against the loop it stands for: logits, kept layers, final
+    states and the cache's keys and values bit for bit, at 1, 2, 5 and 9 rows, causal and under a tree mask, with
+    extra rows riding along (ConFu's) and as a ragged batch of three sequences (serving's); every call took it."""
     from transformers import Qwen2Config
 
     mod = native.build()
@@ -163,6 +164,17 @@ def test_a_decode_steps_layers_without_atens_small_ops_are_the_loops_bits(arch, 
                     con = ConRows(emb[:n], 40 + 2 * n + torch.arange(n), visible, soft_k, soft_v)
                     wide = lean.forward(ids[n : 2 * n], cache, layers=(1,), hidden=True, con=con)
                     out += [*wide[:3], wide[3], cache.k[:, :, : 40 + 3 * n]]
+                    # a ragged batch (a serving step): 1 row after another cache, n after this one, n under a tree
+                    other, third = lean.new_cache(100), lean.new_cache(100)
+                    lean.forward(ids[:35], other)  # prefills: more rows than the path takes
+                    lean.forward(ids[5:45], third)
+                    see = torch.ones(n, 40 + n, dtype=torch.bool).tril(40)
+                    see[1:, 40] = False
+                    tree = torch.zeros(1, 1, n, 40 + n, dtype=torch.bfloat16).masked_fill(~see, float("-inf"))
+                    segs = [Segment(ids[35:36], other), Segment(ids[:n], cache),
+                            Segment(ids[n : 2 * n], third, 40 + torch.tensor([0] + [1] * (n - 1)), tree)]
+                    out += [x for row in lean.forward_many(segs, layers=(0, 2), hidden=True) for x in row]
+                    out += [other.k[:, :, :36], cache.v[:, :, : 40 + 4 * n], third.k[:, :, : 40 + n]]
         finally:
             mod.set_fast_layers(True)
         return out, mod.get_fast_calls() - calls
@@ -171,8 +183,8 @@ def test_a_decode_steps_layers_without_atens_small_ops_are_the_loops_bits(arch, 
     soft_k, soft_v = torch.randn(2, 3, kv, 4, D).unbind(0)  # 4 soft prompts a layer and kv head, in fp32
     emb = torch.randn(9, hidden, dtype=torch.bfloat16)
     (fast, taken), (loop, none) = run(True), run(False)
-    heads = 12 if native.product() == "dp" else 0  # the fp32 head from raw rows where its copy is the dot product's
-    assert taken == 12 + heads and none == 0  # 12 forwards of a few rows: their layers (and heads)
+    heads = 16 if native.product() == "dp" else 0  # the fp32 head from raw rows where its copy is the dot product's
+    assert taken == 16 + heads and none == 0  # 16 forwards of a few rows: their layers (and heads)
     assert len(fast) == len(loop) and all(torch.equal(a, b) for a, b in zip(fast, loop))
 
 

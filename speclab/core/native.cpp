@@ -971,13 +971,13 @@ static Tensor mix_con(int64_t i, const Tensor& q, const Tensor& k, const Tensor&
 }
 
 // ---- A decode step's layers without ATen's small ops (`fused_layers`' fast path) --------------------------------------
-// One sequence's few bf16 rows (a decode step, a chain's verification, a draft model's step; with the extra rows that
-// ride after them, ConFu's contemplate rows, as `mix_con` attends them) through every layer with the arithmetic of the
-// loop below, element by element and in the same order, so every output is bitwise that loop's:
-// its views, copies, elementwise ops and their dispatch (about forty ATen calls a layer, 35-45 us of the zoo target's
-// 1-row call on a 2-core CPU) become loops over rows, and the products are called directly. ATen keeps the norms' row
-// sums (its reduction order) and the SiLU (its exp). `decode_layers` returns false where any part falls outside it
-// (then the loop below runs).
+// A few bf16 rows of one sequence or of a ragged batch (a decode step, a chain's verification, a draft model's step,
+// a serving step; one sequence's with the extra rows that ride after them, ConFu's contemplate rows, as `mix_con`
+// attends them) through every layer with the arithmetic of the loop below, element by element and in the same
+// order, so every output is bitwise that loop's: its views, copies, elementwise ops and their dispatch (about forty
+// ATen calls a layer, 35-45 us of the zoo target's 1-row call on a 2-core CPU) become loops over rows, and the
+// products are called directly. ATen keeps the norms' row sums (its reduction order) and the SiLU (its exp).
+// `decode_layers` returns false where any part falls outside it (then the loop below runs).
 
 // out = a + b or a * b over n bf16 values (ATen's bf16 add and mul: in fp32, rounded once; out may be a or b)
 template <bool MUL>
@@ -1089,19 +1089,36 @@ static bool bf16_vec(const OptT& t, int64_t numel) {
 }
 
 static bool decode_layers(const Tensor& h0, const Tensor& cos, const Tensor& sin,
-                          const std::vector<std::vector<OptT>>& W, const Tensor& ck, const Tensor& cv, int64_t start,
-                          int64_t n, const OptT& mask, double scale, double eps, int64_t H, int64_t KV, int64_t D,
-                          const std::vector<int64_t>& keep, const OptT& soft_k, const OptT& soft_v,
-                          const OptT& con_mask, std::vector<Tensor>& out) {
+                          const std::vector<std::vector<OptT>>& W, const std::vector<Tensor>& ck,
+                          const std::vector<Tensor>& cv, const std::vector<int64_t>& starts,
+                          const std::vector<int64_t>& ns, const std::vector<OptT>& masks, double scale, double eps,
+                          int64_t H, int64_t KV, int64_t D, const std::vector<int64_t>& keep, const OptT& soft_k,
+                          const OptT& soft_v, const OptT& con_mask, std::vector<Tensor>& out) {
   const auto bf16 = at::kBFloat16;
-  const int64_t R = h0.dim() == 2 ? h0.size(0) : 0, c = R - n;  // every row, and the extra rows after the n plain ones
+  const int64_t J = (int64_t)ck.size();
   if (!fused || !fast_layers || !attn_ok || h0.dim() != 2 || h0.scalar_type() != bf16 || !h0.is_contiguous() ||
-      !h0.device().is_cpu() || n < 1 || c < 0 || (c > 0) != soft_k.has_value() || R > ATTN_ROWS ||
-      R > tile_max_rows || D % 32 != 0 || D > 256 || KV <= 0 || H % KV != 0 || start < 0)
+      !h0.device().is_cpu() || J < 1 || (int64_t)cv.size() != J || (int64_t)starts.size() != J ||
+      (int64_t)ns.size() != J || (int64_t)masks.size() != J || (soft_k.has_value() && J != 1) || D % 32 != 0 ||
+      D > 256 || KV <= 0 || H % KV != 0)
     return false;
-  const int64_t d = h0.size(1), S = start + n, QK = H + KV, C3 = H + 2 * KV, L = (int64_t)W.size(), G = H / KV;
-  Tensor m, sk, sv, cm;
-  if (!raw_rows_ok(cos, sin, ck, cv, mask, R, n, L, KV, S, D, m)) return false;
+  // sequence j's rows off[j]..off[j + 1] (each at most `ATTN_ROWS`, so that `mix` attends every one by `attn_row`),
+  // then c extra rows (one sequence's only)
+  std::vector<int64_t> off(J + 1, 0);
+  for (int64_t j = 0; j < J; ++j) {
+    if (ns[j] < 1 || ns[j] > ATTN_ROWS || starts[j] < 0) return false;
+    off[j + 1] = off[j] + ns[j];
+  }
+  const int64_t n = off[J], R = h0.size(0), c = R - n;  // the plain rows, every row, the extra rows
+  if (c < 0 || c > ATTN_ROWS || (c > 0) != soft_k.has_value()) return false;
+  const int64_t d = h0.size(1), QK = H + KV, C3 = H + 2 * KV, L = (int64_t)W.size(), G = H / KV;
+  std::vector<Tensor> m(J);
+  std::vector<int64_t> S(J), seq(R, 0);  // sequence j attends its cache's first S[j] slots; row i is sequence seq[i]'s
+  for (int64_t j = 0; j < J; ++j) {
+    S[j] = starts[j] + ns[j];
+    if (!raw_rows_ok(cos, sin, ck[j], cv[j], masks[j], R, ns[j], L, KV, S[j], D, m[j])) return false;
+    for (int64_t i = off[j]; i < off[j + 1]; ++i) seq[i] = j;
+  }
+  Tensor sk, sv, cm;
   int64_t P = 0;  // the extra rows' own keys and values (ConFu's soft prompts) a layer and kv head
   if (c > 0) {  // [layers, KV, P, D] each, in bf16 (what `mix_con` casts them to), and a bool mask [c, P + S + c]
     if (!soft_v.has_value() || !con_mask.has_value() || soft_k->dim() != 4 || soft_k->size(0) < L ||
@@ -1109,7 +1126,7 @@ static bool decode_layers(const Tensor& h0, const Tensor& cos, const Tensor& sin
         con_mask->scalar_type() != at::kBool || con_mask->dim() != 2 || con_mask->size(0) != c)
       return false;
     P = soft_k->size(2);
-    if (con_mask->size(1) != P + S + c) return false;
+    if (con_mask->size(1) != P + S[0] + c) return false;
     sk = soft_k->to(bf16).contiguous(), sv = soft_v->to(bf16).contiguous(), cm = con_mask->contiguous();
   }
   for (const auto& w : W) {
@@ -1127,8 +1144,6 @@ static bool decode_layers(const Tensor& h0, const Tensor& cos, const Tensor& sin
   const int64_t cs = cos.stride(0), ss = sin.stride(0);
   const uint16_t* cp = (const uint16_t*)cos.data_ptr();
   const uint16_t* snp = (const uint16_t*)sin.data_ptr();
-  uint16_t* kc = (uint16_t*)ck.data_ptr();
-  uint16_t* vc = (uint16_t*)cv.data_ptr();
   Tensor h = h0;
   out.assign(1, Tensor());
   for (int64_t li = 0; li < L; ++li) {
@@ -1149,36 +1164,38 @@ static bool decode_layers(const Tensor& h0, const Tensor& cos, const Tensor& sin
     else
       for (int64_t t = 0; t < R * QK; ++t) std::memcpy(qkp + t * D, head_row(t), D * sizeof(uint16_t));
     for (int64_t t = 0; t < R * QK; ++t) rope_row(qkp + t * D, cp + (t / QK) * cs, snp + (t / QK) * ss, D);
-    // the plain rows' keys and values into layer li of the cache (`write_kv`)
-    for (int64_t g = 0; g < KV; ++g)
-      for (int64_t r = 0; r < n; ++r) {
-        const int64_t slot = start + r;
-        std::memcpy(kc + li * ck.stride(0) + g * ck.stride(1) + slot * ck.stride(2), qkp + (r * QK + H + g) * D,
-                    D * sizeof(uint16_t));
-        std::memcpy(vc + li * cv.stride(0) + g * cv.stride(1) + slot * cv.stride(2), qkvp + r * C3 * D + (QK + g) * D,
-                    D * sizeof(uint16_t));
+    // the plain rows' keys and values into layer li of their sequences' caches (`write_kv`)
+    for (int64_t r = 0; r < n; ++r) {
+      const int64_t j = seq[r], slot = starts[j] + r - off[j];
+      uint16_t* kc = (uint16_t*)ck[j].data_ptr() + li * ck[j].stride(0) + slot * ck[j].stride(2);
+      uint16_t* vc = (uint16_t*)cv[j].data_ptr() + li * cv[j].stride(0) + slot * cv[j].stride(2);
+      for (int64_t g = 0; g < KV; ++g) {
+        std::memcpy(kc + g * ck[j].stride(1), qkp + (r * QK + H + g) * D, D * sizeof(uint16_t));
+        std::memcpy(vc + g * cv[j].stride(1), qkvp + r * C3 * D + (QK + g) * D, D * sizeof(uint16_t));
       }
-    // attention, each (head, row) by `attn_row` as `attention` runs it -> [R, H D]: a plain row over the cache's first
-    // S slots; an extra row over [its own keys and values ; those slots ; the extra rows'] (`mix_con`'s concatenation,
-    // read where each part lies) under its mask row
+    }
+    // attention, each (head, row) by `attn_row` as `attention` runs it -> [R, H D]: a plain row over its sequence's
+    // cache's first S slots; an extra row over [its own keys and values ; those slots ; the extra rows'] (`mix_con`'s
+    // concatenation, read where each part lies) under its mask row
     auto a = at::empty({R, H * D}, opt);
     uint16_t* ap = (uint16_t*)a.data_ptr();
-    const uint16_t* kl = kc + li * ck.stride(0);
-    const uint16_t* vl = vc + li * cv.stride(0);
+    const int64_t Smax = *std::max_element(S.begin(), S.end());
     {
       RECORD_FUNCTION("speclab::attention", std::vector<c10::IValue>());  // the profiler's name for it
-      attn_rows(qkp, D, QK * D, H, G, R, P + S + c, D, scale, ap, [&](int64_t i, int64_t g, KVRun* runs, MaskRow& mr) {
-        const KVRun cached = {kl + g * ck.stride(1), ck.stride(2), vl + g * cv.stride(1), cv.stride(2), S};
+      attn_rows(qkp, D, QK * D, H, G, R, P + Smax + c, D, scale, ap, [&](int64_t i, int64_t g, KVRun* runs, MaskRow& mr) {
+        const int64_t j = i < n ? seq[i] : 0;
+        runs[0] = {(const uint16_t*)ck[j].data_ptr() + li * ck[j].stride(0) + g * ck[j].stride(1), ck[j].stride(2),
+                   (const uint16_t*)cv[j].data_ptr() + li * cv[j].stride(0) + g * cv[j].stride(1), cv[j].stride(2),
+                   S[j]};
         if (i < n) {
-          runs[0] = cached;
-          mr = mask_row(m, i, S);
+          mr = mask_row(m[j], i - off[j], S[j]);
           return 1;
         }
         const int64_t own = (li * KV + g) * P * D;
+        runs[1] = runs[0];
         runs[0] = {(const uint16_t*)sk.data_ptr() + own, D, (const uint16_t*)sv.data_ptr() + own, D, P};
-        runs[1] = cached;
         runs[2] = {qkp + (n * QK + H + g) * D, QK * D, qkvp + n * C3 * D + (QK + g) * D, C3 * D, c};
-        mr = mask_row(cm, i - n, P + S + c);
+        mr = mask_row(cm, i - n, P + S[0] + c);
         return 3;
       });
     }
@@ -1222,8 +1239,8 @@ std::vector<Tensor> fused_layers(Tensor h, const Tensor& cos, const Tensor& sin,
   TORCH_CHECK(!soft_k.has_value() || (ck.size() == 1 && soft_v.has_value() && con_mask.has_value()),
               "speclab fused_layers: extra rows ride with one sequence, with their keys, values and mask");
   std::vector<Tensor> out;
-  if (ck.size() == 1 && decode_layers(h, cos, sin, W, ck[0], cv[0], starts[0], ns[0], masks[0], scale, eps, H, KV, D,
-                                      keep, soft_k, soft_v, con_mask, out))
+  if (decode_layers(h, cos, sin, W, ck, cv, starts, ns, masks, scale, eps, H, KV, D, keep, soft_k, soft_v, con_mask,
+                    out))
     return out;
   out.assign(1, Tensor());
   for (size_t i = 0; i < W.size(); ++i) {
