@@ -183,7 +183,7 @@ def test_a_decode_steps_layers_without_atens_small_ops_are_the_loops_bits(arch, 
     soft_k, soft_v = torch.randn(2, 3, kv, 4, D).unbind(0)  # 4 soft prompts a layer and kv head, in fp32
     emb = torch.randn(9, hidden, dtype=torch.bfloat16)
     (fast, taken), (loop, none) = run(True), run(False)
-    heads = 16 if native.product() == "dp" else 0  # the fp32 head from raw rows where its copy is the dot product's
+    heads = 16 if native.product() else 0  # the fp32 head from raw rows where its copy is a native product's
     assert taken == 16 + heads and none == 0  # 16 forwards of a few rows: their layers (and heads)
     assert len(fast) == len(loop) and all(torch.equal(a, b) for a, b in zip(fast, loop))
 
@@ -241,12 +241,13 @@ def test_a_drafters_layer_without_atens_small_ops_is_the_ops_bits(qk_norm, bias,
 
 
 def test_the_refined_head_from_raw_rows_is_the_ops_bits():
-    """`native.cpp`'s `refined_rows` (the fp32 head's refinement: the bf16 product, its top 16 recomputed in fp32, the
-    rows whose bound says an unrefined logit could reach the maximum) against the ops it stands for: logits and flags
-    bit for bit at 1, 3 and 17 rows, rows with near-ties (flagged) among them; every call took it."""
+    """`native.cpp`'s `refined_rows` (the fp32 head's refinement: the bf16 product, the dot product's or the tiles',
+    its top 16 recomputed in fp32, the rows whose bound says an unrefined logit could reach the maximum) against the
+    ops it stands for: logits and flags bit for bit at 1, 3 and 17 rows, rows with near-ties (flagged) among them;
+    every call took it."""
     mod = native.build()
-    if native.product() != "dp":
-        pytest.skip("no AVX512-BF16 dot product in this process: the ops run everywhere")
+    if native.product() not in ("dp", "tiles") or native.attention_module() is None:
+        pytest.skip("no native product with AVX512-BF16 in this process: the ops run everywhere")
     g = torch.Generator().manual_seed(0)
     w = (torch.randn(1000, 128, generator=g) * 0.1).to(torch.bfloat16)
     w[1:20] = w[0]  # twenty equal rows: h[0]'s top 16 logits and the 17th tie, the bound flags that row

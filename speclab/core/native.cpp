@@ -1400,16 +1400,16 @@ void context_kv(const Tensor& x, const Tensor& cos, const Tensor& sin, const std
   write_kv(i, k, v, ck, cv, starts, ns);
 }
 
-// `refined_head` of fp32 states h [n, d] by a bf16 head w [V, d] with its dot product's copy: the same ops' arithmetic
-// from raw rows (the product called directly and widened; ATen keeps the top-k, the fp32 dot products' sums and the
-// norm, so their orders and ties are its), bit for bit. False where it does not apply (then the ops run).
-AVX512 static bool refined_rows(const Tensor& h, const Tensor& w, const OptT& packed, int64_t k, double w_norm,
-                                std::vector<Tensor>& result) {
+// `refined_head` of fp32 states h [n, d] by a bf16 head w [V, d] with its native product's copy (the dot product's or
+// the tiles'): the same ops' arithmetic from raw rows (the product as `linear` runs it, widened; ATen keeps the top-k,
+// the fp32 dot products' sums and the norm, so their orders and ties are its), bit for bit. False where it does not
+// apply (then the ops run).
+AVX512 static bool refined_rows(const Tensor& h, const Tensor& w, const OptT& packed, const OptT& wide, int64_t k,
+                                double w_norm, std::vector<Tensor>& result) {
   if (!fast_layers || !dp_ok || h.dim() != 2 || h.scalar_type() != at::kFloat || !h.is_contiguous() ||
       !h.device().is_cpu() || w.dim() != 2 || w.scalar_type() != at::kBFloat16 || !w.is_contiguous() ||
-      !packed.has_value() || packed->dim() != 4 || h.size(1) != w.size(1) || h.size(1) % 2 != 0 || h.size(0) < 1 ||
-      h.size(0) > tile_max_rows || k < 1 || k >= w.size(0) || packed->size(1) * 2 != w.size(1) ||
-      packed->size(0) != (w.size(0) + 63) / 64)
+      !packed.has_value() || (packed->dim() != 4 && packed->dim() != 6) || h.size(1) != w.size(1) ||
+      h.size(1) % 2 != 0 || h.size(0) < 1 || h.size(0) > tile_max_rows || k < 1 || k >= w.size(0))
     return false;
   const int64_t n = h.size(0), d = h.size(1), V = w.size(0);
   const float* hp = h.data_ptr<float>();
@@ -1419,11 +1419,7 @@ AVX512 static bool refined_rows(const Tensor& h, const Tensor& w, const OptT& pa
     const __mmask16 m = lanes(n * d - i);
     store16(xp + i, _mm512_maskz_loadu_ps(m, hp + i), m);
   }
-  auto lowb = at::empty({n, V}, xb.options());
-  {
-    RECORD_FUNCTION("speclab::dp_linear", std::vector<c10::IValue>());  // the profiler's name for it
-    dp_run((const uint32_t*)xp, n, *packed, nullptr, V, d, (uint16_t*)lowb.data_ptr());
-  }
+  const Tensor lowb = linear(xb, w, std::nullopt, packed, wide).contiguous();  // [n, V] bf16
   auto out = at::empty({n, V}, h.options());  // .to(fp32): exact
   float* op = out.data_ptr<float>();
   const uint16_t* lp = (const uint16_t*)lowb.data_ptr();
@@ -1490,7 +1486,7 @@ AVX512 static bool refined_rows(const Tensor& h, const Tensor& w, const OptT& pa
 std::vector<Tensor> refined_head(const Tensor& h, const Tensor& w, const OptT& packed, const OptT& wide, int64_t k,
                                  double w_norm) {
   std::vector<Tensor> fast;
-  if (refined_rows(h, w, packed, k, w_norm, fast)) return fast;
+  if (refined_rows(h, w, packed, wide, k, w_norm, fast)) return fast;
   auto low = linear(h.to(w.scalar_type()), w, std::nullopt, packed, wide).to(at::kFloat);
   auto shape = low.sizes().vec();
   low = low.reshape({-1, shape.back()});
