@@ -191,10 +191,10 @@ def test_a_decode_steps_layers_without_atens_small_ops_are_the_loops_bits(arch, 
 @pytest.mark.parametrize("qk_norm,bias,wide", [(True, False, False), (False, True, True)],
                          ids=["qk-norms", "biases-wide-input"])
 def test_a_drafters_layer_without_atens_small_ops_is_the_ops_bits(qk_norm, bias, wide):
-    """`native.cpp`'s `decode_layer_one` (a drafter's `DecoderLayer` over one sequence's few bf16 rows: DFlash's and
-    SpecBlock's q/k norms; biases and EAGLE-3's two-wide input) against the ops it stands for: the output and the
-    cache's keys and values bit for bit, at 1, 3 and 9 rows, every row querying or the last one (`q_rows`, EAGLE-3's
-    catch-up), causal and under a mask; every call took it."""
+    """`native.cpp`'s `decode_layer_rows` (a drafter's `DecoderLayer` over a few bf16 rows of one sequence or of a
+    ragged batch: DFlash's and SpecBlock's q/k norms; biases and EAGLE-3's two-wide input) against the ops it stands
+    for: the output and the caches' keys and values bit for bit, at 1, 3 and 9 rows and a batch of three sequences,
+    every row querying or the last ones (`q_rows`, EAGLE-3's catch-up), causal and under a mask; every call took it."""
     from speclab.core.layers import DecoderLayer
     from speclab.core.lean import KVCache
 
@@ -231,12 +231,30 @@ def test_a_drafters_layer_without_atens_small_ops_is_the_ops_bits(qk_norm, bias,
                     y = native.decoder_layer(layer, 0, x, h, cos_t[20 : 20 + n, None], sin_t[20 : 20 + n, None],
                                              [cache], [20], [n], [mask], D ** -0.5, q_rows, [nq])
                     out += [y, cache.k[:, :, : 20 + n], cache.v[:, :, : 20 + n]]
+                # a ragged batch of three sequences (a batch of requests' drafters), every row querying or each
+                # sequence's last (`q_rows`, EAGLE-3's batched catch-up); the third under a mask
+                starts, ns = [20, 35, 10], [3, 1, 4]
+                ends = torch.tensor(ns).cumsum(0)
+                pos = torch.cat([torch.arange(a, a + k) for a, k in zip(starts, ns)])
+                for last in (False, True):
+                    g = torch.Generator().manual_seed(7)
+                    caches = [KVCache(1, KV, D, torch.bfloat16, "cpu", 64) for _ in ns]
+                    x = torch.randn(sum(ns), (2 if wide else 1) * d, generator=g).to(torch.bfloat16)
+                    q_rows, nqs = (ends - 1, [1, 1, 1]) if last else (None, ns)
+                    h = torch.randn(sum(nqs), d, generator=g).to(torch.bfloat16)
+                    see = torch.ones(nqs[2], 14, dtype=torch.bool).tril(14 - nqs[2])
+                    see[-1, 10] = False
+                    mask = torch.zeros(nqs[2], 14, dtype=torch.bfloat16).masked_fill(~see, float("-inf"))
+                    y = native.decoder_layer(layer, 0, x, h, cos_t[pos][:, None], sin_t[pos][:, None], caches, starts,
+                                             ns, [None, None, mask], D ** -0.5, q_rows, nqs)
+                    out += [y, *[c.k[:, :, : a + k] for c, a, k in zip(caches, starts, ns)],
+                            *[c.v[:, :, : a + k] for c, a, k in zip(caches, starts, ns)]]
         finally:
             mod.set_fast_layers(True)
         return out, mod.get_fast_calls() - calls
 
     (fast, taken), (loop, none) = run(True), run(False)
-    assert taken == 4 and none == 0
+    assert taken == 6 and none == 0
     assert len(fast) == len(loop) and all(torch.equal(a, b) for a, b in zip(fast, loop))
 
 
@@ -278,7 +296,7 @@ def test_the_refined_head_from_raw_rows_is_the_ops_bits():
 
 def test_drafters_decode_with_the_fast_layers_as_with_the_loops(tmp_path):
     """Every model drafter on a bf16 target with heads of 32 (the sizes the fast paths take): greedy and sampled
-    decodes give the same tokens in the same rounds with `decode_layers` / `decode_layer_one` as with the ops they
+    decodes give the same tokens in the same rounds with `decode_layers` / `decode_layer_rows` as with the ops they
     stand for, and the drafters' calls take them too (more fast calls than the target's forwards)."""
     mod = native.build()
     if native.attention_module() is None:

@@ -4,7 +4,7 @@
 // them: this file is that step's loop, not new math. It also holds the bf16 product of a decode's few rows on AMX
 // tiles (`tile_linear`, below) and, on CPUs with AVX512-BF16 and no AMX, in dot-product instructions (`dp_linear`),
 // whose products are F.linear's bits where `layers.linear` takes them. A decode step's few rows of one sequence take
-// loops over raw rows instead of those ops (`decode_layers`, `decode_layer_one`: the same arithmetic per element, so
+// loops over raw rows instead of those ops (`decode_layers`, `decode_layer_rows`: the same arithmetic per element, so
 // the same bits). Built on first use by `speclab.core.native`.
 #include <torch/extension.h>
 #include <algorithm>
@@ -613,7 +613,7 @@ static void attn_rows(const uint16_t* q, int64_t qh, int64_t qr, int64_t H, int6
 }
 
 // The same over S keys and values (those of kv head g at k + g * kh, slot j j * ks on; v alike) under the mask m
-// (undefined: none). `attention`'s loop, and the raw-row paths' (`decode_layers`, `decode_layer_one`)
+// (undefined: none). `attention`'s loop, and the raw-row paths' (`decode_layers`, `decode_layer_rows`)
 static void attn_rows(const uint16_t* q, int64_t qh, int64_t qr, int64_t H, int64_t G, int64_t rows, const uint16_t* k,
                       int64_t kh, int64_t ks, const uint16_t* v, int64_t vh, int64_t vs, int64_t S, int64_t D,
                       const Tensor& m, double scale, uint16_t* out) {
@@ -1272,26 +1272,43 @@ static std::pair<Tensor, Tensor> keys_values(const Tensor& x, const Tensor& cos,
   return {rope(k, cos, sin).transpose(-2, -3), v.transpose(-2, -3)};
 }
 
-// `decoder_layer`'s fast path (see `decode_layers`): one sequence's few bf16 rows x [n, d_in] written to layer li of its
-// cache at slots start.., the query rows (q_rows of x, or every row; nq of them) with their residual h [nq, d]; the
-// same arithmetic as the ops below, bit for bit. False where any part falls outside it (then the ops run).
-static bool decode_layer_one(const Tensor& x, const Tensor& h, const Tensor& cos, const Tensor& sin,
-                             const std::vector<OptT>& w, int64_t li, const Tensor& ck, const Tensor& cv, int64_t start,
-                             int64_t n, const OptT& mask, double scale, double qk_eps, double eps, int64_t H,
-                             int64_t KV, int64_t D, const OptT& q_rows, Tensor& result) {
+// `decoder_layer`'s fast path (see `decode_layers`): a few bf16 rows x [n, d_in] of one sequence or of a ragged batch
+// (sequence j's ns[j] rows, in order) written to layer li of their caches at slots starts[j].., the query rows (q_rows
+// of x, or every row; the first nqs[0] of them sequence 0's, and so on) with their residual h [nq, d]; the same
+// arithmetic as the ops below, bit for bit. False where any part falls outside it (then the ops run).
+static bool decode_layer_rows(const Tensor& x, const Tensor& h, const Tensor& cos, const Tensor& sin,
+                              const std::vector<OptT>& w, int64_t li, const std::vector<Tensor>& ck,
+                              const std::vector<Tensor>& cv, const std::vector<int64_t>& starts,
+                              const std::vector<int64_t>& ns, const std::vector<OptT>& masks, double scale,
+                              double qk_eps, double eps, int64_t H, int64_t KV, int64_t D, const OptT& q_rows,
+                              const std::vector<int64_t>& nqs, Tensor& result) {
   const auto bf16 = at::kBFloat16;
+  const int64_t J = (int64_t)ck.size(), n = x.dim() == 2 ? x.size(0) : 0;
   const int64_t nq = q_rows.has_value() ? q_rows->numel() : n;
   if (!fused || !fast_layers || !attn_ok || x.dim() != 2 || x.scalar_type() != bf16 || !x.is_contiguous() ||
-      !x.device().is_cpu() || x.size(0) != n || n < 1 || n > 64 || h.dim() != 2 || h.scalar_type() != bf16 ||
-      !h.is_contiguous() || h.size(0) != nq || nq < 1 || nq > ATTN_ROWS || D % 32 != 0 || D > 256 || KV <= 0 ||
-      H % KV != 0 || start < 0 || w.size() != 28)
+      !x.device().is_cpu() || J < 1 || (int64_t)cv.size() != J || (int64_t)starts.size() != J ||
+      (int64_t)ns.size() != J || (int64_t)masks.size() != J || (!nqs.empty() && (int64_t)nqs.size() != J) ||
+      h.dim() != 2 || h.scalar_type() != bf16 || !h.is_contiguous() || h.size(0) != nq || nq < 1 || D % 32 != 0 ||
+      D > 256 || KV <= 0 || H % KV != 0 || w.size() != 28)
     return false;
   if (q_rows.has_value() && (q_rows->scalar_type() != at::kLong || q_rows->dim() != 1 || !q_rows->is_contiguous() ||
                              !q_rows->device().is_cpu()))
     return false;
-  const int64_t din = x.size(1), d = h.size(1), S = start + n, G = H / KV;
-  Tensor m;
-  if (!raw_rows_ok(cos, sin, ck, cv, mask, n, nq, li + 1, KV, S, D, m)) return false;
+  // sequence j: rows off[j].., queries qoff[j].. (at most `ATTN_ROWS`, so that `mix` attends each by `attn_row`)
+  std::vector<int64_t> off(J + 1, 0), qoff(J + 1, 0), S(J), seq(n), qseq(nq);
+  std::vector<Tensor> m(J);
+  for (int64_t j = 0; j < J; ++j) {
+    const int64_t nqj = nqs.empty() ? (J == 1 ? nq : ns[j]) : nqs[j];
+    if (ns[j] < 1 || ns[j] > 64 || nqj < 1 || nqj > ATTN_ROWS || starts[j] < 0 || (!q_rows && nqj != ns[j])) return false;
+    off[j + 1] = off[j] + ns[j], qoff[j + 1] = qoff[j] + nqj, S[j] = starts[j] + ns[j];
+  }
+  if (off[J] != n || qoff[J] != nq) return false;
+  for (int64_t j = 0; j < J; ++j) {
+    if (!raw_rows_ok(cos, sin, ck[j], cv[j], masks[j], n, qoff[j + 1] - qoff[j], li + 1, KV, S[j], D, m[j])) return false;
+    for (int64_t r = off[j]; r < off[j + 1]; ++r) seq[r] = j;
+    for (int64_t t = qoff[j]; t < qoff[j + 1]; ++t) qseq[t] = j;
+  }
+  const int64_t din = x.size(1), d = h.size(1), G = H / KV;
   auto mat = [&](const OptT& t, int64_t rows, int64_t cols) {
     return t.has_value() && t->scalar_type() == bf16 && t->dim() == 2 && t->size(0) == rows && t->size(1) == cols;
   };
@@ -1332,20 +1349,30 @@ static bool decode_layer_one(const Tensor& x, const Tensor& h, const Tensor& cos
   for (int64_t t = 0; t < n * KV; ++t) rope_row(kp + t * D, cp + (t / KV) * cs, snp + (t / KV) * ss, D);
   auto v = rows_product(x, w[8], w[9], w[10], w[11]);  // [n, KV D]
   const uint16_t* vp = (const uint16_t*)v.data_ptr();
-  uint16_t* kc = (uint16_t*)ck.data_ptr() + li * ck.stride(0);
-  uint16_t* vc = (uint16_t*)cv.data_ptr() + li * cv.stride(0);
-  for (int64_t g = 0; g < KV; ++g)
-    for (int64_t r = 0; r < n; ++r) {
-      std::memcpy(kc + g * ck.stride(1) + (start + r) * ck.stride(2), kp + (r * KV + g) * D, D * 2);
-      std::memcpy(vc + g * cv.stride(1) + (start + r) * cv.stride(2), vp + (r * KV + g) * D, D * 2);
+  for (int64_t r = 0; r < n; ++r) {
+    const int64_t j = seq[r], slot = starts[j] + r - off[j];
+    uint16_t* kc = (uint16_t*)ck[j].data_ptr() + li * ck[j].stride(0) + slot * ck[j].stride(2);
+    uint16_t* vc = (uint16_t*)cv[j].data_ptr() + li * cv[j].stride(0) + slot * cv[j].stride(2);
+    for (int64_t g = 0; g < KV; ++g) {
+      std::memcpy(kc + g * ck[j].stride(1), kp + (r * KV + g) * D, D * 2);
+      std::memcpy(vc + g * cv[j].stride(1), vp + (r * KV + g) * D, D * 2);
     }
-  // attention of the queries over the cache's first S slots (`attention`'s rows) -> [nq, H D]
+  }
+  // attention of each query over its sequence's cache's first S slots (`attention`'s rows) -> [nq, H D]
   auto a = at::empty({nq, H * D}, opt);
   uint16_t* ap = (uint16_t*)a.data_ptr();
   {
     RECORD_FUNCTION("speclab::attention", std::vector<c10::IValue>());  // the profiler's name for it
-    attn_rows(qp, D, H * D, H, G, nq, kc, ck.stride(1), ck.stride(2), vc, cv.stride(1), cv.stride(2), S, D, m, scale,
-              ap);
+    attn_rows(qp, D, H * D, H, G, nq, *std::max_element(S.begin(), S.end()), D, scale, ap,
+              [&](int64_t t, int64_t g, KVRun* runs, MaskRow& mr) {
+                const int64_t j = qseq[t];
+                runs[0] = {(const uint16_t*)ck[j].data_ptr() + li * ck[j].stride(0) + g * ck[j].stride(1),
+                           ck[j].stride(2),
+                           (const uint16_t*)cv[j].data_ptr() + li * cv[j].stride(0) + g * cv[j].stride(1),
+                           cv[j].stride(2), S[j]};
+                mr = mask_row(m[j], t - qoff[j], S[j]);
+                return 1;
+              });
   }
   // `finish`: h1 = h + o(a); the MLP down(silu(gate(x2)) * up(x2)) of x2 = post norm(h1); h1 + it
   auto h1 = rows_product(a, w[14], w[15], w[16], w[17]);
@@ -1378,9 +1405,8 @@ Tensor decoder_layer(const Tensor& x, const Tensor& h, const Tensor& cos, const 
                      const std::vector<OptT>& masks, double scale, double qk_eps, double eps, int64_t H, int64_t KV,
                      int64_t D, const OptT& q_rows, const std::vector<int64_t>& nqs) {
   Tensor fast;
-  if (ck.size() == 1 && (nqs.empty() || nqs[0] == (q_rows.has_value() ? q_rows->numel() : x.size(0))) &&
-      decode_layer_one(x, h, cos, sin, w, i, ck[0], cv[0], starts[0], ns[0], masks[0], scale, qk_eps, eps, H, KV, D,
-                       q_rows, fast))
+  if (decode_layer_rows(x, h, cos, sin, w, i, ck, cv, starts, ns, masks, scale, qk_eps, eps, H, KV, D, q_rows, nqs,
+                        fast))
     return fast;
   auto q = linear(q_rows ? x.index({*q_rows}) : x, *w[0], w[1], w[2], w[3]).unflatten(-1, {H, D});
   if (w[12].has_value()) q = rms_norm(q, w[12], qk_eps);

@@ -9,7 +9,7 @@ in ATen's composite; `rms` and `rms_norm` offer it to Python's norms too) and th
 reproduces ATen's arithmetic element by element and leaves the one reduction to ATen's sum, so it is bitwise
 ATen's; `build` checks that once per process (`_fused_ops_agree`) and otherwise keeps ATen's ops.
 A decode step's few bf16 rows of one sequence go further (`decode_layers` for the lean forward's layers,
-`decode_layer_one` for a drafter's `DecoderLayer`, where the CPU has AVX512-BF16): the views, copies, elementwise
+`decode_layer_rows` for a drafter's `DecoderLayer`, where the CPU has AVX512-BF16): the views, copies, elementwise
 ops and dispatch of each layer become loops over its rows, with each op's arithmetic per element, the products are
 called directly, and only the norms' row sums and the SiLU stay ATen's, so the bits are those of the ops they stand
 for (`tests/test_native.py`); `SPECLAB_FAST_LAYERS=0` turns them off (to compare).
@@ -45,7 +45,7 @@ ENABLED = os.environ.get("SPECLAB_NATIVE", "1") != "0"
 # the native products (`native.cpp`'s `tile_linear` on AMX, else `dp_linear` on AVX512-BF16) for the bf16 products of
 # `layers.linear`, Python's and the native layers' alike; SPECLAB_TILES=0 in the environment (to compare): oneDNN's
 TILES = os.environ.get("SPECLAB_TILES", "1") != "0"
-# a decode step's layers without ATen's small ops (`native.cpp`'s `decode_layers` and `decode_layer_one`, bitwise the
+# a decode step's layers without ATen's small ops (`native.cpp`'s `decode_layers` and `decode_layer_rows`, bitwise the
 # ops they stand for); SPECLAB_FAST_LAYERS=0 in the environment (to compare): those ops, called from C++
 FAST_LAYERS = os.environ.get("SPECLAB_FAST_LAYERS", "1") != "0"
 _state: dict[str, Any] = {}
