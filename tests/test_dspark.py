@@ -231,6 +231,30 @@ def test_the_profile_keeps_drafting_from_being_measured_where_it_cannot_pay():
         assert True not in p.rate and p.rate[False] == pytest.approx(1 / 1.1)
 
 
+def test_a_few_poor_first_blocks_do_not_keep_drafting_off():
+    """Survival averages pulled down by a few poor blocks (a prompt's first tokens) neither release the drafters
+    (`plain` answers the load question from the head's typical survivals, PRIOR ** j) nor hold drafting off for good
+    (`may_pay`'s averages move back toward the prior with every no), where at the prior drafting pays; and a measured
+    step of one request weighs REQUEST_WEIGHT in the throughput averages, one of eight requests 1 - 0.95 ** 8."""
+    from types import SimpleNamespace
+
+    from speclab.core.batch import StepEvent
+    p = DSpark(k=4, cost=StepCost(1.0, 0.1, 0.0, drafting=(0.5, 0.0, 0.0)))
+    streams = [SimpleNamespace(req=SimpleNamespace(rid=0))]
+    p.mean_surv = [0.1, 0.01, 0.001, 0.0001]
+    assert not p._profile_pays([4]) and p._profile_pays([4], prior=True)
+    assert not p.plain(1)
+    answers = []
+    for _ in range(10 * p.PROBE_EVERY):
+        answers.append(p.may_pay(streams))
+    assert not answers[0] and answers[-1] and sum(answers) < len(answers)  # held back first, then asked yes again
+    p.rate, p.sums, p.measured_steps = {True: 1.0}, {True: (4.0, 4.0)}, {True: 100}  # past the first steps' mean
+    p.prev = True
+    p.observe(StepEvent(0, 0.0, [0], [4], [4], 1, 1, 1, 0, {"draft": 1.0, "verify": 1.0}))  # 5 tokens in 2 ms
+    w = p.REQUEST_WEIGHT
+    assert p.rate[True] == pytest.approx(((1 - w) * 4 + w * 5) / ((1 - w) * 4 + w * 2))
+
+
 def test_the_profile_expects_a_prefix_to_commit_its_survivals_summed():
     """`may_pay`'s arithmetic: the expected tokens of a kept prefix are its survival products summed (not the last
     one alone), so a batch whose blocks each keep 0.9 + 0.81 drafts where the last survival alone (0.81) would not."""

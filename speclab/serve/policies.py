@@ -221,7 +221,10 @@ class DSpark:
     PROBE_BUDGET = 0.02  # and at most this share of the time: a probe waits until its expected cost (what the last
     # one cost per request, over the faster side's time for the tokens it committed, times the requests now) is this
     # share of the time since the last one (at 32 requests a drafting probe costs several steps)
-    RATE_WEIGHT = 0.2  # a step's weight in the moving averages of measured throughput
+    RATE_WEIGHT = 0.2  # a step's weight in the moving averages of the blocks' survivals
+    REQUEST_WEIGHT = 0.05  # a request-step's in those of measured throughput: a step of n requests weighs
+    # 1 - 0.95 ** n (0.19 at 4, 0.34 at 8); at one request a step commits 1 to k + 1 tokens, and with a step's weight
+    # of 0.2 drafting's measured rate fell below plain decoding's every few steps (it drafted half the steps, 1.01x)
     PRIOR = 0.75  # `may_pay`'s survival per draft token before any block was drafted: the zoo DFlash head's c_k
     # averaged over its blocks' positions (4 zoo prompts x 128 tokens greedy: 0.70 / 0.51 / 0.37 / 0.28 / 0.21 / 0.16
     # / 0.12 / 0.10 for the first eight, 2.45 in all, against 2.38 accepted a round; 0.75 ** j sums to 2.70)
@@ -239,7 +242,8 @@ class DSpark:
         self.surv: dict[int, list[float]] = {}  # request -> its last block's survival products
         self.call_ms = 0.0  # a drafting step's drafter call (every request's block in one call): a moving average
         self.idle = 0  # steps since the batch last drafted
-        self.rate: dict[bool, float] = {}  # drafted or not -> committed tokens per ms of such steps (moving average)
+        self.rate: dict[bool, float] = {}  # drafted or not -> committed tokens per ms of such steps (moving averages
+        self.sums: dict[bool, tuple[float, float]] = {}  # of their tokens and of their ms, `sums`: rate = tokens / ms)
         self.measured_steps: dict[bool, int] = {}  # drafted or not -> the steps measured in `rate`
         self.since = 0  # steps since the choice measured slower was last taken
         self.every = self.PROBE_EVERY  # steps between two such probes now
@@ -306,35 +310,42 @@ class DSpark:
         too noisy to stop its probes on), each request's block cut by `admit`. Asked before drafting is measured,
         first or in a probe, so a batch where drafting cannot pay does not pay to find out (at 32 requests a drafting
         step with the catch-up of every prompt costs several steps). True where the cost was not profiled; after a
-        no, asked again PROBE_EVERY steps later (no between)."""
+        no, asked again PROBE_EVERY steps later (no between), the averages moved a step back toward the prior."""
         if self.cost is None or self.cost.drafting is None:
             return True
         if self.held:
             self.held -= 1
             return False
         pays = self._profile_pays(self.blocks(streams))
+        if not pays:  # the averages move only when blocks are drafted: a few poor early ones (a prompt's first tokens)
+            # would keep drafting off for good, so each no moves them back toward the prior (at loads where even the
+            # prior cannot pay, the answer stays no)
+            self.mean_surv = [a + self.RATE_WEIGHT * (self.PRIOR ** (j + 1) - a) for j, a in enumerate(self.mean_surv)]
         self.held = 0 if pays else self.PROBE_EVERY
         return pays
 
     def plain(self, n: int) -> bool:
         """Whether this policy drafts for none of a batch of n requests from now on (`speclab.core.batch.Policy`:
         the batch then releases their drafters, and a step costs what plain decoding's does): with `release`, where
-        the profile (`StepCost.drafting`) says that n requests drafting a block of k each, at the blocks' average
-        survivals and cut by `admit`, cannot commit more tokens per ms than a plain step (`may_pay`'s test for
-        requests that have not drafted), and drafting was not measured faster (`measured`). Without a profile: never."""
+        the profile (`StepCost.drafting`) says that n requests drafting a block of k each, at the head's typical
+        survivals (PRIOR ** j) and cut by `admit`, cannot commit more tokens per ms than a plain step, and drafting was
+        not measured faster (`measured`). Without a profile: never. A load question, so not the blocks' running
+        averages: released drafters never draft again, and at one request a few poor first blocks (a prompt's first
+        tokens) had released them for good where drafting pays 1.3x."""
         if not self.release or self.cost is None or self.cost.drafting is None:
             return False
         if self.measured and True in self.rate and False in self.rate and self.rate[True] >= self.rate[False]:
             return False
         if n not in self.plain_at:
-            self.plain_at[n] = not self._profile_pays([self.k] * n)
+            self.plain_at[n] = not self._profile_pays([self.k] * n, prior=True)
         return self.plain_at[n]
 
-    def _profile_pays(self, blocks: list[int]) -> bool:
-        """Whether requests drafting blocks of these lengths, at the blocks' average survivals and cut by `admit`,
-        commit more tokens per ms than a plain step, with the profiled drafting cost (`StepCost.drafting_ms`)."""
+    def _profile_pays(self, blocks: list[int], prior: bool = False) -> bool:
+        """Whether requests drafting blocks of these lengths, at the blocks' average survivals (`prior`: the head's
+        typical ones, PRIOR ** j) and cut by `admit`, commit more tokens per ms than a plain step, with the profiled
+        drafting cost (`StepCost.drafting_ms`)."""
         assert self.cost is not None
-        surv = [self.mean_surv[:b] for b in blocks]
+        surv = [[self.PRIOR ** j for j in range(1, b + 1)] if prior else self.mean_surv[:b] for b in blocks]
         return self._drafting_pays(surv, self.cost.drafting_ms(len(surv), sum(len(a) for a in surv)))
 
     def measure_steps(self, drafting: bool, n: int) -> int:
@@ -398,8 +409,11 @@ class DSpark:
             return
         first = key not in self.rate
         self.measured_steps[key] = self.measured_steps.get(key, 0) + 1
-        w = max(self.RATE_WEIGHT, 1 / self.measured_steps[key])  # the mean of the first steps, then a moving average
-        self.rate[key] = tokens / ms if first else (1 - w) * self.rate[key] + w * tokens / ms
+        # the mean of the first steps, then moving averages, each step weighted by its requests
+        w = max(1 - (1 - self.REQUEST_WEIGHT) ** len(ev.rids), 1 / self.measured_steps[key])
+        t0, m0 = self.sums.get(key, (tokens, ms))
+        self.sums[key] = ((1 - w) * t0 + w * tokens, (1 - w) * m0 + w * ms)
+        self.rate[key] = self.sums[key][0] / self.sums[key][1]
         if first and len(self.rate) == 2:  # both sides measured once: a probe's cost, as the slower side's step
             side = self.rate[True] < self.rate[False]
             self.probe_ms, self.since_ms = self._extra_ms(side, *self.last[side]), 0.0
