@@ -527,6 +527,12 @@ struct KVRun {
   int64_t n;
 };
 
+// Layer i's keys and values of kv head g in a cache pair ([layers, kv_heads, slots, D] each), its first S slots
+static KVRun cache_run(const Tensor& ck, const Tensor& cv, int64_t i, int64_t g, int64_t S) {
+  return {(const uint16_t*)ck.data_ptr() + i * ck.stride(0) + g * ck.stride(1), ck.stride(2),
+          (const uint16_t*)cv.data_ptr() + i * cv.stride(0) + g * cv.stride(1), cv.stride(2), S};
+}
+
 // One query row q [D] of one head over the keys and values of `nruns` runs one after another (S slots in all, slot j
 // the j-th of them: a concatenation read where each part lies) with its mask row [S] in the dtype the caller gave (at
 // most one of: `madd` fp32 or `madd16` bf16, additive; `seen` bool; none: every key) -> out [D] bf16; `sbuf` [S]
@@ -882,7 +888,7 @@ static Tensor mix_rows(int64_t i, const Tensor& q, const Tensor& k, const Tensor
       cv.size() != ck.size() || starts.size() != ck.size() || ns.size() != ck.size() || masks.size() != ck.size() ||
       (!nqs.empty() && nqs.size() != ck.size()))
     return Tensor();
-  std::vector<int64_t> qoff(J + 1, 0), roff(J + 1, 0), ioff(J + 1, 0), S(J);
+  std::vector<int64_t> qoff(J + 1, 0), roff(J + 1, 0), S(J);
   std::vector<Tensor> m(J);
   int64_t Smax = 0;
   for (int64_t j = 0; j < J; ++j) {
@@ -900,7 +906,7 @@ static Tensor mix_rows(int64_t i, const Tensor& q, const Tensor& k, const Tensor
         return Tensor();
       m[j] = mk.contiguous();
     }
-    qoff[j + 1] = qoff[j] + nq, roff[j + 1] = roff[j] + ns[j], ioff[j + 1] = ioff[j] + H * nq;
+    qoff[j + 1] = qoff[j] + nq, roff[j + 1] = roff[j] + ns[j];
     Smax = std::max(Smax, S[j]);
   }
   if (qoff[J] != q.size(1) || roff[J] != k.size(1)) return Tensor();
@@ -919,21 +925,15 @@ static Tensor mix_rows(int64_t i, const Tensor& q, const Tensor& k, const Tensor
   auto out = at::empty({T, H, D}, q.options());
   const uint16_t* qp = (const uint16_t*)q.data_ptr();
   const int64_t qs0 = q.stride(0), qs1 = q.stride(1);
-  uint16_t* op = (uint16_t*)out.data_ptr();
-  at::parallel_for(0, ioff[J], 1, [&](int64_t a, int64_t b) {  // rows are independent: any split, same bits
-    std::vector<float> sbuf(Smax + 16);
-    int64_t j = std::upper_bound(ioff.begin(), ioff.end(), a) - ioff.begin() - 1;
-    for (int64_t t = a; t < b; ++t) {
-      while (t >= ioff[j + 1]) ++j;
-      const int64_t nq = qoff[j + 1] - qoff[j], h = (t - ioff[j]) / nq, r = (t - ioff[j]) % nq, g = h / G;
-      const MaskRow mr = mask_row(m[j], r, S[j]);
-      const KVRun run = {(const uint16_t*)ck[j].data_ptr() + i * ck[j].stride(0) + g * ck[j].stride(1), ck[j].stride(2),
-                         (const uint16_t*)cv[j].data_ptr() + i * cv[j].stride(0) + g * cv[j].stride(1), cv[j].stride(2),
-                         S[j]};
-      attn_row(qp + h * qs0 + (qoff[j] + r) * qs1, &run, 1, D, mr.add, mr.add16, mr.seen, (float)scale, sbuf.data(),
-               op + ((qoff[j] + r) * H + h) * D);
-    }
-  });
+  std::vector<int64_t> qseq(T);  // each query's sequence
+  for (int64_t j = 0; j < J; ++j) std::fill(qseq.begin() + qoff[j], qseq.begin() + qoff[j + 1], j);
+  attn_rows(qp, qs0, qs1, H, G, T, Smax, D, scale, (uint16_t*)out.data_ptr(),
+            [&](int64_t t, int64_t g, KVRun* runs, MaskRow& mr) {
+              const int64_t j = qseq[t];
+              runs[0] = cache_run(ck[j], cv[j], i, g, S[j]);
+              mr = mask_row(m[j], t - qoff[j], S[j]);
+              return 1;
+            });
   return out.transpose(0, 1);
 }
 
@@ -1088,6 +1088,36 @@ static bool bf16_vec(const OptT& t, int64_t numel) {
   return t.has_value() && t->scalar_type() == at::kBFloat16 && t->is_contiguous() && t->numel() == numel;
 }
 
+// A ragged batch as both raw-row paths read it: sequence j's rows off[j].. (ns[j], at most `most` of them) written
+// to its caches at slots starts[j].., its queries qoff[j].. (nqs[j], at most `ATTN_ROWS`, so that `mix` attends each
+// by `attn_row`) over its first S[j] slots under masks[j] (`raw_rows_ok`, cos and sin of `rows` rows); each row's
+// and each query's sequence. False where any part falls outside it
+struct Ragged {
+  std::vector<int64_t> off, qoff, S, seq, qseq;
+  std::vector<Tensor> m;
+};
+static bool ragged_ok(const Tensor& cos, const Tensor& sin, const std::vector<Tensor>& ck, const std::vector<Tensor>& cv,
+                      const std::vector<int64_t>& starts, const std::vector<int64_t>& ns,
+                      const std::vector<int64_t>& nqs, const std::vector<OptT>& masks, int64_t rows, int64_t most,
+                      int64_t layers, int64_t KV, int64_t D, Ragged& g) {
+  const int64_t J = (int64_t)ck.size();
+  if (J < 1 || (int64_t)cv.size() != J || (int64_t)starts.size() != J || (int64_t)ns.size() != J ||
+      (int64_t)nqs.size() != J || (int64_t)masks.size() != J)
+    return false;
+  g.off.assign(J + 1, 0), g.qoff.assign(J + 1, 0), g.S.assign(J, 0), g.m.assign(J, Tensor());
+  for (int64_t j = 0; j < J; ++j) {
+    if (ns[j] < 1 || ns[j] > most || nqs[j] < 1 || nqs[j] > ATTN_ROWS || starts[j] < 0) return false;
+    g.off[j + 1] = g.off[j] + ns[j], g.qoff[j + 1] = g.qoff[j] + nqs[j], g.S[j] = starts[j] + ns[j];
+    if (!raw_rows_ok(cos, sin, ck[j], cv[j], masks[j], rows, nqs[j], layers, KV, g.S[j], D, g.m[j])) return false;
+  }
+  g.seq.resize(g.off[J]), g.qseq.resize(g.qoff[J]);
+  for (int64_t j = 0; j < J; ++j) {
+    std::fill(g.seq.begin() + g.off[j], g.seq.begin() + g.off[j + 1], j);
+    std::fill(g.qseq.begin() + g.qoff[j], g.qseq.begin() + g.qoff[j + 1], j);
+  }
+  return true;
+}
+
 static bool decode_layers(const Tensor& h0, const Tensor& cos, const Tensor& sin,
                           const std::vector<std::vector<OptT>>& W, const std::vector<Tensor>& ck,
                           const std::vector<Tensor>& cv, const std::vector<int64_t>& starts,
@@ -1095,29 +1125,18 @@ static bool decode_layers(const Tensor& h0, const Tensor& cos, const Tensor& sin
                           int64_t H, int64_t KV, int64_t D, const std::vector<int64_t>& keep, const OptT& soft_k,
                           const OptT& soft_v, const OptT& con_mask, std::vector<Tensor>& out) {
   const auto bf16 = at::kBFloat16;
-  const int64_t J = (int64_t)ck.size();
   if (!fused || !fast_layers || !attn_ok || h0.dim() != 2 || h0.scalar_type() != bf16 || !h0.is_contiguous() ||
-      !h0.device().is_cpu() || J < 1 || (int64_t)cv.size() != J || (int64_t)starts.size() != J ||
-      (int64_t)ns.size() != J || (int64_t)masks.size() != J || (soft_k.has_value() && J != 1) || D % 32 != 0 ||
-      D > 256 || KV <= 0 || H % KV != 0)
+      !h0.device().is_cpu() || (soft_k.has_value() && ck.size() != 1) || D % 32 != 0 || D > 256 || KV <= 0 ||
+      H % KV != 0)
     return false;
-  // sequence j's rows off[j]..off[j + 1] (each at most `ATTN_ROWS`, so that `mix` attends every one by `attn_row`),
-  // then c extra rows (one sequence's only)
-  std::vector<int64_t> off(J + 1, 0);
-  for (int64_t j = 0; j < J; ++j) {
-    if (ns[j] < 1 || ns[j] > ATTN_ROWS || starts[j] < 0) return false;
-    off[j + 1] = off[j] + ns[j];
-  }
-  const int64_t n = off[J], R = h0.size(0), c = R - n;  // the plain rows, every row, the extra rows
+  // every row queries; after one sequence's plain rows, c extra rows
+  const int64_t R = h0.size(0), d = h0.size(1), QK = H + KV, C3 = H + 2 * KV, L = (int64_t)W.size(), G = H / KV;
+  Ragged rg;
+  if (!ragged_ok(cos, sin, ck, cv, starts, ns, ns, masks, R, ATTN_ROWS, L, KV, D, rg)) return false;
+  const auto &off = rg.off, &S = rg.S, &seq = rg.seq;
+  const auto& m = rg.m;
+  const int64_t n = off.back(), c = R - n;  // the plain rows, the extra rows
   if (c < 0 || c > ATTN_ROWS || (c > 0) != soft_k.has_value()) return false;
-  const int64_t d = h0.size(1), QK = H + KV, C3 = H + 2 * KV, L = (int64_t)W.size(), G = H / KV;
-  std::vector<Tensor> m(J);
-  std::vector<int64_t> S(J), seq(R, 0);  // sequence j attends its cache's first S[j] slots; row i is sequence seq[i]'s
-  for (int64_t j = 0; j < J; ++j) {
-    S[j] = starts[j] + ns[j];
-    if (!raw_rows_ok(cos, sin, ck[j], cv[j], masks[j], R, ns[j], L, KV, S[j], D, m[j])) return false;
-    for (int64_t i = off[j]; i < off[j + 1]; ++i) seq[i] = j;
-  }
   Tensor sk, sv, cm;
   int64_t P = 0;  // the extra rows' own keys and values (ConFu's soft prompts) a layer and kv head
   if (c > 0) {  // [layers, KV, P, D] each, in bf16 (what `mix_con` casts them to), and a bool mask [c, P + S + c]
@@ -1184,9 +1203,7 @@ static bool decode_layers(const Tensor& h0, const Tensor& cos, const Tensor& sin
       RECORD_FUNCTION("speclab::attention", std::vector<c10::IValue>());  // the profiler's name for it
       attn_rows(qkp, D, QK * D, H, G, R, P + Smax + c, D, scale, ap, [&](int64_t i, int64_t g, KVRun* runs, MaskRow& mr) {
         const int64_t j = i < n ? seq[i] : 0;
-        runs[0] = {(const uint16_t*)ck[j].data_ptr() + li * ck[j].stride(0) + g * ck[j].stride(1), ck[j].stride(2),
-                   (const uint16_t*)cv[j].data_ptr() + li * cv[j].stride(0) + g * cv[j].stride(1), cv[j].stride(2),
-                   S[j]};
+        runs[0] = cache_run(ck[j], cv[j], li, g, S[j]);
         if (i < n) {
           mr = mask_row(m[j], i - off[j], S[j]);
           return 1;
@@ -1283,31 +1300,23 @@ static bool decode_layer_rows(const Tensor& x, const Tensor& h, const Tensor& co
                               double qk_eps, double eps, int64_t H, int64_t KV, int64_t D, const OptT& q_rows,
                               const std::vector<int64_t>& nqs, Tensor& result) {
   const auto bf16 = at::kBFloat16;
-  const int64_t J = (int64_t)ck.size(), n = x.dim() == 2 ? x.size(0) : 0;
-  const int64_t nq = q_rows.has_value() ? q_rows->numel() : n;
+  const int64_t n = x.dim() == 2 ? x.size(0) : 0, nq = q_rows.has_value() ? q_rows->numel() : n;
   if (!fused || !fast_layers || !attn_ok || x.dim() != 2 || x.scalar_type() != bf16 || !x.is_contiguous() ||
-      !x.device().is_cpu() || J < 1 || (int64_t)cv.size() != J || (int64_t)starts.size() != J ||
-      (int64_t)ns.size() != J || (int64_t)masks.size() != J || (!nqs.empty() && (int64_t)nqs.size() != J) ||
-      h.dim() != 2 || h.scalar_type() != bf16 || !h.is_contiguous() || h.size(0) != nq || nq < 1 || D % 32 != 0 ||
-      D > 256 || KV <= 0 || H % KV != 0 || w.size() != 28)
+      !x.device().is_cpu() || h.dim() != 2 || h.scalar_type() != bf16 || !h.is_contiguous() || h.size(0) != nq ||
+      nq < 1 || D % 32 != 0 || D > 256 || KV <= 0 || H % KV != 0 || w.size() != 28)
     return false;
   if (q_rows.has_value() && (q_rows->scalar_type() != at::kLong || q_rows->dim() != 1 || !q_rows->is_contiguous() ||
                              !q_rows->device().is_cpu()))
     return false;
-  // sequence j: rows off[j].., queries qoff[j].. (at most `ATTN_ROWS`, so that `mix` attends each by `attn_row`)
-  std::vector<int64_t> off(J + 1, 0), qoff(J + 1, 0), S(J), seq(n), qseq(nq);
-  std::vector<Tensor> m(J);
-  for (int64_t j = 0; j < J; ++j) {
-    const int64_t nqj = nqs.empty() ? (J == 1 ? nq : ns[j]) : nqs[j];
-    if (ns[j] < 1 || ns[j] > 64 || nqj < 1 || nqj > ATTN_ROWS || starts[j] < 0 || (!q_rows && nqj != ns[j])) return false;
-    off[j + 1] = off[j] + ns[j], qoff[j + 1] = qoff[j] + nqj, S[j] = starts[j] + ns[j];
-  }
-  if (off[J] != n || qoff[J] != nq) return false;
-  for (int64_t j = 0; j < J; ++j) {
-    if (!raw_rows_ok(cos, sin, ck[j], cv[j], masks[j], n, qoff[j + 1] - qoff[j], li + 1, KV, S[j], D, m[j])) return false;
-    for (int64_t r = off[j]; r < off[j + 1]; ++r) seq[r] = j;
-    for (int64_t t = qoff[j]; t < qoff[j + 1]; ++t) qseq[t] = j;
-  }
+  // the queries: q_rows's, the first nqs[0] sequence 0's and so on (one sequence: all of them); else every row
+  const std::vector<int64_t> nq_of = !q_rows ? ns : !nqs.empty() ? nqs : std::vector<int64_t>{nq};
+  if (!q_rows && !nqs.empty() && nqs != ns) return false;
+  Ragged rg;
+  if (!ragged_ok(cos, sin, ck, cv, starts, ns, nq_of, masks, n, 64, li + 1, KV, D, rg) || rg.off.back() != n ||
+      rg.qoff.back() != nq)
+    return false;
+  const auto &off = rg.off, &qoff = rg.qoff, &S = rg.S, &seq = rg.seq, &qseq = rg.qseq;
+  const auto& m = rg.m;
   const int64_t din = x.size(1), d = h.size(1), G = H / KV;
   auto mat = [&](const OptT& t, int64_t rows, int64_t cols) {
     return t.has_value() && t->scalar_type() == bf16 && t->dim() == 2 && t->size(0) == rows && t->size(1) == cols;
@@ -1366,10 +1375,7 @@ static bool decode_layer_rows(const Tensor& x, const Tensor& h, const Tensor& co
     attn_rows(qp, D, H * D, H, G, nq, *std::max_element(S.begin(), S.end()), D, scale, ap,
               [&](int64_t t, int64_t g, KVRun* runs, MaskRow& mr) {
                 const int64_t j = qseq[t];
-                runs[0] = {(const uint16_t*)ck[j].data_ptr() + li * ck[j].stride(0) + g * ck[j].stride(1),
-                           ck[j].stride(2),
-                           (const uint16_t*)cv[j].data_ptr() + li * cv[j].stride(0) + g * cv[j].stride(1),
-                           cv[j].stride(2), S[j]};
+                runs[0] = cache_run(ck[j], cv[j], li, g, S[j]);
                 mr = mask_row(m[j], t - qoff[j], S[j]);
                 return 1;
               });
