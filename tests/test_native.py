@@ -763,6 +763,16 @@ def test_the_native_attention_is_as_close_as_the_fused_kernel_and_each_rows_alon
                     add = torch.zeros(n, s).masked_fill_(~see, float("-inf")).bfloat16()
                     assert torch.equal(torch.ops.speclab.attention(q, k, v, add, 0.125),
                                        torch.ops.speclab.attention(q, k, v, see, 0.125))
+        # a key's score is the same bits whether it is reduced among 16 keys or alone (`reduce16`: the pairs of
+        # `_mm512_reduce_add_ps`, in its order): keys 0 and 16 of 17, the 15 between unseen, against those two alone
+        for heads, kv, d in ((8, 4, 64), (6, 2, 128), (4, 4, 32)):
+            for _ in range(20):
+                q = torch.randn(heads, 3, d, generator=g).bfloat16()
+                k, v = (torch.randn(2, kv, 17, d, generator=g) * 3).bfloat16()
+                see = torch.zeros(3, 17, dtype=torch.bool)
+                see[:, [0, 16]] = True
+                two = torch.ops.speclab.attention(q, k[:, [0, 16]], v[:, [0, 16]], None, 0.125)
+                assert torch.equal(torch.ops.speclab.attention(q, k, v, see, 0.125), two)
         q, k = torch.randn(8, 40, 64, generator=g), torch.randn(4, 60, 64, generator=g)
         for args in ((q, k, k), (q.bfloat16(), k.bfloat16(), k.bfloat16())):  # fp32; 40 rows
             assert torch.equal(torch.ops.speclab.attention(*args, None, 0.125), fused(*args, None))
