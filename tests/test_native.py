@@ -721,12 +721,24 @@ def test_dflash_blocks_sampled_natively_are_the_python_loops_draws(dtype, deep, 
 
 @needs_build
 @pytest.mark.skipif(native.attention_module() is None, reason="no native attention in this process (no AVX512-BF16)")
-def test_the_native_attention_is_as_close_as_the_fused_kernel_and_each_rows_alone():
-    """`speclab::attention` (`layers.attend` on a CPU outside autograd): for bf16 calls of 1 to 32 query rows over a
-    cache's strided keys, with grouped-query heads, no mask, a causal additive mask and a bool tree mask, every
-    output is within one bf16 rounding of the exact (fp64) attention, as close as torch's fused kernel is; each row
-    is the same bits alone as among the others (bool and additive masks alike). fp32, 4-D batches and more than 32
-    rows are the fused kernel's own bits."""
+@pytest.mark.parametrize("tiles", [True, False])
+def test_the_native_attention_is_as_close_as_the_fused_kernel_and_each_rows_alone(tiles):
+    """`speclab::attention` (`layers.attend` on a CPU outside autograd), its dot products on AMX tiles (`tiles`,
+    where the CPU has them) or in AVX512-BF16: for bf16 calls of 1 to 32 query rows over a cache's strided keys, with
+    grouped-query heads, no mask, a causal additive mask and a bool tree mask, every output is within one bf16
+    rounding of the exact (fp64) attention, as close as torch's fused kernel is; each row is the same bits alone as
+    among the others (bool and additive masks alike; on the tiles a few queries read the keys where they lie, more
+    read them transposed: the same sums). fp32, 4-D batches and more than 32 rows are the fused kernel's own bits."""
+    if tiles and native.product() != "tiles":
+        pytest.skip("no AMX tiles in this process")
+    native.build().set_attn_tiles(tiles)
+    try:
+        _attention_checks()
+    finally:
+        native.build().set_attn_tiles(True)
+
+
+def _attention_checks():
     from speclab.core import layers
 
     def exact(q, k, v, mask):
@@ -763,8 +775,9 @@ def test_the_native_attention_is_as_close_as_the_fused_kernel_and_each_rows_alon
                     add = torch.zeros(n, s).masked_fill_(~see, float("-inf")).bfloat16()
                     assert torch.equal(torch.ops.speclab.attention(q, k, v, add, 0.125),
                                        torch.ops.speclab.attention(q, k, v, see, 0.125))
-        # a key's score is the same bits whether it is reduced among 16 keys or alone (`reduce16`: the pairs of
-        # `_mm512_reduce_add_ps`, in its order): keys 0 and 16 of 17, the 15 between unseen, against those two alone
+        # a key's score is the same bits whether it is summed among 16 keys or alone (AVX: `reduce16`, the pairs of
+        # `_mm512_reduce_add_ps` in its order; tiles: each element its own): keys 0 and 16 of 17, the 15 between
+        # unseen, against those two alone
         for heads, kv, d in ((8, 4, 64), (6, 2, 128), (4, 4, 32)):
             for _ in range(20):
                 q = torch.randn(heads, 3, d, generator=g).bfloat16()

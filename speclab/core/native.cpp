@@ -514,10 +514,13 @@ static int64_t chain_accept(const Tensor& p, const Tensor& q, const Tensor& x, c
 // that read the same keys (a kv head's heads, one sequence's rows) share each value's widening and sum side by side
 // (`attn_outs`), each in slot order: the same bits as each row alone, 25-35% less time at 5-20 rows (Intel Xeon).
 static bool attn_ok = false;
+static bool attn_tiles = true;  // the dot products on AMX where there are tiles (`set_attn_tiles`: A/B runs)
+static void set_attn_tiles(bool on) { attn_tiles = on; }
 static constexpr int64_t ATTN_ROWS = 32;
 
 static bool attn_init() {
   attn_ok = dp_init();  // the same instructions as the dot product
+  tile_init();  // and its dot products on AMX where this process may use the tiles (decided here, once)
   return attn_ok;
 }
 
@@ -562,12 +565,14 @@ AVX512 static inline __m512 reduce16(const __m512* a) {
 // dimensions reduced as _mm512_reduce_add_ps reduces) * scale, plus the mask row (at most one of: `madd` fp32 or
 // `madd16` bf16, additive; `seen` bool; none: every key) -> their maximum (a NaN score ignored, as std::max(m, s) does)
 AVXBF static float attn_scores(const uint16_t* q, const KVRun* runs, int nruns, int64_t D, const float* madd,
-                               const uint16_t* madd16, const bool* seen, float scale, float* sbuf) {
+                               const uint16_t* madd16, const bool* seen, float scale, float* sbuf, bool dotted) {
   const int64_t C = D / 32;  // 32 dimensions (16 pairs) a register
   __m512bh qv[8];
   for (int64_t c = 0; c < C; ++c) qv[c] = (__m512bh)_mm512_loadu_si512(q + 32 * c);
   int64_t j = 0;
-  for (int u = 0; u < nruns; ++u) {
+  if (dotted)  // the dot products are in sbuf already (`tile_dots`)
+    for (int u = 0; u < nruns; ++u) j += runs[u].n;
+  for (int u = 0; u < nruns && !dotted; ++u) {
     const KVRun& r = runs[u];
     int64_t t = 0;
     for (; t + 16 <= r.n; t += 16, j += 16) {  // 16 keys at a time: their dot products, then one reduction
@@ -606,8 +611,8 @@ AVXBF static float attn_scores(const uint16_t* q, const KVRun* runs, int nruns, 
 // A query row's probabilities over its S slots: sbuf = exp(s - m) (`exp_nonpos`) of its scores (`attn_scores`),
 // -> 1 / l, l = sum p (16 lanes, then reduced)
 AVXBF static float attn_probs(const uint16_t* q, const KVRun* runs, int nruns, int64_t S, int64_t D, const float* madd,
-                              const uint16_t* madd16, const bool* seen, float scale, float* sb) {
-  const __m512 M = _mm512_set1_ps(attn_scores(q, runs, nruns, D, madd, madd16, seen, scale, sb));
+                              const uint16_t* madd16, const bool* seen, float scale, float* sb, bool dotted) {
+  const __m512 M = _mm512_set1_ps(attn_scores(q, runs, nruns, D, madd, madd16, seen, scale, sb, dotted));
   __m512 vl = _mm512_setzero_ps();
   for (int64_t j = 0; j < S; j += 16) {
     const __mmask16 msk = lanes(S - j);
@@ -674,6 +679,131 @@ static MaskRow mask_row(const Tensor& m, int64_t r, int64_t S) {
   return row;
 }
 
+// 16 registers of 16 32-bit elements transposed: r[k] lane p -> r[p] lane k
+AVX512 static inline void transpose16(__m512i* r) {
+  __m512i a[16], b[16];
+  for (int i = 0; i < 8; ++i) {
+    a[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
+    a[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
+  }
+  for (int i = 0; i < 4; ++i) {
+    b[4 * i] = _mm512_unpacklo_epi64(a[4 * i], a[4 * i + 2]);
+    b[4 * i + 1] = _mm512_unpackhi_epi64(a[4 * i], a[4 * i + 2]);
+    b[4 * i + 2] = _mm512_unpacklo_epi64(a[4 * i + 1], a[4 * i + 3]);
+    b[4 * i + 3] = _mm512_unpackhi_epi64(a[4 * i + 1], a[4 * i + 3]);
+  }
+  for (int c = 0; c < 4; ++c) {  // b[c + 4 i]'s 128-bit lane L holds elements 4 L + c of rows 4 i .. 4 i + 3
+    const __m512i x0 = _mm512_shuffle_i32x4(b[c], b[4 + c], 0x44), x1 = _mm512_shuffle_i32x4(b[c], b[4 + c], 0xEE);
+    const __m512i y0 = _mm512_shuffle_i32x4(b[8 + c], b[12 + c], 0x44),
+                  y1 = _mm512_shuffle_i32x4(b[8 + c], b[12 + c], 0xEE);
+    r[c] = _mm512_shuffle_i32x4(x0, y0, 0x88);
+    r[4 + c] = _mm512_shuffle_i32x4(x0, y0, 0xDD);
+    r[8 + c] = _mm512_shuffle_i32x4(x1, y1, 0x88);
+    r[12 + c] = _mm512_shuffle_i32x4(x1, y1, 0xDD);
+  }
+}
+
+// The keys of the runs (S slots) as AMX B tiles: per block of 16 slots and 32 dimensions, 16 rows (pairs of
+// dimensions) of 16 slots' pairs -> kt [ceil(S / 16)][D / 32][16][32] bf16 (zeros past S)
+AVX512 static void key_tiles(const KVRun* runs, int nruns, int64_t S, int64_t D, uint16_t* kt) {
+  const int64_t C = D / 32;
+  const uint16_t* kp[16];
+  for (int64_t j0 = 0, u = 0, t = 0; j0 < S; j0 += 16) {
+    for (int e = 0; e < 16; ++e) {
+      if (j0 + e < S) {
+        while (t == runs[u].n) ++u, t = 0;
+        kp[e] = runs[u].k + t * runs[u].ks;
+        ++t;
+      } else {
+        kp[e] = nullptr;
+      }
+    }
+    for (int64_t c = 0; c < C; ++c, kt += 512) {
+      __m512i r[16];
+      for (int e = 0; e < 16; ++e) r[e] = kp[e] ? _mm512_loadu_si512(kp[e] + 32 * c) : _mm512_setzero_si512();
+      transpose16(r);
+      for (int e = 0; e < 16; ++e) _mm512_storeu_si512(kt + 32 * e, r[e]);
+    }
+  }
+}
+
+// The dot products of Q query rows (q[a] [D] bf16) with the S keys of `key_tiles`, on AMX: up to 16 queries a tile
+// (A: the queries' 32 dimensions, B: a block's keys, C: their fp32 sums), sums over D / 32 products -> sb[a * ld + j]
+// (the raw products, as `attn_scores` leaves them before the scale). A query's sums are its own: each element of C is
+// its query row's and its key's alone, whatever else the tile holds
+__attribute__((target("amx-tile,amx-bf16,avx512f"))) static void tile_dots(const uint16_t* const* q, int64_t Q,
+                                                                         const uint16_t* kt, int64_t S, int64_t D,
+                                                                         uint16_t* qbuf, float* sb, int64_t ld) {
+  const int64_t C = D / 32, blocks = (S + 15) / 16;
+  for (int64_t a = 0; a < Q; ++a) std::memcpy(qbuf + a * D, q[a], D * 2);
+  for (int64_t a0 = 0; a0 < Q; a0 += 16) {
+    const int64_t qn = std::min<int64_t>(16, Q - a0);
+    TileConfig cfg;
+    cfg.rows[0] = cfg.rows[1] = (uint8_t)qn, cfg.colsb[0] = cfg.colsb[1] = 64;
+    cfg.rows[2] = 16, cfg.colsb[2] = 64;
+    _tile_loadconfig(&cfg);
+    for (int64_t b = 0; b < blocks; ++b) {
+      _tile_zero(0);
+      for (int64_t c = 0; c < C; ++c) {
+        _tile_loadd(1, qbuf + a0 * D + 32 * c, D * 2);
+        _tile_loadd(2, kt + (b * C + c) * 512, 64);
+        _tile_dpbf16ps(0, 1, 2);
+      }
+      _tile_stored(0, sb + a0 * ld + 16 * b, ld * 4);
+    }
+  }
+  _tile_release();
+}
+
+// `tile_dots` for a few queries (Q <= 4) with the keys as the A tile, read where they lie (no transposition): C [16
+// keys x Q] = keys . queries (B: the queries' pairs of dimensions, [16 pairs][Q]), each element the same sums in the
+// same order as `tile_dots`' (the products commute exactly), so the same bits -> sb[a * ld + j]
+__attribute__((target("amx-tile,amx-bf16"))) static void tile_dots_few(const uint16_t* const* q, int64_t Q,
+                                                                     const KVRun* runs, int nruns, int64_t S,
+                                                                     int64_t D, uint16_t* scratch, float* sb,
+                                                                     int64_t ld) {
+  const int64_t C = D / 32;
+  uint32_t qt[8][16][4];  // per 32 dimensions: [pair][query]
+  for (int64_t c = 0; c < C; ++c)
+    for (int p = 0; p < 16; ++p)
+      for (int64_t a = 0; a < Q; ++a) std::memcpy(&qt[c][p][a], q[a] + 32 * c + 2 * p, 4);
+  TileConfig cfg;
+  cfg.rows[0] = cfg.rows[1] = cfg.rows[2] = 16;
+  cfg.colsb[0] = cfg.colsb[2] = (uint16_t)(Q * 4), cfg.colsb[1] = 64;
+  _tile_loadconfig(&cfg);
+  float ct[16][4];
+  for (int64_t j0 = 0, u = 0, t = 0; j0 < S; j0 += 16) {
+    while (t == runs[u].n) ++u, t = 0;
+    const uint16_t* kp;
+    int64_t stride;
+    if (runs[u].n - t >= 16) {  // 16 keys of one run: the A tile straight from the cache
+      kp = runs[u].k + t * runs[u].ks, stride = runs[u].ks * 2;
+      t += 16;
+    } else {  // across runs, or the last keys: copied (zeros past S)
+      for (int e = 0; e < 16; ++e) {
+        if (j0 + e < S) {
+          while (t == runs[u].n) ++u, t = 0;
+          std::memcpy(scratch + e * D, runs[u].k + t * runs[u].ks, D * 2);
+          ++t;
+        } else {
+          std::memset(scratch + e * D, 0, D * 2);
+        }
+      }
+      kp = scratch, stride = D * 2;
+    }
+    _tile_zero(0);
+    for (int64_t c = 0; c < C; ++c) {
+      _tile_loadd(1, kp + 32 * c, stride);
+      _tile_loadd(2, &qt[c][0][0], 16);
+      _tile_dpbf16ps(0, 1, 2);
+    }
+    _tile_stored(0, &ct[0][0], 16);
+    for (int64_t a = 0; a < Q; ++a)
+      for (int e = 0; e < 16; ++e) sb[a * ld + j0 + e] = ct[e][a];
+  }
+  _tile_release();
+}
+
 // Whether two rows read the same runs (the rows of one sequence)
 static bool same_runs(const KVRun* a, int na, const KVRun* b, int nb) {
   if (na != nb) return false;
@@ -702,8 +832,11 @@ static void attn_rows(const uint16_t* q, int64_t qh, int64_t qr, int64_t H, int6
                       int64_t D, double scale, uint16_t* out, Keys keys) {
   constexpr int64_t RB = 8;  // rows a block
   const int64_t KV = H / G, blocks = (rows + RB - 1) / RB, ld = S + 16;
+  const bool tiles = attn_tiles && tile_ok;
   at::parallel_for(0, KV * blocks, 1, [&](int64_t a, int64_t b) {
     std::vector<float> sbuf(RB * G * ld), wide;
+    std::vector<uint16_t> kt, qbuf(tiles ? RB * G * D : 0);
+    std::vector<const uint16_t*> qs(RB * G);
     std::vector<const float*> ps(RB * G);
     std::vector<float> inv(RB * G);
     std::vector<uint16_t*> os(RB * G);
@@ -721,10 +854,21 @@ static void attn_rows(const uint16_t* q, int64_t qh, int64_t qr, int64_t H, int6
         int64_t Sg = 0, Q = 0;
         for (int u = 0; u < n; ++u) Sg += rs[u].n;
         for (int64_t r = i; r < e; ++r)
+          for (int64_t h = g * G; h < (g + 1) * G; ++h, ++Q) qs[Q] = q + h * qh + r * qr;
+        if (tiles && Q <= 4) {  // every query's dot products on AMX: a few with the keys where they lie
+          kt.resize(16 * D);
+          tile_dots_few(qs.data(), Q, rs, n, Sg, D, kt.data(), sbuf.data(), ld);
+        } else if (tiles) {  // more with the keys transposed once for all of them
+          kt.resize((Sg + 15) / 16 * D * 16);
+          key_tiles(rs, n, Sg, D, kt.data());
+          tile_dots(qs.data(), Q, kt.data(), Sg, D, qbuf.data(), sbuf.data(), ld);
+        }
+        Q = 0;
+        for (int64_t r = i; r < e; ++r)
           for (int64_t h = g * G; h < (g + 1) * G; ++h, ++Q) {
             float* sb = sbuf.data() + Q * ld;
             const MaskRow& m = mr[r - i0];
-            inv[Q] = attn_probs(q + h * qh + r * qr, rs, n, Sg, D, m.add, m.add16, m.seen, (float)scale, sb);
+            inv[Q] = attn_probs(qs[Q], rs, n, Sg, D, m.add, m.add16, m.seen, (float)scale, sb, tiles);
             ps[Q] = sb;
             os[Q] = out + (r * H + h) * D;
           }
@@ -1845,6 +1989,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rope", &rope, release());
   m.def("set_fused", &set_fused);
   m.def("set_fast_layers", &set_fast_layers);
+  m.def("set_attn_tiles", &set_attn_tiles);
   m.def("get_fast_calls", &get_fast_calls);
   m.def("product_init", &product_init);
   m.def("se_init", &se_init);
