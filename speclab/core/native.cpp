@@ -1705,6 +1705,51 @@ void context_kv(const Tensor& x, const Tensor& cos, const Tensor& sin, const std
   write_kv(i, k, v, ck, cv, starts, ns);
 }
 
+// The k (<= 16) largest of x [V] as a set (indices in any order) and the k-th largest value, where the set is one:
+// no NaN and no tie at the k-th value (then every top-k, ATen's included, picks the same elements; the refined head
+// uses the set and that value only). The 16 lanes' maxima are 16 elements, so the k-th largest is at least their
+// smallest: only the elements from there on are sorted. False where it does not apply (then ATen's topk decides)
+AVX512 static bool top_set(const float* x, int64_t V, int64_t k, int64_t* idx, float* kth) {
+  if (k > 16 || V < 16) return false;
+  __m512 M = _mm512_set1_ps(-INFINITY);
+  for (int64_t v = 0; v < V; v += 16) {
+    const __mmask16 m = lanes(V - v);
+    const __m512 e = _mm512_mask_loadu_ps(_mm512_set1_ps(-INFINITY), m, x + v);
+    if (_mm512_cmp_ps_mask(e, e, _CMP_UNORD_Q)) return false;  // a NaN
+    M = _mm512_max_ps(M, e);
+  }
+  const float floor = _mm512_reduce_min_ps(M);
+  if (!(floor > -INFINITY)) return false;
+  constexpr int64_t CAP = 512;
+  float cv[CAP + 16];
+  int32_t ci[CAP + 16];
+  int64_t c = 0;
+  const __m512i step = _mm512_set1_epi32(16);
+  __m512i iota = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  const __m512 F = _mm512_set1_ps(floor);
+  for (int64_t v = 0; v < V; v += 16, iota = _mm512_add_epi32(iota, step)) {
+    const __mmask16 m = lanes(V - v);
+    const __mmask16 hit = _mm512_mask_cmp_ps_mask(m, _mm512_maskz_loadu_ps(m, x + v), F, _CMP_GE_OQ);
+    if (!hit) continue;
+    _mm512_mask_compressstoreu_ps(cv + c, hit, _mm512_maskz_loadu_ps(m, x + v));
+    _mm512_mask_compressstoreu_epi32(ci + c, hit, iota);
+    c += __builtin_popcount(hit);
+    if (c > CAP) return false;
+  }
+  if (c < k) return false;
+  float sorted[CAP + 16];
+  std::memcpy(sorted, cv, c * 4);
+  std::nth_element(sorted, sorted + (k - 1), sorted + c, std::greater<float>());
+  const float t = sorted[k - 1];
+  int64_t above = 0, at = 0;
+  for (int64_t i = 0; i < c; ++i) above += cv[i] > t, at += cv[i] == t;
+  if (above + at != k) return false;  // a tie at the k-th value: which of them is ATen's choice
+  for (int64_t i = 0, j = 0; i < c; ++i)
+    if (cv[i] >= t) idx[j++] = ci[i];
+  *kth = t;
+  return true;
+}
+
 // `refined_head` of fp32 states h [n, d] by a bf16 head w [V, d] with its native product's copy (the dot product's or
 // the tiles'): the same ops' arithmetic from raw rows (the product as `linear` runs it, widened; ATen keeps the top-k,
 // the fp32 dot products' sums and the norm, so their orders and ties are its), bit for bit. False where it does not
@@ -1732,9 +1777,15 @@ AVX512 static bool refined_rows(const Tensor& h, const Tensor& w, const OptT& pa
     const __mmask16 m = lanes(n * V - i);
     _mm512_mask_storeu_ps(op + i, m, load16(lp + i, m));
   }
-  auto top = out.topk(k, -1);
-  const Tensor idx = std::get<1>(top).contiguous(), vals = std::get<0>(top).contiguous();
-  const int64_t* ip = idx.data_ptr<int64_t>();
+  auto idx = at::empty({n, k}, h.options().dtype(at::kLong));
+  int64_t* ip = idx.data_ptr<int64_t>();
+  std::vector<float> kth(n);
+  for (int64_t r = 0; r < n; ++r)  // each row's top k: by `top_set` where it is unambiguous, else ATen's topk
+    if (!top_set(op + r * V, V, k, ip + r * k, &kth[r])) {
+      auto t = out[r].topk(k, -1);
+      std::memcpy(ip + r * k, std::get<1>(t).contiguous().data_ptr<int64_t>(), k * 8);
+      kth[r] = std::get<0>(t)[k - 1].item<float>();
+    }
   auto prod = at::empty({n, k, d}, h.options());  // w[idx].float() * h: fp32 products, summed by ATen
   float* pp = prod.data_ptr<float>();
   const uint16_t* wp = (const uint16_t*)w.data_ptr();
@@ -1762,13 +1813,11 @@ AVX512 static bool refined_rows(const Tensor& h, const Tensor& w, const OptT& pa
   }
   auto nrm = diff.norm(2, -1).contiguous();
   const float* np_ = nrm.data_ptr<float>();
-  const float* vp = vals.data_ptr<float>();
   auto unsafe = at::empty({n}, h.options().dtype(at::kBool));
   bool* up = unsafe.data_ptr<bool>();
   const float scale = std::pow(2.0f, -7.0f), wn = (float)w_norm, tiny = (float)1e-3;
   for (int64_t r = 0; r < n; ++r) {
-    const float kth = vp[r * k + k - 1];
-    const float err = std::fabs(kth) * scale + wn * np_[r] + tiny;
+    const float err = std::fabs(kth[r]) * scale + wn * np_[r] + tiny;
     float mx = -INFINITY;
     for (int64_t j = 0; j < k; ++j) {
       const float x = ep[r * k + j];
@@ -1778,7 +1827,7 @@ AVX512 static bool refined_rows(const Tensor& h, const Tensor& w, const OptT& pa
       }
       mx = std::max(mx, x);
     }
-    up[r] = kth + err >= mx;
+    up[r] = kth[r] + err >= mx;
   }
   result = {out, unsafe};
   ++fast_calls;
