@@ -26,6 +26,8 @@ def parse_grid(text: str) -> dict[str, list]:
         vals = [v.strip() for v in values.split(",") if v.strip()]
         if not eq or not vals:
             raise InvalidInput(f"grid '{part}' is not param=v1,v2,... (parameters separated by ';')")
+        if key.strip() in grid:  # the second would silently replace the first
+            raise InvalidInput(f"grid names {key.strip()} twice: give its values once, param=v1,v2,...")
         grid[key.strip()] = vals
     return grid
 

@@ -25,6 +25,9 @@ def _positive_ints(text: str, option: str) -> list[int]:
         vals = []
     if not vals or min(vals) < 1:
         raise SpeclabError(f"{option} must be positive integers separated by commas (got {text!r})")
+    repeated = sorted({v for v in vals if vals.count(v) > 1})
+    if repeated:  # one figure or one table row a value: a repeat would only measure it twice under one name
+        raise SpeclabError(f"{option} lists {', '.join(map(str, repeated))} more than once (got {text!r})")
     return vals
 
 
