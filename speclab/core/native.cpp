@@ -1923,7 +1923,9 @@ std::vector<Tensor> markov_chains(const std::vector<Tensor>& logits, const Tenso
   }
   total = off[R];
   const int64_t V = w2.size(0);
-  const bool raw = fast_layers && dp_ok && w1.is_contiguous() && w1.dim() == 2 && w2.dim() == 2 &&
+  bool rows_ok = true;  // every block's rows as wide as the bias
+  for (const auto& l : ls) rows_ok = rows_ok && l.dim() == 2 && l.size(1) == V;
+  const bool raw = rows_ok && fast_layers && dp_ok && w1.is_contiguous() && w1.dim() == 2 && w2.dim() == 2 &&
                    (w1.scalar_type() == at::kBFloat16 || w1.scalar_type() == at::kFloat) && roots.dim() == 1 &&
                    roots.scalar_type() == at::kLong && total > 0;
   if (!raw) {  // the ops
