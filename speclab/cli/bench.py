@@ -6,7 +6,7 @@ import argparse
 import json
 import sys
 
-from speclab.cli.common import _num, _positive_int, add_ray_args, cluster_args, write_report
+from speclab.cli.common import _num, _positive_int, add_ray_args, cluster_args, repeated, write_report
 from speclab.core.precision import family
 from speclab.errors import SpeclabError
 from speclab.llamacpp import LLAMACPP_PLD_K, LLAMACPP_SPS_K
@@ -28,9 +28,8 @@ def cmd_bench(a: argparse.Namespace) -> int:
         cfg.limit, cfg.max_new_tokens = min(cfg.limit or 2, 2), min(cfg.max_new_tokens, 64)
     for m in methods:
         get_method(m)
-    repeated = sorted({m for m in methods if methods.count(m) > 1})
-    if repeated:  # a method is one row of every table, its runs keyed by its spec: twice would pool two runs as one
-        raise SpeclabError(f"--methods lists {', '.join(repeated)} more than once")
+    if twice := repeated(methods):
+        raise SpeclabError(f"--methods lists {', '.join(twice)} more than once")
     if not any(family(m) == "ar" for m in methods):  # before any file or model is opened
         raise SpeclabError("a benchmark needs 'ar' among its methods: speedups and equality are measured against it")
     from speclab.bench.suites import load_suite

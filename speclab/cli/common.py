@@ -25,10 +25,15 @@ def _positive_ints(text: str, option: str) -> list[int]:
         vals = []
     if not vals or min(vals) < 1:
         raise SpeclabError(f"{option} must be positive integers separated by commas (got {text!r})")
-    repeated = sorted({v for v in vals if vals.count(v) > 1})
-    if repeated:  # one figure or one table row a value: a repeat would only measure it twice under one name
-        raise SpeclabError(f"{option} lists {', '.join(map(str, repeated))} more than once (got {text!r})")
+    if twice := repeated(vals):  # one figure or one table row a value: a repeat would only measure it twice
+        raise SpeclabError(f"{option} lists {', '.join(map(str, twice))} more than once (got {text!r})")
     return vals
+
+
+def repeated(values: list) -> list:
+    """The values a list option names more than once, sorted (a method, policy, load or row count is one row of a
+    table under its name: twice would measure it twice under that name, or pool both runs as one)."""
+    return sorted({v for v in values if values.count(v) > 1})
 
 
 def _num(kind: type = int, lo=None, hi=None, hi_open: bool = False):

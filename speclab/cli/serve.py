@@ -8,7 +8,7 @@ import argparse
 import json
 import sys
 
-from speclab.cli.common import DEFAULT_DB, _num, _positive_int, _positive_ints, write_report
+from speclab.cli.common import DEFAULT_DB, _num, _positive_int, _positive_ints, repeated, write_report
 from speclab.errors import SpeclabError
 from speclab.models import ModelPaths, add_model_args
 
@@ -37,15 +37,14 @@ def cmd_serve_bench(a: argparse.Namespace) -> int:
     policies = a.policy or list(DEFAULT_POLICIES)
     for p in policies:
         parse_policy(p)
-    repeated = sorted({p for p in policies if policies.count(p) > 1})
-    if repeated:  # each policy is a row of the table and a curve of the plot, under its spec
-        raise SpeclabError(f"--policy {', '.join(repeated)} given more than once (--repeats runs each again)")
+    if twice := repeated(policies):  # each policy is a row of the table and a curve of the plot, under its spec
+        raise SpeclabError(f"--policy {', '.join(twice)} given more than once (--repeats runs each again)")
     if a.rate and a.concurrency:
         raise SpeclabError("--rate (open loop) and --concurrency (closed loop): give one of them")
     rates = [_rate(r) for r in a.rate.split(",") if r.strip()] if a.rate else []
     if a.rate and not rates:
         raise SpeclabError(f"--rate must be request rates per second separated by commas (got {a.rate!r})")
-    if len(set(rates)) < len(rates):
+    if repeated(rates):
         raise SpeclabError(f"--rate lists a rate more than once (got {a.rate!r})")
     loads = rates or _positive_ints(a.concurrency or "1,2,4,8,16,32", "--concurrency")
     if not rates and max(loads) > a.max_batch:

@@ -563,19 +563,15 @@ AVX512 static inline __m512 reduce16(const __m512* a) {
   return _mm512_permutexvar_ps(_mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15), r);
 }
 
-// The scores of one query row q [D] over the keys of `nruns` runs one after another (S slots in all, slot j the j-th
-// of them: a concatenation read where each part lies): sbuf[j] = (q . k_j, the VDPBF16PS sums over pairs of
-// dimensions reduced as _mm512_reduce_add_ps reduces) * scale, plus the mask row (at most one of: `madd` fp32 or
-// `madd16` bf16, additive; `seen` bool; none: every key) -> their maximum (a NaN score ignored, as std::max(m, s) does)
-AVXBF static float attn_scores(const uint16_t* q, const KVRun* runs, int nruns, int64_t D, const float* madd,
-                               const uint16_t* madd16, const bool* seen, float scale, float* sbuf, bool dotted) {
+// The dot products of one query row q [D] with the keys of `nruns` runs one after another (slot j the j-th of them: a
+// concatenation read where each part lies): sbuf[j] = q . k_j, the VDPBF16PS sums over pairs of dimensions reduced as
+// _mm512_reduce_add_ps reduces (16 keys at a time by `reduce16`, a run's last ones alone)
+AVXBF static void attn_dots(const uint16_t* q, const KVRun* runs, int nruns, int64_t D, float* sbuf) {
   const int64_t C = D / 32;  // 32 dimensions (16 pairs) a register
   __m512bh qv[8];
   for (int64_t c = 0; c < C; ++c) qv[c] = (__m512bh)_mm512_loadu_si512(q + 32 * c);
   int64_t j = 0;
-  if (dotted)  // the dot products are in sbuf already (`tile_dots`)
-    for (int u = 0; u < nruns; ++u) j += runs[u].n;
-  for (int u = 0; u < nruns && !dotted; ++u) {
+  for (int u = 0; u < nruns; ++u) {
     const KVRun& r = runs[u];
     int64_t t = 0;
     for (; t + 16 <= r.n; t += 16, j += 16) {  // 16 keys at a time: their dot products, then one reduction
@@ -595,10 +591,16 @@ AVXBF static float attn_scores(const uint16_t* q, const KVRun* runs, int nruns, 
       sbuf[j] = _mm512_reduce_add_ps(acc);
     }
   }
-  const int64_t S = j;
+}
+
+// A query row's scores from its S dot products in sbuf (`attn_dots`, or the tiles' `tile_dots`): sbuf[j] = dot_j *
+// scale, plus the mask row (at most one of: `madd` fp32 or `madd16` bf16, additive; `seen` bool; none: every key) ->
+// their maximum (a NaN score ignored, as std::max(m, s) does)
+AVX512 static float attn_scores(int64_t S, const float* madd, const uint16_t* madd16, const bool* seen, float scale,
+                                float* sbuf) {
   const __m512 sc = _mm512_set1_ps(scale), ninf = _mm512_set1_ps(-INFINITY);
   __m512 M = ninf;
-  for (j = 0; j < S; j += 16) {  // times the scale, plus the mask (each the scalar operation, 16 at a time)
+  for (int64_t j = 0; j < S; j += 16) {  // times the scale, plus the mask (each the scalar operation, 16 at a time)
     const __mmask16 msk = lanes(S - j);
     __m512 s = _mm512_mul_ps(_mm512_maskz_loadu_ps(msk, sbuf + j), sc);
     if (madd) s = _mm512_add_ps(s, _mm512_maskz_loadu_ps(msk, madd + j));  // an unseen key: -inf, as masked_fill's
@@ -611,11 +613,12 @@ AVXBF static float attn_scores(const uint16_t* q, const KVRun* runs, int nruns, 
   return _mm512_reduce_max_ps(M);
 }
 
-// A query row's probabilities over its S slots: sbuf = exp(s - m) (`exp_nonpos`) of its scores (`attn_scores`),
-// -> 1 / l, l = sum p (16 lanes, then reduced)
+// A query row's probabilities over its S slots: sbuf = exp(s - m) (`exp_nonpos`) of its scores (`attn_scores`; the
+// dot products by `attn_dots` unless `dotted`: already in sb) -> 1 / l, l = sum p (16 lanes, then reduced)
 AVXBF static float attn_probs(const uint16_t* q, const KVRun* runs, int nruns, int64_t S, int64_t D, const float* madd,
                               const uint16_t* madd16, const bool* seen, float scale, float* sb, bool dotted) {
-  const __m512 M = _mm512_set1_ps(attn_scores(q, runs, nruns, D, madd, madd16, seen, scale, sb, dotted));
+  if (!dotted) attn_dots(q, runs, nruns, D, sb);
+  const __m512 M = _mm512_set1_ps(attn_scores(S, madd, madd16, seen, scale, sb));
   __m512 vl = _mm512_setzero_ps();
   for (int64_t j = 0; j < S; j += 16) {
     const __mmask16 msk = lanes(S - j);
@@ -732,7 +735,7 @@ AVX512 static void key_tiles(const KVRun* runs, int nruns, int64_t S, int64_t D,
 
 // The dot products of Q query rows (q[a] [D] bf16) with the S keys of `key_tiles`, on AMX: up to 16 queries a tile
 // (A: the queries' 32 dimensions, B: a block's keys, C: their fp32 sums), sums over D / 32 products -> sb[a * ld + j]
-// (the raw products, as `attn_scores` leaves them before the scale). A query's sums are its own: each element of C is
+// (the raw products, as `attn_dots` leaves them). A query's sums are its own: each element of C is
 // its query row's and its key's alone, whatever else the tile holds
 __attribute__((target("amx-tile,amx-bf16,avx512f"))) static void tile_dots(const uint16_t* const* q, int64_t Q,
                                                                          const uint16_t* kt, int64_t S, int64_t D,
@@ -817,12 +820,21 @@ static bool same_runs(const KVRun* a, int na, const KVRun* b, int nb) {
 }
 
 // A run's values [n, D] bf16 widened to fp32 rows of `wide` (exactly, as `attn_out` widens them)
-AVX512 static float* widen_runs(const KVRun* runs, int nruns, int64_t D, float* wide) {
+AVX512 static void widen_runs(const KVRun* runs, int nruns, int64_t D, float* wide) {
   for (int u = 0; u < nruns; ++u)
     for (int64_t t = 0; t < runs[u].n; ++t, wide += D)
       for (int64_t c = 0; c < D; c += 16) _mm512_storeu_ps(wide + c, load16(runs[u].v + t * runs[u].vs + c, 0xFFFF));
-  return wide;
 }
+
+// `attn_rows`' buffers, one set a thread
+struct AttnScratch {
+  std::vector<float> sbuf, wide, inv;
+  std::vector<uint16_t> kt, qbuf;
+  std::vector<const uint16_t*> qs;
+  std::vector<const float*> ps;
+  std::vector<uint16_t*> os;
+};
+static thread_local AttnScratch attn_scratch;
 
 // The attention rows of `rows` queries (query i of head h at q + h * qh + i * qr) over what `keys(i, g, runs,
 // mask_row)` gives query row i with kv head g (its runs, at most 3, and mask row; returns how many runs), at most S
@@ -837,12 +849,15 @@ static void attn_rows(const uint16_t* q, int64_t qh, int64_t qr, int64_t H, int6
   const int64_t KV = H / G, blocks = (rows + RB - 1) / RB, ld = S + 16;
   const bool tiles = attn_tiles && tile_ok;
   at::parallel_for(0, KV * blocks, 1, [&](int64_t a, int64_t b) {
-    std::vector<float> sbuf(RB * G * ld), wide;
-    std::vector<uint16_t> kt, qbuf(tiles ? RB * G * D : 0);
-    std::vector<const uint16_t*> qs(RB * G);
-    std::vector<const float*> ps(RB * G);
-    std::vector<float> inv(RB * G);
-    std::vector<uint16_t*> os(RB * G);
+    AttnScratch& w = attn_scratch;  // this thread's, kept from call to call (six layers a forward, no allocations)
+    auto &sbuf = w.sbuf, &wide = w.wide, &inv = w.inv;
+    auto &kt = w.kt, &qbuf = w.qbuf;
+    auto& qs = w.qs;
+    auto& ps = w.ps;
+    auto& os = w.os;
+    if ((int64_t)sbuf.size() < RB * G * ld) sbuf.resize(RB * G * ld);
+    if ((int64_t)qbuf.size() < RB * G * D) qbuf.resize(RB * G * D);
+    if ((int64_t)qs.size() < RB * G) qs.resize(RB * G), ps.resize(RB * G), inv.resize(RB * G), os.resize(RB * G);
     KVRun runs[RB][3];
     MaskRow mr[RB];
     int nr[RB];
@@ -859,10 +874,10 @@ static void attn_rows(const uint16_t* q, int64_t qh, int64_t qr, int64_t H, int6
         for (int64_t r = i; r < e; ++r)
           for (int64_t h = g * G; h < (g + 1) * G; ++h, ++Q) qs[Q] = q + h * qh + r * qr;
         if (tiles && Q <= 4) {  // every query's dot products on AMX: a few with the keys where they lie
-          kt.resize(16 * D);
+          if ((int64_t)kt.size() < 16 * D) kt.resize(16 * D);
           tile_dots_few(qs.data(), Q, rs, n, Sg, D, kt.data(), sbuf.data(), ld);
         } else if (tiles) {  // more with the keys transposed once for all of them
-          kt.resize((Sg + 15) / 16 * D * 16);
+          if ((int64_t)kt.size() < (Sg + 15) / 16 * D * 16) kt.resize((Sg + 15) / 16 * D * 16);
           key_tiles(rs, n, Sg, D, kt.data());
           tile_dots(qs.data(), Q, kt.data(), Sg, D, qbuf.data(), sbuf.data(), ld);
         }
@@ -877,7 +892,7 @@ static void attn_rows(const uint16_t* q, int64_t qh, int64_t qr, int64_t H, int6
           }
         const float* w = nullptr;
         if (Q > 2) {
-          wide.resize(Sg * D);
+          if ((int64_t)wide.size() < Sg * D) wide.resize(Sg * D);
           widen_runs(rs, n, D, wide.data());
           w = wide.data();
         }
@@ -1875,11 +1890,6 @@ Tensor head_logp(const Tensor& h, const OptT& nw, double eps, const Tensor& w, c
   return at::log_softmax(linear(rms_norm(h, nw, eps), w, std::nullopt, packed, wide).to(at::kFloat), -1);
 }
 
-// DSpark's Markov head over draft blocks at T = 0, left to right (`DFlashDrafter._markov_chains`): block j's row k
-// (logits[j] [n_j, V] fp32) gets the bias W2 W1[x] of the token before it (the root for k = 0, then the row before's
-// pick) and its argmax is the pick, for every block still drafting at once; the ops of the Python loop, in its order,
-// from C++ (a row took about ten calls from Python). -> [each block's picks [n_j]..., their softmax probabilities
-// [n_j]...]
 // The first index of the maximum of x [V] (a NaN counts as the maximum: its first index), as `max(-1)`'s indices
 AVX512 static int64_t first_max(const float* x, int64_t V) {
   __m512 M = _mm512_set1_ps(-INFINITY);
@@ -1907,6 +1917,11 @@ AVX512 static int64_t biased_max(const float* l, const char* bias, bool b16, flo
   return first_max(row, V);
 }
 
+// DSpark's Markov head over draft blocks at T = 0, left to right (`DFlashDrafter._markov_chains`): block j's row k
+// (logits[j] [n_j, V] fp32) gets the bias W2 W1[x] of the token before it (the root for k = 0, then the row before's
+// pick) and its argmax is the pick, for every block still drafting at once; the ops of the Python loop, in its order,
+// from C++ (a row took about ten calls from Python). -> [each block's picks [n_j]..., their softmax probabilities
+// [n_j]...]
 std::vector<Tensor> markov_chains(const std::vector<Tensor>& logits, const Tensor& roots, const Tensor& w1,
                                   const Tensor& w2, const OptT& packed, const OptT& wide) {
   // the ops' arithmetic from raw rows, in their order: per row, bias = linear(W1[x], W2) over every block still
