@@ -60,6 +60,12 @@ if [ -n "$fresh" ]; then
     fi
   fi
   python -m pip install -q -e ".[test,lab]" 2>&1 | quiet
+  # Hugging Face's `kernels` (which transformers 5.25 required) imports as `kernels`, our kernels/ package: where
+  # it is installed transformers takes ours for it and no model loads. A .venv made before the pin loses it here.
+  if python -c "import importlib.metadata as m; m.distribution('kernels')" >/dev/null 2>&1; then
+    echo "speclab setup: removing Hugging Face's 'kernels' package (its import name is this repository's kernels/)"
+    python -m pip uninstall -q -y kernels 2>&1 | quiet
+  fi
   python -c "import torch, transformers, duckdb, gradio, speclab; print('speclab setup: torch', torch.__version__, '| transformers', transformers.__version__, '| duckdb', duckdb.__version__, '| gradio', gradio.__version__)"
   # the linters `make test` runs
   python -m ruff --version >/dev/null && python -m mypy --version >/dev/null && lint-imports --help >/dev/null
