@@ -2042,6 +2042,73 @@ std::vector<Tensor> markov_draws(const Tensor& logits, const Tensor& root, const
   return {at::cat(tokens), at::cat(qx), at::cat(qs)};
 }
 
+// EAGLE-3's KV-only catch-up (`Eagle3Drafter._prefill` with its dense head): the backlog's m tokens `ids` (rows of
+// `embed`, in the drafter's dtype) with the target's features `feats` [m, F] through fc, `pair_norm` and
+// `decoder_layer` at cache slots start.. (rotary positions start..), its last row alone querying, then the head's
+// logits of that row in fp32. The ops of the Python method, in its order (the same bits), in one call.
+// -> [the last row's pre-norm output [1, H], its logits [1, Vd]]
+std::vector<Tensor> eagle3_prefill(const Tensor& ids, const Tensor& embed, const Tensor& feats, const Tensor& fc,
+                                   const OptT& fc_packed, const OptT& fc_wide, const Tensor& cos, const Tensor& sin,
+                                   int64_t start, const std::vector<OptT>& w, const Tensor& ck, const Tensor& cv,
+                                   double scale, double qk_eps, double eps, int64_t H, int64_t KV, int64_t D,
+                                   const OptT& in_w, double in_eps, const OptT& hid_w, double hid_eps,
+                                   const OptT& out_w, double out_eps, const Tensor& head, const OptT& packed,
+                                   const OptT& wide) {
+  const int64_t m = ids.numel();
+  TORCH_CHECK(m >= 1 && feats.dim() == 2 && feats.size(0) == m, "eagle3_prefill: m >= 1 tokens, a feature row each");
+  const auto dtype = fc.scalar_type();
+  const Tensor emb = embed.index_select(0, ids).to(dtype);
+  const Tensor h = linear(feats.to(dtype), fc, std::nullopt, fc_packed, fc_wide);
+  const Tensor pos = at::arange(start, start + m, ids.options().dtype(at::kLong));
+  const Tensor out = decoder_layer(pair_norm(emb, in_w, in_eps, h, hid_w, hid_eps), h.narrow(0, m - 1, 1),
+                                   cos.index_select(0, pos).unsqueeze(1), sin.index_select(0, pos).unsqueeze(1), w, 0,
+                                   {ck}, {cv}, {start}, {m}, {std::nullopt}, scale, qk_eps, eps, H, KV, D,
+                                   at::tensor({m - 1}, pos.options()), {1});
+  return {out, linear(rms_norm(out, out_w, out_eps), head, std::nullopt, packed, wide).to(at::kFloat)};
+}
+
+// EAGLE-3's chain (`Eagle3Drafter._chain` with its dense head): from the root row's logits [1, Vd] and pre-norm output
+// [1, H], `depth` tokens, each the argmax of the log-probabilities (t = 0) or drawn from q = `probs_of`(log-probs, t,
+// top_k, top_p) at uniform u[level - 1] (`draw_rows`, q spread over the target's `vocab` ids by `to_target`); after
+// every token but the last, one drafter layer call on it: its embedding row (in the drafter's dtype), `pair_norm` with
+// its parent's output, `decoder_layer` at cache slot start + level - 1 and rotary position pos0 + level, `head_logp`.
+// The ops of the Python loop, in its order (so the same bits), without its dispatch: about 50 us a level from Python.
+// -> [tokens [depth] (target ids), log q(x) [depth], q's rows [depth, vocab] (sampled; empty at t = 0)]
+std::vector<Tensor> eagle3_chain(const Tensor& root_logits, const Tensor& root_h, int64_t depth, const Tensor& embed,
+                                 const Tensor& cos, const Tensor& sin, int64_t pos0, const std::vector<OptT>& w,
+                                 const Tensor& ck, const Tensor& cv, int64_t start, double scale, double qk_eps,
+                                 double eps, int64_t H, int64_t KV, int64_t D, const OptT& in_w, double in_eps,
+                                 const OptT& hid_w, double hid_eps, const OptT& out_w, double out_eps,
+                                 const Tensor& head, const OptT& packed, const OptT& wide, const Tensor& to_target,
+                                 int64_t vocab, double t, int64_t top_k, double top_p, const Tensor& u) {
+  TORCH_CHECK(depth >= 1 && root_logits.dim() == 2 && root_logits.size(0) == 1 && root_h.dim() == 2 &&
+              (t <= 0 || u.numel() >= depth), "eagle3_chain: one root row, depth >= 1, a uniform a level");
+  Tensor logp = at::log_softmax(root_logits.to(at::kFloat), -1), h = root_h;
+  std::vector<Tensor> toks, lqs, qs;
+  for (int64_t level = 1; level <= depth; ++level) {
+    Tensor tok;
+    if (t <= 0) {
+      auto [lq, idx] = logp.max(-1);
+      tok = to_target.index({idx});
+      lqs.push_back(lq);
+    } else {
+      auto drawn = draw_rows(probs_of(logp, t, top_k, top_p), u.narrow(0, level - 1, 1), to_target, vocab);
+      tok = drawn[0];
+      lqs.push_back(drawn[1].log());
+      qs.push_back(drawn[2]);
+    }
+    toks.push_back(tok);
+    if (level == depth) break;
+    const int64_t p = pos0 + level;
+    const Tensor emb = embed.index_select(0, tok).to(root_h.scalar_type());
+    h = decoder_layer(pair_norm(emb, in_w, in_eps, h, hid_w, hid_eps), h, cos.narrow(0, p, 1).unsqueeze(1),
+                      sin.narrow(0, p, 1).unsqueeze(1), w, 0, {ck}, {cv}, {start + level - 1}, {1}, {std::nullopt},
+                      scale, qk_eps, eps, H, KV, D, std::nullopt, {1});
+    logp = head_logp(h, out_w, out_eps, head, packed, wide);
+  }
+  return {at::cat(toks), at::cat(lqs), qs.empty() ? Tensor() : at::cat(qs)};
+}
+
 // The GIL is released while a call runs, as torch's own Python bindings release it around each op: other Python
 // threads (the trace's writer, the app's server) keep running meanwhile
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -2054,6 +2121,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("head_logp", &head_logp, release());
   m.def("markov_chains", &markov_chains, release());
   m.def("markov_draws", &markov_draws, release());
+  m.def("eagle3_chain", &eagle3_chain, release());
+  m.def("eagle3_prefill", &eagle3_prefill, release());
   m.def("rms_norm", &rms_norm, release());
   m.def("rope", &rope, release());
   m.def("set_fused", &set_fused);

@@ -241,6 +241,46 @@ def markov_draws(w1: torch.nn.Embedding, w2: torch.nn.Linear, logits: torch.Tens
                                       top_p))
 
 
+def eagle3_prefill(layer: L.DecoderLayer, in_norm: torch.nn.RMSNorm, hid_norm: torch.nn.RMSNorm,
+                   out_norm: torch.nn.RMSNorm, head: torch.nn.Linear, fc: torch.nn.Linear, embed: torch.Tensor,
+                   ids: torch.Tensor, feats: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache, start: int,
+                   scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """EAGLE-3's KV-only catch-up of m tokens (`Eagle3Drafter._prefill`'s ops with a dense head, bitwise; call where
+    `active(feats)`): their keys and values at `cache` slots start.., the last row alone through the rest of the layer
+    and the head -> (its pre-norm output [1, H], its fp32 logits [1, Vd]). The cache's length is the caller's."""
+    a, dtype = layer.self_attn, fc.weight.dtype
+    return tuple(build().eagle3_prefill(
+        ids, embed, feats, fc.weight, *_copies(fc.weight), cos, sin, start, decoder_weights(layer), cache.k, cache.v,
+        scale, _eps(a.q_norm, dtype) if a.qk_norm else 0.0, _eps(layer.post_attention_layernorm, dtype), a.heads,
+        a.kv_heads, a.head_dim, in_norm.weight, _eps(in_norm, dtype), hid_norm.weight, _eps(hid_norm, dtype),
+        out_norm.weight, _eps(out_norm, dtype), head.weight, *_copies(head.weight)))
+
+
+def eagle3_chain(layer: L.DecoderLayer, in_norm: torch.nn.RMSNorm, hid_norm: torch.nn.RMSNorm,
+                 out_norm: torch.nn.RMSNorm, head: torch.nn.Linear, embed: torch.Tensor, cos: torch.Tensor,
+                 sin: torch.Tensor, pos0: int, cache, start: int, scale: float, root_logits: torch.Tensor,
+                 root_h: torch.Tensor, depth: int, to_target: torch.Tensor, vocab: int, t: float = 0.0, top_k: int = 0,
+                 top_p: float = 1.0, u: torch.Tensor | None = None):
+    """EAGLE-3's chain of `depth` tokens from its root row (`Eagle3Drafter._chain`'s ops with a dense head, bitwise;
+    call where `active(root_h)`): the argmax at every depth (t = 0) or a token drawn from q at temperature t, top_k,
+    top_p at uniform u[level - 1], and one `decoder_layer` + `head_logp` call after every token but the last, its
+    keys and values at `cache` slots start.. -> (tokens [depth] in target ids, log q(x) [depth], q's rows [depth,
+    vocab] or None greedy). The cache's length is the caller's to set."""
+    a = layer.self_attn
+    dtype = root_h.dtype
+    w = head.weight
+    tokens, logq, q = build().eagle3_chain(
+        root_logits, root_h, depth, embed, cos, sin, pos0, decoder_weights(layer), cache.k, cache.v, start, scale,
+        _eps(a.q_norm, dtype) if a.qk_norm else 0.0, _eps(layer.post_attention_layernorm, dtype), a.heads,
+        a.kv_heads, a.head_dim, in_norm.weight, _eps(in_norm, dtype), hid_norm.weight, _eps(hid_norm, dtype),
+        out_norm.weight, _eps(out_norm, dtype), w, *_copies(w), to_target, vocab, t, top_k, top_p,
+        u if u is not None else _NO_UNIFORMS)
+    return tokens, logq, q if t > 0 else None
+
+
+_NO_UNIFORMS = torch.zeros(0)
+
+
 def source_hash() -> str | None:
     """A short hash of `native.cpp` where the layers run from it (None: from Python), for the figures measured with
     it (`--dtype auto`'s cache key)."""

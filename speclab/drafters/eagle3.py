@@ -298,6 +298,8 @@ class Eagle3Drafter:
             self._prefill(m)
 
     def _prefill(self, m: int) -> None:
+        if self.kv_only and self.flash is None and self.m.fc.bias is None and native.active(self.pending_feats):
+            return self._native_prefill(m)
         emb, h = self._embed(self.pending_ids), self.m.fc(self.pending_feats.to(self.dtype))
         self.pending_ids, self.pending_feats = self.pending_ids[:0], self.pending_feats[:0]
         start, end = self.known, self.known + m
@@ -314,6 +316,17 @@ class Eagle3Drafter:
         self.known = end
         self.root_h, self.root_logits = h[-1:], logits[-1:]
         self.root_cands = self._cands()[-1:] if self.flash is not None else None
+
+    def _native_prefill(self, m: int) -> None:
+        """`_prefill`'s ops in one native call (`native.eagle3_prefill`: the same bits)."""
+        L, start = self.m.midlayer, self.known
+        self.cache.reserve(m)
+        self.root_h, self.root_logits = native.eagle3_prefill(
+            L, L.input_layernorm, L.hidden_norm, self.m.norm, self.m.lm_head, self.m.fc, self._embed_table(),
+            self.pending_ids.to(self.device), self.pending_feats, self.cos, self.sin, self.cache, start, self.scale)
+        self.pending_ids, self.pending_feats = self.pending_ids[:0], self.pending_feats[:0]
+        self.cache.length = self.known = start + m
+        self.root_cands = None
 
     # -- a batch of requests (`speclab.core.batch`): each request its own drafter, one model call per depth --------
     @staticmethod
@@ -512,6 +525,8 @@ class Eagle3Drafter:
     def _chain(self, depth: int, sampling: Sampling | None = None, generator=None) -> DraftTree:
         """A chain, one drafter call per token after the first: the argmax at every depth, or (`sampling`) a token
         drawn from the drafter's q (`speclab.core.sampling.draw_one`), q kept for verification."""
+        if self.flash is None and native.active(self.root_h):
+            return self._native_chain(depth, sampling, generator)
         logp = torch.log_softmax(self.root_logits.float(), -1)
         h = self.root_h
         tokens, logq, dists, cands = [], [], [], [self.root_cands] if self.flash is not None else []
@@ -534,6 +549,27 @@ class Eagle3Drafter:
         tree = DraftTree.chain(torch.cat(tokens), torch.cat(logq).exp(), chain_dists(dists) if dists else None)
         tree.cands = torch.cat(cands) if cands else None
         return tree
+
+    def _native_chain(self, depth: int, sampling: Sampling | None, generator) -> DraftTree:
+        """`_chain`'s loop in one native call (`native.eagle3_chain`: the same ops, the same bits, the same uniforms
+        in the same order), its depth - 1 drafter forwards writing cache slots from the cache's length on."""
+        start, m, L = self.cache.length, self.m, self.m.midlayer
+        self.cache.reserve(depth - 1)
+        t = 0.0 if sampling is None else sampling.temperature * self.draft_temp
+        u = torch.rand(depth, generator=generator) if sampling is not None else None  # `draw_one`'s, level by level
+        with forward_clock(depth - 1):
+            tokens, logq, q = native.eagle3_chain(
+                L, L.input_layernorm, L.hidden_norm, m.norm, m.lm_head, self._embed_table(), self.cos, self.sin,
+                self.known - 1, self.cache, start, self.scale, self.root_logits, self.root_h, depth, self.to_target,
+                self.target.vocab_size, t, sampling.top_k if sampling else 0, sampling.top_p if sampling else 1.0, u)
+        self.cache.length = start + depth - 1
+        return DraftTree.chain(tokens, logq.exp(), chain_dists([q]) if q is not None else None)
+
+    def _embed_table(self) -> torch.Tensor:
+        """The embedding table `_embed` reads rows of (its own, else the target's)."""
+        if self.embed is not None:
+            return self.embed
+        return self.target.lean.embed if self.target.lean else self.target.model.get_input_embeddings().weight
 
     def _tree(self, depth: int, sampling: Sampling | None = None, generator=None) -> DraftTree:
         """EAGLE-2 dynamic tree (speclab.core.tree.dynamic_tree): each depth's frontier is one drafter call under a tree
