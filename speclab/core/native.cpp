@@ -2042,6 +2042,59 @@ std::vector<Tensor> markov_draws(const Tensor& logits, const Tensor& root, const
   return {at::cat(tokens), at::cat(qx), at::cat(qs)};
 }
 
+// A sampled chain's block verification (`verify._verify_sampled_chain` under the block rule, Sun et al. 2025): the
+// target's distributions p = `probs_of`(logits [n + 1, V], t, top_k, top_p); node i's token x[i] drawn from q[i]
+// (q [n, V] fp32; none: point masses at x); weights w_0 = 1, w_i = min(w_{i-1} p_{i-1}(x) / q_{i-1}(x), 1) in double;
+// tests h_i = S_i / (S_i + 1 - w_i) below n (S_i = sum max(w_i p_i - q_i, 0), a point mass: w_i (1 - p_i(x))), h_n =
+// w_n; the longest path whose test passes at u[i - 1] < h_i; the target's token after it drawn at ub from p_n or from
+// norm(max(w_a p_a - q_a, 0)) (`draw_rows`). The Python functions' ops and scalars in their order: the same bits, the
+// same decisions, from one call instead of about twenty. -> [p, the nodes kept a, the token]
+std::vector<Tensor> block_verify(const Tensor& logits, double t, int64_t top_k, double top_p, const OptT& q,
+                                 const Tensor& x_in, const Tensor& u_in, const Tensor& ub) {
+  const Tensor p = probs_of(logits, t, top_k, top_p).contiguous();
+  const Tensor x = x_in.to(at::kLong).contiguous(), u = u_in.to(at::kFloat).contiguous();
+  const int64_t n = x.numel(), V = p.size(-1);
+  TORCH_CHECK(n >= 1 && p.dim() == 2 && p.size(0) >= n + 1 && u.numel() >= n &&
+              (!q.has_value() || (q->scalar_type() == at::kFloat && q->size(0) >= n && q->size(1) == V)),
+              "block_verify: p [>= n + 1, V], q [n, V] fp32 or none, x [n], u [n]");
+  const int64_t* xp = x.data_ptr<int64_t>();
+  const float* pp = p.data_ptr<float>();
+  std::vector<float> px(n);
+  std::vector<double> w{1.0};
+  const Tensor qc = q.has_value() ? q->contiguous() : Tensor();
+  for (int64_t i = 0; i < n; ++i) {
+    px[i] = pp[i * V + xp[i]];
+    const float ratio = q.has_value() ? px[i] / std::max(qc.data_ptr<float>()[i * V + xp[i]], 1e-30f) : px[i];
+    w.push_back(std::min(w.back() * (double)ratio, 1.0));
+  }
+  std::vector<double> mass(n - 1);
+  if (n > 1 && q.has_value()) {
+    const Tensor wt = at::tensor(std::vector<float>(w.begin() + 1, w.begin() + n), p.options());
+    const Tensor s = (wt.unsqueeze(1) * p.narrow(0, 1, n - 1) - qc.narrow(0, 1, n - 1)).clamp(0).sum(-1);
+    for (int64_t i = 0; i < n - 1; ++i) mass[i] = s.data_ptr<float>()[i];
+  } else {
+    for (int64_t i = 1; i < n; ++i) mass[i - 1] = w[i] * (1.0 - (double)px[i]);
+  }
+  int64_t a = 0;
+  for (int64_t i = n; i >= 1; --i) {
+    const double h = i == n ? w[n] : mass[i - 1] / std::max(mass[i - 1] + 1.0 - w[i], 1e-30);
+    if ((double)u.data_ptr<float>()[i - 1] < h) {
+      a = i;
+      break;
+    }
+  }
+  Tensor row = p.narrow(0, a, 1);
+  if (a < n) {
+    const Tensor wp = p[a] * w[a];
+    const Tensor qa = q.has_value() ? qc[a] : at::one_hot(x.narrow(0, a, 1), V).to(at::kFloat)[0];
+    const Tensor r = (wp - qa).clamp(0);
+    const Tensor sum = r.sum(-1, true);
+    row = at::where(sum > 0, r / sum.clamp(1e-30), wp).unsqueeze(0);
+  }
+  const Tensor tok = draw_rows(row, ub, std::nullopt, 0)[0];
+  return {p, at::scalar_tensor(a, x.options()), tok};
+}
+
 // EAGLE-3's KV-only catch-up (`Eagle3Drafter._prefill` with its dense head): the backlog's m tokens `ids` (rows of
 // `embed`, in the drafter's dtype) with the target's features `feats` [m, F] through fc, `pair_norm` and
 // `decoder_layer` at cache slots start.. (rotary positions start..), its last row alone querying, then the head's
@@ -2122,6 +2175,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("markov_chains", &markov_chains, release());
   m.def("markov_draws", &markov_draws, release());
   m.def("eagle3_chain", &eagle3_chain, release());
+  m.def("block_verify", &block_verify, release());
   m.def("eagle3_prefill", &eagle3_prefill, release());
   m.def("rms_norm", &rms_norm, release());
   m.def("rope", &rope, release());

@@ -166,6 +166,16 @@ def chain_accept(p: torch.Tensor, q: torch.Tensor, x: torch.Tensor, u: torch.Ten
     return int(build().chain_accept(p, q, x, u))
 
 
+def block_verify(logits: torch.Tensor, t: float, top_k: int, top_p: float, q: torch.Tensor | None, x: torch.Tensor,
+                 u: torch.Tensor, ub: torch.Tensor) -> tuple[torch.Tensor, int, int]:
+    """A sampled chain's block verification from the target's logits [n + 1, V] in one call (bitwise
+    `verify._verify_sampled_chain`'s block rule with `sampling.logits_to_probs`; call where `active(logits)`): q [n,
+    V] fp32 the drafts' distributions (None: point masses at x), u [n] the tests' uniforms, ub [1] the bonus draw's
+    -> (the target's distributions p [n + 1, V], the nodes kept, the target's token after them)."""
+    p, a, tok = build().block_verify(logits, t, top_k, top_p, q, x, u, ub)
+    return p, int(a), int(tok)
+
+
 def _fused_ops_agree(mod) -> bool:
     """Whether the module's one-pass RMSNorm and rotary embedding are bitwise this torch's ops on a few random
     inputs (they follow ATen's composite, which may change between torch versions; where they are not, the module
