@@ -720,6 +720,87 @@ def test_dflash_blocks_sampled_natively_are_the_python_loops_draws(dtype, deep, 
 
 
 @needs_build
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_eagle3s_chain_and_catch_up_natively_are_the_python_loops_bits(dtype, deep, monkeypatch):
+    """EAGLE-3's catch-up of 1-5 tokens (`native.eagle3_prefill`) and its chain of 1-4 tokens after it
+    (`native.eagle3_chain`), greedy and sampled (T = 1, T = 0.7 with top-p 0.9, T = 1 with top-k 20, a draft
+    temperature of 0.8): the same tokens, q(x), q rows, root rows and cache contents from C++ as from the Python
+    loop, and the generator left in the same state (the uniforms drawn in the same order)."""
+    from speclab.core.sampling import Sampling
+    from speclab.drafters.eagle3 import random_eagle3
+    from speclab.drafters.registry import build_drafter
+
+    target = Target.load(deep.name, dtype=dtype)
+    model = random_eagle3(target, 0)
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(3, target.vocab_size, (60,), generator=g)
+    with torch.inference_mode():
+        feats = target.forward(ids, target.new_cache(), layers=model.config.target_layers).features
+    settings = [(Sampling(), 1.0), (Sampling(1.0), 1.0), (Sampling(0.7, top_p=0.9), 1.0),
+                (Sampling(1.0, top_k=20), 0.8)]
+
+    def run():
+        out = []
+        with torch.inference_mode():
+            for sampling, draft_temp in settings:
+                d = build_drafter("eagle3", target, {"eagle3": model}, depth=4, draft_temp=draft_temp)
+                d.reset(ids[:20], feats[:19], capacity=60)
+                gen, at = torch.Generator().manual_seed(5), 20
+                for i in range(8):
+                    m = 1 + i % 5
+                    d.catch_up(ids[at : at + m], feats[at - 1 : at + m - 1])
+                    at += m
+                    out += [d.root_h, d.root_logits]
+                    tree = d._chain(1 + i % 4, None if sampling.greedy else sampling, gen)
+                    out += [tree.tokens, tree.draft_probs, d.cache.k[:, :, : d.cache.length].clone(),
+                            torch.tensor(d.cache.length)]
+                    out += [tree.draft_dists] if tree.draft_dists is not None else []
+                    d.commit(tree, torch.empty(0, dtype=torch.long))
+                out.append(torch.rand(3, generator=gen))
+        return out
+
+    _same_natively_as_from_python(run, monkeypatch)
+
+
+@needs_build
+def test_block_verification_natively_is_the_python_functions_bits(monkeypatch):
+    """`native.block_verify` (a sampled chain's block verification from the target's logits in one call) against
+    `verify`'s Python functions on random chains of 1-6 nodes over vocabularies of 16, 300 and 8,192: drafts sampled
+    and point masses, a q equal to p (no residual mass left), peaked logits, T = 1, 0.7 with top-p 0.9, 1 with top-k
+    20 and 0.5; the same kept nodes, the same target token, the same distributions and the generator in the same
+    state."""
+    from speclab.core import verify as V
+    from speclab.core.sampling import Sampling
+    from speclab.core.tree import DraftTree
+
+    g = torch.Generator().manual_seed(0)
+    settings = [Sampling(1.0), Sampling(0.7, top_p=0.9), Sampling(1.0, top_k=20), Sampling(0.5)]
+    cases = []
+    for case in range(240):
+        n, vocab, s = 1 + case % 6, (16, 300, 8192)[case % 3], settings[case % 4]
+        logits = torch.randn(n + 1, vocab, generator=g) * (1 + case % 5)
+        if case % 7 == 0:
+            logits[:, :3] += 8
+        q = torch.softmax(logits[:n] / s.temperature if case % 11 == 0 else torch.randn(n, vocab, generator=g), -1)
+        x = torch.multinomial(q, 1, generator=g)[:, 0]
+        dists = None if case % 5 == 0 else torch.cat([q, torch.zeros(1, vocab)])
+        cases.append((DraftTree.chain(x, q[torch.arange(n), x], dists), logits, s))
+
+    def run():
+        out = []
+        with torch.inference_mode():
+            for i, (tree, logits, s) in enumerate(cases):
+                gen = torch.Generator().manual_seed(i)
+                v = V.verify(tree, logits, s, gen)
+                out += [v.accepted, torch.tensor(v.bonus), v.probs, torch.rand(2, generator=gen)]
+        return out
+
+    with torch.inference_mode():
+        assert all(V.native_block(tree, logits) for tree, logits, _ in cases)
+    _same_natively_as_from_python(run, monkeypatch)
+
+
+@needs_build
 @pytest.mark.skipif(native.attention_module() is None, reason="no native attention in this process (no AVX512-BF16)")
 @pytest.mark.parametrize("tiles", [True, False])
 def test_the_native_attention_is_as_close_as_the_fused_kernel_and_each_rows_alone(tiles):
