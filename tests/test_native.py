@@ -580,6 +580,26 @@ def test_the_softmax_entropy_of_the_round_events_is_the_kernels_to_rounding():
     assert all(torch.equal(a, b) for a, b in zip(native.softmax_entropy(x), reference.softmax_entropy(x)))
 
 
+def test_a_traced_rounds_figures_in_one_call_are_the_ops_on_the_softmax_entropy():
+    """`native.round_stats` (a traced round's node log-probabilities, entropies and the target token's
+    log-probabilities, `engine.round_event`) equals the ops it replaces on `native.softmax_entropy`'s logsumexp, bit for
+    bit: trees of 0-8 nodes over 1-9 rows, the zoo's vocabulary and odd widths; outside inference, or in another dtype
+    than fp32, it leaves them to the ops (None)."""
+    g = torch.Generator().manual_seed(0)
+    with torch.inference_mode():
+        for trial in range(60):
+            rows, v = 1 + trial % 9, (8192, 300, 17)[trial % 3]
+            x = torch.randn(rows, v, generator=g) * (1 + trial % 4)
+            at = torch.randint(0, rows, (trial % rows,), generator=g)
+            tokens, bonus = torch.randint(0, v, (at.numel(),), generator=g), int(torch.randint(0, v, (1,), generator=g))
+            lse, ent = native.softmax_entropy(x)
+            want = (x[at, tokens] - lse[at], ent, x[:, bonus] - lse)
+            got = native.round_stats(x, at, tokens, bonus)
+            assert got is not None and all(torch.equal(a, b) for a, b in zip(got, want))
+        assert native.round_stats(x.bfloat16(), at, tokens, bonus) is None
+    assert native.round_stats(x, at, tokens, bonus) is None
+
+
 def test_the_native_layers_weights_are_made_again_after_a_change_in_place():
     """`native.decoder_weights` keeps a layer's weights (and their packed copies) between calls, checking only the
     tensors' versions; a weight changed in place (a training step) makes them again, with the new values."""

@@ -487,12 +487,14 @@ def round_event(rnd, name, tree, accepted, new, logits, bonus, timings, calls, b
     """What the listeners need, in five tensor ops over the verification logits (no host sync, no per-token
     work; under sampling one more over `probs`, the distributions verification tested against); `token_columns`
     derives the per-token figures from it, in batches."""
-    lse, ent = native.softmax_entropy(logits)  # a Triton kernel on CUDA, native.cpp's two passes on a CPU
     rows = tree.parents + 1
+    stats = native.round_stats(logits, rows, tree.tokens, bonus)  # the figures below in one call on a CPU
+    if stats is None:
+        lse, ent = native.softmax_entropy(logits)  # a Triton kernel on CUDA, native.cpp's two passes on a CPU
+        stats = logits[rows, tree.tokens].float() - lse[rows], ent, logits[:, bonus].float() - lse
     if tree.cands is not None:  # FlashHead: was the target's token (its argmax at the parent) retrieved?
         tree.extra["in_cands"] = (tree.cands == logits[rows].argmax(-1)[:, None]).any(-1).long()
-    ev = RoundEvent(rnd, name, tree, accepted, new, logits[rows, tree.tokens].float() - lse[rows], ent,
-                    logits[:, bonus].float() - lse, timings, calls, backlog, pos0, decision)
+    ev = RoundEvent(rnd, name, tree, accepted, new, *stats, timings, calls, backlog, pos0, decision)
     if probs is not None:  # p(x) and q(x) as verification tested them
         ev.node_p = probs[rows, tree.tokens]
         ev.node_q = tree.tested_q.to(ev.node_p.device)

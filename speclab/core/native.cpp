@@ -437,6 +437,28 @@ static std::vector<Tensor> softmax_entropy(const Tensor& logits) {
   return {lse, ent};
 }
 
+// A traced round's figures from its verification logits [R, V] (`engine.round_event`): `softmax_entropy`'s
+// logsumexp and entropy of every row, each node's log-probability logits[rows[i], tokens[i]] - lse[rows[i]] and the
+// log-probability of the target's token `bonus` at every row, in fp32 (the same subtractions as the ops, one call
+// instead of seven). -> [node log-probs [n], entropy [R], the bonus token's log-probs [R]]
+static std::vector<Tensor> round_stats(const Tensor& logits, const Tensor& rows_in, const Tensor& tokens_in,
+                                       int64_t bonus) {
+  const auto se = softmax_entropy(logits);
+  const Tensor x = logits.to(at::kFloat).contiguous(), rows = rows_in.to(at::kLong).contiguous(),
+               tokens = tokens_in.to(at::kLong).contiguous();
+  const int64_t R = x.size(0), V = x.size(1), n = rows.numel();
+  TORCH_CHECK(tokens.numel() == n && bonus >= 0 && bonus < V, "round_stats: a token per row index, a bonus in V");
+  const float *xp = x.data_ptr<float>(), *lp = se[0].data_ptr<float>();
+  const int64_t *rp = rows.data_ptr<int64_t>(), *tp = tokens.data_ptr<int64_t>();
+  auto node = at::empty({n}, x.options()), extra = at::empty({R}, x.options());
+  for (int64_t i = 0; i < n; ++i) {
+    TORCH_CHECK(rp[i] >= 0 && rp[i] < R && tp[i] >= 0 && tp[i] < V, "round_stats: row or token out of range");
+    node.data_ptr<float>()[i] = xp[rp[i] * V + tp[i]] - lp[rp[i]];
+  }
+  for (int64_t r = 0; r < R; ++r) extra.data_ptr<float>()[r] = xp[r * V + bonus] - lp[r];
+  return {node, se[1], extra};
+}
+
 // ---- Drawing tokens and testing a sampled chain: `speclab.core.sampling.sample` and `verify`'s chain test ----------
 // Each is a handful of ATen ops on a row of the vocabulary (cumsum, searchsorted, clamp, gather, an index_add into
 // zeros; a gather, two clamps, a division, a comparison, a cumulative product), a few microseconds of dispatch each:
@@ -2187,6 +2209,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("se_init", &se_init);
   m.def("attn_init", &attn_init);
   m.def("softmax_entropy", &softmax_entropy, release());
+  m.def("round_stats", &round_stats, release());
   m.def("draw_rows", &draw_rows, release());
   m.def("chain_accept", &chain_accept, release());
   m.def("set_row_limits", &set_row_limits);

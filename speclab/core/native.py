@@ -151,6 +151,17 @@ def softmax_entropy(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return kernel_ops.softmax_entropy(logits)
 
 
+def round_stats(logits: torch.Tensor, rows: torch.Tensor, tokens: torch.Tensor, bonus: int):
+    """A traced round's figures from its verification logits [R, V] in one call where `softmax_entropy` runs
+    natively (else None): (each node's log-probability at its parent's row, every row's entropy, the target's token's
+    log-probability at every row), the ops' subtractions of `softmax_entropy`'s logsumexp, in fp32."""
+    if logits.dim() != 2 or logits.dtype is not torch.float32 or not active(logits):
+        return None
+    if "se" not in _state:
+        _state["se"] = bool(build().se_init())
+    return tuple(build().round_stats(logits, rows, tokens, bonus)) if _state["se"] else None
+
+
 def draw_rows(q: torch.Tensor, u: torch.Tensor, to_target: torch.Tensor | None = None, vocab: int = 0):
     """Tokens drawn from rows of probabilities q [R, V] (fp32) at uniforms u [R], by inverse CDF: bitwise
     `speclab.core.sampling.sample`'s, in one call (call where `active(q)`) -> (indices [R], mapped through `to_target`
