@@ -494,7 +494,8 @@ def round_event(rnd, name, tree, accepted, new, logits, bonus, timings, calls, b
         stats = logits[rows, tree.tokens].float() - lse[rows], ent, logits[:, bonus].float() - lse
     if tree.cands is not None:  # FlashHead: was the target's token (its argmax at the parent) retrieved?
         tree.extra["in_cands"] = (tree.cands == logits[rows].argmax(-1)[:, None]).any(-1).long()
-    ev = RoundEvent(rnd, name, tree, accepted, new, *stats, timings, calls, backlog, pos0, decision)
+    node_logp, ent, bonus_logp = stats
+    ev = RoundEvent(rnd, name, tree, accepted, new, node_logp, ent, bonus_logp, timings, calls, backlog, pos0, decision)
     if probs is not None:  # p(x) and q(x) as verification tested them
         ev.node_p = probs[rows, tree.tokens]
         ev.node_q = tree.tested_q.to(ev.node_p.device)
