@@ -785,7 +785,8 @@ def test_eagle3s_chain_and_catch_up_natively_are_the_python_loops_bits(dtype, de
 @needs_build
 def test_block_verification_natively_is_the_python_functions_bits(monkeypatch):
     """`native.block_verify` (a sampled chain's block verification from the target's logits in one call) against
-    `verify`'s Python functions on random chains of 1-6 nodes over vocabularies of 16, 300 and 8,192: drafts sampled
+    `verify`'s Python functions on random chains of 0-6 nodes over vocabularies of 16, 300 and 8,192 (none: the
+    target's own draw, an AR step's): drafts sampled
     and point masses, a q equal to p (no residual mass left), peaked logits, T = 1, 0.7 with top-p 0.9, 1 with top-k
     20 and 0.5; the same kept nodes, the same target token, the same distributions and the generator in the same
     state."""
@@ -797,11 +798,12 @@ def test_block_verification_natively_is_the_python_functions_bits(monkeypatch):
     settings = [Sampling(1.0), Sampling(0.7, top_p=0.9), Sampling(1.0, top_k=20), Sampling(0.5)]
     cases = []
     for case in range(240):
-        n, vocab, s = 1 + case % 6, (16, 300, 8192)[case % 3], settings[case % 4]
+        n, vocab, s = case % 7, (16, 300, 8192)[case % 3], settings[case % 4]
         logits = torch.randn(n + 1, vocab, generator=g) * (1 + case % 5)
         if case % 7 == 0:
             logits[:, :3] += 8
-        q = torch.softmax(logits[:n] / s.temperature if case % 11 == 0 else torch.randn(n, vocab, generator=g), -1)
+        q = torch.softmax(logits[:n] / s.temperature if case % 11 == 0 and n else torch.randn(n, vocab, generator=g),
+                          -1)
         x = torch.multinomial(q, 1, generator=g)[:, 0]
         dists = None if case % 5 == 0 else torch.cat([q, torch.zeros(1, vocab)])
         cases.append((DraftTree.chain(x, q[torch.arange(n), x], dists), logits, s))

@@ -2070,13 +2070,14 @@ std::vector<Tensor> markov_draws(const Tensor& logits, const Tensor& root, const
 // tests h_i = S_i / (S_i + 1 - w_i) below n (S_i = sum max(w_i p_i - q_i, 0), a point mass: w_i (1 - p_i(x))), h_n =
 // w_n; the longest path whose test passes at u[i - 1] < h_i; the target's token after it drawn at ub from p_n or from
 // norm(max(w_a p_a - q_a, 0)) (`draw_rows`). The Python functions' ops and scalars in their order: the same bits, the
-// same decisions, from one call instead of about twenty. -> [p, the nodes kept a, the token]
+// same decisions, from one call instead of about twenty (no nodes: the target's token drawn from p_0, an AR step's
+// or a round without a draft's). -> [p, the nodes kept a, the token]
 std::vector<Tensor> block_verify(const Tensor& logits, double t, int64_t top_k, double top_p, const OptT& q,
                                  const Tensor& x_in, const Tensor& u_in, const Tensor& ub) {
   const Tensor p = probs_of(logits, t, top_k, top_p).contiguous();
   const Tensor x = x_in.to(at::kLong).contiguous(), u = u_in.to(at::kFloat).contiguous();
   const int64_t n = x.numel(), V = p.size(-1);
-  TORCH_CHECK(n >= 1 && p.dim() == 2 && p.size(0) >= n + 1 && u.numel() >= n &&
+  TORCH_CHECK(p.dim() == 2 && p.size(0) >= n + 1 && u.numel() >= n &&
               (!q.has_value() || (q->scalar_type() == at::kFloat && q->size(0) >= n && q->size(1) == V)),
               "block_verify: p [>= n + 1, V], q [n, V] fp32 or none, x [n], u [n]");
   const int64_t* xp = x.data_ptr<int64_t>();
@@ -2089,7 +2090,7 @@ std::vector<Tensor> block_verify(const Tensor& logits, double t, int64_t top_k, 
     const float ratio = q.has_value() ? px[i] / std::max(qc.data_ptr<float>()[i * V + xp[i]], 1e-30f) : px[i];
     w.push_back(std::min(w.back() * (double)ratio, 1.0));
   }
-  std::vector<double> mass(n - 1);
+  std::vector<double> mass(std::max<int64_t>(n - 1, 0));
   if (n > 1 && q.has_value()) {
     const Tensor wt = at::tensor(std::vector<float>(w.begin() + 1, w.begin() + n), p.options());
     const Tensor s = (wt.unsqueeze(1) * p.narrow(0, 1, n - 1) - qc.narrow(0, 1, n - 1)).clamp(0).sum(-1);

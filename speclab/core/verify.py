@@ -54,7 +54,7 @@ def verify(tree: DraftTree, target_logits: torch.Tensor, sampling: Sampling,
         u = torch.rand(n + 1, generator=generator)  # as `_verify_sampled_chain` draws them, then `sample`'s one
         ub = torch.rand(1, generator=generator)
         probs, a, bonus = native.block_verify(target_logits, sampling.temperature, sampling.top_k, sampling.top_p,
-                                              tree.draft_dists[:n] if tree.draft_dists is not None else None,
+                                              tree.draft_dists[:n] if n and tree.draft_dists is not None else None,
                                               tree.tokens, u[:n], ub)
         return Verdict(torch.arange(a, device=tree.tokens.device), bonus, probs)
     probs = logits_to_probs(target_logits, sampling)
@@ -65,8 +65,9 @@ def verify(tree: DraftTree, target_logits: torch.Tensor, sampling: Sampling,
 
 def native_block(tree: DraftTree, target_logits: torch.Tensor) -> bool:
     """Whether `verify` takes a sampled chain's block verification from `native.block_verify`: a chain of one
-    drafter's nodes (sampled fp32 or point masses) under the block rule, on the CPU where the native module runs."""
-    return (CHAIN_RULE == "block" and len(tree) > 0 and tree.is_chain and tree.child_dists is None
+    drafter's nodes (sampled fp32 or point masses; none: the target's own draw) under the block rule, on the CPU where
+    the native module runs."""
+    return (CHAIN_RULE == "block" and tree.is_chain and tree.child_dists is None
             and (tree.draft_dists is None or tree.draft_dists.dtype is torch.float32) and native.active(target_logits))
 
 
