@@ -2052,6 +2052,41 @@ static Tensor probs_of(const Tensor& logits_in, double t, int64_t top_k, double 
 std::vector<Tensor> markov_draws(const Tensor& logits, const Tensor& root, const Tensor& w1, const Tensor& w2,
                                  const OptT& packed, const OptT& wide, const Tensor& u, double t, int64_t top_k,
                                  double top_p) {
+  const int64_t n = logits.size(0), V = w2.size(0), r = w1.dim() == 2 ? w1.size(1) : 0;
+  if (fast_layers && dp_ok && logits.dim() == 2 && logits.scalar_type() == at::kFloat && logits.is_contiguous() &&
+      logits.size(1) == V && w1.dim() == 2 && w1.is_contiguous() && root.numel() == 1 && u.numel() >= n &&
+      (w1.scalar_type() == at::kBFloat16 || w1.scalar_type() == at::kFloat)) {
+    // from raw rows: W1[x] copied, one product, the add in a loop, `probs_of`, the inverse CDF on q's row (the ops'
+    // bits: the same IEEE additions, ATen's transform and softmax, `draw_rows`'s loop), without eight ops a row
+    int64_t prev = root.to(at::kLong).item<int64_t>();
+    auto tokens = at::empty({n}, root.options().dtype(at::kLong)), qx = at::empty({n}, logits.options());
+    auto qs = at::empty({n, V}, logits.options());
+    const Tensor us = u.to(at::kFloat).contiguous();
+    auto emb = at::empty({1, r}, w1.options());
+    auto row = at::empty({1, V}, logits.options());
+    std::vector<float> cdf(V);
+    const size_t esz = w1.element_size();
+    for (int64_t k = 0; k < n; ++k) {
+      std::memcpy(emb.data_ptr(), (const char*)w1.data_ptr() + prev * r * esz, r * esz);
+      const Tensor bias = linear(emb, w2, std::nullopt, packed, wide).contiguous();
+      const float* lp = logits.data_ptr<float>() + k * V;
+      float* rp = row.data_ptr<float>();
+      if (bias.scalar_type() == at::kBFloat16) {
+        const at::BFloat16* bp = bias.data_ptr<at::BFloat16>();
+        for (int64_t v = 0; v < V; ++v) rp[v] = lp[v] + (float)bp[v];
+      } else {
+        const float* bp = bias.data_ptr<float>();
+        for (int64_t v = 0; v < V; ++v) rp[v] = lp[v] + bp[v];
+      }
+      const Tensor q = probs_of(row, t, top_k, top_p).contiguous();
+      const float* qp = q.data_ptr<float>();
+      std::memcpy(qs.data_ptr<float>() + k * V, qp, V * sizeof(float));
+      prev = inverse_cdf(qp, V, us.data_ptr<float>()[k], cdf);
+      tokens.data_ptr<int64_t>()[k] = prev;
+      qx.data_ptr<float>()[k] = qp[prev];
+    }
+    return {tokens, qx, qs};
+  }
   auto prev = root.view({1});
   std::vector<Tensor> tokens, qx, qs;
   for (int64_t k = 0; k < logits.size(0); ++k) {
