@@ -142,24 +142,26 @@ def softmax_entropy(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """`kernels.ops.softmax_entropy` (logsumexp and entropy of rows of logits [R, V], fp32): on the CPU where the
     native module runs and the CPU has AVX512F, `native.cpp`'s two passes a row (equal up to rounding, about 6x
     faster on the zoo's vocabulary: most of a traced round's record time), else the kernels' op."""
-    if logits.dim() == 2 and active(logits):
-        if "se" not in _state:
-            _state["se"] = bool(build().se_init())
-        if _state["se"]:
-            lse, ent = build().softmax_entropy(logits)
-            return lse, ent
+    if logits.dim() == 2 and active(logits) and _se_ready():
+        lse, ent = build().softmax_entropy(logits)
+        return lse, ent
     return kernel_ops.softmax_entropy(logits)
+
+
+def _se_ready() -> bool:
+    """Whether `native.cpp`'s softmax-entropy pass runs on this CPU (AVX512F), checked once."""
+    if "se" not in _state:
+        _state["se"] = bool(build().se_init())
+    return _state["se"]
 
 
 def round_stats(logits: torch.Tensor, rows: torch.Tensor, tokens: torch.Tensor, bonus: int):
     """A traced round's figures from its verification logits [R, V] in one call where `softmax_entropy` runs
     natively (else None): (each node's log-probability at its parent's row, every row's entropy, the target's token's
     log-probability at every row), the ops' subtractions of `softmax_entropy`'s logsumexp, in fp32."""
-    if logits.dim() != 2 or logits.dtype is not torch.float32 or not active(logits):
+    if logits.dim() != 2 or logits.dtype is not torch.float32 or not active(logits) or not _se_ready():
         return None
-    if "se" not in _state:
-        _state["se"] = bool(build().se_init())
-    return tuple(build().round_stats(logits, rows, tokens, bonus)) if _state["se"] else None
+    return tuple(build().round_stats(logits, rows, tokens, bonus))
 
 
 def draw_rows(q: torch.Tensor, u: torch.Tensor, to_target: torch.Tensor | None = None, vocab: int = 0):
@@ -269,12 +271,10 @@ def eagle3_prefill(layer: L.DecoderLayer, in_norm: torch.nn.RMSNorm, hid_norm: t
     """EAGLE-3's KV-only catch-up of m tokens (`Eagle3Drafter._prefill`'s ops with a dense head, bitwise; call where
     `active(feats)`): their keys and values at `cache` slots start.., the last row alone through the rest of the layer
     and the head -> (its pre-norm output [1, H], its fp32 logits [1, Vd]). The cache's length is the caller's."""
-    a, dtype = layer.self_attn, fc.weight.dtype
     return tuple(build().eagle3_prefill(
         ids, embed, feats, fc.weight, *_copies(fc.weight), cos, sin, start, decoder_weights(layer), cache.k, cache.v,
-        scale, _eps(a.q_norm, dtype) if a.qk_norm else 0.0, _eps(layer.post_attention_layernorm, dtype), a.heads,
-        a.kv_heads, a.head_dim, in_norm.weight, _eps(in_norm, dtype), hid_norm.weight, _eps(hid_norm, dtype),
-        out_norm.weight, _eps(out_norm, dtype), head.weight, *_copies(head.weight)))
+        scale, *_eagle3_norms(layer, in_norm, hid_norm, out_norm, fc.weight.dtype), head.weight,
+        *_copies(head.weight)))
 
 
 def eagle3_chain(layer: L.DecoderLayer, in_norm: torch.nn.RMSNorm, hid_norm: torch.nn.RMSNorm,
@@ -287,19 +287,24 @@ def eagle3_chain(layer: L.DecoderLayer, in_norm: torch.nn.RMSNorm, hid_norm: tor
     top_p at uniform u[level - 1], and one `decoder_layer` + `head_logp` call after every token but the last, its
     keys and values at `cache` slots start.. -> (tokens [depth] in target ids, log q(x) [depth], q's rows [depth,
     vocab] or None greedy). The cache's length is the caller's to set."""
-    a = layer.self_attn
-    dtype = root_h.dtype
     w = head.weight
     tokens, logq, q = build().eagle3_chain(
         root_logits, root_h, depth, embed, cos, sin, pos0, decoder_weights(layer), cache.k, cache.v, start, scale,
-        _eps(a.q_norm, dtype) if a.qk_norm else 0.0, _eps(layer.post_attention_layernorm, dtype), a.heads,
-        a.kv_heads, a.head_dim, in_norm.weight, _eps(in_norm, dtype), hid_norm.weight, _eps(hid_norm, dtype),
-        out_norm.weight, _eps(out_norm, dtype), w, *_copies(w), to_target, vocab, t, top_k, top_p,
-        u if u is not None else _NO_UNIFORMS)
+        *_eagle3_norms(layer, in_norm, hid_norm, out_norm, root_h.dtype), w, *_copies(w), to_target, vocab, t, top_k,
+        top_p, u if u is not None else _NO_UNIFORMS)
     return tokens, logq, q if t > 0 else None
 
 
 _NO_UNIFORMS = torch.zeros(0)
+
+
+def _eagle3_norms(layer: L.DecoderLayer, in_norm, hid_norm, out_norm, dtype) -> list:
+    """What `native.cpp`'s EAGLE-3 calls read of its layer and norms after the layer's weights: (qk eps, post-norm
+    eps, heads, kv heads, head dim, then each norm's weight and eps: input, hidden, output)."""
+    a = layer.self_attn
+    return [_eps(a.q_norm, dtype) if a.qk_norm else 0.0, _eps(layer.post_attention_layernorm, dtype), a.heads,
+            a.kv_heads, a.head_dim, in_norm.weight, _eps(in_norm, dtype), hid_norm.weight, _eps(hid_norm, dtype),
+            out_norm.weight, _eps(out_norm, dtype)]
 
 
 def source_hash() -> str | None:

@@ -293,11 +293,17 @@ class Target:
         """Forward a prompt; logits of its last position (or `last` positions) only."""
         return self.forward(input_ids, cache, last=last, layers=layers, hidden=hidden)
 
+    @property
+    def embed_table(self) -> torch.Tensor | None:
+        """The table `embed` takes rows of, where it is a plain lookup (the lean backend); None where transformers'
+        embedding module runs (it may scale its rows)."""
+        return self.lean.embed if self.lean else None
+
     @torch.inference_mode()
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         """The target's input embeddings of `ids` [..., d] (drafters that share them: DFlash)."""
-        if self.lean:
-            return self.lean.embed[ids.to(self.device)]
+        if self.embed_table is not None:
+            return self.embed_table[ids.to(self.device)]
         return self.model.get_input_embeddings()(ids.to(self.device))
 
     @torch.inference_mode()

@@ -298,7 +298,7 @@ class Eagle3Drafter:
             self._prefill(m)
 
     def _prefill(self, m: int) -> None:
-        if self.kv_only and self.flash is None and self.m.fc.bias is None and native.active(self.pending_feats):
+        if self.kv_only and self._native_ok() and self.m.fc.bias is None and native.active(self.pending_feats):
             return self._native_prefill(m)
         emb, h = self._embed(self.pending_ids), self.m.fc(self.pending_feats.to(self.dtype))
         self.pending_ids, self.pending_feats = self.pending_ids[:0], self.pending_feats[:0]
@@ -525,7 +525,7 @@ class Eagle3Drafter:
     def _chain(self, depth: int, sampling: Sampling | None = None, generator=None) -> DraftTree:
         """A chain, one drafter call per token after the first: the argmax at every depth, or (`sampling`) a token
         drawn from the drafter's q (`speclab.core.sampling.draw_one`), q kept for verification."""
-        if self.flash is None and native.active(self.root_h):
+        if self._native_ok() and native.active(self.root_h):
             return self._native_chain(depth, sampling, generator)
         logp = torch.log_softmax(self.root_logits.float(), -1)
         h = self.root_h
@@ -565,11 +565,13 @@ class Eagle3Drafter:
         self.cache.length = start + depth - 1
         return DraftTree.chain(tokens, logq.exp(), chain_dists([q]) if q is not None else None)
 
-    def _embed_table(self) -> torch.Tensor:
-        """The embedding table `_embed` reads rows of (its own, else the target's)."""
-        if self.embed is not None:
-            return self.embed
-        return self.target.lean.embed if self.target.lean else self.target.model.get_input_embeddings().weight
+    def _embed_table(self) -> torch.Tensor | None:
+        """The table `_embed` takes rows of: its own, else the target's where that is a plain lookup (None: not)."""
+        return self.embed if self.embed is not None else self.target.embed_table
+
+    def _native_ok(self) -> bool:
+        """Whether the catch-up and the chain may run natively: a dense head and an embedding table to read rows of."""
+        return self.flash is None and self._embed_table() is not None
 
     def _tree(self, depth: int, sampling: Sampling | None = None, generator=None) -> DraftTree:
         """EAGLE-2 dynamic tree (speclab.core.tree.dynamic_tree): each depth's frontier is one drafter call under a tree
