@@ -476,7 +476,8 @@ def test_the_native_product_is_f_linears_bits_and_each_rows_alone():
     more often) and at 40 rows. A row alone is the same bits as among the others on the tiles; on the dot product it
     is F.linear's row alone (F.linear sums a row alone in other blocks than many rows where K is above 1024, and so
     does the dot product). `layers.linear` of 40 rows (above TILE_ROWS: oneDNN's copy kept beside the native one) is
-    F.linear's. Bad operands are refused, not read out of bounds."""
+    F.linear's. The dot product's prefetch distance (`set_dp_ahead`) changes no bit. Bad operands are refused, not read
+    out of bounds."""
     from speclab.core import layers
 
     mod = native.product_module()
@@ -510,6 +511,15 @@ def test_the_native_product_is_f_linears_bits_and_each_rows_alone():
                 w2 = w.clone()
                 assert torch.equal(layers.linear(x, w2, bias), F.linear(x, w2, bias))  # 40 rows
                 assert layers.is_native(w2._speclab_packed[1])
+        if dp:  # how far ahead the dot product prefetches its weight moves lines only: the same bits at any distance
+            want = op(x[:5], packed, None, n, k)
+            before = mod.set_dp_ahead(0)
+            try:
+                for ahead in (0, 64, before // 2, 1 << 20):
+                    mod.set_dp_ahead(ahead)
+                    assert torch.equal(op(x[:5], packed, None, n, k), want), ahead
+            finally:
+                mod.set_dp_ahead(before)
         for bad in ((x.float(), packed, None, n, k), (x[:, :-1], packed, None, n, k), (x, packed, None, n + 64, k),
                     (x, packed, None, n, k + 32), (x, w, None, n, k), (x, packed, torch.zeros(n + 1).bfloat16(), n, k)):
             with pytest.raises(RuntimeError, match=name):

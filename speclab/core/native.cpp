@@ -261,6 +261,17 @@ static Tensor dp_pack(const Tensor& w_) {
   return out;
 }
 
+// How far ahead of its reads a thread prefetches the packed weight, in bf16 elements (`set_dp_ahead`, for A/B runs):
+// 16 KB. At 2 KB (until session 53) the lines arrived late: on the AMD EPYC (2 cores, the zoo target, a 200-token
+// cache; in one process, alternating) a 1-row call took 0.56 ms against 0.52-0.53 at 8-24 KB and a 5-row one 0.86
+// against 0.75-0.77. A prefetch only moves lines: the products' bits are the same at any distance.
+static int64_t dp_ahead = 8192;
+static int64_t set_dp_ahead(int64_t elems) {  // -> the distance before
+  const int64_t before = dp_ahead;
+  dp_ahead = std::max<int64_t>(elems, 0);
+  return before;
+}
+
 // R rows [R, KP] (input pairs as 32-bit words) by one block of 64 outputs [KP, 64, 2] -> the fp32 sums acc [R, 64],
 // the pairs summed in blocks of KB pairs (each from zero, then added to the total)
 template <int R>
@@ -276,7 +287,7 @@ __attribute__((target("avx512f,avx512bf16"))) static void dp_rows(const uint32_t
     const int64_t k1 = std::min(KP, k0 + KB);
     for (int64_t kp = k0; kp < k1; ++kp) {
       const uint16_t* blk = p + kp * 128;
-      for (int l = 0; l < 4; ++l) _mm_prefetch((const char*)(blk + 1024 + l * 32), _MM_HINT_T0);  // 2 KB ahead
+      for (int l = 0; l < 4; ++l) _mm_prefetch((const char*)(blk + dp_ahead + l * 32), _MM_HINT_T0);
       const __m512bh w0 = (__m512bh)_mm512_loadu_si512(blk), w1 = (__m512bh)_mm512_loadu_si512(blk + 32),
                      w2 = (__m512bh)_mm512_loadu_si512(blk + 64), w3 = (__m512bh)_mm512_loadu_si512(blk + 96);
       for (int r = 0; r < R; ++r) {
@@ -2240,6 +2251,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("set_fused", &set_fused);
   m.def("set_fast_layers", &set_fast_layers);
   m.def("set_attn_tiles", &set_attn_tiles);
+  m.def("set_dp_ahead", &set_dp_ahead);
   m.def("get_fast_calls", &get_fast_calls);
   m.def("product_init", &product_init);
   m.def("se_init", &se_init);
