@@ -119,6 +119,42 @@ def test_lean_forward_natively_is_bitwise_the_python_forward(arch, dtype, monkey
 
 
 @needs_build
+@pytest.mark.parametrize("dtype,logits", [(torch.bfloat16, "fp32"), (torch.bfloat16, "model"), (torch.float32, "fp32")],
+                         ids=["bf16", "bf16-model-logits", "fp32"])
+def test_the_lean_forward_in_one_native_call_is_the_per_op_forwards_bits(dtype, logits):
+    """`native.lean_forward` (the lean forward of rows at consecutive positions: embedding, rotary rows, causal mask,
+    layers, kept features, final norm, head, in one call) against the same forward op by op (explicit positions take
+    that path: the tables' rows by index, the same values): logits, features in the order asked, final-norm states
+    and the cache, for 1 to 37 rows, with and without `last`, refined fp32 logits or the model's; and it is taken."""
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(tiny_config("qwen3", 300, layers=3)).eval().to(dtype)
+    lean = Target(model, NoTok(), backend="lean", logits=logits).lean
+    ids = torch.randint(3, 300, (120,))
+    calls = []
+    real = native.lean_forward
+
+    def spy(*a, **k):
+        calls.append(1)
+        return real(*a, **k)
+
+    with torch.inference_mode(), pytest.MonkeyPatch.context() as mp:
+        mp.setattr(native, "lean_forward", spy)
+        for n, layers, last in ((1, (), None), (5, (1,), None), (37, (2, 0), 2), (2, (0, 2, 1), 1)):
+            one, per_op = lean.new_cache(200), lean.new_cache(200)
+            for c in (one, per_op):
+                lean.forward(ids[:40], c, pos=torch.arange(40))
+            got = lean.forward(ids[40 : 40 + n], one, layers=layers, last=last, hidden=True)
+            want = lean.forward(ids[40 : 40 + n], per_op, pos=torch.arange(40, 40 + n), layers=layers, last=last,
+                                hidden=True)
+            for a, b in zip(got[:3], want[:3]):
+                assert (a is None and b is None) or torch.equal(a, b), (n, layers, last)
+            assert one.length == per_op.length == 40 + n
+            assert torch.equal(one.k[:, :, : 40 + n], per_op.k[:, :, : 40 + n])
+            assert torch.equal(one.v[:, :, : 40 + n], per_op.v[:, :, : 40 + n])
+    assert len(calls) == 4
+
+
+@needs_build
 @pytest.mark.parametrize("arch,hidden", [("qwen3", 256), ("llama", 128), ("qwen2", 128)])
 def test_a_decode_steps_layers_without_atens_small_ops_are_the_loops_bits(arch, hidden):
     """`native.cpp`'s `decode_layers` (a few bf16 rows of a sequence or of several: Qwen3's q/k norms, Qwen2's

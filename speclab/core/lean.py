@@ -183,6 +183,7 @@ class LeanDecoder:
         self._rope_table(self.max_context)
         self.logits, self.exact, self.tile = logits, exact, tile
         self.lm = Head(self.lm_head, logits)
+        self._norm32: tuple[int, torch.Tensor] | None = None
 
     def _rope_table(self, n: int) -> None:
         self.cos, self.sin = rope_tables(self.inv_freq, self.rope_scale, n, self.dtype)
@@ -223,6 +224,13 @@ class LeanDecoder:
                 pos = torch.arange(start, end, device=self.device)
             return (*self._exact_forward(ids, cache, pos, mask, layers, last, hidden, head), None)
         cache.reserve(n)
+        if pos is None and mask is None and con is None and head is None and native.active(self.embed):
+            # the whole forward below in one native call: the same ops, the same bits
+            logits, risky, h, feats = native.lean_forward(self, ids, cache, start, layers, last)
+            cache.length = end
+            if risky is not None:  # rows whose refined maximum an unrefined logit could reach: in full fp32
+                logits = self.lm.full_rows(logits, h, risky)
+            return logits, feats, h if hidden else None, None
         if pos is None:  # consecutive positions: the tables' rows as views (no index op, the same values)
             cos, sin = self.cos[start:end, None], self.sin[start:end, None]
         else:
@@ -381,6 +389,13 @@ class LeanDecoder:
             p = torch.zeros_like(s).scatter_(-1, idx, torch.softmax(s.gather(-1, idx) + bias, -1))
             return torch.bmm(p.view(KV, G * T, -1), v_cache).view(H, T, D).to(q.dtype)
         return attend
+
+    def norm32(self) -> torch.Tensor:
+        """The final norm's weight in fp32 (what `rms_norm32` multiplies by), made again after a change in place."""
+        version = -1 if self.norm.is_inference() else self.norm._version
+        if self._norm32 is None or self._norm32[0] != version:
+            self._norm32 = (version, self.norm.float())
+        return self._norm32[1]
 
     def final_norm(self, h: torch.Tensor) -> torch.Tensor:
         """The final RMSNorm: in fp32 when the logits are (`speclab.core.precision`), else in the model's dtype."""

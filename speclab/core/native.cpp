@@ -1911,6 +1911,49 @@ std::vector<Tensor> refined_head(const Tensor& h, const Tensor& w, const OptT& p
   return {out.view(shape), unsafe};
 }
 
+// `LeanDecoder.forward` of one sequence's rows at consecutive positions after its cache (no tree mask, no contemplate
+// rows, no other head than the model's) in one call: the embedding's rows, the rotary tables' rows
+// from `start`, the additive causal mask (`layers.causal_mask`, more than one row), `fused_layers`, the kept layers'
+// outputs joined in the order asked, the last `last` rows (0: all), then with fp32 logits (k > 0: the head's refined
+// top k) the final norm in fp32 (`precision.rms_norm32`, `norm` its fp32 weight) and `refined_head`, else (k = 0) the
+// final norm and the head in the model's dtype, upcast: the Python path's ops in its order, the same bits, without
+// its dispatch. -> [logits, the rows to recompute in full fp32 (undefined at k = 0), final-norm states, features
+// (undefined without layers)]
+std::vector<Tensor> lean_forward(const Tensor& ids, const Tensor& embed, const Tensor& cos_t, const Tensor& sin_t,
+                                 const std::vector<std::vector<OptT>>& W, const Tensor& ck, const Tensor& cv,
+                                 int64_t start, double scale, double eps, int64_t H, int64_t KV, int64_t D,
+                                 const std::vector<int64_t>& layers, int64_t last, const Tensor& norm,
+                                 double norm_eps, const Tensor& head_w, const OptT& packed, const OptT& wide,
+                                 int64_t k, double w_norm) {
+  const int64_t n = ids.numel(), end = start + n;
+  TORCH_CHECK(n >= 1 && end <= cos_t.size(0) && end <= ck.size(2), "speclab lean_forward: rows past the tables or cache");
+  auto h = embed.index({ids});
+  auto cos = cos_t.slice(0, start, end).unsqueeze(1), sin = sin_t.slice(0, start, end).unsqueeze(1);
+  OptT mask = std::nullopt;
+  if (n > 1)
+    mask = at::zeros({n, end}, h.options())
+               .masked_fill_(at::ones({n, end}, h.options().dtype(at::kBool)).tril(end - n).logical_not(), -INFINITY);
+  std::vector<int64_t> keep(layers.begin(), layers.end());
+  std::sort(keep.begin(), keep.end());
+  keep.erase(std::unique(keep.begin(), keep.end()), keep.end());
+  auto out = fused_layers(h, cos, sin, W, {ck}, {cv}, {start}, {n}, {mask}, scale, eps, H, KV, D, keep);
+  Tensor feats;
+  if (!layers.empty()) {
+    std::vector<Tensor> parts;
+    for (auto l : layers) parts.push_back(out[1 + (std::lower_bound(keep.begin(), keep.end(), l) - keep.begin())]);
+    feats = parts.size() == 1 ? parts[0] : at::cat(parts, -1);
+  }
+  h = out[0];
+  if (last > 0) h = h.slice(0, -last);
+  if (k == 0) {  // logits of the model's dtype (`logits='model'`, or an fp32 model): its norm, its head, upcast
+    h = rms_norm(h, norm, norm_eps);
+    return {linear(h.to(head_w.scalar_type()), head_w, std::nullopt, packed, wide).to(at::kFloat), Tensor(), h, feats};
+  }
+  h = rms_norm(h.to(at::kFloat), norm, norm_eps);
+  auto lr = refined_head(h, head_w, packed, wide, k, w_norm);
+  return {lr[0], lr[1], h, feats};
+}
+
 // Two rows' RMSNorms side by side: [rms_norm(a, wa), rms_norm(b, wb)] (EAGLE-3's attention input,
 // `Eagle3Model.attn_input`: the embedding's and the hidden state's norms), one call instead of three from Python
 Tensor pair_norm(const Tensor& a, const OptT& wa, double ea, const Tensor& b, const OptT& wb, double eb) {
@@ -2239,6 +2282,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decoder_layer", &decoder_layer, release());
   m.def("context_kv", &context_kv, release());
   m.def("refined_head", &refined_head, release());
+  m.def("lean_forward", &lean_forward, release());
   m.def("pair_norm", &pair_norm, release());
   m.def("head_logp", &head_logp, release());
   m.def("markov_chains", &markov_chains, release());

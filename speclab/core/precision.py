@@ -349,7 +349,7 @@ class Head:
         w = self.weight
         if self.refine and native.active(h):  # the same ops from C++ (`speclab.core.native`)
             out, risky = native.refined_head(h, w, self.k, self.w_norm)
-            return self._full_rows(out, h, risky)
+            return self.full_rows(out, h, risky)
         low = layers.linear(h.to(w.dtype), w).float()
         if not self.refine:
             return low
@@ -361,12 +361,12 @@ class Head:
         if self.k < shape[-1]:  # could an unrefined logit reach the refined maximum? then that row in full fp32
             kth = top.values[:, -1]
             err = kth.abs() * 2.0 ** -7 + self.w_norm * (h - h.to(w.dtype).float()).norm(dim=-1) + 1e-3
-            out = self._full_rows(out.view(shape), h, kth + err >= exact.max(-1).values)
+            out = self.full_rows(out.view(shape), h, kth + err >= exact.max(-1).values)
         return out.view(shape)
 
-    def _full_rows(self, out: torch.Tensor, h: torch.Tensor, risky: torch.Tensor) -> torch.Tensor:
+    def full_rows(self, out: torch.Tensor, h: torch.Tensor, risky: torch.Tensor) -> torch.Tensor:
         """`out` [.., V] with the `risky` rows (of the rows flattened) recomputed in full fp32: rare; one row at a
-        time, so a row's result never depends on the others."""
+        time, so a row's result never depends on the others (`refined_head`'s second output; `native.lean_forward`)."""
         rows = risky.nonzero().flatten().tolist()
         if rows:
             flat, h, w32 = out.view(-1, out.shape[-1]), h.reshape(-1, h.shape[-1]).float(), self.weight.float()
