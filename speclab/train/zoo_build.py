@@ -1,6 +1,6 @@
 """Re-create the zoo from ../shared/data: corpus -> tokenizer -> target -> distilled draft -> EAGLE-3 and DFlash
 drafters on the corpus -> the target's own continuations -> both drafters trained on them, then for sampling (and
-DSpark's confidence head on DFlash) -> evaluation.
+DSpark's confidence head on DFlash) -> EAGLE-3 on a third folder of continuations -> evaluation.
 
 `speclab zoo build` runs the whole recipe (hours on a 2-core CPU; never in CI). `speclab zoo eval`
 measures the per-domain validation loss and bits per byte of the zoo models, the table of the model card.
@@ -55,6 +55,11 @@ class ZooBuildConfig:
     dflash_v3_minutes: float = 50.0
     dflash_v3_lr: float = 3e-4
     dspark_minutes: float = 15.0
+    # step 13, EAGLE-3 v4 (data/zoo/eagle3/README.md "Drafter v4"): a third folder of continuations (other prompt
+    # windows, every other row sampled) beside the first two, v3's loss
+    v4_regen_seed: int = 1
+    v4_minutes: float = 55.0
+    v4_lr: float = 3e-4
     seed: int = 0
     work_dir: str = "build/zoo"
 
@@ -63,48 +68,48 @@ def build_zoo(cfg: ZooBuildConfig) -> None:
     corpus = REPO_ROOT / "data" / "corpus"
     zoo = zoo_dir()
     work = Path(cfg.work_dir)
-    print(f"[1/12] corpus -> {corpus}", flush=True)
+    print(f"[1/13] corpus -> {corpus}", flush=True)
     print(json.dumps(build_corpus(corpus, CorpusConfig(shared_data=Path(cfg.shared_data), seed=cfg.seed)), indent=1))
-    print(f"[2/12] tokenizer -> {zoo / 'tokenizer'}", flush=True)
+    print(f"[2/13] tokenizer -> {zoo / 'tokenizer'}", flush=True)
     shutil.rmtree(corpus / ".tokens", ignore_errors=True)
     train_tokenizer(corpus, zoo / "tokenizer")
-    print(f"[3/12] target ({cfg.target_minutes:.0f} min)", flush=True)
+    print(f"[3/13] target ({cfg.target_minutes:.0f} min)", flush=True)
     train_lm(TrainConfig(corpus_dir=str(corpus), tokenizer_dir=str(zoo / "tokenizer"), out_dir=str(work / "target"),
                          shape=TARGET_SHAPE, lr=1.5e-3, max_minutes=cfg.target_minutes, seed=cfg.seed))
     _install(work / "target", zoo / "target")
-    print(f"[4/12] draft pre-trained on the corpus ({cfg.draft_pretrain_minutes:.0f} min)", flush=True)
+    print(f"[4/13] draft pre-trained on the corpus ({cfg.draft_pretrain_minutes:.0f} min)", flush=True)
     train_lm(TrainConfig(corpus_dir=str(corpus), tokenizer_dir=str(zoo / "tokenizer"), out_dir=str(work / "draft_ce"),
                          shape=DRAFT_SHAPE, lr=3e-3, seq_len=256, batch_size=16,
                          max_minutes=cfg.draft_pretrain_minutes, seed=cfg.seed + 2))
-    print(f"[5/12] draft distilled from the target's distributions ({cfg.draft_minutes:.0f} min)", flush=True)
+    print(f"[5/13] draft distilled from the target's distributions ({cfg.draft_minutes:.0f} min)", flush=True)
     train_lm(TrainConfig(corpus_dir=str(corpus), tokenizer_dir=str(zoo / "tokenizer"), out_dir=str(work / "draft_kl"),
                          shape=DRAFT_SHAPE, teacher=str(zoo / "target"), init_from=str(work / "draft_ce" / "model"),
                          lr=2e-3, warmup_steps=20, seq_len=256, batch_size=16, max_minutes=cfg.draft_minutes,
                          seed=cfg.seed + 3))
-    print(f"[6/12] more distillation at a lower LR ({cfg.draft_more_minutes:.0f} min)", flush=True)
+    print(f"[6/13] more distillation at a lower LR ({cfg.draft_more_minutes:.0f} min)", flush=True)
     train_lm(TrainConfig(corpus_dir=str(corpus), tokenizer_dir=str(zoo / "tokenizer"), out_dir=str(work / "draft_kl2"),
                          shape=DRAFT_SHAPE, teacher=str(zoo / "target"), init_from=str(work / "draft_kl" / "model"),
                          lr=1e-3, seq_len=256, batch_size=16, max_minutes=cfg.draft_more_minutes, seed=cfg.seed + 3))
     _install(work / "draft_kl2", zoo / "draft",
              earlier_logs=(work / "draft_ce" / "train_log.jsonl", work / "draft_kl" / "train_log.jsonl"))
-    print(f"[7/12] EAGLE-3 drafter, online from the frozen target on the corpus ({cfg.eagle3_minutes:.0f} min)",
+    print(f"[7/13] EAGLE-3 drafter, online from the frozen target on the corpus ({cfg.eagle3_minutes:.0f} min)",
           flush=True)
     from speclab.train.eagle3 import Eagle3TrainConfig, train_eagle3
     train_eagle3(Eagle3TrainConfig(target_dir=str(zoo / "target"), corpus_dir=str(corpus), out_dir=str(work / "eagle3"),
                                    max_minutes=cfg.eagle3_minutes, seed=cfg.seed, precision="fp32", loss_topk=0))
-    print(f"[8/12] DFlash drafter with DSpark's Markov head, online from the frozen target on the corpus "
+    print(f"[8/13] DFlash drafter with DSpark's Markov head, online from the frozen target on the corpus "
           f"({cfg.dflash_minutes:.0f} min)", flush=True)
     from speclab.train.dflash import DFlashTrainConfig, train_dflash
     train_dflash(DFlashTrainConfig(target_dir=str(zoo / "target"), corpus_dir=str(corpus), out_dir=str(work / "dflash"),
                                    max_minutes=cfg.dflash_minutes, seed=cfg.seed, precision="fp32"))
     regen = [REPO_ROOT / "data" / "regen" / mode for mode in cfg.regen_modes]
-    print(f"[9/12] the target's own continuations ({', '.join(cfg.regen_modes)}) -> data/regen", flush=True)
+    print(f"[9/13] the target's own continuations ({', '.join(cfg.regen_modes)}) -> data/regen", flush=True)
     from speclab.train.regenerate import RegenConfig, regenerate
     for mode, folder in zip(cfg.regen_modes, regen):
         regenerate(RegenConfig(target_dir=str(zoo / "target"), corpus_dir=str(corpus), out_dir=str(folder),
                                mode=mode, seed=cfg.seed))
     data = ",".join(str(f) for f in regen)
-    print(f"[10/12] both drafters go on training on it, side by side on one thread each ({cfg.v2_minutes:.0f} min)",
+    print(f"[10/13] both drafters go on training on it, side by side on one thread each ({cfg.v2_minutes:.0f} min)",
           flush=True)
     import threading
     runs = [threading.Thread(target=train_eagle3, args=(Eagle3TrainConfig(
@@ -119,7 +124,7 @@ def build_zoo(cfg: ZooBuildConfig) -> None:
         r.start()
     for r in runs:
         r.join()
-    print(f"[11/12] EAGLE-3 trained for sampling: full-distribution loss ({cfg.v3_minutes[0]:.0f} min), then with the "
+    print(f"[11/13] EAGLE-3 trained for sampling: full-distribution loss ({cfg.v3_minutes[0]:.0f} min), then with the "
           f"acceptance term ({cfg.v3_minutes[1]:.0f} min)", flush=True)
     start = work / "eagle3_v2"
     for i, (name, tv) in enumerate((("eagle3_v3_kl", 0.0), ("eagle3_v3_tv", cfg.v3_loss_tv))):
@@ -130,7 +135,7 @@ def build_zoo(cfg: ZooBuildConfig) -> None:
         start = work / name
     _install(start, zoo / "eagle3", every=25,
              earlier_logs=tuple(work / n / "train_log.jsonl" for n in ("eagle3", "eagle3_v2", "eagle3_v3_kl")))
-    print(f"[12/12] DFlash trained for sampling: full distribution and acceptance term ({cfg.dflash_v3_minutes:.0f} "
+    print(f"[12/13] DFlash trained for sampling: full distribution and acceptance term ({cfg.dflash_v3_minutes:.0f} "
           f"min), then DSpark's confidence head ({cfg.dspark_minutes:.0f} min)", flush=True)
     train_dflash(DFlashTrainConfig(target_dir=str(zoo / "target"), corpus_dir=data, out_dir=str(work / "dflash_v3"),
                                    init_from=str(work / "dflash_v2" / "model"), max_minutes=cfg.dflash_v3_minutes,
@@ -146,6 +151,18 @@ def build_zoo(cfg: ZooBuildConfig) -> None:
     for name in ("model.safetensors", "config.json"):
         shutil.copy(head / name, zoo / "dflash" / name)
     shutil.copy(head / "train_config.json", zoo / "dflash" / "dspark_train_config.json")
+    print(f"[13/13] EAGLE-3 v4: a third folder of continuations (mix, seed {cfg.v4_regen_seed}), then "
+          f"{cfg.v4_minutes:.0f} min more on all three", flush=True)
+    mix = REPO_ROOT / "data" / "regen" / "mix1"
+    regenerate(RegenConfig(target_dir=str(zoo / "target"), corpus_dir=str(corpus), out_dir=str(mix), mode="mix",
+                           seed=cfg.v4_regen_seed))
+    train_eagle3(Eagle3TrainConfig(target_dir=str(zoo / "target"), corpus_dir=f"{data},{mix}",
+                                   out_dir=str(work / "eagle3_v4"), init_from=str(start / "model"),
+                                   max_minutes=cfg.v4_minutes, seed=cfg.seed + 5, lr=cfg.v4_lr, threads=2,
+                                   precision="bf16", loss_topk=0, loss_tv=cfg.v3_loss_tv))
+    _install(work / "eagle3_v4", zoo / "eagle3", every=25,
+             earlier_logs=tuple(work / n / "train_log.jsonl" for n in ("eagle3", "eagle3_v2", "eagle3_v3_kl",
+                                                                       "eagle3_v3_tv")))
     print(evaluate_zoo())
 
 
