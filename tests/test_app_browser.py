@@ -29,10 +29,16 @@ if not os.path.exists(CHROMIUM):
 @pytest.fixture(scope="module")
 def app(tmp_path_factory):
     """The app on the zoo with a scratch trace; no --calibration, so the user's calibration file is the default one
-    beside the trace (the zoo's shipped file stays untouched: `zoo_calibration` is its text at start)."""
+    beside the trace (the zoo's shipped file stays untouched: `zoo_calibration` is its text at start). That file is
+    written first with an entropy threshold of 1.9 nats in every category, so that a routed run uses both drafters
+    whatever the zoo's own calibration says on the machine that made it (on the AMD EPYC of 2026-12-04: EAGLE-3
+    every round)."""
     tmp = tmp_path_factory.mktemp("app")
     port = free_port()
     shipped = zoo_calibration_path().read_bytes()
+    user = json.loads(shipped)
+    user["thresholds"]["entropy"] = dict.fromkeys(("*", "code", "literature", "math", "stories"), 1.9)
+    (tmp / "calibration.json").write_text(json.dumps(user))
     proc = start_app(tmp / "app.duckdb", port, tmp / "app.log")
     yield {"url": f"http://127.0.0.1:{port}", "calibration": tmp / "calibration.json", "zoo_calibration": shipped}
     proc.terminate()
