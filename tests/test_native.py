@@ -125,7 +125,8 @@ def test_the_lean_forward_in_one_native_call_is_the_per_op_forwards_bits(dtype, 
     """`native.lean_forward` (the lean forward of rows at consecutive positions: embedding, rotary rows, causal mask,
     layers, kept features, final norm, head, in one call) against the same forward op by op (explicit positions take
     that path: the tables' rows by index, the same values): logits, features in the order asked, final-norm states
-    and the cache, for 1 to 37 rows, with and without `last`, refined fp32 logits or the model's; and it is taken."""
+    and the cache, for 1 to 37 rows, with and without `last`, refined fp32 logits or the model's, and for a ragged
+    batch (`forward_many`); and it is taken."""
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(tiny_config("qwen3", 300, layers=3)).eval().to(dtype)
     lean = Target(model, NoTok(), backend="lean", logits=logits).lean
@@ -151,7 +152,20 @@ def test_the_lean_forward_in_one_native_call_is_the_per_op_forwards_bits(dtype, 
             assert one.length == per_op.length == 40 + n
             assert torch.equal(one.k[:, :, : 40 + n], per_op.k[:, :, : 40 + n])
             assert torch.equal(one.v[:, :, : 40 + n], per_op.v[:, :, : 40 + n])
-    assert len(calls) == 4
+        # a ragged batch (`forward_many`: a single row beside chains), each sequence after its own cache
+        ones, per_ops = [lean.new_cache(200) for _ in range(3)], [lean.new_cache(200) for _ in range(3)]
+        for i, (a, b) in enumerate(zip(ones, per_ops)):
+            for c in (a, b):
+                lean.forward(ids[: 30 + 7 * i], c, pos=torch.arange(30 + 7 * i))
+        rows = [ids[60:61], ids[61:66], ids[66:69]]
+        got = lean.forward_many([Segment(x, c, None, None) for x, c in zip(rows, ones)], layers=(2, 0), hidden=True)
+        want = lean.forward_many([Segment(x, c, torch.arange(c.length, c.length + x.numel()), None)
+                                  for x, c in zip(rows, per_ops)], layers=(2, 0), hidden=True)
+        for g, w in zip(got, want):
+            assert all(torch.equal(a, b) for a, b in zip(g, w))
+        for a, b in zip(ones, per_ops):
+            assert a.length == b.length and torch.equal(a.k, b.k) and torch.equal(a.v, b.v)
+    assert len(calls) == 5
 
 
 @needs_build

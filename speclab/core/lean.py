@@ -224,12 +224,9 @@ class LeanDecoder:
                 pos = torch.arange(start, end, device=self.device)
             return (*self._exact_forward(ids, cache, pos, mask, layers, last, hidden, head), None)
         cache.reserve(n)
-        if pos is None and mask is None and con is None and head is None and native.active(self.embed):
+        if pos is None and mask is None and con is None and head is None and n and native.active(self.embed):
             # the whole forward below in one native call: the same ops, the same bits
-            logits, risky, h, feats = native.lean_forward(self, ids, cache, start, layers, last)
-            cache.length = end
-            if risky is not None:  # rows whose refined maximum an unrefined logit could reach: in full fp32
-                logits = self.lm.full_rows(logits, h, risky)
+            logits, feats, h = self._one_call([ids], [cache], layers, last)
             return logits, feats, h if hidden else None, None
         if pos is None:  # consecutive positions: the tables' rows as views (no index op, the same values)
             cos, sin = self.cos[start:end, None], self.sin[start:end, None]
@@ -270,6 +267,16 @@ class LeanDecoder:
             return [self.forward(s.ids, s.cache, s.pos, s.mask, layers, None, hidden)[:3] for s in segs]
         ns = [s.ids.numel() for s in segs]
         bounds = [0, *torch.tensor(ns).cumsum(0).tolist()]
+        if native.active(self.embed) and all(s.pos is None and s.mask is None and n for s, n in zip(segs, ns)):
+            # chains and single rows in one native call: the same ops, the same bits
+            top = max(s.cache.length + n for s, n in zip(segs, ns))
+            if top > self.cos.shape[0]:
+                self._rope_table(2 * top)
+            for s, n in zip(segs, ns):
+                s.cache.reserve(n)
+            logits, feats, h = self._one_call([s.ids.to(self.device) for s in segs], [s.cache for s in segs], layers)
+            return [(logits[a:b], None if feats is None else feats[a:b], h[a:b] if hidden else None)
+                    for a, b in zip(bounds, bounds[1:])]
         pos = torch.cat([torch.arange(s.cache.length, s.cache.length + n, device=self.device) if s.pos is None
                          else s.pos.to(self.device) for s, n in zip(segs, ns)])
         if int(pos.max()) + 1 > self.cos.shape[0]:
@@ -295,6 +302,17 @@ class LeanDecoder:
             s.cache.length += b - a
             out.append((logits[a:b], None if feats is None else feats[a:b], h[a:b] if hidden else None))
         return out
+
+    def _one_call(self, ids: list[torch.Tensor], caches: list[KVCache], layers: tuple[int, ...], last=None):
+        """`forward` / `forward_many` of sequences of rows at consecutive positions after their (reserved) caches,
+        causal, in one native call (`native.lean_forward`: the same ops, the same bits); the caches' lengths move on.
+        -> (logits, features or None, final-norm states) of every sequence's rows in order."""
+        logits, risky, h, feats = native.lean_forward(self, ids, caches, layers, last)
+        for x, c in zip(ids, caches):
+            c.length += x.numel()
+        if risky is not None:  # rows whose refined maximum an unrefined logit could reach: in full fp32
+            logits = self.lm.full_rows(logits, h, risky)
+        return logits, feats, h
 
     def _layers(self, h, cos, sin, mix, layers, n: int):
         """The decoder layers (`speclab.core.layers.FusedLayer`) over rows h; `mix(i, q, k, v)` is layer i's attention

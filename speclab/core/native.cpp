@@ -1911,32 +1911,45 @@ std::vector<Tensor> refined_head(const Tensor& h, const Tensor& w, const OptT& p
   return {out.view(shape), unsafe};
 }
 
-// `LeanDecoder.forward` of one sequence's rows at consecutive positions after its cache (no tree mask, no contemplate
-// rows, no other head than the model's) in one call: the embedding's rows, the rotary tables' rows
-// from `start`, the additive causal mask (`layers.causal_mask`, more than one row), `fused_layers`, the kept layers'
-// outputs joined in the order asked, the last `last` rows (0: all), then with fp32 logits (k > 0: the head's refined
-// top k) the final norm in fp32 (`precision.rms_norm32`, `norm` its fp32 weight) and `refined_head`, else (k = 0) the
-// final norm and the head in the model's dtype, upcast: the Python path's ops in its order, the same bits, without
-// its dispatch. -> [logits, the rows to recompute in full fp32 (undefined at k = 0), final-norm states, features
-// (undefined without layers)]
-std::vector<Tensor> lean_forward(const Tensor& ids, const Tensor& embed, const Tensor& cos_t, const Tensor& sin_t,
-                                 const std::vector<std::vector<OptT>>& W, const Tensor& ck, const Tensor& cv,
-                                 int64_t start, double scale, double eps, int64_t H, int64_t KV, int64_t D,
-                                 const std::vector<int64_t>& layers, int64_t last, const Tensor& norm,
+// `LeanDecoder.forward` of one sequence's rows at consecutive positions after its cache, or `forward_many` of several
+// sequences' (ids[j] after cache j from slot starts[j]), with no tree mask, no contemplate rows and no other head than
+// the model's, in one call: the embedding's rows, the rotary tables' rows from each start, the additive causal mask of
+// each sequence of more than one row (`layers.causal_mask`), `fused_layers`, the kept layers' outputs joined in the
+// order asked, the last `last` rows (0: all; one sequence), then with fp32 logits (k > 0: the head's refined top k)
+// the final norm in fp32 (`precision.rms_norm32`, `norm` its fp32 weight) and `refined_head`, else (k = 0) the final
+// norm and the head in the model's dtype, upcast: the Python path's ops in its order, the same bits, without its
+// dispatch. -> [logits, the rows to recompute in full fp32 (undefined at k = 0), final-norm states, features
+// (undefined without layers)], every sequence's rows in order
+std::vector<Tensor> lean_forward(const std::vector<Tensor>& ids, const Tensor& embed, const Tensor& cos_t,
+                                 const Tensor& sin_t, const std::vector<std::vector<OptT>>& W,
+                                 const std::vector<Tensor>& ck, const std::vector<Tensor>& cv,
+                                 const std::vector<int64_t>& starts, double scale, double eps, int64_t H, int64_t KV,
+                                 int64_t D, const std::vector<int64_t>& layers, int64_t last, const Tensor& norm,
                                  double norm_eps, const Tensor& head_w, const OptT& packed, const OptT& wide,
                                  int64_t k, double w_norm) {
-  const int64_t n = ids.numel(), end = start + n;
-  TORCH_CHECK(n >= 1 && end <= cos_t.size(0) && end <= ck.size(2), "speclab lean_forward: rows past the tables or cache");
-  auto h = embed.index({ids});
-  auto cos = cos_t.slice(0, start, end).unsqueeze(1), sin = sin_t.slice(0, start, end).unsqueeze(1);
-  OptT mask = std::nullopt;
-  if (n > 1)
-    mask = at::zeros({n, end}, h.options())
-               .masked_fill_(at::ones({n, end}, h.options().dtype(at::kBool)).tril(end - n).logical_not(), -INFINITY);
+  const size_t S = ids.size();
+  TORCH_CHECK(S >= 1 && ck.size() == S && cv.size() == S && starts.size() == S && (last == 0 || S == 1),
+              "speclab lean_forward: one cache and start per sequence (and `last` for one sequence only)");
+  std::vector<int64_t> ns(S);
+  std::vector<OptT> masks(S);
+  std::vector<Tensor> cs(S), ss(S);
+  for (size_t j = 0; j < S; ++j) {
+    const int64_t n = ns[j] = ids[j].numel(), start = starts[j], end = start + n;
+    TORCH_CHECK(n >= 1 && end <= cos_t.size(0) && end <= ck[j].size(2),
+                "speclab lean_forward: rows past the rotary tables or the cache");
+    cs[j] = cos_t.slice(0, start, end);
+    ss[j] = sin_t.slice(0, start, end);
+    if (n > 1)
+      masks[j] = at::zeros({n, end}, embed.options())
+                     .masked_fill_(at::ones({n, end}, embed.options().dtype(at::kBool)).tril(end - n).logical_not(),
+                                   -INFINITY);
+  }
+  auto h = embed.index({S == 1 ? ids[0] : at::cat(ids)});
+  auto cos = (S == 1 ? cs[0] : at::cat(cs)).unsqueeze(1), sin = (S == 1 ? ss[0] : at::cat(ss)).unsqueeze(1);
   std::vector<int64_t> keep(layers.begin(), layers.end());
   std::sort(keep.begin(), keep.end());
   keep.erase(std::unique(keep.begin(), keep.end()), keep.end());
-  auto out = fused_layers(h, cos, sin, W, {ck}, {cv}, {start}, {n}, {mask}, scale, eps, H, KV, D, keep);
+  auto out = fused_layers(h, cos, sin, W, ck, cv, starts, ns, masks, scale, eps, H, KV, D, keep);
   Tensor feats;
   if (!layers.empty()) {
     std::vector<Tensor> parts;

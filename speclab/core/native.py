@@ -405,16 +405,16 @@ def context_kv(layer: L.DecoderLayer, i: int, x, cos, sin, caches: list, starts:
                        ns, _eps(a.k_norm, x.dtype) if a.qk_norm else 0.0, a.kv_heads, a.head_dim)
 
 
-def lean_forward(dec, ids: torch.Tensor, cache, start: int, layers: tuple[int, ...], last: int | None):
-    """`LeanDecoder.forward` of one sequence's rows at consecutive positions, with the causal mask, no contemplate rows
-    and the model's own head, in one call (see `native.cpp`; the cache reserved, its length set after by the caller)
-    -> (logits, the rows `Head.full_rows` recomputes (None without fp32 refinement), the final-norm states, the
-    features or None)."""
+def lean_forward(dec, ids: list[torch.Tensor], caches: list, layers: tuple[int, ...], last: int | None = None):
+    """`LeanDecoder.forward` (one sequence) or `forward_many` (several) of rows at consecutive positions after each
+    cache, with causal masks, no contemplate rows and the model's own head, in one call (see `native.cpp`; the caches
+    reserved, their lengths set after by the caller) -> (logits, the rows `Head.full_rows` recomputes (None without
+    fp32 refinement), the final-norm states, the features or None), every sequence's rows in order."""
     f, w, refine = dec.layers[0], dec.lm.weight, dec.lm.refine
     logits, risky, h, feats = build().lean_forward(
-        ids, dec.embed, dec.cos, dec.sin, [fused_weights(x) for x in dec.layers], cache.k, cache.v, start, dec.scaling,
-        f.eps, f.H, f.KV, f.D, list(layers), last or 0, dec.norm32() if refine else dec.norm, dec.eps, w, *_copies(w),
-        dec.lm.k if refine else 0, dec.lm.w_norm)
+        ids, dec.embed, dec.cos, dec.sin, [fused_weights(x) for x in dec.layers], [c.k for c in caches],
+        [c.v for c in caches], [c.length for c in caches], dec.scaling, f.eps, f.H, f.KV, f.D, list(layers), last or 0,
+        dec.norm32() if refine else dec.norm, dec.eps, w, *_copies(w), dec.lm.k if refine else 0, dec.lm.w_norm)
     return logits, risky if refine else None, h, feats if layers else None
 
 
