@@ -267,13 +267,13 @@ class LeanDecoder:
             return [self.forward(s.ids, s.cache, s.pos, s.mask, layers, None, hidden)[:3] for s in segs]
         ns = [s.ids.numel() for s in segs]
         bounds = [0, *torch.tensor(ns).cumsum(0).tolist()]
+        for s, n in zip(segs, ns):
+            s.cache.reserve(n)
         if native.active(self.embed) and all(s.pos is None and s.mask is None and n for s, n in zip(segs, ns)):
             # chains and single rows in one native call: the same ops, the same bits
             top = max(s.cache.length + n for s, n in zip(segs, ns))
             if top > self.cos.shape[0]:
                 self._rope_table(2 * top)
-            for s, n in zip(segs, ns):
-                s.cache.reserve(n)
             logits, feats, h = self._one_call([s.ids.to(self.device) for s in segs], [s.cache for s in segs], layers)
             return [(logits[a:b], None if feats is None else feats[a:b], h[a:b] if hidden else None)
                     for a, b in zip(bounds, bounds[1:])]
@@ -283,7 +283,6 @@ class LeanDecoder:
             self._rope_table(2 * (int(pos.max()) + 1))
         masks = []
         for s, n in zip(segs, ns):
-            s.cache.reserve(n)
             end = s.cache.length + n
             masks.append(s.mask[0, 0] if s.mask is not None else
                          causal_mask(n, end, self.device, self.mask_dtype) if n > 1 else None)

@@ -132,9 +132,7 @@ def build_zoo(cfg: ZooBuildConfig) -> None:
                                        init_from=str(start / "model"), max_minutes=cfg.v3_minutes[i],
                                        seed=cfg.seed + 3 + i, lr=cfg.v3_lr[i], threads=2, precision="bf16",
                                        loss_topk=0, loss_tv=tv))
-        start = work / name
-    _install(start, zoo / "eagle3", every=25,
-             earlier_logs=tuple(work / n / "train_log.jsonl" for n in ("eagle3", "eagle3_v2", "eagle3_v3_kl")))
+        start = work / name  # installed after step 13, which goes on from it
     print(f"[12/13] DFlash trained for sampling: full distribution and acceptance term ({cfg.dflash_v3_minutes:.0f} "
           f"min), then DSpark's confidence head ({cfg.dspark_minutes:.0f} min)", flush=True)
     train_dflash(DFlashTrainConfig(target_dir=str(zoo / "target"), corpus_dir=data, out_dir=str(work / "dflash_v3"),
