@@ -241,5 +241,5 @@ def build_method(spec: str, target, models: dict, params: dict, category: str | 
     if m.drafter is None:
         return {}, None
     pays = params.get("pays") or 0  # stand down where drafting does not pay (`speclab.drafters.schedule`)
-    router = PaysRouter(m.drafter, pays) if pays > 0 else FixedRouter(m.drafter)
+    router = PaysRouter(m.drafter, pays, params.get("probe") or 0) if pays > 0 else FixedRouter(m.drafter)
     return {m.drafter: build_drafter(m.drafter, target, models, **params)}, router

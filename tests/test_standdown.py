@@ -42,6 +42,17 @@ def test_the_router_stands_down_below_pays_and_probes_ever_later():
     assert follow(r, [5], 1) == [True]
 
 
+def test_probe_opens_the_decode_with_plain_rounds_and_caps_the_stand_down():
+    """`probe` 200: the first 200 rounds are plain steps, then a probe; probes that do not pay back off to at most
+    200 rounds apart (above MOST_WAIT); one that pays brings drafting back at once."""
+    drafted = follow(PaysRouter("confu", pays=4.0, probe=200), [1] * 10, 1200)
+    at = [i for i, d in enumerate(drafted) if d]
+    assert at[0] == 200 and (np.diff(at) - 1).tolist() == [200] * (len(at) - 1), at
+    assert follow(PaysRouter("confu", pays=4.0, probe=3), [6] * 5, 8) == [False] * 3 + [True] * 5
+    with pytest.raises(ValueError, match="probe"):
+        PaysRouter("confu", pays=4.0, probe=-1)
+
+
 @pytest.mark.parametrize("name", ["eagle3", "confu", "specblock"])
 def test_a_method_that_stands_down_decodes_as_ar_greedy(deep, name):
     """A random drafter and pays 2: most rounds stand down, some probe (a drafter with round hooks, ConFu, resumes
@@ -63,11 +74,13 @@ def test_pays_is_the_default_at_t_above_0_only(deep):
     entry = drafters()["eagle3"]
     models = {"eagle3": entry.model.random(deep, seed=0)}
     greedy, sampled = method_params("eagle3", {}, deep), method_params("eagle3", {}, deep, sampled=True)
-    assert greedy["pays"] == 0
+    assert greedy["pays"] == 0 and greedy["probe"] == sampled["probe"] == 0
+    confu = method_params("confu", {}, deep, sampled=True)  # measured not to pay at T > 0: no probe for 128 rounds
+    assert confu["pays"] == 4 and confu["probe"] == 128 and method_params("confu", {}, deep)["probe"] == 0
     _, router = build_method("eagle3", deep, models, greedy)
     assert router.policy == "fixed"
-    _, router = build_method("eagle3", deep, models, {**sampled, "pays": 2.5})
-    assert router.policy == "pays" and router.pays == 2.5
+    _, router = build_method("eagle3", deep, models, {**sampled, "pays": 2.5, "probe": 7})
+    assert router.policy == "pays" and router.pays == 2.5 and router.probe == 7
     assert "pays" not in METHODS["eagle3"].grid  # `speclab grid`'s default sweep stays the greedy one
     assert "pays" not in METHODS["whiflash-entropy"].defaults  # a routed method's own router decides: no silent no-op
 

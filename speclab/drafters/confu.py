@@ -36,7 +36,7 @@ from speclab.drafters.contemplate import contemplate, last_token_rows
 from speclab.drafters.eagle3 import Eagle3Config, Eagle3Drafter, Eagle3Model, _check_against
 from speclab.drafters.flashhead import HEAD_PARAMS, head_same_decode, with_head
 from speclab.drafters.registry import SAMPLING_PARAMS, CostBench, DrafterEntry, ModelRole, Param, Shape, TrainEntry
-from speclab.drafters.schedule import pays_param
+from speclab.drafters.schedule import pays_params
 from speclab.errors import ModelNotFound
 
 
@@ -255,7 +255,7 @@ SHAPES = (Shape("chain", dict(depth=4, tree_topk=1, total_tokens=4)),
 
 # stand down where drafting does not pay (`speclab.drafters.schedule.PaysRouter`), measured by `speclab grid` at T >
 # 0: 0.69x AR at T = 1 without it, 0.80x with 4, zoo, AMD EPYC, 2026-12-02
-PAYS = pays_param(4.0)
+PAYS = pays_params(4.0, probe=128)
 
 ENTRY = DrafterEntry(
     name="confu", label="ConFu", color="#c5b0d5", hooks=True,
@@ -270,7 +270,7 @@ ENTRY = DrafterEntry(
                      "ConFu: what the contemplate rows add to a verification (plain, wide, after)",
                      "ms per verification of the root and n chain nodes after a {context}-token context (lower is "
                      "better)", "draft nodes"),),
-    params=eagle3.PARAMS + SAMPLING_PARAMS + PARAMS + (PAYS,) + HEAD_PARAMS, check=eagle3._check,
+    params=eagle3.PARAMS + SAMPLING_PARAMS + PARAMS + PAYS + HEAD_PARAMS, check=eagle3._check,
     same_decode=head_same_decode(eagle3._same_decode),
     build=with_head(lambda target, model, **params: ConFuDrafter(model, target, **params), "confu",
                     lambda model, target: model.lm_head.weight),

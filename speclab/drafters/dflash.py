@@ -55,7 +55,7 @@ from speclab.drafters.checkpoint import (
 )
 from speclab.drafters.flashhead import HEAD_PARAMS, head_same_decode, with_head
 from speclab.drafters.registry import SAMPLING_PARAMS, CostBench, DrafterEntry, ModelRole, Param, Shape, TrainEntry
-from speclab.drafters.schedule import pays_param
+from speclab.drafters.schedule import pays_params
 from speclab.errors import InvalidInput, ModelNotFound
 
 
@@ -586,7 +586,7 @@ def row_call(target, model: DFlashModel, ids: torch.Tensor, context: int):
 
 # stand down where drafting does not pay (`speclab.drafters.schedule.PaysRouter`), measured by `speclab grid` at T >
 # 0: every value above 0 slower at T = 0.7 and 1 on the zoo, AMD EPYC, 2026-12-02
-PAYS = pays_param(0.0)
+PAYS = pays_params(0.0)
 
 ENTRY = DrafterEntry(
     name="dflash", label="DFlash", color="#d62728",
@@ -603,7 +603,7 @@ ENTRY = DrafterEntry(
                      "DFlash: what a block costs (drafter call, Markov head, verification)",
                      "ms per block after a {context}-token context (lower is better)", "block size (rows)",
                      low_why="a block is the root and at least one mask"),),
-    params=PARAMS + SAMPLING_PARAMS + (PAYS,) + HEAD_PARAMS, check=_check, same_decode=head_same_decode(_same_decode),
+    params=PARAMS + SAMPLING_PARAMS + PAYS + HEAD_PARAMS, check=_check, same_decode=head_same_decode(_same_decode),
     build=with_head(lambda target, model, markov, **params: DFlashDrafter(model, target, markov=bool(markov), **params),
                     "dflash", lambda model, target: target.head_weight,
                     scale=lambda model: model.config.output_multiplier),

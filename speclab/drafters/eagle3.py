@@ -56,7 +56,7 @@ from speclab.drafters.checkpoint import (
 )
 from speclab.drafters.flashhead import HEAD_PARAMS, head_same_decode, with_head
 from speclab.drafters.registry import SAMPLING_PARAMS, CostBench, DrafterEntry, ModelRole, Param, Shape, TrainEntry
-from speclab.drafters.schedule import LengthSchedule, adaptive_param, pays_param
+from speclab.drafters.schedule import LengthSchedule, adaptive_param, pays_params
 from speclab.errors import ModelNotFound
 
 
@@ -665,7 +665,7 @@ def row_call(target, model: Eagle3Model, ids: torch.Tensor, context: int):
 
 # stand down where drafting does not pay (`speclab.drafters.schedule.PaysRouter`), measured by `speclab grid` at T >
 # 0: at T = 0.7 and 1 no value above 2 was faster on the zoo, AMD EPYC, 2026-12-02
-PAYS = pays_param(0.0)
+PAYS = pays_params(0.0)
 
 ENTRY = DrafterEntry(
     name="eagle3", label="EAGLE-3", color="#9467bd",
@@ -675,7 +675,7 @@ ENTRY = DrafterEntry(
                      "forward", "backlogs", "--backlog", "1,2,4,8,16,32,64", 1, "backlog", ("kv_only_ms", "full_ms"),
                      "catch-up", "EAGLE-3 catch-up: KV-only prefill vs a full forward of the backlog",
                      "ms per catch-up after a {context}-token drafter cache (lower is better)", "backlog tokens"),),
-    params=PARAMS + SAMPLING_PARAMS + (PAYS,) + HEAD_PARAMS, check=_check, same_decode=head_same_decode(_same_decode),
+    params=PARAMS + SAMPLING_PARAMS + PAYS + HEAD_PARAMS, check=_check, same_decode=head_same_decode(_same_decode),
     build=with_head(lambda target, model, **params: Eagle3Drafter(model, target, **params), "eagle3",
                     lambda model, target: model.lm_head.weight),
     methods={"eagle3": "EAGLE-3: one-layer drafter on the target's features; dynamic tree (depth, tree_topk, "

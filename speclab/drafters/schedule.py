@@ -10,10 +10,13 @@ The length depends on past rounds only, so the decode stays lossless. Used by pr
 this machine (its drafter calls and its wider verification), so it pays only while it brings at least `pays` tokens
 (its accepted drafts and the target's own). The router keeps a moving average of what the drafter's rounds brought
 and lets the target step alone (`Decision(None)`) while that average is below `pays`: one plain round, then a probe,
-and after each probe that still does not pay a stand-down fourfold longer (at most `MOST_WAIT` rounds). Every
+and after each probe that still does not pay a stand-down fourfold longer (at most `MOST_WAIT` rounds, or `probe`).
+`probe` plain rounds open the decode, before its first probe: 0 (draft from the first round) unless the drafter is
+measured not to pay at T > 0 at all (SpecBlock's and ConFu's cards), where a probe costs 5-10 plain steps with its
+catch-up, so that probing at round 0, 2, 7, 24 and 89 as before cost 15-20% of a 128-token decode. Every
 decision reads past rounds only (non-anticipating), so the decode stays lossless, greedy or sampled; the same rounds
 give the same decisions, so a seeded decode and its replay repeat. A model drafter's method takes it as its `pays`
-parameter (`pays_param`), measured per drafter at T > 0 (the model cards), 0 (off) at T = 0."""
+parameter (`pays_params`, with `probe`), measured per drafter at T > 0 (the model cards), 0 (off) at T = 0."""
 from __future__ import annotations
 
 import math
@@ -68,21 +71,22 @@ class PaysRouter:
     needs: frozenset[str] = frozenset()
     eager = False
 
-    def __init__(self, name: str, pays: float):
-        if not pays > 0:
-            raise ValueError(f"pays must be > 0 (got {pays}); 0 is a FixedRouter")
-        self.name, self.pays = name, float(pays)
+    def __init__(self, name: str, pays: float, probe: int = 0):
+        if not pays > 0 or probe < 0:
+            raise ValueError(f"pays must be > 0 (got {pays}; 0 is a FixedRouter) and probe >= 0 (got {probe})")
+        self.name, self.pays, self.probe = name, float(pays), int(probe)
+        self.most = max(MOST_WAIT, self.probe)  # the longest stand-down between two probes
         self.ema: float | None = None
         self.wait = self.idle = 0  # wait: plain rounds before the next probe (0: drafting pays)
 
     def choose(self, s: Signals) -> Decision:
-        if s.round == 0:
-            self.ema, self.wait, self.idle = None, 0, 0
+        if s.round == 0:  # a new decode: `probe` plain rounds before the first probe
+            self.ema, self.wait, self.idle = None, self.probe, 0
         elif s.drafters and s.drafters[-1] is not None:  # the last round drafted: what it brought
             got = s.accepted[-1] + 1
             self.ema = got if self.ema is None else (1 - PAYS_EMA) * self.ema + PAYS_EMA * got
             # paying: no wait; else 1 round after paying rounds, then WAIT_GROWTH times the last wait
-            self.wait = 0 if self.ema >= self.pays else min(WAIT_GROWTH * self.wait, MOST_WAIT) or 1
+            self.wait = 0 if self.ema >= self.pays else min(WAIT_GROWTH * self.wait, self.most) or 1
             self.idle = 0
         else:
             self.idle += 1
@@ -91,11 +95,16 @@ class PaysRouter:
                         math.nan if self.ema is None else self.ema, self.pays)
 
 
-def pays_param(sampled: float) -> Param:
-    """A model drafter's `pays` (`PaysRouter`): off (0) greedy, `sampled` at T > 0 (0: off there too), measured by
-    `speclab grid --method NAME --grid "pays=0,2,3,4" --temperature T` (the drafter module says what it measured; no
-    default grid: it matters at T > 0 only, and would multiply every greedy grid)."""
-    return Param("pays", 0.0, lambda t: Bound(0.0, 64.0), sampled=sampled or None,
-                 help="stand down (the target steps alone) while the drafter's rounds bring fewer tokens than this on "
-                 "average: what a drafted round costs in plain steps (0 = always draft; default 0 at T = 0 and the "
-                 "drafter's measured one at T > 0, on its model card)")
+def pays_params(sampled: float, probe: int = 0) -> tuple[Param, Param]:
+    """A model drafter's `pays` and `probe` (`PaysRouter`): `pays` off (0) greedy, `sampled` at T > 0 (0: off there
+    too), measured by `speclab grid --method NAME --grid "pays=0,2,3,4" --temperature T`; `probe`, the plain rounds
+    before the first probe, `probe` at T > 0 (the drafter module says what it measured; no default grid: they matter
+    at T > 0 only, and would multiply every greedy grid)."""
+    return (Param("pays", 0.0, lambda t: Bound(0.0, 64.0), sampled=sampled or None,
+                  help="stand down (the target steps alone) while the drafter's rounds bring fewer tokens than this on "
+                  "average: what a drafted round costs in plain steps (0 = always draft; default 0 at T = 0 and the "
+                  "drafter's measured one at T > 0, on its model card)"),
+            Param("probe", 0, lambda t: Bound(0, 4096), sampled=probe or None,
+                  help="with pays > 0: plain rounds before the first probe of the drafter (and the longest stand-down "
+                  f"between two probes, if above {MOST_WAIT}); default 0 (draft from the first round), at T > 0 the "
+                  "drafter's measured one"))

@@ -50,7 +50,7 @@ from speclab.core.tree import DraftTree
 from speclab.drafters.checkpoint import check_fits, load_strict, place, read_checkpoint, save_checkpoint
 from speclab.drafters.flashhead import HEAD_PARAMS, head_same_decode, with_head
 from speclab.drafters.registry import SAMPLING_PARAMS, DrafterEntry, ModelRole, Param, Shape, TrainEntry
-from speclab.drafters.schedule import pays_param
+from speclab.drafters.schedule import pays_params
 from speclab.errors import InvalidInput, ModelNotFound
 
 BUCKETS = ("rank 1", "rank 2-4", "rank 5-10", "rank > 10")  # b0..b3 (paper §3.3)
@@ -493,7 +493,7 @@ def row_call(target, model: SpecBlockModel, ids: torch.Tensor, context: int):
 # stand down where drafting does not pay (`speclab.drafters.schedule.PaysRouter`), measured by `speclab grid` at T >
 # 0: its rounds bring about 2 tokens at T > 0 for the cost of 5 or 6 plain steps: 0.48x AR at T = 1 without it,
 # 0.80-0.83x with 3-4, zoo, AMD EPYC, 2026-12-02
-PAYS = pays_param(4.0)
+PAYS = pays_params(4.0, probe=128)
 
 ENTRY = DrafterEntry(
     name="specblock", label="SpecBlock", color="#8c6d31",
@@ -501,7 +501,7 @@ ENTRY = DrafterEntry(
                      "the frozen target (blocks of K, rank head)", init_from="SpecBlock drafter"),
     build=with_head(lambda target, model, **params: SpecBlockDrafter(model, target, **params), "specblock",
                     lambda model, target: model.lm_head.weight),
-    params=PARAMS + SAMPLING_PARAMS + (PAYS,) + HEAD_PARAMS, check=_check, same_decode=head_same_decode(_same_decode),
+    params=PARAMS + SAMPLING_PARAMS + PAYS + HEAD_PARAMS, check=_check, same_decode=head_same_decode(_same_decode),
     methods={"specblock": "SpecBlock: blocks of K dependent positions per drafter call (layer-wise shift); the "
                           "rank head sets each position's width (width_b0..b3) and which positions start the "
                           "next of `blocks` blocks"},

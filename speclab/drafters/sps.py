@@ -20,7 +20,7 @@ from speclab.core.target import Target, keep_cache, row_call
 from speclab.core.tree import DraftTree
 from speclab.drafters.flashhead import HEAD_PARAMS, head_same_decode, with_head
 from speclab.drafters.registry import SAMPLING_PARAMS, DrafterEntry, ModelRole, Param, Shape
-from speclab.drafters.schedule import pays_param
+from speclab.drafters.schedule import pays_params
 from speclab.errors import InvalidInput
 
 
@@ -204,7 +204,7 @@ SHAPES = (Shape("chain", dict(k=5)),
 
 # stand down where drafting does not pay (`speclab.drafters.schedule.PaysRouter`), measured by `speclab grid` at T >
 # 0: no value above 2 faster at T = 0.7 and 1 on the zoo, AMD EPYC, 2026-12-02
-PAYS = pays_param(0.0)
+PAYS = pays_params(0.0)
 
 ENTRY = DrafterEntry(
     name="sps", label="SpS", color="#1f77b4", bench={"k": 4}, peer="hf_assisted",
@@ -220,7 +220,7 @@ ENTRY = DrafterEntry(
             Param("tree_topk", 1, lambda t: Bound(1, t.vocab_size), help="children per level (1 = a chain)"),
             Param("stop_prob", 0.0, lambda t: Bound(0.0, 1.0, hi_open=True),
                   help="end a chain after a draft token below this probability (0 = always k tokens)"))
-    + SAMPLING_PARAMS + (PAYS,) + HEAD_PARAMS)
+    + SAMPLING_PARAMS + PAYS + HEAD_PARAMS)
 
 
 # ---- random drafters: `ModelRole.random` (the conformance suite's and the smoke tests' models, no files) ------------
