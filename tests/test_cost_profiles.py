@@ -85,6 +85,20 @@ def test_thresholds_calibrated_under_a_profile_are_kept_under_its_name(tmp_path,
     assert Calibration().for_profile("x").thresholds == {}
 
 
+def test_each_router_s_provenance_survives_the_next_calibration(tmp_path):
+    """`speclab calibrate --router entropy,neural` then `--router rule`: every router's sweep stays in `info.grids`
+    (the second router's used to replace the first's), and the rule's section beside WhiFlash's."""
+    from speclab.bench.calibration import save_thresholds
+
+    out = tmp_path / "cal.json"
+    save_thresholds("entropy", {"all": 1.5}, "fp", {"bench": "b1", "grids": {"entropy": "0:8:0.1"}}, out)
+    save_thresholds("neural", {"all": 0.5}, "fp", {"bench": "b1", "grids": {"neural": "-3:3:0.05"}}, out)
+    save_thresholds("rule", {"all": 3}, "fp", {"rule": {"bench": "b2", "grids": {"rule": "1:16:1"}}}, out)
+    info = json.loads(out.read_text())["info"]
+    assert info["grids"] == {"entropy": "0:8:0.1", "neural": "-3:3:0.05"} and info["bench"] == "b1"
+    assert info["rule"] == {"bench": "b2", "grids": {"rule": "1:16:1"}}
+
+
 @pytest.mark.parametrize("path", SHIPPED, ids=[p.stem for p in SHIPPED])
 def test_shipped_profiles_load_and_say_where_they_come_from(path):
     p = load_profile(path)

@@ -312,6 +312,15 @@ def calibrate(cal: Calibrator, routers) -> tuple[dict, Report]:
     return best, Report(title, "\n".join(text), figs)
 
 
+def merged(old: dict, new: dict) -> dict:
+    """`old` updated by `new`, a key whose values are both dicts merged the same way, so that one router's
+    provenance (its sweep's `grids` entry, a profile's or the rule's section) never drops another's."""
+    out = dict(old)
+    for k, v in new.items():
+        out[k] = merged(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
+
+
 def save_thresholds(router: str, thresholds: dict, fingerprint: str, info: dict, path=None,
                     profile: str | None = None) -> Calibration:
     """Write `thresholds` ({category, or '*' / 'all' for the global one: value}) for `router` into the calibration
@@ -332,7 +341,7 @@ def save_thresholds(router: str, thresholds: dict, fingerprint: str, info: dict,
     cal.target = fingerprint
     per = (cal.profiles.setdefault(profile, {}) if profile else cal.thresholds).setdefault(router, {})
     per.update({("*" if k == "all" else str(k)): float(v) for k, v in thresholds.items()})
-    cal.info = {**cal.info, **info}
+    cal.info = merged(cal.info, info)
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
         cal.save(out)  # written whole, then renamed
