@@ -435,7 +435,9 @@ def _eagle3_batch(target, model, prompts, tokens: int) -> list:
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
 def test_ragged_batches_natively_are_bitwise_the_python_batches(dtype, deep, trained_dflash, monkeypatch):
     """`forward_many` over three sequences (a chain, one row, a tree's rows) and DFlash's blocks of two drafters in
-    one call: the same logits, features and caches natively as from Python."""
+    one call (their prompts' backlogs, then a batch's stashed backlogs with the blocks, then a drafter's own catch-up
+    alone: `native.dflash_block`, called each time): the same logits, features and caches natively as from
+    Python."""
     from speclab.core.sampling import Sampling
     from speclab.drafters.dflash import DFlashDrafter
     from speclab.drafters.registry import build_drafter
@@ -444,19 +446,30 @@ def test_ragged_batches_natively_are_bitwise_the_python_batches(dtype, deep, tra
     model = copy.deepcopy(trained_dflash).to(target.dtype)  # the session's fixture stays as it is (fp32)
     prompts = [torch.tensor(target.tokenizer(p)["input_ids"]) for p in PROMPTS[:3]]
 
+    calls = []
+    block = native.dflash_block
+    monkeypatch.setattr(native, "dflash_block", lambda *a, **k: calls.append(a[6].numel()) or block(*a, **k))
+
     def run():
         out, caches = _ragged_forward(target, prompts)
         out += [c.k[:, :, : c.length] for c in caches]
         with torch.inference_mode():
             ds = [build_drafter("dflash", target, {"dflash": model}, block_size=5, markov=0) for _ in prompts[:2]]
-            for d, x in zip(ds, prompts):
-                d.reset(x, target.forward(x, target.new_cache(128), layers=d.layers).features)
+            feats = [target.forward(x, target.new_cache(128), layers=ds[0].layers).features for x in prompts[:2]]
+            for d, x, f in zip(ds, prompts, feats):
+                d.reset(x, f)
             out += DFlashDrafter.blocks_logits(ds, [5, 3])
             out += [d.cache.v[:, :, : d.cache.length] for d in ds]
             out += [d.propose(4, Sampling(), None).tokens for d in ds]
+            DFlashDrafter.catch_up_many(ds, [prompts[0][:3], prompts[1][:1]], [feats[0][:3], feats[1][:1]])
+            out += DFlashDrafter.blocks_logits(ds, [4, 5])
+            ds[0].catch_up(prompts[0][:2], feats[0][:2])
+            out += [d.cache.k[:, :, : d.cache.length] for d in ds]
+            out.append(ds[0].propose(3, Sampling(1.0), torch.Generator().manual_seed(1)).tokens)
         return out
 
     _same_natively_as_from_python(run, monkeypatch)
+    assert calls == [8, 5, 5, 9, 0, 4], calls  # block rows of each call (0: a catch-up alone), all from Python after
 
 
 @needs_build

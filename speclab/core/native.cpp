@@ -2287,6 +2287,67 @@ std::vector<Tensor> eagle3_chain(const Tensor& root_logits, const Tensor& root_h
   return {at::cat(toks), at::cat(lqs), qs.empty() ? Tensor() : at::cat(qs)};
 }
 
+// DFlash's draft forward (`DFlashDrafter.blocks_logits` with a dense head) for the drafters of one model: first the
+// backlogs (`_absorb`): the context rows feats [sum cn, F] of drafters ctx (indices into the caches; cn[j] rows each)
+// through fc and hidden_norm, and each layer's keys and values of them (`context_kv`) at slots known[j]..; then every
+// drafter's block ids [sum n] (its root, then masks) from the embedding table times emb_scale, through each layer
+// (`decoder_layer` after the layer's input norm, each block over its own cache's context and itself) at slots and
+// rotary positions after its context; the mask rows' final norm and the head in the drafter's dtype, upcast, times
+// out_mult. The ops of the Python path, in its order (the same bits), without its dispatch. With no ids, the backlogs
+// alone (a drafter's own catch-up) -> [].
+// -> [the mask rows' final-norm states [sum (n - 1), H], their fp32 logits [sum (n - 1), V]]
+std::vector<Tensor> dflash_block(const Tensor& feats, const Tensor& fc, const OptT& fc_b, const OptT& fc_packed,
+                                 const OptT& fc_wide, const OptT& hid_w, double hid_eps,
+                                 const std::vector<int64_t>& ctx, const std::vector<int64_t>& cn, const Tensor& ids,
+                                 const Tensor& embed, double emb_scale, const Tensor& cos_t, const Tensor& sin_t,
+                                 const std::vector<std::vector<OptT>>& W, const std::vector<OptT>& in_w,
+                                 const std::vector<double>& in_eps, const std::vector<double>& qk_eps,
+                                 const std::vector<double>& kn_eps, const std::vector<double>& post_eps,
+                                 const std::vector<Tensor>& ck, const std::vector<Tensor>& cv,
+                                 const std::vector<int64_t>& known, const std::vector<int64_t>& ns, double scale,
+                                 int64_t H, int64_t KV, int64_t D, const OptT& norm_w, double norm_eps,
+                                 const Tensor& head, const OptT& packed, const OptT& wide, double out_mult) {
+  const size_t S = ck.size(), C = ctx.size(), NL = W.size();
+  TORCH_CHECK(S >= 1 && cv.size() == S && known.size() == S && ns.size() == S && cn.size() == C &&
+              in_w.size() == NL && in_eps.size() == NL && qk_eps.size() == NL && kn_eps.size() == NL &&
+              post_eps.size() == NL, "speclab dflash_block: a cache, a context length and a block per drafter");
+  const auto dtype = fc.scalar_type();
+  auto ropes = [&](const std::vector<int64_t>& starts, const std::vector<int64_t>& rows) {
+    std::vector<Tensor> cs, ss;
+    for (size_t j = 0; j < starts.size(); ++j) {
+      TORCH_CHECK(starts[j] + rows[j] <= cos_t.size(0), "speclab dflash_block: rows past the rotary tables");
+      cs.push_back(cos_t.slice(0, starts[j], starts[j] + rows[j]).unsqueeze(1));
+      ss.push_back(sin_t.slice(0, starts[j], starts[j] + rows[j]).unsqueeze(1));
+    }
+    return std::make_pair(cs.size() == 1 ? cs[0] : at::cat(cs), ss.size() == 1 ? ss[0] : at::cat(ss));
+  };
+  std::vector<int64_t> starts(known.begin(), known.end());
+  if (C) {  // the backlogs: context keys and values only
+    const Tensor c = rms_norm(linear(feats, fc, fc_b, fc_packed, fc_wide), hid_w, hid_eps);
+    std::vector<int64_t> at0;
+    std::vector<Tensor> k, v;
+    for (auto j : ctx) at0.push_back(known[j]), k.push_back(ck[j]), v.push_back(cv[j]);
+    auto [cos, sin] = ropes(at0, cn);
+    for (size_t i = 0; i < NL; ++i) {
+      auto kv = keys_values(c, cos, sin, W[i], kn_eps[i], KV, D);
+      write_kv(i, kv.first, kv.second, k, v, at0, cn);
+    }
+    for (size_t j = 0; j < C; ++j) starts[ctx[j]] += cn[j];
+  }
+  if (ids.numel() == 0) return {};
+  Tensor x = embed.index_select(0, ids).to(dtype) * emb_scale;
+  auto [cos, sin] = ropes(starts, ns);
+  const std::vector<OptT> masks(S);
+  for (size_t i = 0; i < NL; ++i)
+    x = decoder_layer(rms_norm(x, in_w[i], in_eps[i]), x, cos, sin, W[i], i, ck, cv, starts, ns, masks, scale,
+                      qk_eps[i], post_eps[i], H, KV, D, std::nullopt, {});
+  std::vector<Tensor> rows;
+  int64_t a = 0;
+  for (size_t j = 0; j < S; ++j) rows.push_back(x.slice(0, a + 1, a + ns[j])), a += ns[j];
+  const Tensor h = rms_norm(S == 1 ? rows[0] : at::cat(rows), norm_w, norm_eps);
+  return {h, linear(h, head, std::nullopt, packed, wide).to(at::kFloat) * out_mult};
+}
+
 // The GIL is released while a call runs, as torch's own Python bindings release it around each op: other Python
 // threads (the trace's writer, the app's server) keep running meanwhile
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -2303,6 +2364,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("eagle3_chain", &eagle3_chain, release());
   m.def("block_verify", &block_verify, release());
   m.def("eagle3_prefill", &eagle3_prefill, release());
+  m.def("dflash_block", &dflash_block, release());
   m.def("rms_norm", &rms_norm, release());
   m.def("rope", &rope, release());
   m.def("set_fused", &set_fused);

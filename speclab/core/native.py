@@ -298,6 +298,29 @@ def eagle3_chain(layer: L.DecoderLayer, in_norm: torch.nn.RMSNorm, hid_norm: tor
 _NO_UNIFORMS = torch.zeros(0)
 
 
+def dflash_block(m, caches: list, known: list[int], feats: torch.Tensor | None, ctx: list[int], cn: list[int],
+                 ids: torch.Tensor, ns: list[int], embed: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                 head: torch.Tensor, scale: float):
+    """DFlash's draft forward for the drafters of one `DFlashModel` m (`DFlashDrafter.blocks_logits` with a dense
+    head, bitwise; call where `active(embed)`): the backlogs feats [sum cn, F] of drafters ctx (indices into caches,
+    cn rows each) into their caches at slots known[j].. (`_absorb`), then the blocks ids [sum ns] after each cache's
+    context -> (the mask rows' final-norm states, their fp32 logits); no ids: the backlogs alone -> None. The caches
+    reserved, their lengths set after by the caller."""
+    c, a0, fc = m.config, m.layers[0].self_attn, m.fc
+    dt = fc.weight.dtype
+    out = build().dflash_block(
+        feats if feats is not None else _NO_UNIFORMS, fc.weight, fc.bias, *_copies(fc.weight, fc.bias),
+        m.hidden_norm.weight, _eps(m.hidden_norm, dt), ctx, cn, ids, embed, c.input_embedding_scale, cos, sin,
+        [decoder_weights(L) for L in m.layers], [L.input_layernorm.weight for L in m.layers],
+        [_eps(L.input_layernorm, dt) for L in m.layers],
+        [_eps(L.self_attn.q_norm, dt) if L.self_attn.qk_norm else 0.0 for L in m.layers],
+        [_eps(L.self_attn.k_norm, dt) if L.self_attn.qk_norm else 0.0 for L in m.layers],
+        [_eps(L.post_attention_layernorm, dt) for L in m.layers], [x.k for x in caches], [x.v for x in caches],
+        known, ns, scale, a0.heads, a0.kv_heads, a0.head_dim, m.norm.weight, _eps(m.norm, dt), head, *_copies(head),
+        c.output_multiplier)
+    return tuple(out) if out else None
+
+
 def _eagle3_norms(layer: L.DecoderLayer, in_norm, hid_norm, out_norm, dtype) -> list:
     """What `native.cpp`'s EAGLE-3 calls read of its layer and norms after the layer's weights: (qk eps, post-norm
     eps, heads, kv heads, head dim, then each norm's weight and eps: input, hidden, output)."""

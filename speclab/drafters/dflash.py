@@ -343,7 +343,18 @@ class DFlashDrafter:
         if not todo:
             return
         m, ns = todo[0].m, [d.pending_feats.shape[0] for d in todo]
-        ctx = m.context(_cat([d.pending_feats for d in todo]))
+        feats = _cat([d.pending_feats for d in todo])
+        if native.active(feats):  # fc, hidden_norm and every layer's keys and values in one call (the same bits)
+            for d, n in zip(todo, ns):
+                d.pending_feats = d.pending_feats[:0]
+                d.cache.reserve(n)
+            native.dflash_block(m, [d.cache for d in todo], [d.known for d in todo], feats, list(range(len(todo))),
+                                ns, _NO_IDS, [0] * len(todo), _NO_IDS, todo[0].cos, todo[0].sin, todo[0].head_weight,
+                                todo[0].scale)
+            for d, n in zip(todo, ns):
+                d.cache.length = d.known = d.known + n
+            return
+        ctx = m.context(feats)
         cos, sin = _ropes(todo, [d.known for d in todo], ns)
         bounds = [0, *itertools.accumulate(ns)]
         for d, n in zip(todo, ns):
@@ -370,10 +381,13 @@ class DFlashDrafter:
     def blocks_logits(drafters: list[DFlashDrafter], n_rows: list[int]) -> list[torch.Tensor]:
         """The blocks of several drafters of one model in ONE forward: first the backlogs `catch_up_many` stashed
         (`_absorb`), then every block's rows through each layer's projections and MLP together, each block attending
-        over its own drafter's context and itself (`mix_many`)."""
-        DFlashDrafter._absorb(drafters)
+        over its own drafter's context and itself (`mix_many`). Natively, with a dense head and the target's embedding
+        table, both in one call (`native.dflash_block`: the same ops, the same bits)."""
         d0, m = drafters[0], drafters[0].m
         ids = _cat([torch.cat([d.root, d.mask_ids[: n - 1]]) for d, n in zip(drafters, n_rows)])
+        if d0.flash is None and d0.target.embed_table is not None and native.active(ids):
+            return DFlashDrafter._native_blocks(drafters, n_rows, ids)
+        DFlashDrafter._absorb(drafters)
         x = d0.target.embed(ids).to(d0.dtype) * m.config.input_embedding_scale
         cos, sin = _ropes(drafters, [d.known for d in drafters], n_rows)
         for d, n in zip(drafters, n_rows):
@@ -395,6 +409,29 @@ class DFlashDrafter:
         # (`speclab.core.precision.Head`; measured: it cost 7% of DFlash's tokens/s here)
         logits = (d0.flash(h) if d0.flash is not None else
                   linear(h, d0.head_weight).float() * m.config.output_multiplier)
+        out, a = [], 0
+        for d, n in zip(drafters, n_rows):
+            d.last_h = h[a : a + n - 1]
+            out.append(logits[a : a + n - 1])
+            a += n - 1
+        return out
+
+    @staticmethod
+    def _native_blocks(drafters: list[DFlashDrafter], n_rows: list[int], ids: torch.Tensor) -> list[torch.Tensor]:
+        """`blocks_logits` in one native call: the stashed backlogs, then the blocks."""
+        d0 = drafters[0]
+        ctx = [j for j, d in enumerate(drafters) if d.pending_feats.shape[0]]
+        cn = [drafters[j].pending_feats.shape[0] for j in ctx]
+        feats = _cat([drafters[j].pending_feats for j in ctx]) if ctx else None
+        backlog = dict(zip(ctx, cn))
+        for j, (d, n) in enumerate(zip(drafters, n_rows)):  # each cache's length is its context's (`known`)
+            d.pending_feats = d.pending_feats[:0]
+            d.cache.reserve(backlog.get(j, 0) + n)
+        h, logits = native.dflash_block(d0.m, [d.cache for d in drafters], [d.known for d in drafters], feats, ctx,
+                                        cn, ids, n_rows, d0.target.embed_table, d0.cos, d0.sin, d0.head_weight,
+                                        d0.scale)
+        for j, n in zip(ctx, cn):
+            drafters[j].cache.length = drafters[j].known = drafters[j].known + n
         out, a = [], 0
         for d, n in zip(drafters, n_rows):
             d.last_h = h[a : a + n - 1]
@@ -651,6 +688,9 @@ def random_dflash(target, seed: int, markov_rank: int = 0, mask_id: int | None =
             if p.dim() == 2:
                 p.normal_(0, 0.08)
     return m.to(device=target.device, dtype=target.dtype).eval().requires_grad_(False)
+
+
+_NO_IDS = torch.zeros(0, dtype=torch.long)
 
 
 def _cat(ts: list[torch.Tensor]) -> torch.Tensor:

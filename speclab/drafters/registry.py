@@ -77,8 +77,8 @@ SAMPLING_PARAMS = (
           "(SpecInfer) or topk (deterministic, as at T = 0)"))
 
 
-# Parameters of a drafter's method that its router reads, not the drafter: `pays` and `probe` (`speclab.drafters.schedule`:
-# the method stands down where drafting does not pay); `build_drafter` leaves them out
+# Parameters of a drafter's method that its router reads, not the drafter: `pays` and `probe`
+# (`speclab.drafters.schedule`: the method stands down where drafting does not pay); `build_drafter` leaves them out
 ROUTER_PARAMS = ("pays", "probe")
 
 
