@@ -409,6 +409,12 @@ class DFlashDrafter:
         # (`speclab.core.precision.Head`; measured: it cost 7% of DFlash's tokens/s here)
         logits = (d0.flash(h) if d0.flash is not None else
                   linear(h, d0.head_weight).float() * m.config.output_multiplier)
+        return DFlashDrafter._split(drafters, n_rows, h, logits)
+
+    @staticmethod
+    def _split(drafters: list[DFlashDrafter], n_rows: list[int], h: torch.Tensor, logits: torch.Tensor) -> list:
+        """Each drafter's mask rows of the blocks' final-norm states (kept: DSpark's confidence head reads them) and
+        logits, in order."""
         out, a = [], 0
         for d, n in zip(drafters, n_rows):
             d.last_h = h[a : a + n - 1]
@@ -432,12 +438,7 @@ class DFlashDrafter:
                                         d0.scale)
         for j, n in zip(ctx, cn):
             drafters[j].cache.length = drafters[j].known = drafters[j].known + n
-        out, a = [], 0
-        for d, n in zip(drafters, n_rows):
-            d.last_h = h[a : a + n - 1]
-            out.append(logits[a : a + n - 1])
-            a += n - 1
-        return out
+        return DFlashDrafter._split(drafters, n_rows, h, logits)
 
     @torch.inference_mode()
     def propose(self, max_depth: int, sampling: Sampling, generator: torch.Generator | None = None) -> DraftTree:
