@@ -856,6 +856,33 @@ def test_eagle3s_chain_and_catch_up_natively_are_the_python_loops_bits(dtype, de
 
 
 @needs_build
+def test_a_greedy_chains_verdict_natively_is_the_argmax_verdict():
+    """`native.greedy_chain` against `verify_tokens` of the rows' `argmax` (max(-1)'s first maximal index): chains of
+    0-6 tokens matching for a while, rows with ties, a NaN, -0.0 beside 0.0 and every element -inf."""
+    from speclab.core.sampling import argmax
+    from speclab.core.tree import DraftTree
+    from speclab.core.verify import verify_tokens
+
+    g = torch.Generator().manual_seed(0)
+    for trial in range(300):
+        n, V = trial % 7, (8192, 37, 16)[trial % 3]
+        logits = torch.randn(n + 1, V, generator=g).round(decimals=trial % 2)  # rounded: many ties
+        if trial % 11 == 0:
+            logits[trial % (n + 1), (trial * 7) % V] = float("nan")
+        if trial % 13 == 0:
+            logits[0] = float("-inf")
+        if trial % 17 == 0:
+            logits[0, :2], logits[0, 2:] = torch.tensor([-0.0, 0.0]), -1.0
+        top = argmax(logits)
+        m = int(torch.randint(0, n + 1, (1,), generator=g))
+        tokens = torch.cat([top[:m], (top[m:n] + 1) % V])  # the first m match
+        want = verify_tokens(DraftTree.chain(tokens, torch.ones(n)), top)
+        with torch.inference_mode():
+            got = native.greedy_chain(logits, tokens)
+        assert got == (want.accepted.numel(), want.bonus), trial
+
+
+@needs_build
 def test_block_verification_natively_is_the_python_functions_bits(monkeypatch):
     """`native.block_verify` (a sampled chain's block verification from the target's logits in one call) against
     `verify`'s Python functions on random chains of 0-6 nodes over vocabularies of 16, 300 and 8,192 (none: the

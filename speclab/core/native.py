@@ -172,6 +172,16 @@ def draw_rows(q: torch.Tensor, u: torch.Tensor, to_target: torch.Tensor | None =
     return idx, qx, spread if to_target is not None else None
 
 
+def greedy_chain(logits: torch.Tensor, tokens: torch.Tensor) -> tuple[int, int] | None:
+    """A greedy chain's verdict from its verification logits [n + 1, V] in one call where `softmax_entropy` runs
+    natively (fp32 rows; else None): (the accepted nodes a, the target's token), `verify.verify_tokens`' figures from
+    the rows' first maximal indices (`sampling.argmax`), reading the rows up to the first mismatch only."""
+    if logits.dim() != 2 or logits.dtype is not torch.float32 or not active(logits) or not _se_ready():
+        return None
+    a, bonus = build().greedy_chain(logits, tokens)
+    return a, bonus
+
+
 def chain_accept(p: torch.Tensor, q: torch.Tensor, x: torch.Tensor, u: torch.Tensor) -> int:
     """How many nodes of a sampled chain pass speculative sampling's test before the first that does not: node i
     (token x[i] drawn from q [n, V]) passes when u[i] < min(1, p[i, x] / q[i, x]) (p [>= n, V]; all fp32): bitwise
