@@ -541,6 +541,10 @@ def test_calibrator_replays_saves_and_confirms_live(deep, route_models, threshol
         assert build(deep, route_models, category="code")[1].min_match == 5  # what `route` decodes with
         assert build(deep, route_models, category="math")[1].min_match == 2
         assert build(deep, route_models, min_match=4, category="code")[1].min_match == 4  # given: as given
+        from speclab.methods import build_method, method_params  # at T > 0 the longest match, not the calibration
+        sampled = method_params("route", {}, deep, sampled=True)
+        assert sampled["min_match"] == 32 and method_params("route", {}, deep)["min_match"] is None
+        assert build_method("route", deep, route_models, sampled, "code", True)[1].min_match == 32
         live = cal.confirm(deep, route_models, "rule", m, "code", 1, log=lambda s: None)
         assert live.prompts[0] == 1 and live.tau_live[0] == pytest.approx(live.tau_replay[0])
         ran = store.query("SELECT DISTINCT method FROM runs WHERE method LIKE 'route%'").method.tolist()

@@ -97,6 +97,12 @@ def needs(fixed: dict) -> tuple[str, ...]:
     return tuple(dict.fromkeys(roles))
 
 
+# The rule's min_match at T > 0: the longest match prompt lookup's probe measures. The calibration is greedy; at T > 0 a
+# looked-up token is accepted with the target's p(x), which on the zoo's prompts averages 0.1-0.35 after matches of 1-3
+# tokens (session 54), and `route` at its calibrated thresholds ran 0.91x / 0.94x `route:min_match=32` at T = 0.7 / 1
+# (benches zoo-20261204-200434-6ab8fb, -200351-887e85; README "Routing v2")
+SAMPLED_MIN_MATCH = MIN_MATCH_RANGE[1]
+
 PARAMS = (
     Param("arms", DEFAULT_ARMS, many=True,
           help=f"the arms a router picks from, '+'-joined: registered drafters, merged arms (members joined by "
@@ -105,9 +111,10 @@ PARAMS = (
           help="how each round's arm is picked: learned (the trained router: the most predicted tokens per ms, "
                "speclab train route) or rule (prompt lookup while its match is at least min_match tokens, else the "
                "first other arm)"),
-    Param("min_match", None, lambda t: Bound(*MIN_MATCH_RANGE), optional=int,
+    Param("min_match", None, lambda t: Bound(*MIN_MATCH_RANGE), optional=int, sampled=SAMPLED_MIN_MATCH,
           help="the rule router: the prompt lookup match (tokens) from which prompt lookup's arm drafts; default: "
-               f"calibrated (speclab calibrate --router rule: your file, else the zoo's), else {MIN_MATCH}"),
+               f"calibrated (speclab calibrate --router rule: your file, else the zoo's), else {MIN_MATCH}; at T > 0 "
+               f"{SAMPLED_MIN_MATCH} (a looked-up token is accepted with p(x), measured)"),
 )
 
 
