@@ -178,8 +178,7 @@ def greedy_chain(logits: torch.Tensor, tokens: torch.Tensor) -> tuple[int, int] 
     the rows' first maximal indices (`sampling.argmax`), reading the rows up to the first mismatch only."""
     if logits.dim() != 2 or logits.dtype is not torch.float32 or not active(logits) or not _se_ready():
         return None
-    a, bonus = build().greedy_chain(logits, tokens)
-    return a, bonus
+    return tuple(build().greedy_chain(logits, tokens))
 
 
 def chain_accept(p: torch.Tensor, q: torch.Tensor, x: torch.Tensor, u: torch.Tensor) -> int:

@@ -345,14 +345,7 @@ class DFlashDrafter:
         m, ns = todo[0].m, [d.pending_feats.shape[0] for d in todo]
         feats = _cat([d.pending_feats for d in todo])
         if native.active(feats):  # fc, hidden_norm and every layer's keys and values in one call (the same bits)
-            for d, n in zip(todo, ns):
-                d.pending_feats = d.pending_feats[:0]
-                d.cache.reserve(n)
-            native.dflash_block(m, [d.cache for d in todo], [d.known for d in todo], feats, list(range(len(todo))),
-                                ns, _NO_IDS, [0] * len(todo), _NO_IDS, todo[0].cos, todo[0].sin, todo[0].head_weight,
-                                todo[0].scale)
-            for d, n in zip(todo, ns):
-                d.cache.length = d.known = d.known + n
+            DFlashDrafter._native_call(todo, [0] * len(todo), _NO_IDS)
             return
         ctx = m.context(feats)
         cos, sin = _ropes(todo, [d.known for d in todo], ns)
@@ -425,6 +418,13 @@ class DFlashDrafter:
     @staticmethod
     def _native_blocks(drafters: list[DFlashDrafter], n_rows: list[int], ids: torch.Tensor) -> list[torch.Tensor]:
         """`blocks_logits` in one native call: the stashed backlogs, then the blocks."""
+        h, logits = DFlashDrafter._native_call(drafters, n_rows, ids)
+        return DFlashDrafter._split(drafters, n_rows, h, logits)
+
+    @staticmethod
+    def _native_call(drafters: list[DFlashDrafter], n_rows: list[int], ids: torch.Tensor):
+        """`native.dflash_block` over the drafters' stashed backlogs and their blocks ids (n_rows[j] rows each; no
+        ids: the backlogs alone), each cache reserved for both and its context advanced by its backlog after."""
         d0 = drafters[0]
         ctx = [j for j, d in enumerate(drafters) if d.pending_feats.shape[0]]
         cn = [drafters[j].pending_feats.shape[0] for j in ctx]
@@ -433,12 +433,13 @@ class DFlashDrafter:
         for j, (d, n) in enumerate(zip(drafters, n_rows)):  # each cache's length is its context's (`known`)
             d.pending_feats = d.pending_feats[:0]
             d.cache.reserve(backlog.get(j, 0) + n)
-        h, logits = native.dflash_block(d0.m, [d.cache for d in drafters], [d.known for d in drafters], feats, ctx,
-                                        cn, ids, n_rows, d0.target.embed_table, d0.cos, d0.sin, d0.head_weight,
-                                        d0.scale)
+        embed = d0.target.embed_table
+        out = native.dflash_block(d0.m, [d.cache for d in drafters], [d.known for d in drafters], feats, ctx, cn, ids,
+                                  n_rows, embed if embed is not None else _NO_IDS, d0.cos, d0.sin, d0.head_weight,
+                                  d0.scale)
         for j, n in zip(ctx, cn):
             drafters[j].cache.length = drafters[j].known = drafters[j].known + n
-        return DFlashDrafter._split(drafters, n_rows, h, logits)
+        return out
 
     @torch.inference_mode()
     def propose(self, max_depth: int, sampling: Sampling, generator: torch.Generator | None = None) -> DraftTree:
