@@ -856,6 +856,52 @@ def test_eagle3s_chain_and_catch_up_natively_are_the_python_loops_bits(dtype, de
 
 
 @needs_build
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_a_draft_models_chain_natively_is_the_python_loops_bits(dtype, deep, monkeypatch):
+    """The standalone draft's chain of 1-4 tokens (`native.draft_chain`) after catch-ups of 1-5 tokens, greedy and
+    sampled (T = 1, T = 0.7 with top-p 0.9, T = 1 with top-k 20, a draft temperature of 0.8): the same tokens, draft
+    probabilities, q rows and cache contents from one native call as from the Python loop (its forwards native
+    too), partly accepted rounds kept alike, and the generator left in the same state (the same uniforms in the same
+    order)."""
+    from speclab.core.sampling import Sampling
+    from speclab.drafters import sps
+    from speclab.drafters.registry import build_drafter
+
+    target = Target.load(deep.name, dtype=dtype)
+    model = sps.random_draft(target, 0)
+    ids = torch.randint(3, target.vocab_size, (60,), generator=torch.Generator().manual_seed(0))
+    settings = [(Sampling(), 1.0), (Sampling(1.0), 1.0), (Sampling(0.7, top_p=0.9), 1.0),
+                (Sampling(1.0, top_k=20), 0.8)]
+    native_calls = []
+
+    def run():
+        out = []
+        with torch.inference_mode():
+            for sampling, draft_temp in settings:
+                d = build_drafter("sps", target, {"draft": model}, k=4, draft_temp=draft_temp)
+                d.reset(ids[:20], capacity=60)
+                gen, at = torch.Generator().manual_seed(5), 20
+                for i in range(8):
+                    m = 1 + i % 5
+                    d.catch_up(ids[at : at + m])
+                    at += m
+                    tree = d.propose(1 + i % 4, sampling, gen)
+                    native_calls.append(d._native_ok(d.root_logits))
+                    out += [d.root_logits, tree.tokens, tree.draft_probs, torch.tensor(d.cache.length),
+                            d.cache.k[:, :, : d.cache.length].clone()]
+                    out += [tree.draft_dists] if tree.draft_dists is not None else []
+                    d.commit(tree, torch.arange(min(i % 3, len(tree))))
+                out.append(torch.rand(3, generator=gen))
+        return out
+
+    fast = run()
+    assert all(native_calls)
+    monkeypatch.setattr(sps.StandaloneDraft, "_native_ok", lambda self, logits: False)
+    slow = run()
+    assert len(fast) == len(slow) and all(torch.equal(a, b) for a, b in zip(fast, slow))
+
+
+@needs_build
 def test_a_greedy_chains_verdict_natively_is_the_argmax_verdict():
     """`native.greedy_chain` against `verify_tokens` of the rows' `argmax` (max(-1)'s first maximal index): chains of
     0-6 tokens matching for a while, rows with ties, a NaN, -0.0 beside 0.0 and every element -inf."""

@@ -2262,6 +2262,48 @@ std::vector<Tensor> eagle3_prefill(const Tensor& ids, const Tensor& embed, const
   return {out, linear(rms_norm(out, out_w, out_eps), head, std::nullopt, packed, wide).to(at::kFloat)};
 }
 
+// A standalone draft model's chain (`StandaloneDraft._chain` with its dense head and no stop_prob): from the root row's
+// fp32 logits [1, V], level by level its token and draft probability (greedy, t <= 0: the first maximum and
+// exp(logit - logsumexp); else drawn from `probs_of` at t, the target's temperature times the draft temperature, at
+// uniform u[level] by `draw_rows`: its q(x)), then, below the last level, that token's `lean_forward` after the draft's
+// cache (one row at slot start + level) for the next level's logits, a row the refined head marks recomputed in full
+// fp32 as `Head.full_rows` does. The ops of the Python loop, in its order (the same bits), without its dispatch.
+// -> [the tokens [depth], their draft probabilities [depth], q's rows [depth, V] (sampled; else undefined)]
+std::vector<Tensor> draft_chain(const Tensor& root_logits, int64_t depth, double t, int64_t top_k, double top_p,
+                                const Tensor& u, const Tensor& embed, const Tensor& cos_t, const Tensor& sin_t,
+                                const std::vector<std::vector<OptT>>& W, const Tensor& ck, const Tensor& cv,
+                                int64_t start, double scale, double eps, int64_t H, int64_t KV, int64_t D,
+                                const Tensor& norm, double norm_eps, const Tensor& head_w, const OptT& packed,
+                                const OptT& wide, int64_t k, double w_norm) {
+  TORCH_CHECK(depth >= 1 && root_logits.dim() == 2 && root_logits.size(0) == 1 &&
+                  root_logits.scalar_type() == at::kFloat && (t <= 0 || u.numel() >= depth),
+              "draft_chain: one fp32 root row, depth >= 1, a uniform a level");
+  Tensor logits = root_logits;
+  std::vector<Tensor> toks, dps, qs;
+  for (int64_t level = 0; level < depth; ++level) {
+    Tensor tok;
+    if (t <= 0) {
+      auto [top, idx] = logits.max(-1);  // `argmax`: the first maximal index (NaN counts as maximal)
+      tok = idx;
+      dps.push_back((logits.select(0, 0).index({idx}) - logits.select(0, 0).logsumexp(-1)).exp());
+    } else {
+      const Tensor q = probs_of(logits, t, top_k, top_p);
+      auto drawn = draw_rows(q, u.narrow(0, level, 1), std::nullopt, 0);
+      tok = drawn[0];
+      dps.push_back(drawn[1]);
+      qs.push_back(q);
+    }
+    toks.push_back(tok);
+    if (level == depth - 1) break;
+    auto out = lean_forward({tok}, embed, cos_t, sin_t, W, {ck}, {cv}, {start + level}, scale, eps, H, KV, D, {}, 0,
+                            norm, norm_eps, head_w, packed, wide, k, w_norm);
+    logits = out[0];
+    if (out[1].defined() && out[1].any().item<bool>())  // `Head.full_rows`: the row in full fp32
+      logits = at::linear(out[2], head_w.to(at::kFloat));
+  }
+  return {at::cat(toks), at::cat(dps), qs.empty() ? Tensor() : at::cat(qs)};
+}
+
 // EAGLE-3's chain (`Eagle3Drafter._chain` with its dense head): from the root row's logits [1, Vd] and pre-norm output
 // [1, H], `depth` tokens, each the argmax of the log-probabilities (t = 0) or drawn from q = `probs_of`(log-probs, t,
 // top_k, top_p) at uniform u[level - 1] (`draw_rows`, q spread over the target's `vocab` ids by `to_target`); after
@@ -2379,6 +2421,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("markov_chains", &markov_chains, release());
   m.def("markov_draws", &markov_draws, release());
   m.def("eagle3_chain", &eagle3_chain, release());
+  m.def("draft_chain", &draft_chain, release());
   m.def("block_verify", &block_verify, release());
   m.def("eagle3_prefill", &eagle3_prefill, release());
   m.def("dflash_block", &dflash_block, release());

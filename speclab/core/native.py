@@ -450,6 +450,20 @@ def lean_forward(dec, ids: list[torch.Tensor], caches: list, layers: tuple[int, 
     return logits, risky if refine else None, h, feats if layers else None
 
 
+def draft_chain(dec, cache, root_logits: torch.Tensor, depth: int, t: float, top_k: int, top_p: float,
+                u: torch.Tensor | None):
+    """A standalone draft model's chain (`speclab.drafters.sps.StandaloneDraft._chain`, see `native.cpp`) over the
+    `LeanDecoder` dec and its `KVCache` (reserved for the depth - 1 rows it writes from its length on; the caller
+    moves the length on) -> (tokens [depth], draft probabilities [depth], q's rows [depth, V] or None when greedy)."""
+    f, w, refine = dec.layers[0], dec.lm.weight, dec.lm.refine
+    toks, probs, q = build().draft_chain(
+        root_logits, depth, t, top_k, top_p, u if u is not None else _NO_UNIFORMS, dec.embed, dec.cos,
+        dec.sin, [fused_weights(x) for x in dec.layers], cache.k, cache.v, cache.length, dec.scaling, f.eps, f.H,
+        f.KV, f.D, dec.norm32() if refine else dec.norm, dec.eps, w, *_copies(w), dec.lm.k if refine else 0,
+        dec.lm.w_norm)
+    return toks, probs, q if t > 0 else None
+
+
 def refined_head(h, w, k: int, w_norm: float):
     """`precision.Head`'s refined fp32 logits (see `native.cpp`) -> (logits, the rows Python recomputes in full)."""
     return build().refined_head(h, w, *_copies(w), k, w_norm)

@@ -15,8 +15,9 @@ from __future__ import annotations
 import torch
 
 from speclab.checks import MAX_TREE_NODES, Bound
+from speclab.core import native
 from speclab.core.sampling import Sampling, argmax, chain_dists, draft_probs, draw, draw_one
-from speclab.core.target import Target, keep_cache, row_call
+from speclab.core.target import Target, forward_clock, keep_cache, row_call
 from speclab.core.tree import DraftTree
 from speclab.drafters.flashhead import HEAD_PARAMS, head_same_decode, with_head
 from speclab.drafters.registry import SAMPLING_PARAMS, DrafterEntry, ModelRole, Param, Shape
@@ -81,6 +82,8 @@ class StandaloneDraft:
     def _chain(self, logits, depth, sampling, generator) -> DraftTree:
         """Up to k tokens, one draft call each: argmax (greedy) or sampled from q (kept for verification);
         stops after a token with draft probability below `stop_prob`."""
+        if self._native_ok(logits):
+            return self._native_chain(logits, depth, sampling, generator)
         tokens, dprobs, dists, cands = [], [], [], []
         row_cands = self.root_cands  # FlashHead: the candidates of the row each token is drafted from
         for level in range(depth):
@@ -102,6 +105,29 @@ class StandaloneDraft:
         tree = DraftTree.chain(torch.cat(tokens), torch.cat(dprobs), chain_dists(dists) if dists else None)
         tree.cands = torch.cat(cands) if cands else None
         return tree
+
+    def _native_ok(self, logits) -> bool:
+        """Whether `_chain`'s loop runs as one native call: the lean forward's native path (not exact mode), the
+        dense head, every level drafted (no `stop_prob`: a chain that stops would draw fewer uniforms than it took)."""
+        lean = self.model.lean
+        return (self.flash is None and self.stop_prob == 0 and lean is not None and not lean.exact
+                and logits.dtype is torch.float32 and native.active(lean.embed))
+
+    def _native_chain(self, logits, depth: int, sampling: Sampling, generator) -> DraftTree:
+        """`_chain`'s loop in one native call (`native.draft_chain`: the same ops, the same bits, the same uniforms in
+        the same order), its depth - 1 forwards writing the cache from its length on."""
+        lean, cache = self.model.lean, self.cache
+        if cache.length + depth > lean.cos.shape[0]:  # as `LeanDecoder.forward` grows its rotary tables
+            lean._rope_table(2 * (cache.length + depth))
+        cache.reserve(depth - 1)
+        t = 0.0 if sampling.greedy else sampling.temperature * self.draft_temp
+        u = None if sampling.greedy else torch.rand(depth, generator=generator)  # `draw_one`'s, level by level
+        self.model.calls += depth - 1
+        with forward_clock(depth - 1):
+            tokens, dprobs, q = native.draft_chain(lean, cache, logits, depth, t, sampling.top_k, sampling.top_p, u)
+        cache.length += depth - 1
+        self.n_forwarded = depth - 1
+        return DraftTree.chain(tokens, dprobs, chain_dists([q]) if q is not None else None)
 
     def _tree(self, logits, depth, committed, sampling: Sampling | None = None, generator=None) -> DraftTree:
         """Top-k tree: each level expands the frontier by its top-k children and keeps the best `topk` by
