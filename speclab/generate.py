@@ -199,11 +199,15 @@ class Generation:
 
 def _own_dtypes(target: Target, models: dict, roles) -> dict:
     """`<role>_dtype` for each drafter model of `roles` that runs in another dtype than the target (--dtype auto's
-    own-dtype roles: `precision.DtypeDecision.roles`), for the run row's params."""
+    own-dtype roles: `precision.DtypeDecision.roles`) and `<role>_weights` "int8" for each whose products read int8
+    weights (`--drafter-weights`), for the run row's params."""
+    from speclab.core.layers import reads_int8
     from speclab.core.precision import dtype_name
     own = {role: getattr(models.get(role), "dtype", None) for role in roles}
-    return {f"{role}_dtype": dtype_name(dt) for role, dt in own.items()
-            if isinstance(dt, torch.dtype) and dt != target.dtype}
+    return {**{f"{role}_dtype": dtype_name(dt) for role, dt in own.items()
+               if isinstance(dt, torch.dtype) and dt != target.dtype},
+            **{f"{role}_weights": "int8" for role in roles
+               if models.get(role) is not None and reads_int8(models[role])}}
 
 
 def run_device(target: Target) -> dict:

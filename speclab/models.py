@@ -18,7 +18,11 @@ PRECISION_HELP = {
              "with it, so bf16 speculative output equals bf16 AR",
     "backend": "forward pass: speclab's lean forward (Llama family) or the transformers one (default: lean where "
                "it applies)",
+    "drafter_weights": "auto | int8 | bf16: the drafters' bf16 weights as int8 values (W8A8 dot products, half the "
+                       "bytes a drafter call reads; lossless either way: the target verifies) or as they are "
+                       "(default auto: int8 on a CPU with AVX512-VNNI where the native layers run, else bf16)",
 }
+DRAFTER_WEIGHTS = ("auto", "int8", "bf16")
 
 
 @dataclass
@@ -32,13 +36,14 @@ class ModelPaths:
     logits: str = "fp32"
     exact: bool = False
     backend: str = "auto"
+    drafter_weights: str = "auto"  # PRECISION_HELP["drafter_weights"] (`quantize_drafter`)
 
     @classmethod
     def from_args(cls, a: argparse.Namespace) -> ModelPaths:
         """From the options of `add_model_args`."""
         from speclab.methods import ROLES
         return cls(a.model, {role: getattr(a, r.dest, None) for role, r in ROLES.items()}, a.device, a.dtype,
-                   a.logits, a.exact, a.backend)
+                   a.logits, a.exact, a.backend, getattr(a, "drafter_weights", "auto"))
 
     def model_path(self, role: str) -> str | Path:
         """The directory the role's model loads from: its option's, or the zoo's."""
@@ -63,6 +68,8 @@ class ModelPaths:
         check_logits(self.logits)
         if self.backend not in ("auto", "lean", "hf"):
             raise InvalidInput(f"backend {self.backend!r}: choose auto, lean or hf")
+        if self.drafter_weights not in DRAFTER_WEIGHTS:
+            raise InvalidInput(f"drafter weights {self.drafter_weights!r}: choose {', '.join(DRAFTER_WEIGHTS)}")
         if self.exact and self.backend == "hf":
             raise InvalidInput("--exact needs speclab's lean forward; it cannot run with --backend hf")
 
@@ -80,6 +87,8 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--logits", default=d.logits, help=PRECISION_HELP["logits"])
     p.add_argument("--exact", action="store_true", help=PRECISION_HELP["exact"])
     p.add_argument("--backend", default=d.backend, choices=["auto", "lean", "hf"], help=PRECISION_HELP["backend"])
+    p.add_argument("--drafter-weights", default=d.drafter_weights, choices=DRAFTER_WEIGHTS,
+                   help=PRECISION_HELP["drafter_weights"])
 
 
 def check_device(device: str | None) -> None:
@@ -237,14 +246,75 @@ def load_models(paths: ModelPaths, roles=("draft", "eagle3", "dflash", "router")
             path = paths.model_path(role)
             dt = own.get(role) if r.own_dtype else None
             models[role] = r.load(path, target, replace(paths, dtype=dt) if dt else paths)
+            int8 = role in drafter_roles() and quantize_drafter(models[role], target, paths.drafter_weights)
             if isinstance(models[role], torch.nn.Module):  # its weights on 2 MB pages (`speclab.core.pages`)
                 pages.place(models[role])
-            loaded.append(f"{r.title} {zoo.display_path(path)}" + (f" ({dt})" if dt and dt != dtype else ""))
+            loaded.append(f"{r.title} {zoo.display_path(path)}" + (f" ({dt})" if dt and dt != dtype else "")
+                          + (" (int8 weights)" if int8 else ""))
     why = f"; {target.dtype_choice}" if target.dtype_choice else ""
     why += "".join(f"; {line}" for line in (decision.role_lines(roles) if decision is not None else []))
     log(f"loaded {', '.join(loaded)} in {time.perf_counter() - t0:.1f} s; {target.device.type}, "
         f"{precision_label(target)}{why}")
     return target, models
+
+
+def drafter_roles() -> frozenset[str]:
+    """The roles whose models draft (the registry's drafters'), not the routers'."""
+    from speclab.drafters.registry import drafters
+    return frozenset(e.model.role for e in drafters().values() if e.model is not None)
+
+
+def int8_drafters(choice: str, device) -> bool:
+    """Whether `--drafter-weights` `choice` makes a drafter's bf16 weights int8 on `device`: int8 where the native
+    layers and their int8 product run (a CPU with AVX512-VNNI), auto the same, bf16 never."""
+    from speclab.core import native
+    if choice == "bf16" or str(device).split(":")[0] != "cpu":
+        return False
+    mod = native.build() if native.ENABLED else None
+    return mod is not None and bool(mod.vnni_ok())
+
+
+def quantize_drafter(model, target, choice: str = "auto") -> bool:
+    """A drafter model's bf16 weights as int8 (`speclab.core.layers.quantize_int8`) where `int8_drafters` says so:
+    its nn.Linear weights (EAGLE-3, DFlash, SpecBlock, ConFu) or, for a draft model (`Target`), its lean layers'
+    products and head (and so its embedding, where the two are one table); never a tensor it shares with the target
+    (DFlash's head is the target's). -> whether any weight was made int8."""
+    import torch
+
+    from speclab.core import layers as L
+    from speclab.core.target import Target
+    from speclab.drafters.flashhead import head_fingerprint
+    device = getattr(model, "device", None) or next((p.device for p in model.parameters()), "cpu")
+    if not int8_drafters(choice, device):
+        return False
+    skip = frozenset(t.data_ptr() for t in _tensors_of(target))
+    if isinstance(model, Target):
+        if model.lean is None:
+            return False
+        ws = [w for f in model.lean.layers for w in (f.qkv_w, f.o, f.gate_up, f.down)] + [model.lean.lm.weight]
+        # a head tied to the embedding (the zoo draft's) is that table: its rows then read the same int8 values
+    elif isinstance(model, torch.nn.Module):
+        ws = [m.weight for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    else:
+        return False
+    ws = [w for w in ws if isinstance(w, torch.Tensor) and w.dtype is torch.bfloat16 and w.dim() == 2
+          and w.device.type == "cpu" and w.data_ptr() not in skip]
+    for w in ws:
+        w._speclab_fingerprint = head_fingerprint(w)  # a FlashHead index built for it still serves it
+        L.quantize_int8(w)
+    return bool(ws)
+
+
+def _tensors_of(target) -> list:
+    """Every tensor the target's forwards read: its transformers module's and its lean forward's."""
+    import torch
+    out = [p for p in target.model.parameters()] if getattr(target, "model", None) is not None else []
+    lean = getattr(target, "lean", None)
+    if lean is not None:
+        out += [t for t in vars(lean).values() if isinstance(t, torch.Tensor)]
+        out += [t for f in lean.layers for t in vars(f).values() if isinstance(t, torch.Tensor)]
+        out += [lean.lm.weight]
+    return out
 
 
 def load_bench_sets(cfg, paths: ModelPaths):

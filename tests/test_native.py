@@ -1041,3 +1041,76 @@ def _attention_checks():
         q4, k4 = q[None, :, :3].bfloat16(), k[None].bfloat16()  # a 4-D batch
         assert torch.equal(torch.ops.speclab.attention(q4, k4, k4, None, 0.125),
                            F.scaled_dot_product_attention(q4, k4, k4, scale=0.125, enable_gqa=True))
+
+
+def _vnni() -> bool:
+    mod = native.build() if native.ENABLED else None
+    return mod is not None and bool(mod.vnni_ok())
+
+
+needs_vnni = pytest.mark.skipif(not _vnni(), reason="no AVX512-VNNI here (the int8 product)")
+
+
+@needs_build
+@needs_vnni
+def test_int8_drafter_weights_hold_their_values_exactly_and_multiply_within_a_percent():
+    """`layers.quantize_int8`: the bf16 weight becomes exactly its int8 values times a power-of-two scale per output,
+    and `layers.linear` multiplies 1 to `INT8_ROWS` rows by them (`speclab::i8_linear`, each row quantized to 8 bits
+    at its own scale) within 2% of the fp32 product by that weight, each row's result the same alone or among
+    others, with a bias; more rows are F.linear's by the weight itself, bit for bit."""
+    from speclab.core import layers as L
+
+    gen = torch.Generator().manual_seed(0)
+    for n, k, bias in ((1000, 520, False), (70, 130, True), (64, 4, False), (513, 1537, True)):
+        w = torch.randn(n, k, generator=gen).bfloat16()
+        b = torch.randn(n, generator=gen).bfloat16() if bias else None
+        before = w.clone()
+        L.quantize_int8(w)
+        _, packed, meta = w._speclab_int8
+        scale = meta[0]
+        q = w.float() / scale[:, None]
+        assert torch.equal(q, q.round()) and q.abs().max() <= 127
+        assert torch.equal(torch.log2(scale), torch.log2(scale).round())  # powers of two
+        assert float((w.float() - before.float()).norm() / before.float().norm()) < 0.02
+        with torch.inference_mode():
+            for m in range(1, L.INT8_ROWS + 1):
+                x = torch.randn(m, k, generator=gen).bfloat16()
+                y = L.linear(x, w, b).float()
+                ref = F.linear(x.float(), w.float(), None if b is None else b.float())
+                assert float((y - ref).norm() / ref.norm()) < 0.02, (n, k, m)
+                alone = torch.cat([L.linear(x[i : i + 1], w, b) for i in range(m)]).float()
+                assert torch.equal(y, alone)
+            x = torch.randn(L.INT8_ROWS + 1, k, generator=gen).bfloat16()
+            assert torch.equal(L.linear(x, w, b), F.linear(x, w, b))
+
+
+@needs_build
+@needs_vnni
+@pytest.mark.parametrize("name", ["eagle3", "dflash", "sps"])
+def test_int8_drafters_decode_greedy_as_ar_and_leave_the_target_alone(name, deep):
+    """A drafter made int8 by `--drafter-weights int8` (`speclab.models.quantize_drafter`): the target's tensors keep
+    every bit (DFlash shares the target's head: it stays bf16), the drafter's products read int8, and a greedy
+    decode with it equals AR's token for token (bf16, exact mode: the target's rows do not depend on their batch)."""
+    from speclab.models import _tensors_of, quantize_drafter
+
+    target = Target.load(deep.name, dtype="bf16", exact=True)
+    entry = drafters()[name]
+    model = entry.model.random(target, 0)
+    kept = [t.clone() for t in _tensors_of(target)]
+    assert quantize_drafter(model, target, "int8")
+    assert not quantize_drafter(entry.model.random(target, 0), target, "bf16")
+    assert all(torch.equal(a, b) for a, b in zip(kept, _tensors_of(target)))
+    ar = generate(target, PROMPTS[0], "ar", max_new_tokens=32)
+    nodes = []
+    spec = generate(target, PROMPTS[0], name, models={entry.model.role: model}, max_new_tokens=32,
+                    on_round=lambda ev: nodes.append(len(ev.tree)))
+    assert spec.token_ids == ar.token_ids
+    assert sum(nodes) > len(nodes)  # it drafted
+
+
+def test_drafter_weights_out_of_range_are_one_line_before_any_load():
+    from speclab.errors import InvalidInput
+    from speclab.models import ModelPaths
+
+    with pytest.raises(InvalidInput, match="drafter weights 'int4': choose auto, int8, bf16"):
+        ModelPaths(drafter_weights="int4").check()

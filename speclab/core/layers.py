@@ -80,6 +80,10 @@ def by_packed(x: torch.Tensor, w: torch.Tensor, packed: torch.Tensor, b: torch.T
     """x times w by its packed copy (`_packed`): a native product's (`is_native`) up to `TILE_ROWS` rows; oneDNN's
     (that copy, or `_wide`'s beside a native copy) up to the last of `CHECK_ROWS`; F.linear above."""
     rows = x.numel() // max(x.shape[-1], 1)
+    if packed.dtype is torch.int8:  # a drafter's int8 weight (`quantize_int8`)
+        if rows > INT8_ROWS:
+            return F.linear(x, w, b)
+        return torch.ops.speclab.i8_linear(x, packed, _wide(w, b), b, w.shape[0], w.shape[1])
     onednn: torch.Tensor | None = packed
     if is_native(packed):
         if rows <= TILE_ROWS:
@@ -94,7 +98,11 @@ def _packed(w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor | None:
     """w's packed copy, made on first use and kept on w itself (so it lives and dies with w; a weight changed in
     place since is packed again): the layout of this process's native product where it has one and its products
     are F.linear's bits at 1 to `TILE_ROWS` rows (checked at four), else oneDNN's where they are at `CHECK_ROWS`;
-    None where neither is."""
+    None where neither is. A drafter's int8 weight (`quantize_int8`, unchanged since): its packed int8 values."""
+    held = getattr(w, "_speclab_int8", None)
+    if held is not None and held[0] == w._version:
+        return held[1]
+
     def make():
         mod = NATIVE_SOURCE() if NATIVE_SOURCE is not None else None
         if mod is not None:
@@ -114,7 +122,10 @@ def _wide(w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor | None:
     """oneDNN's copy of w beside its native copy, for calls of more rows than the native product takes (a
     verification of a big tree, a batch of many requests, a prefill), made on first use and kept on w like
     `_packed`'s; None where its products are not F.linear's bits at `CHECK_ROWS` above `TILE_ROWS`, or there is no
-    oneDNN."""
+    oneDNN. An int8 weight's (`quantize_int8`): its scales and sums [2, N]."""
+    held = getattr(w, "_speclab_int8", None)
+    if held is not None and held[0] == w._version:
+        return held[2]
     return _kept(w, "_speclab_wide",
                  lambda: _onednn(w, b, (TILE_ROWS + 1, *[r for r in CHECK_ROWS if r > TILE_ROWS])))
 
@@ -127,6 +138,45 @@ def _onednn(w: torch.Tensor, b: torch.Tensor | None, rows) -> torch.Tensor | Non
     if cand is not None and _agrees(lambda x: _PACKED_LINEAR(x, cand, b, "none", [], ""), w, b, rows):
         return cand
     return None
+
+
+# -- int8 drafter weights -------------------------------------------------------------------------------------------
+
+# the most rows a drafter's int8 weight multiplies by `native.cpp`'s int8 product (`by_packed`; its `int8_max_rows`,
+# set from this); more take F.linear by the bf16 weight, which holds the same values
+INT8_ROWS = 8
+
+
+def quantize_int8(w: torch.Tensor) -> None:
+    """A drafter's bf16 weight [N, K] as int8 values q times one power-of-two scale per output, in place: w becomes
+    exactly q x scale (|q| <= 127 and a power of two make every product a bf16 value) and keeps q packed for
+    `native.cpp`'s int8 product (`i8_linear`: half the bytes, the input rows quantized to 8 bits each call) with the
+    scales and q's sums (`_packed`, `_wide`). A drafter's weights may be anything without losing exactness: the
+    target verifies; what it costs in acceptance is measured."""
+    if w.dtype is not torch.bfloat16 or w.dim() != 2 or w.device.type != "cpu":
+        raise ValueError(f"quantize_int8 takes a 2-D bf16 CPU weight (got {tuple(w.shape)} {w.dtype} on {w.device})")
+    N, K = w.shape
+    with torch.no_grad():
+        wf = w.float()
+        top = wf.abs().amax(1).clamp_min(torch.finfo(torch.float32).tiny)
+        scale = torch.exp2(torch.ceil(torch.log2(top / 127)))  # the smallest power of two with |w| / scale <= 127
+        q = torch.round(wf / scale[:, None]).clamp_(-127, 127)
+        w.copy_((q * scale[:, None]).to(torch.bfloat16))  # exact: 8 significant bits times a power of two
+        G, KQ = -(-N // 64), -(-K // 4)
+        padded = torch.zeros(G * 64, KQ * 4, dtype=torch.int8)
+        padded[:N, :K] = q.to(torch.int8)
+        packed = padded.view(G, 64, KQ, 4).permute(0, 2, 1, 3).contiguous()  # [G, KQ, 64, 4]
+        meta = torch.stack([scale, q.sum(1)]).float().contiguous()  # [2, N]: the scales, q's sums (exact in fp32)
+    w._speclab_int8 = (w._version, packed, meta)  # type: ignore[attr-defined]
+
+
+def reads_int8(model) -> bool:
+    """Whether a drafter model's products read int8 weights (`quantize_int8`): an nn.Module's parameters, or a draft
+    model's (a `Target`'s) lean layers."""
+    lean = getattr(model, "lean", None)
+    if lean is not None:
+        return hasattr(lean.layers[0].qkv_w, "_speclab_int8")
+    return isinstance(model, nn.Module) and any(hasattr(p, "_speclab_int8") for p in model.parameters())
 
 
 def _made(pack, w: torch.Tensor) -> torch.Tensor | None:

@@ -991,6 +991,124 @@ static Tensor attention(const Tensor& q, const Tensor& k, const Tensor& v, const
 
 // The native product this process multiplies bf16 by (`layers.linear`): "tiles" (AMX), else "dp" (AVX512-BF16),
 // else "" (none: oneDNN's prepacked copies)
+// ---- int8 drafter weights: W8A8 dot products (AVX512-VNNI) -------------------------------------------------------
+// A drafter's weight as int8 values q [N, K] times a power-of-two scale per output (`layers.quantize_int8`; the bf16
+// weight holds q x scale exactly), packed as [ceil(N / 64), ceil(K / 4), 64, 4]: per block of 64 outputs, per
+// quadruple of inputs, the 64 outputs' four values (zeros past N, K). `meta` [2, N] fp32: the scales and the sums of
+// each output's q. A row x is quantized to u = round(x / s) + 128 (s = max |x| / 127), VPDPBUSD sums u x q by fours
+// in int32, and y = (sum - 128 sum(q)) s scale: half the bytes of the bf16 weight read, exact integer sums.
+#define AVXVNNI __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni")))
+static int64_t int8_max_rows = 8;  // `layers.INT8_ROWS` (`set_int8_rows`): more rows take F.linear by the bf16 weight
+static void set_int8_rows(int64_t rows) { int8_max_rows = rows; }
+static bool vnni_ok() {
+  static const bool ok = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni");
+  return ok;
+}
+
+// R rows [R, KQ] (four u8 inputs as a 32-bit word) by J x 16 of one block's 64 outputs (from output j0 on; the
+// block [KQ, 64, 4]) -> the int32 sums acc [R, 64] at those outputs
+template <int R, int J>
+AVXVNNI static void i8_rows(const uint32_t* x, int64_t ldx, const int8_t* p, int64_t KQ, int j0, int32_t* acc) {
+  __m512i a[R][J];
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < J; ++j) a[r][j] = _mm512_setzero_si512();
+  for (int64_t kq = 0; kq < KQ; ++kq) {
+    const int8_t* blk = p + kq * 256 + j0 * 4;
+    _mm_prefetch((const char*)(blk + 16384), _MM_HINT_T0);
+    __m512i w[J];
+    for (int j = 0; j < J; ++j) w[j] = _mm512_loadu_si512(blk + j * 64);
+    for (int r = 0; r < R; ++r) {
+      const __m512i xb = _mm512_set1_epi32((int)x[r * ldx + kq]);
+      for (int j = 0; j < J; ++j) a[r][j] = _mm512_dpbusd_epi32(a[r][j], xb, w[j]);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < J; ++j) _mm512_storeu_si512(acc + r * 64 + j0 + j * 16, a[r][j]);
+}
+
+// a block's rows r0.. (R of them, at most 8) -> acc: up to four rows by all 64 outputs at once, five to eight by
+// two halves of 32 (the registers: R x J sums, J weights and the row's input)
+static void i8_block(const uint32_t* x, int64_t ldx, const int8_t* p, int64_t KQ, int64_t R, int32_t* acc) {
+  switch (R) {
+    case 1: return i8_rows<1, 4>(x, ldx, p, KQ, 0, acc);
+    case 2: return i8_rows<2, 4>(x, ldx, p, KQ, 0, acc);
+    case 3: return i8_rows<3, 4>(x, ldx, p, KQ, 0, acc);
+    case 4: return i8_rows<4, 4>(x, ldx, p, KQ, 0, acc);
+    case 5: i8_rows<5, 2>(x, ldx, p, KQ, 0, acc); return i8_rows<5, 2>(x, ldx, p, KQ, 32, acc);
+    case 6: i8_rows<6, 2>(x, ldx, p, KQ, 0, acc); return i8_rows<6, 2>(x, ldx, p, KQ, 32, acc);
+    case 7: i8_rows<7, 2>(x, ldx, p, KQ, 0, acc); return i8_rows<7, 2>(x, ldx, p, KQ, 32, acc);
+    default: i8_rows<8, 2>(x, ldx, p, KQ, 0, acc); return i8_rows<8, 2>(x, ldx, p, KQ, 32, acc);
+  }
+}
+
+// row r of x [M, K] bf16 -> u8 inputs u [KQ * 4] (zero point 128; 128 past K) at the row's scale, which it returns:
+// max |x| / 127 (1 for a row of zeros or non-finite values), x times 127 / max rounded to nearest even
+AVX512 static float i8_quantize(const uint16_t* x, int64_t K, uint8_t* u) {
+  __m512 top = _mm512_setzero_ps();
+  for (int64_t k = 0; k < K; k += 16) top = _mm512_max_ps(top, _mm512_abs_ps(load16(x + k, lanes(K - k))));
+  const float t = _mm512_reduce_max_ps(top);
+  const bool ok = t > 0.f && std::isfinite(t);
+  const __m512 inv = _mm512_set1_ps(ok ? 127.f / t : 1.f), lo = _mm512_set1_ps(-127.f), hi = _mm512_set1_ps(127.f);
+  const __m512i zero = _mm512_set1_epi32(128);
+  for (int64_t k = 0; k < K; k += 16) {
+    const __mmask16 m = lanes(K - k);
+    const __m512 q = _mm512_min_ps(_mm512_max_ps(_mm512_mul_ps(load16(x + k, m), inv), lo), hi);
+    _mm_mask_storeu_epi8(u + k, m, _mm512_cvtepi32_epi8(_mm512_add_epi32(_mm512_cvtps_epi32(q), zero)));
+  }
+  return ok ? t / 127.f : 1.f;
+}
+
+// one row's 64 (or fewer, `n` of them) int32 sums -> bf16 outputs: (sum - 128 sum(q)) x s x scale (+ bias)
+AVX512 static void i8_outputs(const int32_t* acc, const float* qsum, const float* scale, const float* bias, float s,
+                              int64_t n, uint16_t* y) {
+  const __m512 vs = _mm512_set1_ps(s), zp = _mm512_set1_ps(128.f);
+  for (int64_t j = 0; j < n; j += 16) {
+    const __mmask16 m = lanes(n - j);
+    const __m512 sum = _mm512_cvtepi32_ps(_mm512_maskz_loadu_epi32(m, acc + j));
+    __m512 v = _mm512_mul_ps(_mm512_fnmadd_ps(zp, _mm512_maskz_loadu_ps(m, qsum + j), sum),
+                             _mm512_mul_ps(vs, _mm512_maskz_loadu_ps(m, scale + j)));
+    if (bias) v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(m, bias + j));
+    store16(y + j, v, m);
+  }
+}
+
+static Tensor i8_linear(const Tensor& x_, const Tensor& p, const Tensor& meta, const OptT& b, int64_t N, int64_t K) {
+  TORCH_CHECK(vnni_ok() && x_.scalar_type() == at::kBFloat16 && p.scalar_type() == at::kChar && p.dim() == 4 &&
+                  p.size(2) == 64 && p.size(3) == 4 && p.size(0) == (N + 63) / 64 && p.size(1) == (K + 3) / 4 &&
+                  p.is_contiguous() && meta.scalar_type() == at::kFloat && meta.dim() == 2 && meta.size(1) == N &&
+                  meta.is_contiguous() && x_.size(-1) == K,
+              "speclab::i8_linear: bf16 rows by an int8-packed weight");
+  const int64_t M = x_.numel() / std::max<int64_t>(K, 1), G = p.size(0), KQ = p.size(1);
+  const Tensor x = x_.reshape({M, K}).contiguous();
+  const uint16_t* xp = (const uint16_t*)x.data_ptr();
+  std::vector<uint8_t> xu(M * KQ * 4, 128);
+  std::vector<float> sx(M);
+  for (int64_t r = 0; r < M; ++r) sx[r] = i8_quantize(xp + r * K, K, xu.data() + r * KQ * 4);
+  auto shape = x_.sizes().vec();
+  shape.back() = N;
+  auto y = at::empty(shape, x_.options());
+  uint16_t* yp = (uint16_t*)y.data_ptr();
+  const float *scale = meta.data_ptr<float>(), *qsum = scale + N;
+  const Tensor bias = b.has_value() ? b->to(at::kFloat).contiguous() : Tensor();
+  const float* bp = bias.defined() ? bias.data_ptr<float>() : nullptr;
+  const int8_t* pp = p.data_ptr<int8_t>();
+  at::parallel_for(0, G, 1, [&](int64_t g0, int64_t g1) {
+    alignas(64) int32_t acc[8 * 64];
+    for (int64_t g = g0; g < g1; ++g) {
+      const int64_t n0 = g * 64, n = std::min<int64_t>(64, N - n0);
+      for (int64_t r0 = 0; r0 < M; r0 += 8) {
+        const int64_t R = std::min<int64_t>(8, M - r0);
+        i8_block((const uint32_t*)(xu.data() + r0 * KQ * 4), KQ, pp + g * KQ * 256, KQ, R, acc);
+        for (int64_t r = 0; r < R; ++r)
+          i8_outputs(acc + r * 64, qsum + n0, scale + n0, bp ? bp + n0 : nullptr, sx[r0 + r], n,
+                     yp + (r0 + r) * N + n0);
+      }
+    }
+  });
+  return y;
+}
+
 static std::string product_init() { return tile_init() ? "tiles" : dp_init() ? "dp" : ""; }
 
 // The weight packed for this process's native product (`product_init`)
@@ -1003,17 +1121,25 @@ TORCH_LIBRARY(speclab, m) {
   m.def("tile_linear(Tensor x, Tensor packed, Tensor? b, int n, int k) -> Tensor");
   m.def("dp_linear(Tensor x, Tensor packed, Tensor? b, int n, int k) -> Tensor");
   m.def("attention(Tensor q, Tensor k, Tensor v, Tensor? mask, float scale) -> Tensor");
+  m.def("i8_linear(Tensor x, Tensor packed, Tensor meta, Tensor? b, int n, int k) -> Tensor");
 }
 TORCH_LIBRARY_IMPL(speclab, CPU, m) {
   m.impl("tile_linear", &tile_linear);
   m.impl("dp_linear", &dp_linear);
   m.impl("attention", &attention);
+  m.impl("i8_linear", &i8_linear);
 }
 
 // `layers.linear` (`layers.by_packed`): the product by Python's packed copy of the weight where it has one (the
 // tile product's, 6-D, or the dot product's, 4-D, up to `tile_max_rows` rows; oneDNN's prepacked layout up to
 // `packed_max_rows`: `packed`, or `wide` where `packed` is a native product's), else F.linear
 static Tensor linear(const Tensor& x, const Tensor& w, const OptT& b, const OptT& packed, const OptT& wide) {
+  if (packed.has_value() && packed->scalar_type() == at::kChar) {  // a drafter's int8 weight (`i8_linear`)
+    if (x.numel() > int8_max_rows * x.size(-1)) return at::linear(x, w, b);
+    using Op = Tensor(const Tensor&, const Tensor&, const Tensor&, const OptT&, int64_t, int64_t);
+    static auto i8 = c10::Dispatcher::singleton().findSchemaOrThrow("speclab::i8_linear", "").typed<Op>();
+    return i8.call(x, *packed, *wide, b, w.size(0), w.size(1));
+  }
   OptT p = packed;
   if (p.has_value() && (p->dim() == 6 || p->dim() == 4)) {  // through the dispatcher, as torch's ops: the profiler
     if (x.numel() <= tile_max_rows * x.size(-1)) {         // sees them
@@ -2441,6 +2567,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("chain_accept", &chain_accept, release());
   m.def("greedy_chain", &greedy_chain, release());
   m.def("set_row_limits", &set_row_limits);
+  m.def("set_int8_rows", &set_int8_rows);
+  m.def("vnni_ok", &vnni_ok);
   m.def("tile_pack", &tile_pack, release());
   m.def("dp_pack", &dp_pack, release());
   m.def("native_pack", &native_pack, release());

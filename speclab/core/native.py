@@ -71,6 +71,7 @@ def build(verbose: bool = False) -> Any:
     if mod is not None:
         mod.set_fused(_fused_ops_agree(mod))
         mod.set_row_limits(L.TILE_ROWS, L.CHECK_ROWS[-1])
+        mod.set_int8_rows(L.INT8_ROWS)
         mod.set_fast_layers(FAST_LAYERS)
     _state["module"] = mod
     if mod is not None:
@@ -353,8 +354,9 @@ def _copies(w: torch.Tensor, b: torch.Tensor | None = None) -> list:
     calls above the native product's rows where the first is that product's] (None where `layers.linear` uses
     none)."""
     if L.PACKED and w.dtype is torch.bfloat16 and w.device.type == "cpu":
-        packed = L._packed(w, b)
-        return [packed, L._wide(w, b) if packed is not None and L.is_native(packed) else None]
+        packed = L._packed(w, b)  # a drafter's int8 weight (`layers.quantize_int8`): its int8 copy and its scales
+        return [packed, L._wide(w, b) if packed is not None and (L.is_native(packed) or packed.dtype is torch.int8)
+                else None]
     return [None, None]
 
 

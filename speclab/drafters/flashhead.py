@@ -46,7 +46,11 @@ def index_dir(model_dir: str | Path, clusters: int) -> Path:
 
 def head_fingerprint(weight: torch.Tensor) -> str:
     """A short hash of a head matrix (its shape and its values rounded to bf16): an index is refused for another
-    head."""
+    head. A weight made int8 when it loaded (`speclab.models.quantize_drafter`) keeps the fingerprint of the values
+    it loaded with: an index built for that head serves its int8 rounding too."""
+    kept = getattr(weight, "_speclab_fingerprint", None)
+    if kept is not None:
+        return kept
     w = weight.detach().to("cpu", torch.bfloat16).contiguous()
     h = hashlib.sha256(str(tuple(w.shape)).encode())
     h.update(w.view(torch.int16).numpy().tobytes())
