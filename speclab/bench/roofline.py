@@ -16,6 +16,7 @@ millisecond between two target calls (a drafter's, a router's, any bookkeeping's
 """
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -36,7 +37,8 @@ GAP_ROWS = (1, 4)  # the target's calls timed after a gap: a decode step and a v
 
 # the ops whose inputs a call reads from memory: matrix products (weights; `tile_linear` and `dp_linear`: the AMX and
 # AVX512-BF16 products of `native.cpp`) and attention (the KV cache)
-_READS = ("linear", "mm", "addmm", "bmm", "mv", "matmul", "_linear_pointwise", "tile_linear", "dp_linear")
+_READS = ("linear", "mm", "addmm", "bmm", "mv", "matmul", "_linear_pointwise", "tile_linear", "dp_linear",
+          "i8_linear")  # the last: a drafter's int8 weight (`--drafter-weights`), its int8 bytes
 _ATTENTION = ("scaled_dot_product", "_scaled_dot_product")  # the public op and the kernels it dispatches to
 
 
@@ -122,7 +124,9 @@ def roofline(target: Target, models: dict, rows=ROWS, context: int = 200, reps: 
     bw = bw or bandwidths()
     ids = _call_ids(target, context, max(rows))
     callers = {"target": row_call(target, ids, context), **drafter_calls(target, models, ids, context)}
-    dtypes = {name: dtype_name(_dtype_of(target if name == "target" else models[name])) for name in callers}
+    from speclab.core.layers import reads_int8
+    dtypes = {name: dtype_name(_dtype_of(target if name == "target" else models[name]))
+              + (", int8 weights" if name != "target" and reads_int8(models[name]) else "") for name in callers}
     fns, nbytes = {}, {}
     for name, call in callers.items():
         for n in rows:
@@ -137,7 +141,7 @@ def roofline(target: Target, models: dict, rows=ROWS, context: int = 200, reps: 
         b = nbytes[name, n]
         bound = b / (bw["dram_gbs"] * 1e9) * 1e3
         out.append({"model": name, "dtype": dtypes[name], "rows": n, "ms": ms, "mb": b / 1e6, "bound_ms": bound,
-                    "cache_bound_ms": b / (bw["cache_gbs"] * 1e9) * 1e3, "ratio": ms / bound})
+                    "cache_bound_ms": b / (bw["cache_gbs"] * 1e9) * 1e3, "ratio": ms / bound if bound else math.nan})
     df = pd.DataFrame(out)
     df.attrs.update(cpu=cpu_label(), dtype=dtype_name(target.dtype), context=context, device=str(target.device),
                     threads=torch.get_num_threads(), layers=native.mode(), **bw)
