@@ -20,11 +20,13 @@ with no edit here. Each check is a function of an entry (`check_greedy` ... `che
 of its own for its duration (`registry.register`) can run the same checks on it."""
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 
 import conftest
-from helpers import PROMPTS
+from helpers import PROMPTS, NoTok
 from speclab.core.engine import decode
 from speclab.core.protocol import RoundView
 from speclab.core.sampling import Sampling
@@ -398,3 +400,23 @@ def test_bad_parameters_are_refused_in_one_line(deep, models, name):
 def test_reset_forgets_the_decode_before(deep, models, name, shape):
     entry = drafters()[name]
     check_reset(deep, entry, shape, models.of(entry, shape, deep))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["eagle3", "sps"])
+def test_sampling_with_int8_drafter_weights_keeps_the_target_distribution(tiny_v8, name):
+    """A drafter whose weights `--drafter-weights int8` made int8 (`speclab.models.quantize_drafter`), beside a bf16
+    target: its draws are tested against the q they were drawn from, so the first two sampled tokens still follow the
+    target's exact joint distribution (with the power check)."""
+    from speclab.core import native
+    from speclab.models import quantize_drafter
+
+    mod = native.build() if native.ENABLED else None
+    if mod is None or not mod.vnni_ok():
+        pytest.skip("no AVX512-VNNI here (the int8 product)")
+    target = Target(copy.deepcopy(tiny_v8.model).to(torch.bfloat16), NoTok())
+    target.eos_ids = []
+    entry = drafters()[name]
+    model = entry.model.random(target, SEED)
+    assert quantize_drafter(model, target, "int8")
+    check_sampling(target, entry, shapes_of(entry)[0], {entry.model.role: model}, 7_000_000)
