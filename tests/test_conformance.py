@@ -408,11 +408,9 @@ def test_sampling_with_int8_drafter_weights_keeps_the_target_distribution(tiny_v
     """A drafter whose weights `--drafter-weights int8` made int8 (`speclab.models.quantize_drafter`), beside a bf16
     target: its draws are tested against the q they were drawn from, so the first two sampled tokens still follow the
     target's exact joint distribution (with the power check)."""
-    from speclab.core import native
-    from speclab.models import quantize_drafter
+    from speclab.models import int8_drafters, quantize_drafter
 
-    mod = native.build() if native.ENABLED else None
-    if mod is None or not mod.vnni_ok():
+    if not int8_drafters("int8", "cpu"):
         pytest.skip("no AVX512-VNNI here (the int8 product)")
     target = Target(copy.deepcopy(tiny_v8.model).to(torch.bfloat16), NoTok())
     target.eos_ids = []

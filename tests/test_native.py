@@ -1044,8 +1044,8 @@ def _attention_checks():
 
 
 def _vnni() -> bool:
-    mod = native.build() if native.ENABLED else None
-    return mod is not None and bool(mod.vnni_ok())
+    from speclab.models import int8_drafters
+    return int8_drafters("int8", "cpu")
 
 
 needs_vnni = pytest.mark.skipif(not _vnni(), reason="no AVX512-VNNI here (the int8 product)")

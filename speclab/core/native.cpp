@@ -989,8 +989,6 @@ static Tensor attention(const Tensor& q, const Tensor& k, const Tensor& v, const
   return out.transpose(0, 1);
 }
 
-// The native product this process multiplies bf16 by (`layers.linear`): "tiles" (AMX), else "dp" (AVX512-BF16),
-// else "" (none: oneDNN's prepacked copies)
 // ---- int8 drafter weights: W8A8 dot products (AVX512-VNNI) -------------------------------------------------------
 // A drafter's weight as int8 values q [N, K] times a power-of-two scale per output (`layers.quantize_int8`; the bf16
 // weight holds q x scale exactly), packed as [ceil(N / 64), ceil(K / 4), 64, 4]: per block of 64 outputs, per
@@ -1109,6 +1107,8 @@ static Tensor i8_linear(const Tensor& x_, const Tensor& p, const Tensor& meta, c
   return y;
 }
 
+// The native product this process multiplies bf16 by (`layers.linear`): "tiles" (AMX), else "dp" (AVX512-BF16),
+// else "" (none: oneDNN's prepacked copies)
 static std::string product_init() { return tile_init() ? "tiles" : dp_init() ? "dp" : ""; }
 
 // The weight packed for this process's native product (`product_init`)

@@ -444,12 +444,19 @@ def lean_forward(dec, ids: list[torch.Tensor], caches: list, layers: tuple[int, 
     cache, with causal masks, no contemplate rows and the model's own head, in one call (see `native.cpp`; the caches
     reserved, their lengths set after by the caller) -> (logits, the rows `Head.full_rows` recomputes (None without
     fp32 refinement), the final-norm states, the features or None), every sequence's rows in order."""
-    f, w, refine = dec.layers[0], dec.lm.weight, dec.lm.refine
+    f = dec.layers[0]
     logits, risky, h, feats = build().lean_forward(
         ids, dec.embed, dec.cos, dec.sin, [fused_weights(x) for x in dec.layers], [c.k for c in caches],
         [c.v for c in caches], [c.length for c in caches], dec.scaling, f.eps, f.H, f.KV, f.D, list(layers), last or 0,
-        dec.norm32() if refine else dec.norm, dec.eps, w, *_copies(w), dec.lm.k if refine else 0, dec.lm.w_norm)
-    return logits, risky if refine else None, h, feats if layers else None
+        *_head_args(dec))
+    return logits, risky if dec.lm.refine else None, h, feats if layers else None
+
+
+def _head_args(dec) -> list:
+    """A `LeanDecoder`'s final norm and head as `native.cpp`'s `lean_forward` reads them: the norm (fp32 with the
+    refined head), its eps, the head's weight and packed copies, the refinement's k (0: none) and weight norm."""
+    w, refine = dec.lm.weight, dec.lm.refine
+    return [dec.norm32() if refine else dec.norm, dec.eps, w, *_copies(w), dec.lm.k if refine else 0, dec.lm.w_norm]
 
 
 def draft_chain(dec, cache, root_logits: torch.Tensor, depth: int, t: float, top_k: int, top_p: float,
@@ -457,12 +464,11 @@ def draft_chain(dec, cache, root_logits: torch.Tensor, depth: int, t: float, top
     """A standalone draft model's chain (`speclab.drafters.sps.StandaloneDraft._chain`, see `native.cpp`) over the
     `LeanDecoder` dec and its `KVCache` (reserved for the depth - 1 rows it writes from its length on; the caller
     moves the length on) -> (tokens [depth], draft probabilities [depth], q's rows [depth, V] or None when greedy)."""
-    f, w, refine = dec.layers[0], dec.lm.weight, dec.lm.refine
+    f = dec.layers[0]
     toks, probs, q = build().draft_chain(
         root_logits, depth, t, top_k, top_p, u if u is not None else _NO_UNIFORMS, dec.embed, dec.cos,
         dec.sin, [fused_weights(x) for x in dec.layers], cache.k, cache.v, cache.length, dec.scaling, f.eps, f.H,
-        f.KV, f.D, dec.norm32() if refine else dec.norm, dec.eps, w, *_copies(w), dec.lm.k if refine else 0,
-        dec.lm.w_norm)
+        f.KV, f.D, *_head_args(dec))
     return toks, probs, q if t > 0 else None
 
 
